@@ -1,0 +1,68 @@
+"""Rank math: the whole lesson of a multi-node launch, as pure functions.
+
+Owns: world size, global rank, the inverse, and the per-worker layout table
+that ``mpddp ranks`` prints. No torch, no environment variables, no I/O.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+
+def world_size(nnodes: int, nprocs_per_node: int) -> int:
+    """Total number of workers in the job."""
+    return nnodes * nprocs_per_node
+
+
+def global_rank(node_rank: int, local_rank: int, nprocs_per_node: int) -> int:
+    """The rank a worker passes to ``init_process_group``.
+
+    Passing ``local_rank`` instead is the classic bug: it is only right on a
+    single node, and on two nodes both workers 0 claim rank 0.
+    """
+    return node_rank * nprocs_per_node + local_rank
+
+
+def split_rank(rank: int, nprocs_per_node: int) -> tuple[int, int]:
+    """The inverse: ``rank -> (node_rank, local_rank)``."""
+    return divmod(rank, nprocs_per_node)
+
+
+@dataclass(frozen=True)
+class RankSlot:
+    """Where one worker sits in the job, and which GPU it drives (if any)."""
+
+    node_rank: int
+    local_rank: int
+    rank: int
+    world_size: int
+    nprocs_per_node: int
+    gpu: int | None  # physical GPU id, None on CPU
+
+    @property
+    def device(self) -> str:
+        """The device name the worker uses (indices count visible GPUs only)."""
+        return "cpu" if self.gpu is None else f"cuda:{self.local_rank}"
+
+    @property
+    def formula(self) -> str:
+        """``node_rank×nprocs_per_node+local_rank = rank``, filled in."""
+        return f"{self.node_rank}×{self.nprocs_per_node}+{self.local_rank} = {self.rank}"
+
+
+def layout(nnodes: int, nprocs_per_node: int, gpus: Sequence[int] | None = None) -> list[RankSlot]:
+    """Every worker of the job in rank order; ``gpus[i]`` is local rank i's GPU."""
+    size = world_size(nnodes, nprocs_per_node)
+    return [
+        RankSlot(
+            node_rank=node,
+            local_rank=local,
+            rank=global_rank(node, local, nprocs_per_node),
+            world_size=size,
+            nprocs_per_node=nprocs_per_node,
+            gpu=None if gpus is None else gpus[local],
+        )
+        for node in range(nnodes)
+        for local in range(nprocs_per_node)
+    ]
