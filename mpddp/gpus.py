@@ -352,3 +352,13 @@ def busy_warnings(ids: Sequence[int] | None, query: GpuQuery | None = None) -> l
                 "(pick idle GPUs with --gpus free, see `mpddp info`)"
             )
     return lines
+
+
+def child_cuda_env(ids: Sequence[int]) -> dict[str, str]:
+    """The variables that make physical GPUs ``ids`` the child's ``cuda:0, cuda:1, ...``.
+
+    CUDA numbers GPUs fastest first unless told ``PCI_BUS_ID``; NVML and
+    nvidia-smi number them in PCI order. Setting the order makes an id mean
+    the same GPU in ``mpddp info`` and in the child.
+    """
+    return {"CUDA_DEVICE_ORDER": "PCI_BUS_ID", "CUDA_VISIBLE_DEVICES": ",".join(map(str, ids))}
