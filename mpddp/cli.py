@@ -152,3 +152,4 @@ def run_cli(args: list[str] | None = None) -> NoReturn:
 
 
 # Commands defined in their own modules attach themselves to `main` on import.
+from . import info  # noqa: E402,F401
