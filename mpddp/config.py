@@ -116,10 +116,11 @@ class LaunchConfig:
                 raise ConfigError(f"output_ranks={self.output_ranks!r}: use 'all' or ranks >= 0 such as 0 or 0,1")
             object.__setattr__(self, "output_ranks", ranks)
         if isinstance(self.gpus, tuple) and self.nprocs is not None and self.nprocs > len(self.gpus):
-            raise ConfigError(
-                f"nprocs={self.nprocs} with gpus={','.join(map(str, self.gpus))}: each local rank needs its own GPU; "
-                f"pass --nprocs {len(self.gpus)} or list {self.nprocs} GPUs"
-            )
+            if self.backend != "gloo":
+                raise ConfigError(
+                    f"nprocs={self.nprocs} with gpus={','.join(map(str, self.gpus))}: NCCL needs one GPU per rank; "
+                    f"pass --nprocs {len(self.gpus)}, list {self.nprocs} GPUs, or share GPUs with --backend gloo"
+                )
 
 
 def parse_output_ranks(spec: str | Sequence[int] | int | None) -> tuple[int, ...] | None:

@@ -39,11 +39,12 @@ class RankSlot:
     world_size: int
     nprocs_per_node: int
     gpu: int | None  # physical GPU id, None on CPU
+    cuda_index: int | None = None  # index among the GPUs the worker sees
 
     @property
     def device(self) -> str:
         """The device name the worker uses (indices count visible GPUs only)."""
-        return "cpu" if self.gpu is None else f"cuda:{self.local_rank}"
+        return "cpu" if self.cuda_index is None else f"cuda:{self.cuda_index}"
 
     @property
     def formula(self) -> str:
@@ -52,7 +53,10 @@ class RankSlot:
 
 
 def layout(nnodes: int, nprocs_per_node: int, gpus: Sequence[int] | None = None) -> list[RankSlot]:
-    """Every worker of the job in rank order; ``gpus[i]`` is local rank i's GPU."""
+    """Every worker of the job in rank order; ``gpus[i]`` is local rank i's GPU.
+
+    With more local ranks than GPUs (gloo only) ranks share GPUs round-robin.
+    """
     size = world_size(nnodes, nprocs_per_node)
     return [
         RankSlot(
@@ -61,7 +65,8 @@ def layout(nnodes: int, nprocs_per_node: int, gpus: Sequence[int] | None = None)
             rank=global_rank(node, local, nprocs_per_node),
             world_size=size,
             nprocs_per_node=nprocs_per_node,
-            gpu=None if gpus is None else gpus[local],
+            gpu=None if not gpus else gpus[local % len(gpus)],
+            cuda_index=None if not gpus else local % len(gpus),
         )
         for node in range(nnodes)
         for local in range(nprocs_per_node)

@@ -1,0 +1,62 @@
+"""Fault injection for reliability tests: ``--inject-fault KIND:RANK:STEP``.
+
+Owns: parsing the switch and making one rank fail on purpose, on the first
+attempt only (``ctx.restart == 0``), so that a restarted group runs clean.
+Kinds:
+
+- ``kill``: the rank SIGKILLs itself right after optimizer step STEP
+  (as the OOM killer would);
+- ``raise``: the rank raises ``RuntimeError`` right after step STEP;
+- ``hang``: the rank sleeps forever right after step STEP (its peers then
+  block in the next collective until the launcher's timeout);
+- ``kill-saving``: the rank SIGKILLs itself while writing the checkpoint of
+  step STEP, after the temporary file is complete but before it is renamed
+  (only rank 0 writes checkpoints, so use RANK 0).
+
+Leaves deciding *where* in the loop faults fire to trainer.py.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from dataclasses import dataclass
+
+from .errors import ConfigError
+
+KINDS = ("kill", "raise", "hang", "kill-saving")
+
+
+@dataclass(frozen=True)
+class Fault:
+    """One planned failure: ``kind`` on ``rank`` at global step ``step``."""
+
+    kind: str
+    rank: int
+    step: int
+
+    def due(self, rank: int, step: int, restart: int, kind: str | None = None) -> bool:
+        """True when this rank must fail now (never after a restart)."""
+        return restart == 0 and rank == self.rank and step == self.step and (kind is None or kind == self.kind)
+
+    def fire(self) -> None:
+        """Fail the way ``kind`` says; returns only for an unknown kind."""
+        if self.kind in ("kill", "kill-saving"):
+            os.kill(os.getpid(), signal.SIGKILL)
+        if self.kind == "raise":
+            raise RuntimeError(f"injected fault: rank {self.rank} raised at step {self.step} (--inject-fault)")
+        if self.kind == "hang":
+            while True:  # a stuck rank: only the launcher's timeout ends this
+                time.sleep(3600)
+
+
+def parse_fault(spec: str | None) -> Fault | None:
+    """``"kill:1:20"`` -> ``Fault("kill", 1, 20)``; None or "" -> None."""
+    if not spec:
+        return None
+    parts = spec.split(":")
+    if len(parts) != 3 or parts[0] not in KINDS or not parts[1].isdigit() or not parts[2].isdigit():
+        raise ConfigError(f"inject_fault={spec!r} is not KIND:RANK:STEP: KIND is one of {', '.join(KINDS)}, "
+                          "RANK and STEP are integers >= 0, e.g. --inject-fault kill:1:20")
+    return Fault(parts[0], int(parts[1]), int(parts[2]))

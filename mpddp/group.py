@@ -1,0 +1,297 @@
+"""One attempt of one node's worker group: plan, start, watch, stop.
+
+Owns: the plan (GPUs, backend, threads, environment), starting the
+processes, the watch loop that drains results and failures while waiting
+(reading only after join deadlocks past the 64 KiB pipe buffer), choosing
+the rank that failed *first*, and the teardown that always runs. Leaves the
+restart loop and shipping ``fn`` to launcher.py, reports to report.py.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection, wait
+from typing import Any
+
+import cloudpickle
+import psutil
+
+from . import procs, ranks as rank_math
+from .config import LaunchConfig
+from .context import WorkerContext
+from .errors import ConfigError, MainGuardError
+from .relay import Relay
+from .report import RankState, failure_error
+
+_FAILURE_WINDOW = 0.3  # seconds to collect other ranks' reports after the first failure
+_TEARDOWN_GRACE = 0.5
+_BASELINE_THREADS = psutil.Process().num_threads()  # measured right after torch's import
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A validated config plus what the machine decided: GPUs, backend, threads."""
+
+    config: LaunchConfig
+    nprocs: int
+    backend: str
+    gpus: tuple[int, ...] | None  # physical ids; local rank i drives gpus[i % len]
+    pin_visible: bool  # write CUDA_VISIBLE_DEVICES for the workers
+    threads: int | None
+    slots: tuple[rank_math.RankSlot, ...] = field(default=())
+
+
+def threads_per_rank(local_ranks: int) -> int | None:
+    """Physical cores ÷ local ranks (at least 1); None if OMP_NUM_THREADS is set."""
+    if os.environ.get("OMP_NUM_THREADS"):
+        return None
+    cores = psutil.cpu_count(logical=False) or os.cpu_count() or 1
+    return max(1, cores // local_ranks)
+
+
+def _gpus(config: LaunchConfig) -> tuple[tuple[int, ...] | None, bool]:
+    import torch
+
+    visible = torch.cuda.device_count()  # safe: no CUDA context (DESIGN.md)
+    if isinstance(config.gpus, str):
+        raise ConfigError(f"gpus={config.gpus!r} needs a GPU query, and no GPU is visible here; drop --gpus")
+    if config.gpus is None:
+        return (tuple(range(visible)) or None), False
+    if not visible:
+        raise ConfigError(
+            f"gpus={','.join(map(str, config.gpus))} but this machine has no visible CUDA GPU; "
+            "drop --gpus to run on the CPU with gloo"
+        )
+    return config.gpus, True
+
+
+def _check_fork(gpus: tuple[int, ...] | None) -> None:
+    import torch
+
+    if gpus or torch.cuda.is_initialized():
+        raise ConfigError(
+            "start_method='fork' is unsafe with CUDA GPUs visible: a forked child fails with 'Cannot re-initialize "
+            "CUDA in forked subprocess'; use start_method='forkserver' (the default, as fast) or 'spawn'"
+        )
+    threads = psutil.Process().num_threads()
+    if threading.active_count() > 1 or threads > _BASELINE_THREADS:
+        raise ConfigError(
+            f"start_method='fork' is unsafe here: this process already runs {threads} threads (after a multi-threaded "
+            "torch op, or in Jupyter) and a forked child can hang without a word; use start_method='forkserver' "
+            "(the default, as fast after the first launch) or 'spawn'"
+        )
+
+
+def plan_launch(config: LaunchConfig) -> Plan:
+    """Decide GPUs, nprocs, backend and threads without initializing CUDA here."""
+    gpus, pin = _gpus(config)
+    nprocs = config.nprocs or (len(gpus) if gpus else 1)
+    backend = config.backend if config.backend != "auto" else ("nccl" if gpus else "gloo")
+    if backend == "nccl" and not gpus:
+        raise ConfigError("backend='nccl' needs CUDA GPUs but none is visible here; use --backend gloo (or auto)")
+    if backend == "nccl" and gpus and nprocs > len(gpus):
+        raise ConfigError(
+            f"nprocs={nprocs} with {len(gpus)} GPU(s): NCCL refuses two ranks on one GPU; "
+            f"pass --nprocs {len(gpus)} or --backend gloo"
+        )
+    if config.start_method == "fork":
+        _check_fork(gpus)
+    slots = rank_math.layout(config.nnodes, nprocs, gpus)
+    mine = tuple(s for s in slots if s.node_rank == config.node_rank)
+    return Plan(config, nprocs, backend, gpus, pin, None if gpus else threads_per_rank(nprocs), mine)
+
+
+def _worker_env(plan: Plan, slot: rank_math.RankSlot, port: int, attempt: int) -> dict[str, str]:
+    config = plan.config
+    env = dict(os.environ)
+    env.update(
+        RANK=str(slot.rank),
+        LOCAL_RANK=str(slot.local_rank),
+        WORLD_SIZE=str(slot.world_size),
+        LOCAL_WORLD_SIZE=str(plan.nprocs),
+        GROUP_RANK=str(slot.node_rank),
+        NODE_RANK=str(slot.node_rank),
+        ROLE_RANK=str(slot.rank),
+        ROLE_WORLD_SIZE=str(slot.world_size),
+        MASTER_ADDR=config.master_addr,
+        MASTER_PORT=str(port),
+        TORCHELASTIC_RESTART_COUNT=str(attempt),
+        PYTHONUNBUFFERED="1",
+        MPDDP_STDOUT_ISATTY="1" if _interactive() else "0",
+    )
+    env.update(dict(config.env))
+    if plan.threads is not None:
+        env["OMP_NUM_THREADS"] = str(plan.threads)
+    if plan.pin_visible and plan.gpus:
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in dict.fromkeys(plan.gpus))
+    if config.nnodes == 1:
+        # one node: every socket on loopback, none on the machine's public interfaces
+        env.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        env.setdefault("NCCL_SOCKET_IFNAME", "lo")
+    else:
+        from .netif import interface_env
+
+        for key, value in interface_env(config.master_addr, os.environ).items():
+            env.setdefault(key, value)
+    return env
+
+
+def _interactive() -> bool:
+    return "ipykernel" in sys.modules or bool(getattr(sys.stdout, "isatty", lambda: False)())
+
+
+def _banner(ctx: WorkerContext, slot: rank_math.RankSlot) -> str:
+    device = ctx.device if slot.gpu is None else f"{ctx.device} (physical GPU {slot.gpu})"
+    return (
+        f"node {slot.node_rank} · local rank {slot.local_rank} · rank {slot.formula} of {slot.world_size} · {device}"
+    )
+
+
+def _pipe() -> tuple[int, Connection]:
+    """An output pipe: the parent's raw read end, the worker's write end."""
+    read_fd, write_fd = os.pipe()
+    return read_fd, Connection(write_fd, readable=False)
+
+
+def _start(plan: Plan, mp_context: Any, payload: bytes, port: int, attempt: int, relay: Relay) -> list[RankState]:
+    from .worker import WorkerSpec, entry
+
+    config = plan.config
+    channels = [(mp_context.Pipe(duplex=False), _pipe(), _pipe()) for _ in plan.slots]
+    all_fds = {fd for (m_r, m_w), (o_r, o_w), (e_r, e_w) in channels
+               for fd in (m_r.fileno(), m_w.fileno(), o_r, o_w.fileno(), e_r, e_w.fileno())}
+    states = []
+    for slot, ((msg_r, msg_w), (out_r, out_w), (err_r, err_w)) in zip(plan.slots, channels):
+        ctx = WorkerContext(
+            rank=slot.rank, local_rank=slot.local_rank, node_rank=slot.node_rank, world_size=slot.world_size,
+            nprocs_per_node=plan.nprocs, nnodes=config.nnodes, device=slot.device, backend=plan.backend,
+            gpu=slot.gpu, restart=attempt, verbose=config.verbose,
+        )
+        own = {msg_w.fileno(), out_w.fileno(), err_w.fileno()}
+        spec = WorkerSpec(
+            ctx=ctx, store_addr=config.master_addr, store_port=port, store_prefix=f"mpddp/attempt_{attempt}",
+            timeout=config.timeout, env=_worker_env(plan, slot, port, attempt), threads=plan.threads,
+            payload=payload, banner=_banner(ctx, slot) if config.verbose else None,
+            # a forked child inherits every pipe: it must close the ends that are not its own
+            close_fds=tuple(sorted(all_fds - own)) if config.start_method == "fork" else (),
+        )
+        process = mp_context.Process(target=entry, args=(spec, msg_w, out_w, err_w), name=f"mpddp-rank-{slot.rank}")
+        process.start()
+        states.append(RankState(slot=slot, process=process, messages=msg_r))
+        relay.add(slot.rank, out_r, err_r)
+    for (_, msg_w), (_, out_w), (_, err_w) in channels:
+        for conn in (msg_w, out_w, err_w):
+            conn.close()  # the parent keeps only read ends: EOF when a worker is gone
+    return states
+
+
+def _receive(state: RankState) -> None:
+    """Read every message waiting on this rank's channel (results can be large)."""
+    conn: Connection | None = state.messages
+    while conn is not None and not conn.closed:
+        try:
+            if not conn.poll():
+                return
+            data = conn.recv_bytes()
+        except (EOFError, OSError):
+            conn.close()
+            return
+        if data[:1] == b"R":
+            state.result = cloudpickle.loads(data[1:])
+            state.has_result = True
+        else:
+            kind, value = cloudpickle.loads(data)
+            if kind == "started":
+                state.started = True
+            elif kind == "error":
+                state.error = value
+                state.failed_at = value["time"]
+
+
+def _watch(states: list[RankState], timeout_hint: float) -> None:
+    """Wait until every rank succeeded, or a failure window has closed."""
+    first_failure: float | None = None
+    while True:
+        waitables: list[Any] = [s.messages for s in states if not s.messages.closed]
+        waitables += [s.process.sentinel for s in states if s.exitcode is None]
+        ready = wait(waitables, timeout=0.2) if waitables else []
+        for s in states:
+            if s.messages in ready or s.process.sentinel in ready or s.exitcode is None:
+                _receive(s)
+            if s.exitcode is None and s.process.sentinel in ready:
+                s.process.join(0)
+                s.exitcode = s.process.exitcode
+                _receive(s)
+                if s.exitcode is not None and s.failed_at is None and (s.exitcode != 0 or not s.has_result):
+                    s.failed_at = time.monotonic()
+        now = time.monotonic()
+        if first_failure is None and any(s.failed_at is not None for s in states):
+            first_failure = now
+        if all(s.exitcode == 0 and s.has_result for s in states):
+            return
+        if first_failure is not None and (now - first_failure > _FAILURE_WINDOW or all(
+                s.exitcode is not None for s in states)):
+            return
+
+
+def _teardown(states: list[RankState]) -> None:
+    alive = [s for s in states if s.exitcode is None and s.process.is_alive()]
+    for s in alive:
+        s.stopped = True
+    pids = [s.process.pid for s in states if s.process.pid]
+    procs.kill_tree([s.process.pid for s in alive], _TEARDOWN_GRACE, groups=pids)
+    for s in states:
+        s.process.join(2.0)
+        if s.exitcode is None:
+            s.exitcode = s.process.exitcode
+
+
+def run_group(plan: Plan, mp_context: Any, payload: bytes, attempt: int) -> list[Any]:
+    """Start this node's ranks, watch them, and stop them all, whatever happens."""
+    from . import rendezvous
+
+    config = plan.config
+    sock = rendezvous.listen(config.master_addr, config.master_port) if config.node_rank == 0 else None
+    port = sock.getsockname()[1] if sock is not None else config.master_port
+    relay = Relay(config.output_ranks, config.log_dir)
+    states: list[RankState] = []
+    store = None
+    try:
+        states = _start(plan, mp_context, payload, port, attempt, relay)
+        relay.start()
+        if sock is not None:
+            store = rendezvous.host_store(sock, config.timeout)
+        _watch(states, config.timeout)
+    finally:
+        _teardown(states)
+        relay.stop()
+        del store
+        if sock is not None:
+            sock.close()
+    guard = [s for s in states if s.exitcode == _main_guard_exit() and not s.started]
+    if guard:
+        raise MainGuardError(_MAIN_GUARD_MESSAGE)
+    if all(s.exitcode == 0 and s.has_result for s in states):
+        return [s.result for s in states]
+    for s in states:
+        s.tail = relay.tail(s.slot.rank)
+    raise failure_error(states)
+
+
+def _main_guard_exit() -> int:
+    from .worker import MAIN_GUARD_EXIT
+
+    return MAIN_GUARD_EXIT
+
+
+_MAIN_GUARD_MESSAGE = """\
+mpddp.launch() ran again inside a worker: your script has no main guard.
+Each worker process imports your script; put the launch under the guard:
+
+    if __name__ == "__main__":
+        mpddp.launch(train, nprocs=2)
+"""

@@ -1,0 +1,148 @@
+"""The launcher: start one worker per local rank, watch them, stop them whole.
+
+Owns: ``launch()`` — turning a :class:`LaunchConfig` into a plan (GPUs,
+backend, threads), the start method (a forkserver that preloads torch by
+default), the restart loop, and the watch loop that collects results and
+failures, decides which rank failed *first*, and tears the group down.
+Leaves rank math to ranks.py, the store to rendezvous.py, the worker's side
+to worker.py, lines to relay.py and killing to procs.py.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import sys
+from dataclasses import dataclass, replace
+from typing import Any, Callable
+
+from . import ranks as rank_math
+from .config import LaunchConfig
+from .context import WorkerContext
+from .errors import ConfigError, MpddpError, RestartsExhausted, ShipError, WorkerFailed
+
+_FORKSERVER_PRELOAD = ["mpddp.worker"]
+
+
+def _refuse_bootstrap() -> None:
+    """A worker importing a script without a main guard reaches launch() again."""
+    if getattr(multiprocessing.current_process(), "_inheriting", False):
+        from .worker import MAIN_GUARD_EXIT
+
+        os._exit(MAIN_GUARD_EXIT)
+
+
+def _start_context(method: str) -> Any:
+    """The multiprocessing context; a forkserver is started early, in parallel.
+
+    The forkserver imports torch once, touches no CUDA and runs no torch op,
+    so every worker forked from it is as clean as a spawned one, but starts
+    in milliseconds. It is started before this process imports torch, so the
+    two imports overlap.
+    """
+    import torch.multiprocessing as tmp  # cheap: torch itself is imported lazily below
+
+    ctx = tmp.get_context(method)
+    if method == "forkserver":
+        ctx.set_forkserver_preload(_FORKSERVER_PRELOAD)
+        from multiprocessing import forkserver
+
+        forkserver.ensure_running()
+    return ctx
+
+
+def launch(
+    fn: Callable[..., Any],
+    nprocs: int | None = None,
+    *,
+    args: tuple = (),
+    kwargs: dict[str, Any] | None = None,
+    config: LaunchConfig | None = None,
+    **options: Any,
+) -> list[Any]:
+    """Run ``fn(ctx, *args, **kwargs)`` on every local rank; return their values.
+
+    ``options`` are :class:`LaunchConfig` fields (``nnodes``, ``timeout``,
+    ``max_restarts``, ...). The list is in local rank order. If a rank fails,
+    the whole group is stopped and :class:`WorkerFailed` names the rank that
+    failed first, with its traceback.
+    """
+    _refuse_bootstrap()
+    if not callable(fn):
+        raise ConfigError(f"fn={fn!r} is not callable: pass a function such as `def train(ctx): ...`")
+    if nprocs is not None:
+        options["nprocs"] = nprocs
+    try:
+        config = replace(config, **options) if config is not None else LaunchConfig(**options)
+    except TypeError as e:
+        raise ConfigError(f"{e}: see help(mpddp.LaunchConfig) for the launch options") from e
+    payload = ship(fn, tuple(args), dict(kwargs or {}))
+    mp_context = _start_context(config.start_method)
+    from .group import plan_launch, run_group
+
+    plan = plan_launch(config)
+    for attempt in range(config.max_restarts + 1):
+        try:
+            return run_group(plan, mp_context, payload, attempt)
+        except WorkerFailed as failure:
+            if attempt == config.max_restarts:
+                if config.max_restarts:
+                    raise RestartsExhausted(
+                        f"{failure}\nmpddp: gave up after {config.max_restarts} restart(s) (max_restarts="
+                        f"{config.max_restarts}); raise --max-restarts or fix the failure above",
+                        failure.rank,
+                        failure.failures,
+                    ) from failure
+                raise
+            print(
+                f"mpddp: rank {failure.rank} failed; restarting the group "
+                f"({attempt + 1} of {config.max_restarts})",
+                file=sys.stderr,
+                flush=True,
+            )
+    raise AssertionError("unreachable")
+
+
+@dataclass(frozen=True)
+class _Unshippable:
+    what: str
+    error: Exception
+
+
+def ship(fn: Callable[..., Any], args: tuple, kwargs: dict[str, Any]) -> bytes:
+    """Serialize ``fn`` and its arguments by value, before any worker starts."""
+    import cloudpickle
+
+    try:
+        return cloudpickle.dumps((fn, args, kwargs))
+    except Exception as e:
+        culprit = _find_unshippable(fn, args, kwargs)
+        where = f"{culprit.what} ({culprit.error})" if culprit else str(e)
+        raise ShipError(
+            f"cannot send {where} to the workers: each worker is a separate process, so everything fn "
+            "uses is pickled; create locks, sockets, files and threads inside fn instead"
+        ) from e
+
+
+def _find_unshippable(fn: Callable[..., Any], args: tuple, kwargs: dict[str, Any]) -> _Unshippable | None:
+    import cloudpickle
+
+    candidates: list[tuple[str, Any]] = [(f"args[{i}]={a!r}", a) for i, a in enumerate(args)]
+    candidates += [(f"kwargs[{k!r}]={v!r}", v) for k, v in kwargs.items()]
+    closure = getattr(fn, "__closure__", None) or ()
+    names = getattr(getattr(fn, "__code__", None), "co_freevars", ())
+    candidates += [(f"{n}={c.cell_contents!r} (captured by fn)", c.cell_contents) for n, c in zip(names, closure)]
+    globs = getattr(fn, "__globals__", {})
+    for name in getattr(getattr(fn, "__code__", None), "co_names", ()):
+        if name in globs:
+            candidates.append((f"global {name}={globs[name]!r} (used by fn)", globs[name]))
+    candidates.append((f"fn={fn!r}", fn))
+    for what, value in candidates:
+        try:
+            cloudpickle.dumps(value)
+        except Exception as e:
+            return _Unshippable(what, e)
+    return None
+
+
+__all__ = ["launch", "ship", "MpddpError"]

@@ -1,0 +1,79 @@
+"""Rendezvous: node 0 hosts the TCPStore on a socket it already holds.
+
+Owns: binding the listening socket (port 0 -> the OS picks a free port that
+stays bound, so no other job can take it between "probe" and "use"), handing
+it to ``torch.distributed.TCPStore`` through ``master_listen_fd``, and the
+client connection workers make. A single-node job listens on 127.0.0.1 only:
+``TCPStore("127.0.0.1", 0, is_master=True)`` would listen on every address.
+Leaves starting workers and reading failures to launcher.py.
+"""
+
+from __future__ import annotations
+
+import errno
+import socket
+from datetime import timedelta
+
+from .errors import ConfigError, RendezvousError
+
+
+def resolve(addr: str) -> tuple[socket.AddressFamily, str]:
+    """Address family and numeric address of ``addr`` (a name or an IP)."""
+    try:
+        infos = socket.getaddrinfo(addr, None, type=socket.SOCK_STREAM)
+    except socket.gaierror as e:
+        raise ConfigError(
+            f"master_addr={addr!r} does not resolve ({e.strerror}): pass node 0's IP address "
+            "or add the name to /etc/hosts"
+        ) from e
+    family, _, _, _, sockaddr = infos[0]
+    return family, str(sockaddr[0])
+
+
+def listen(addr: str, port: int) -> socket.socket:
+    """Bind and listen on ``addr:port`` (port 0: a free one, kept bound)."""
+    family, numeric = resolve(addr)
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((numeric, port))
+        sock.listen(128)
+    except OSError as e:
+        sock.close()
+        if e.errno == errno.EADDRINUSE:
+            raise RendezvousError(
+                f"master_port={port} is already in use on {addr}: another job holds it; "
+                "pick another --master-port (or 0 on a single node)"
+            ) from e
+        if e.errno == errno.EADDRNOTAVAIL:
+            raise RendezvousError(
+                f"master_addr={addr!r} ({numeric}) is not an address of this machine, but node 0 hosts the "
+                "store there: run node 0 on that machine, or pass one of its own addresses"
+            ) from e
+        raise
+    return sock
+
+
+def host_store(sock: socket.socket, timeout: float) -> object:
+    """The master TCPStore, serving on the already-bound ``sock``."""
+    import torch.distributed as dist
+
+    host, port = sock.getsockname()[:2]
+    store = dist.TCPStore(
+        host,
+        port,
+        None,
+        True,
+        timedelta(seconds=timeout),
+        wait_for_workers=False,
+        master_listen_fd=sock.fileno(),
+    )
+    sock.detach()  # the store owns (and closes) the fd now
+    return store
+
+
+def connect(addr: str, port: int, timeout: float) -> object:
+    """A client of node 0's store; retries connecting until ``timeout``."""
+    import torch.distributed as dist
+
+    return dist.TCPStore(addr, port, None, False, timedelta(seconds=timeout))

@@ -1,0 +1,157 @@
+"""The worker side: from a fresh process to ``fn(ctx)`` and back.
+
+Owns: what happens inside each worker process, in order: own session and
+parent-death signal, stdout/stderr onto the relay pipes, environment and
+threads, ``set_device``, connecting to node 0's store, an explicit
+``init_process_group(rank=..., world_size=...)``, calling ``fn``, sending
+the result or the error back, and always ``destroy_process_group``.
+The forkserver preloads this module, so importing torch here is paid once.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import io
+import os
+import signal
+import sys
+import time
+import traceback
+from dataclasses import dataclass
+from datetime import timedelta
+from multiprocessing.connection import Connection
+from typing import Any
+
+import cloudpickle
+import torch
+import torch.distributed as dist
+
+from .context import WorkerContext
+
+MAIN_GUARD_EXIT = 97  # a worker re-ran the user's script and met launch() again
+_PR_SET_PDEATHSIG = 1
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """Plain data the launcher sends to one worker (pickled at start)."""
+
+    ctx: WorkerContext
+    store_addr: str
+    store_port: int
+    store_prefix: str
+    timeout: float
+    env: dict[str, str]
+    threads: int | None
+    payload: bytes  # cloudpickle of (fn, args, kwargs)
+    close_fds: tuple[int, ...] = ()  # parent fds a forked child inherited
+    banner: str | None = None
+    init_group: bool = True
+
+
+def _detach(close_fds: tuple[int, ...]) -> None:
+    """Own session (the terminal's Ctrl-C goes to the launcher only) and die with the parent."""
+    os.setsid()
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):
+        pass
+    for fd in close_fds:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+
+
+def _redirect(out: Connection, err: Connection) -> None:
+    """Point fds 1 and 2 at the relay pipes: catches C-level writes too."""
+    os.dup2(out.fileno(), 1)
+    os.dup2(err.fileno(), 2)
+    out.close()
+    err.close()
+    sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), encoding="utf-8", line_buffering=True)
+    sys.stderr = io.TextIOWrapper(
+        io.FileIO(2, "w", closefd=False), encoding="utf-8", errors="backslashreplace", write_through=True
+    )
+
+
+def _to_cpu(value: Any) -> Any:
+    """Move tensors in a result to the CPU: the parent must never touch CUDA."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu()
+    if isinstance(value, (list, tuple)) and type(value) in (list, tuple):
+        return type(value)(_to_cpu(v) for v in value)
+    if isinstance(value, dict) and type(value) is dict:
+        return {k: _to_cpu(v) for k, v in value.items()}
+    return value
+
+
+def _error_report(ctx: WorkerContext, exc: BaseException) -> dict[str, Any]:
+    return {
+        "rank": ctx.rank,
+        "type": f"{type(exc).__module__}.{type(exc).__qualname__}".removeprefix("builtins."),
+        "message": str(exc),
+        "traceback": "".join(traceback.format_exception(exc)),
+        # CLOCK_MONOTONIC is machine-wide on Linux: the launcher orders reports by it
+        "time": time.monotonic(),
+    }
+
+
+def _init_group(spec: WorkerSpec) -> None:
+    ctx = spec.ctx
+    store = torch.distributed.PrefixStore(
+        spec.store_prefix, _connect(spec.store_addr, spec.store_port, spec.timeout)
+    )
+    store.set(f"arrived/{ctx.rank}", str(os.getpid()))
+    dist.init_process_group(
+        ctx.backend,
+        store=store,
+        rank=ctx.rank,  # the global rank, never local_rank
+        world_size=ctx.world_size,
+        timeout=timedelta(seconds=spec.timeout),
+    )
+
+
+def _connect(addr: str, port: int, timeout: float) -> Any:
+    from .rendezvous import connect
+
+    return connect(addr, port, timeout)
+
+
+def entry(spec: WorkerSpec, messages: Connection, out: Connection, err: Connection) -> None:
+    """The target of every worker process."""
+    _detach(spec.close_fds)
+    _redirect(out, err)
+    os.environ.clear()
+    os.environ.update(spec.env)
+    if spec.threads is not None:
+        torch.set_num_threads(spec.threads)
+    ctx = spec.ctx
+    messages.send(("started", os.getpid()))
+    if spec.banner:
+        print(spec.banner, flush=True)
+    code = 0
+    try:
+        fn, args, kwargs = cloudpickle.loads(spec.payload)
+        if ctx.device.startswith("cuda"):
+            torch.cuda.set_device(ctx.device)  # before init: else every rank lands on cuda:0
+        if spec.init_group:
+            _init_group(spec)
+        result = fn(ctx, *args, **kwargs)
+        messages.send_bytes(b"R" + cloudpickle.dumps(_to_cpu(result)))
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        if code:
+            messages.send(("error", _error_report(ctx, e)))
+        else:
+            messages.send_bytes(b"R" + cloudpickle.dumps(None))
+    except BaseException as e:  # noqa: BLE001 - every failure goes back to the launcher
+        messages.send(("error", _error_report(ctx, e)))
+        code = 1
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        sys.stdout.flush()
+        sys.stderr.flush()
+    if code:
+        sys.exit(code)
