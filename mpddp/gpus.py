@@ -137,7 +137,7 @@ def parse_compute_apps(text: str) -> dict[str, tuple[GpuProcess, ...]]:
         if len(fields) < 4 or not fields[1].isdigit():
             continue
         uuid, pid, used = fields[0], int(fields[1]), _number(fields[2])
-        apps.setdefault(uuid, []).append(GpuProcess(pid, used, ", ".join(fields[3:])))
+        apps.setdefault(uuid, []).append(GpuProcess(pid, used, os.path.basename(", ".join(fields[3:]))))
     return {uuid: tuple(procs) for uuid, procs in apps.items()}
 
 
@@ -320,7 +320,7 @@ def _why_unknown(gpu: int, query: GpuQuery) -> str:
 
 def _free(spec: str, query: GpuQuery) -> tuple[int, ...]:
     """``free`` -> every free visible GPU; ``free:N`` -> the first N of them."""
-    visible = [g for g in query.gpus if g.index in query.visible]
+    visible = [g for g in map(query.get, query.visible) if g is not None]  # in CUDA_VISIBLE_DEVICES order
     free = tuple(g.index for g in visible if g.is_free)
     wanted = int(spec.split(":")[1]) if ":" in spec else max(len(free), 1)
     if len(free) >= wanted:

@@ -68,7 +68,7 @@ def gpu_lines(query: GpuQuery) -> list[str]:
     if not query.gpus:
         return [f"GPUs          none ({query.problem})"]
     width = max(len(g.name) for g in query.gpus)
-    lines = [head, f"  {'id':>3}  {'name':<{width}}  {'memory used / total':>21}  {'util':>4}  processes"]
+    lines = [head, f"  {'id':>3}  {'name':<{width}}  {'memory used / total':>21}  {'util':>4}  state  processes"]
     lines += [_gpu_row(g, width, g.index in query.visible) for g in query.gpus]
     return lines
 
@@ -76,10 +76,10 @@ def gpu_lines(query: GpuQuery) -> list[str]:
 def _gpu_row(gpu: GpuInfo, width: int, visible: bool) -> str:
     memory = f"{gpu.memory_used_mib} / {gpu.memory_total_mib} MiB"
     util = "-" if gpu.utilization is None else f"{gpu.utilization}%"
+    state = "free" if gpu.is_free else "busy" if gpu.is_busy else "used"
     users = gpu.users() if gpu.processes else "-"
     mark = "" if visible else "  (hidden by CUDA_VISIBLE_DEVICES)"
-    state = "  [busy]" if gpu.is_busy else ""
-    return f"  {gpu.index:>3}  {gpu.name:<{width}}  {memory:>21}  {util:>4}  {users}{state}{mark}"
+    return f"  {gpu.index:>3}  {gpu.name:<{width}}  {memory:>21}  {util:>4}  {state:<5}  {users}{mark}"
 
 
 def cpu_lines() -> list[str]:
