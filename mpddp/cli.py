@@ -10,13 +10,15 @@ their own modules and attach themselves to :data:`main` (see the bottom).
 from __future__ import annotations
 
 import functools
+import os
 import signal
 import sys
 from typing import Any, Callable, NoReturn
 
 import click
 
-from . import __version__, ranks as rank_math
+from . import __version__, slurm
+from . import ranks as rank_math
 from .config import LaunchConfig, parse_gpus, parse_output_ranks
 from .errors import ConfigError, MpddpError, WorkerFailed
 
@@ -65,6 +67,7 @@ def build_config(**options: Any) -> LaunchConfig:
         "log_dir": options["log_dir"],
         "verbose": options["verbose"],
     }
+    options = slurm.apply_slurm(options)  # under SLURM, its layout fills what the flags leave unset
     for name in ("nnodes", "node_rank", "master_addr", "master_port", "timeout"):
         if options.get(name) is not None:
             values[name] = options[name]
@@ -95,9 +98,26 @@ def ranks(nprocs: int | None, nnodes: int | None, gpus: str | None) -> None:
     ids = parse_gpus(gpus)
     if isinstance(ids, str):
         raise ConfigError(f"gpus={ids!r}: `mpddp ranks` needs explicit ids such as 0,1,2,5")
+    allocation = slurm.read_layout(os.environ) if nnodes is None else None
+    if allocation is not None:  # inside a SLURM job: show that job's layout
+        click.echo(_slurm_header(allocation))
+        nnodes = allocation.nnodes
+        if nprocs is None and ids is None and allocation.gpus_on_node:
+            ids = allocation.gpu_ids if len(allocation.gpu_ids or ()) == allocation.gpus_on_node else None
+            nprocs = allocation.gpus_on_node
     config = LaunchConfig(nprocs=nprocs or (len(ids) if ids else 1), nnodes=nnodes or 1, gpus=ids,
                           master_port=29500 if (nnodes or 1) > 1 else 0)
     click.echo(format_ranks(config.nnodes, config.nprocs or 1, ids))
+
+
+def _slurm_header(layout: slurm.SlurmLayout) -> str:
+    """Where the values came from, and why the layout would not work (if so)."""
+    try:
+        slurm.check_layout(layout, sys.argv)
+        problem = ""
+    except ConfigError as e:
+        problem = f"\nnote: {e}"
+    return f"{slurm.describe(layout)}{problem}\n"
 
 
 def format_ranks(nnodes: int, nprocs: int, gpus: tuple[int, ...] | None) -> str:
@@ -153,3 +173,4 @@ def run_cli(args: list[str] | None = None) -> NoReturn:
 
 # Commands defined in their own modules attach themselves to `main` on import.
 from . import info  # noqa: E402,F401
+from . import train_cli  # noqa: E402,F401

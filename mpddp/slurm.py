@@ -145,7 +145,10 @@ class SlurmLayout:
     ``in_step`` is True inside ``srun`` (``SLURM_STEP_ID`` set), False in the
     batch script or an ``salloc`` shell; ``on_node`` is False in an
     ``salloc`` shell, which runs on the submit host, not on an allocated node.
-    ``visible_gpus`` is ``CUDA_VISIBLE_DEVICES`` as SLURM set it (None when unset).
+    ``gpu_ids`` are the GPUs SLURM gave this node: ``SLURM_STEP_GPUS`` /
+    ``SLURM_JOB_GPUS`` (physical ids), else ``CUDA_VISIBLE_DEVICES``; None
+    when unset or not numbers. mpddp leaves the choice in
+    ``CUDA_VISIBLE_DEVICES``, which gpus.py honours; these are for display.
     ``sources`` names the variable each value came from, for ``mpddp ranks``.
     """
 
@@ -157,7 +160,7 @@ class SlurmLayout:
     hosts: tuple[str, ...]
     tasks_per_node: tuple[int, ...]
     gpus_on_node: int
-    visible_gpus: tuple[int, ...] | None
+    gpu_ids: tuple[int, ...] | None
     sources: tuple[tuple[str, str], ...] = ()
 
     @property
@@ -204,8 +207,8 @@ def _gpu_ids(text: str | None) -> tuple[int, ...] | None:
 
 
 def read_layout(environ: Mapping[str, str],
-                scontrol: Callable[[str], list[str] | None] = scontrol_hostnames) -> SlurmLayout | None:
-    """The SLURM layout in ``environ``, or None outside a SLURM job."""
+                scontrol: Callable[[str], list[str] | None] | None = None) -> SlurmLayout | None:
+    """The SLURM layout in ``environ``, or None outside a SLURM job (``scontrol``: see :func:`hostnames`)."""
     job = _pick(environ, "SLURM_JOB_ID", "SLURM_JOBID")
     if job is None:
         return None
@@ -213,7 +216,7 @@ def read_layout(environ: Mapping[str, str],
     nnodes, nnodes_src = _int_var(environ, 1, "SLURM_STEP_NUM_NODES", "SLURM_NNODES", "SLURM_JOB_NUM_NODES")
     node_rank, rank_src = _int_var(environ, 0, "SLURM_NODEID")
     nodelist = _pick(environ, "SLURM_STEP_NODELIST", "SLURM_NODELIST", "SLURM_JOB_NODELIST")
-    hosts = tuple(hostnames(nodelist[1], scontrol)) if nodelist else ("127.0.0.1",)
+    hosts = tuple(hostnames(nodelist[1], scontrol or scontrol_hostnames)) if nodelist else ("127.0.0.1",)
     tasks = _pick(environ, "SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE", "SLURM_NTASKS_PER_NODE")
     gpus = _pick(environ, "SLURM_STEP_GPUS", "SLURM_JOB_GPUS")
     gpus_on_node, gpus_src = _int_var(environ, len(_gpu_ids(gpus[1]) or ()) if gpus else 0, "SLURM_GPUS_ON_NODE")
@@ -226,7 +229,7 @@ def read_layout(environ: Mapping[str, str],
         hosts=hosts,
         tasks_per_node=tuple(parse_tasks_per_node(tasks[1])) if tasks else (1,),
         gpus_on_node=gpus_on_node,
-        visible_gpus=_gpu_ids(environ.get("CUDA_VISIBLE_DEVICES")),
+        gpu_ids=_gpu_ids(gpus[1] if gpus else environ.get("CUDA_VISIBLE_DEVICES")),
         sources=(
             ("nnodes", nnodes_src),
             ("node_rank", rank_src),

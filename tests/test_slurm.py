@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
+from click.testing import CliRunner
 
 from mpddp import slurm
+from mpddp.cli import build_config, main
 from mpddp.errors import ConfigError
 
 pytestmark = pytest.mark.timeout(30)
@@ -113,7 +117,7 @@ def test_step_layout() -> None:
     got = layout(STEP_N2)
     assert (got.job_id, got.in_step, got.on_node, got.nnodes, got.node_rank) == (1234, True, True, 2, 1)
     assert (got.hosts, got.master_addr, got.master_port) == (("n1", "n2"), "n1", 21234)
-    assert (got.tasks_per_node, got.tasks_here, got.gpus_on_node, got.visible_gpus) == ((1, 1), 1, 2, (0, 1))
+    assert (got.tasks_per_node, got.tasks_here, got.gpus_on_node, got.gpu_ids) == ((1, 1), 1, 2, (0, 1))
 
 
 @pytest.mark.parametrize(
@@ -133,7 +137,10 @@ def test_step_layout() -> None:
         ({"SLURM_GPUS_ON_NODE": None}, "gpus_on_node", 2),  # counted from SLURM_STEP_GPUS
         ({"SLURM_GPUS_ON_NODE": None, "SLURM_STEP_GPUS": None, "SLURM_JOB_GPUS": "2,3,5"}, "gpus_on_node", 3),
         ({"SLURM_GPUS_ON_NODE": None, "SLURM_STEP_GPUS": None, "CUDA_VISIBLE_DEVICES": None}, "gpus_on_node", 0),
-        ({"CUDA_VISIBLE_DEVICES": "GPU-3f2a"}, "visible_gpus", None),
+        ({"SLURM_STEP_GPUS": "2,3"}, "gpu_ids", (2, 3)),  # physical ids, for display
+        ({"SLURM_STEP_GPUS": None, "SLURM_JOB_GPUS": "4"}, "gpu_ids", (4,)),
+        ({"SLURM_STEP_GPUS": None}, "gpu_ids", (0, 1)),  # CUDA_VISIBLE_DEVICES
+        ({"SLURM_STEP_GPUS": None, "CUDA_VISIBLE_DEVICES": "GPU-3f2a"}, "gpu_ids", None),
         ({"SLURM_STEP_ID": None}, "in_step", False),
         ({"SLURM_STEP_ID": None, "SLURM_STEPID": "3"}, "in_step", True),
         ({"SLURMD_NODENAME": None}, "on_node", False),
@@ -224,3 +231,72 @@ def test_describe_names_each_source() -> None:
     assert "node_rank   = 1              (SLURM_NODEID)" in text
     assert "master_addr = n1             (first host of SLURM_STEP_NODELIST=n[1-2])" in text
     assert "master_port = 21234          (20000 + SLURM_JOB_ID % 10000)" in text
+
+
+@pytest.fixture
+def slurm_env(monkeypatch: pytest.MonkeyPatch) -> Callable[[dict[str, str]], None]:
+    """Replace every SLURM variable of this process with ``env`` (scontrol not asked)."""
+    import os
+
+    monkeypatch.setattr(slurm, "scontrol_hostnames", no_scontrol)
+    for name in list(os.environ):
+        if name.startswith(("SLURM", "CUDA_VISIBLE")):
+            monkeypatch.delenv(name)
+
+    def set_env(env: dict[str, str]) -> None:
+        for name, value in env.items():
+            monkeypatch.setenv(name, value)
+
+    return set_env
+
+
+LAUNCH_DEFAULTS = {
+    "nprocs": None, "nnodes": None, "node_rank": None, "master_addr": None, "master_port": None,
+    "backend": "gloo", "start_method": "spawn", "gpus": None, "timeout": None, "max_restarts": 0,
+    "output_ranks": "all", "log_dir": None, "verbose": False,
+}
+
+
+def test_build_config_takes_slurm_values_under_flags(slurm_env: Callable[[dict[str, str]], None]) -> None:
+    slurm_env(STEP_N2)
+    config = build_config(**LAUNCH_DEFAULTS | {"nprocs": 2, "master_port": 29555})
+    assert (config.nnodes, config.node_rank, config.master_addr, config.master_port) == (2, 1, "n1", 29555)
+    assert config.gpus is None  # SLURM's choice stays in CUDA_VISIBLE_DEVICES, which gpus.py applies
+
+
+def test_build_config_outside_slurm(slurm_env: Callable[[dict[str, str]], None]) -> None:
+    config = build_config(**LAUNCH_DEFAULTS)
+    assert (config.nnodes, config.node_rank, config.master_addr, config.master_port) == (1, 0, "127.0.0.1", 0)
+
+
+def test_cli_several_tasks_per_node_prints_the_srun_line(slurm_env: Callable[[dict[str, str]], None]) -> None:
+    slurm_env(STEP_N2 | {"SLURM_STEP_TASKS_PER_NODE": "2(x2)"})
+    with pytest.raises(ConfigError, match=r"start it with: srun --nodes=2 --ntasks-per-node=1 --gpus-per-node=2 "):
+        build_config(**LAUNCH_DEFAULTS)
+
+
+def test_ranks_inside_an_allocation_shows_it(slurm_env: Callable[[dict[str, str]], None]) -> None:
+    slurm_env(STEP_N2 | {"SLURM_STEP_GPUS": "4,5"})
+    result = CliRunner().invoke(main, ["ranks"])
+    assert result.exit_code == 0, result.output
+    assert "From SLURM job 1234 (inside srun):" in result.output
+    assert "world_size = nnodes × nprocs_per_node = 2 × 2 = 4" in result.output
+    assert "   1           1  1×2+1 = 3         cuda:1   5" in result.output
+    assert "note:" not in result.output
+
+
+def test_ranks_in_the_batch_script_explains_srun(slurm_env: Callable[[dict[str, str]], None]) -> None:
+    slurm_env(BATCH)
+    result = CliRunner().invoke(main, ["ranks", "--nprocs", "3"])
+    assert result.exit_code == 0, result.output
+    assert "From SLURM job 1234 (outside srun):" in result.output
+    assert "note: SLURM job 1234 runs this command outside srun, on 2 nodes" in result.output
+    assert "world_size = nnodes × nprocs_per_node = 2 × 3 = 6" in result.output
+
+
+def test_ranks_flags_win_over_the_allocation(slurm_env: Callable[[dict[str, str]], None]) -> None:
+    slurm_env(STEP_N2)
+    result = CliRunner().invoke(main, ["ranks", "--nnodes", "3", "--nprocs", "1"])
+    assert result.exit_code == 0, result.output
+    assert "From SLURM" not in result.output
+    assert "world_size = nnodes × nprocs_per_node = 3 × 1 = 3" in result.output
