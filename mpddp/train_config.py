@@ -1,0 +1,169 @@
+"""The training configuration: one frozen dataclass, validated once, resolved before launch.
+
+Owns: every option of ``mpddp train`` / :class:`~mpddp.trainer.Trainer`, its
+default and its validation, and :func:`resolve`, which runs in the launching
+process *before* any worker starts: it checks the task and the resume file
+(so bad input fails with one line and exit code 2, nothing written) and fixes
+the run directory and the checkpoint to resume from, so that every rank, and
+every restart of the group, agrees on them. Leaves training to trainer.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from . import checkpoint
+from .errors import ConfigError
+from .faults import Fault, parse_fault
+
+PRECISIONS = ("auto", "bf16", "fp32")
+RUNS_ROOT = "runs"
+
+
+def _check_int(name: str, value: object, low: int, example: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ConfigError(f"{name}={value!r} is not allowed: it must be an integer >= {low}, e.g. {example}")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Everything one training run needs; the same value reaches every rank.
+
+    ``batch_size`` is per rank and per micro-step: one optimizer step sees
+    ``batch_size × world_size × accumulate`` samples (the global batch).
+    ``task`` is ``"digits"``, ``"synthetic"``, ``"pkg.mod:factory"``,
+    ``"file.py[:factory]"`` or a factory function. ``samples`` and
+    ``features`` size the synthetic task. ``resume`` is a checkpoint file, a
+    directory (its newest checkpoint) or ``"auto"`` (the newest in the
+    checkpoint directory). ``checkpoint_every`` adds a checkpoint every N
+    optimizer steps to the one at the end of every epoch (0: epochs only).
+    """
+
+    task: str | Callable[..., Any] = "digits"
+    samples: int = 8192
+    features: int = 64
+    epochs: int = 10
+    batch_size: int = 32
+    lr: float = 2e-3
+    seed: int = 0
+    accumulate: int = 1
+    precision: str = "auto"
+    num_workers: int = 0
+    find_unused_parameters: bool = False
+    run_dir: str | None = None
+    checkpoint_dir: str | None = None
+    checkpoint_every: int = 0
+    keep_checkpoints: int = 3
+    resume: str | None = None
+    inject_fault: str | None = None
+
+    def __post_init__(self) -> None:
+        if not (callable(self.task) or (isinstance(self.task, str) and self.task.strip())):
+            raise ConfigError(f"task={self.task!r} is empty: use digits, synthetic, package.module:factory "
+                              "or path/to/file.py[:factory]")
+        _check_int("samples", self.samples, 2, "--samples 8192")
+        _check_int("features", self.features, 1, "--features 64")
+        _check_int("epochs", self.epochs, 1, "--epochs 10")
+        _check_int("batch_size", self.batch_size, 1, "--batch-size 32 (per rank)")
+        _check_int("seed", self.seed, 0, "--seed 0")
+        _check_int("accumulate", self.accumulate, 1, "--accumulate 4 (1: no accumulation)")
+        _check_int("num_workers", self.num_workers, 0, "--num-workers 2 (0: load in the training process)")
+        _check_int("checkpoint_every", self.checkpoint_every, 0, "--checkpoint-every 50 (0: every epoch only)")
+        _check_int("keep_checkpoints", self.keep_checkpoints, 0, "--keep-checkpoints 3 (0: keep all)")
+        lr_ok = isinstance(self.lr, (int, float)) and not isinstance(self.lr, bool) and math.isfinite(self.lr)
+        if not lr_ok or self.lr <= 0:
+            raise ConfigError(f"lr={self.lr!r} is not allowed: the learning rate must be a number > 0, e.g. --lr 1e-3")
+        if self.precision not in PRECISIONS:
+            raise ConfigError(f"precision={self.precision!r} is unknown: use one of {', '.join(PRECISIONS)} "
+                              "(auto: bf16 on GPUs that support it, else fp32)")
+        parse_fault(self.inject_fault)
+
+    @property
+    def fault(self) -> Fault | None:
+        """The parsed ``inject_fault``, or None."""
+        return parse_fault(self.inject_fault)
+
+    @property
+    def task_options(self) -> dict[str, Any]:
+        """Keyword options for a built-in task's factory."""
+        return {"samples": self.samples, "features": self.features} if self.task == "synthetic" else {}
+
+    @property
+    def checkpoint_path(self) -> Path:
+        """The checkpoint directory: ``checkpoint_dir``, else ``<run_dir>/checkpoints``."""
+        if self.checkpoint_dir:
+            return Path(self.checkpoint_dir)
+        if self.run_dir is None:
+            raise ConfigError("run_dir is not set: call mpddp.train_config.resolve(config) first or pass run_dir=")
+        return Path(self.run_dir) / "checkpoints"
+
+    @property
+    def metrics_path(self) -> Path:
+        """The JSON-lines metrics file, one line per epoch."""
+        return Path(self.run_dir or ".") / "metrics.jsonl"
+
+
+def resolve(config: TrainConfig) -> TrainConfig:
+    """Check the task and the resume file; fix the run directory and checkpoint.
+
+    Runs before any worker starts and writes nothing. A fresh run gets
+    ``runs/<task>/<date-time>``; ``resume="auto"`` without ``run_dir`` takes
+    the newest run of that task that has a checkpoint.
+    """
+    from .tasks import build_task, load_factory, task_name
+
+    task = config.task
+    if isinstance(task, str) and task not in ("digits", "synthetic"):
+        target, colon, attr = task.rpartition(":")
+        if target.endswith(".py") or task.endswith(".py"):  # workers may start elsewhere: make it absolute
+            task = str(Path(target or task).resolve()) + (colon + attr if target else "")
+        load_factory(task)
+    config = dataclasses.replace(config, task=task, run_dir=_run_dir(config, task_name(task)))
+    if config.resume is None:
+        return _check_fresh(config)
+    model = build_task(config.task, config.seed, config.task_options).model  # the signature to check against
+    return dataclasses.replace(config, resume=_resume_file(config, checkpoint.signature(model)))
+
+
+def _run_dir(config: TrainConfig, name: str) -> str:
+    if config.run_dir:
+        return config.run_dir
+    base = Path(RUNS_ROOT) / name
+    if config.resume == "auto" and not config.checkpoint_dir and base.is_dir():
+        runs = sorted((p for p in base.iterdir() if checkpoint.candidates(p / "checkpoints")), reverse=True)
+        if runs:
+            return str(runs[0])
+    stamp, n = time.strftime("%Y%m%d-%H%M%S"), 1
+    while (base / (stamp if n == 1 else f"{stamp}-{n}")).exists():
+        n += 1
+    return str(base / (stamp if n == 1 else f"{stamp}-{n}"))
+
+
+def _check_fresh(config: TrainConfig) -> TrainConfig:
+    found = checkpoint.candidates(config.checkpoint_path)
+    if found:
+        raise ConfigError(f"checkpoint_dir={str(config.checkpoint_path)!r} already holds checkpoints "
+                          f"(newest {found[0].name}): pass --resume auto to continue that run, "
+                          "or a new --run-dir / --checkpoint-dir to start fresh")
+    return config
+
+
+def _resume_file(config: TrainConfig, expected: dict[str, Any]) -> str | None:
+    if config.resume == "auto":
+        found = checkpoint.newest(config.checkpoint_path, expected)
+        return str(found[0]) if found else None  # nothing yet: start from scratch
+    path = Path(str(config.resume))
+    if path.is_dir():
+        found = checkpoint.newest(path, expected)
+        if found is None:
+            raise ConfigError(f"resume={str(path)!r} holds no complete checkpoint (ckpt-*.pt); "
+                              "pass a checkpoint file or the run's checkpoints directory")
+        return str(found[0])
+    checkpoint.load(path, expected)
+    return str(path)

@@ -1,0 +1,353 @@
+"""The Trainer: how mpddp trains a Task with DistributedDataParallel.
+
+Owns the DDP delta over a single-process training loop, and nothing else:
+
+- same initial weights on every rank (seed before the model is built);
+- the model on the rank's device, wrapped in ``DistributedDataParallel``;
+- a ``DistributedSampler`` (each rank its own shard) with ``set_epoch``;
+- gradient accumulation with ``no_sync()`` on all but the last micro-step;
+- evaluation sharded over ranks, metrics all-reduced as sums and counts;
+- rank-0 checkpoints of ``model.module``, a barrier, exact resume;
+- rank-0 progress, summary lines and a JSON-lines metrics file.
+
+Leaves the task to tasks.py, options to train_config.py, the file format to
+checkpoint.py and starting processes to the launcher (:func:`train` calls
+:func:`mpddp.launch` with :func:`train_worker`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import random
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, DistributedSampler, Subset
+
+from . import checkpoint
+from .config import LaunchConfig
+from .context import WorkerContext
+from .train_config import TrainConfig, resolve
+
+PROGRESS_INTERVAL = 0.5  # seconds between progress-bar refreshes (and loss.item() syncs)
+
+
+@dataclass(frozen=True)
+class TrainResult:
+    """What :func:`train_worker` returns on every rank."""
+
+    epochs: int
+    global_step: int
+    train_loss: float
+    test_loss: float
+    test_accuracy: float | None
+    checkpoint: str | None
+    metrics: str
+    run_dir: str
+
+
+class ResumableSampler(DistributedSampler):
+    """A ``DistributedSampler`` that can start ``skip`` samples into its shard.
+
+    The order depends only on (seed, epoch), so a run resumed mid-epoch skips
+    exactly the samples it had already trained on and then sees the same
+    batches as an uninterrupted run.
+    """
+
+    skip = 0
+
+    def __iter__(self) -> Iterator[Any]:
+        indices = list(super().__iter__())
+        return iter(indices[self.skip:])
+
+    def __len__(self) -> int:
+        return super().__len__() - self.skip
+
+
+def _solo_context() -> WorkerContext:
+    return WorkerContext(rank=0, local_rank=0, node_rank=0, world_size=1, nprocs_per_node=1, nnodes=1,
+                         device="cpu", backend="gloo")
+
+
+class Trainer:
+    """Train ``config.task`` on this rank; call :meth:`fit` on every rank.
+
+    ``ctx`` is the worker's context (None: one process, no process group).
+    """
+
+    def __init__(self, config: TrainConfig, ctx: WorkerContext | None = None) -> None:
+        from .tasks import build_task
+
+        self.config, self.ctx = config, ctx or _solo_context()
+        self.rank, self.world = self.ctx.rank, self.ctx.world_size
+        self.device = torch.device(self.ctx.device)
+        torch.manual_seed(config.seed)  # every rank builds the same initial weights (DDP also broadcasts rank 0's)
+        self.task = build_task(config.task, config.seed, config.task_options)
+        self.model = self.task.model.to(self.device)
+        self.optimizer = self.task.optimizer(self.model.parameters(), config.lr)
+        self.epoch, self.batches_done, self.global_step = 0, 0, 0
+        self.loss_sum, self.loss_count = 0.0, 0  # this epoch's training loss so far (global, carried by checkpoints)
+        self.last_checkpoint: Path | None = None
+        self.last_train_loss = float("nan")
+        self._seed_rank_rngs()
+        self._resume()
+        self.ddp = self._wrap(self.model)
+        self._build_loaders()
+        self.autocast = self._autocast()
+
+    def _seed_rank_rngs(self) -> None:
+        # Dropout etc. should differ between ranks: seed each rank's generators apart.
+        torch.manual_seed(self.config.seed * 10_007 + self.rank + 1)
+        random.seed(self.config.seed * 10_007 + self.rank + 1)
+
+    def _wrap(self, model: nn.Module) -> nn.Module:
+        if self.world == 1:
+            return model  # nothing to average: DDP would only add hooks and a copy of the gradients
+        return DDP(
+            model,
+            device_ids=[self.device.index] if self.device.type == "cuda" else None,
+            find_unused_parameters=self.config.find_unused_parameters,  # a graph walk per step: only when asked
+            gradient_as_bucket_view=True,  # gradients live in the all-reduce buckets: no copy
+        )
+
+    def _build_loaders(self) -> None:
+        cfg, on_gpu = self.config, self.device.type == "cuda"
+        # The sampler shuffles (seeded, the same on every rank) and hands each rank its
+        # own shard; the DataLoader must not shuffle on its own.
+        self.sampler = ResumableSampler(self.task.train_set, num_replicas=self.world, rank=self.rank,
+                                        shuffle=True, seed=cfg.seed, drop_last=False)
+        self.loader_rng = torch.Generator()  # worker seeds come from here, not from the global RNG
+        self.train_loader = DataLoader(self.task.train_set, batch_size=cfg.batch_size, sampler=self.sampler,
+                                       num_workers=cfg.num_workers, pin_memory=on_gpu, generator=self.loader_rng)
+        # Evaluation shards without padding (rank, rank+world, ...): no sample is counted twice.
+        shard = Subset(self.task.test_set, range(self.rank, len(self.task.test_set), self.world))  # type: ignore[arg-type]
+        self.test_loader = DataLoader(shard, batch_size=cfg.batch_size * 4, num_workers=cfg.num_workers,
+                                      pin_memory=on_gpu)
+        self.batches_per_epoch = -(-len(self.sampler) // cfg.batch_size)
+
+    def _autocast(self) -> contextlib.AbstractContextManager[Any]:
+        precision = self.config.precision
+        if precision == "auto":
+            precision = "bf16" if self.device.type == "cuda" and torch.cuda.is_bf16_supported() else "fp32"
+        return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=precision == "bf16")
+
+    # ---- training ---------------------------------------------------------------------------------
+
+    def fit(self) -> TrainResult:
+        """Train up to ``config.epochs``, evaluating and checkpointing every epoch."""
+        start = time.perf_counter()
+        test = {"loss": float("nan"), "accuracy": None}
+        if self.epoch >= self.config.epochs:
+            test = self.evaluate()
+            self._say(f"already trained {self.epoch} epochs: pass --epochs N > {self.epoch} to train more")
+        while self.epoch < self.config.epochs:
+            samples, seconds = self._train_epoch()
+            train_loss = self.last_train_loss = self._epoch_loss()
+            test = self.evaluate()
+            self.epoch, self.batches_done = self.epoch + 1, 0
+            self.loss_sum, self.loss_count = 0.0, 0
+            self._log_epoch(train_loss, test, samples / seconds, time.perf_counter() - start)
+            self.save()
+        return self._result(test)
+
+    def _train_epoch(self) -> tuple[int, float]:
+        """Train the rest of ``self.epoch``; return (global samples, seconds)."""
+        self.model.train()
+        self.sampler.set_epoch(self.epoch)  # a new shuffle every epoch, the same permutation on every rank
+        self.sampler.skip = self.batches_done * self.config.batch_size  # resumed mid-epoch: skip what was done
+        self.loader_rng.manual_seed(self.config.seed * 10_007 + self.epoch)
+        batches, samples, begin = iter(self.train_loader), 0, time.perf_counter()
+        bar = self._progress_bar()
+        while self.batches_done < self.batches_per_epoch:
+            micro = min(self.config.accumulate, self.batches_per_epoch - self.batches_done)
+            loss, n = self._step(batches, micro)
+            samples += n * self.world
+            self._after_step(bar, loss, samples / max(time.perf_counter() - begin, 1e-9))
+        if bar is not None:
+            bar.close()
+        return samples, max(time.perf_counter() - begin, 1e-9)
+
+    def _step(self, batches: Iterator[Any], micro: int) -> tuple[torch.Tensor, int]:
+        """One optimizer step over ``micro`` micro-batches; return (last loss, local samples)."""
+        samples = 0
+        for i in range(micro):
+            inputs, targets = (t.to(self.device, non_blocking=True) for t in next(batches))
+            # Gradients are all-reduced in backward; skip that on all but the last micro-step
+            # (no_sync) so accumulating K micro-batches costs one all-reduce, not K.
+            last = i == micro - 1
+            with contextlib.nullcontext() if last or self.world == 1 else self.ddp.no_sync():  # type: ignore[operator]
+                with self.autocast:
+                    loss = self.task.loss_fn(self.ddp(inputs), targets)
+                (loss / micro).backward()  # the mean over micro-batches, as one big batch would give
+            n = int(targets.shape[0])
+            self.loss_sum += loss.detach().double() * n  # type: ignore[assignment]  # a tensor: no sync per step
+            self.loss_count += n
+            samples += n
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.global_step += 1
+        self.batches_done += micro
+        return loss, samples
+
+    def _after_step(self, bar: Any, loss: torch.Tensor, rate: float) -> None:
+        fault = self.config.fault
+        if fault is not None and fault.kind != "kill-saving" and fault.due(self.rank, self.global_step,
+                                                                            self.ctx.restart):
+            fault.fire()
+        if bar is not None:
+            bar.update(1)
+            if time.monotonic() - bar.last_print_t >= PROGRESS_INTERVAL:
+                bar.set_postfix_str(f"loss {loss.item():.4f}  {rate:,.0f} samples/s", refresh=False)
+        every = self.config.checkpoint_every
+        if every and self.global_step % every == 0 and self.batches_done < self.batches_per_epoch:
+            self.save()  # mid-epoch; the end of the epoch saves anyway
+
+    def _epoch_loss(self) -> float:
+        """This epoch's mean training loss over every rank: sums and counts, one all-reduce."""
+        total = self._all_reduce([float(self.loss_sum), float(self.loss_count)])
+        return total[0] / max(total[1], 1)
+
+    @torch.no_grad()
+    def evaluate(self) -> dict[str, Any]:
+        """Test loss and accuracy over the whole test set, each sample counted once.
+
+        Each rank evaluates its shard; (loss sum, correct, count) are summed
+        over ranks, so the result equals a single process's, whatever the
+        shard sizes (an average of per-rank averages would not).
+        """
+        self.model.eval()  # the bare module: DDP's forward would sync buffers, and shards differ in length
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        correct, count, classified = torch.zeros_like(loss_sum), 0, True
+        for inputs, targets in self.test_loader:
+            inputs, targets = inputs.to(self.device), targets.to(self.device)
+            with self.autocast:
+                outputs = self.model(inputs)
+                loss = self.task.loss_fn(outputs, targets)
+            loss_sum += loss.double() * targets.shape[0]
+            count += int(targets.shape[0])
+            classified = classified and outputs.ndim == 2 and targets.ndim == 1 and not targets.is_floating_point()
+            if classified:
+                correct += (outputs.argmax(dim=1) == targets).sum()
+        self.model.train()
+        total = self._all_reduce([float(loss_sum), float(correct), float(count), float(classified)])
+        return {"loss": total[0] / max(total[2], 1),
+                "accuracy": total[1] / max(total[2], 1) if total[3] == self.world else None}
+
+    def _all_reduce(self, values: list[float]) -> list[float]:
+        if self.world == 1 or not dist.is_initialized():
+            return values
+        tensor = torch.tensor(values, dtype=torch.float64, device=self.device)
+        dist.all_reduce(tensor)  # SUM: sums and counts add up exactly; averages would not
+        return tensor.tolist()
+
+    # ---- checkpoints ------------------------------------------------------------------------------
+
+    def save(self) -> Path | None:
+        """Rank 0 writes a checkpoint; every rank must call this (RNG states are gathered)."""
+        from .train_state import gather_state
+
+        state = gather_state(self)  # a collective: every rank's RNG state and the global epoch loss
+        path = None
+        if self.rank == 0:
+            fault = self.config.fault
+            hook = fault.fire if fault is not None and fault.kind == "kill-saving" and fault.due(
+                self.rank, self.global_step, self.ctx.restart) else None
+            path = checkpoint.save(state, self.config.checkpoint_path, self.global_step,
+                                   before_replace=(lambda tmp: hook()) if hook else None)
+            checkpoint.prune(self.config.checkpoint_path, self.config.keep_checkpoints)
+        self._barrier()  # nobody moves on (or exits) before the file is complete
+        self.last_checkpoint = self.config.checkpoint_path / checkpoint.checkpoint_name(self.global_step)
+        return path
+
+    def _resume(self) -> None:
+        from .train_state import restore_state
+
+        path = self.config.resume
+        if self.ctx.restart > 0:  # the group was restarted after a failure: continue from the newest
+            found = checkpoint.newest(self.config.checkpoint_path)
+            path = str(found[0]) if found else path
+        if path is not None:
+            state = checkpoint.load(Path(path), checkpoint.signature(self.model))
+            restore_state(self, state)
+            self._say(f"resumed from {path}: epoch {self.epoch + 1}, step {self.global_step}")
+
+    def _barrier(self) -> None:
+        if self.world > 1 and dist.is_initialized():
+            dist.barrier()
+
+    # ---- output -----------------------------------------------------------------------------------
+
+    def _talks(self) -> bool:
+        return self.rank == 0 or self.ctx.verbose
+
+    def _say(self, line: str) -> None:
+        if self._talks():
+            print(line, flush=True)
+
+    def _progress_bar(self) -> Any:
+        if not self._talks() or os.environ.get("MPDDP_STDOUT_ISATTY") != "1":
+            return None
+        from tqdm import tqdm
+
+        return tqdm(total=self.batches_per_epoch, initial=self.batches_done, file=sys.stdout, ncols=100,
+                    desc=f"epoch {self.epoch + 1}/{self.config.epochs}", unit="step", leave=False,
+                    mininterval=PROGRESS_INTERVAL)
+
+    def _log_epoch(self, train_loss: float, test: dict[str, Any], rate: float, elapsed: float) -> None:
+        acc = test["accuracy"]
+        acc_text = "" if acc is None else f"  test acc {100 * acc:6.2f}%"
+        self._say(f"epoch {self.epoch:>3}/{self.config.epochs}  train loss {train_loss:.4f}  "
+                  f"test loss {test['loss']:.4f}{acc_text}  {rate:,.0f} samples/s  elapsed {elapsed:.1f}s")
+        if self.rank == 0:
+            record = {"epoch": self.epoch, "step": self.global_step, "train_loss": train_loss,
+                      "test_loss": test["loss"], "test_accuracy": acc, "samples_per_s": rate, "elapsed_s": elapsed,
+                      "world_size": self.world, "global_batch": self.global_batch}
+            self.config.metrics_path.parent.mkdir(parents=True, exist_ok=True)
+            with open(self.config.metrics_path, "a") as f:
+                f.write(json.dumps(record) + "\n")
+
+    @property
+    def global_batch(self) -> int:
+        """Samples per optimizer step over all ranks: batch_size × world_size × accumulate."""
+        return self.config.batch_size * self.world * self.config.accumulate
+
+    def _result(self, test: dict[str, Any]) -> TrainResult:
+        return TrainResult(epochs=self.epoch, global_step=self.global_step, train_loss=self.last_train_loss,
+                           test_loss=test["loss"], test_accuracy=test["accuracy"],
+                           checkpoint=str(self.last_checkpoint) if self.last_checkpoint else None,
+                           metrics=str(self.config.metrics_path), run_dir=str(self.config.run_dir))
+
+
+def train_worker(ctx: WorkerContext, config: TrainConfig) -> TrainResult:
+    """The function :func:`mpddp.launch` runs on every rank."""
+    if config.run_dir is None:  # called through mpddp.launch directly: rank 0 decides, everyone agrees
+        box = [resolve(config) if ctx.rank == 0 else None]
+        if ctx.world_size > 1:
+            dist.broadcast_object_list(box, src=0)
+        config = box[0] or config
+    return Trainer(config, ctx).fit()
+
+
+def train(config: TrainConfig | None = None, *, launch_config: LaunchConfig | None = None,
+          **launch_options: Any) -> TrainResult:
+    """Check ``config``, launch one worker per rank, return rank 0's result.
+
+    ``launch_config`` and ``launch_options`` go to :func:`mpddp.launch`
+    (e.g. ``nprocs=2, max_restarts=1``).
+    """
+    from . import launch
+
+    config = resolve(config or TrainConfig())
+    result: TrainResult = launch(train_worker, args=(config,), config=launch_config, **launch_options)[0]
+    print(f"checkpoint: {result.checkpoint}  metrics: {result.metrics}", flush=True)
+    return result
