@@ -329,7 +329,7 @@ def _free(spec: str, query: GpuQuery) -> tuple[int, ...]:
     have = f"only {len(free)} of {len(visible)} are free" if free else f"none of the {len(visible)} is free"
     fix = f"pass --gpus free:{len(free)}, " if free else ""
     raise ConfigError(
-        f"gpus={spec} asks for {wanted} free GPU{'s' if wanted > 1 else ''} but {have} (busy: {busy}); "
+        f"gpus={spec} asks for {wanted} free GPU{'s' if wanted > 1 else ''} but {have} (not free: {busy}); "
         f"wait for them, {fix}or name GPUs such as --gpus 0,1 to share them"
     )
 

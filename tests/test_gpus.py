@@ -225,11 +225,11 @@ def test_resolve_free_not_enough() -> None:
     with pytest.raises(ConfigError) as caught:
         resolve_gpus("free:3", None, NODE)
     message = str(caught.value)
-    assert message.startswith("gpus=free:3 asks for 3 free GPUs but only 2 of 8 are free (busy: GPU 1: 71234 MiB "
+    assert message.startswith("gpus=free:3 asks for 3 free GPUs but only 2 of 8 are free (not free: GPU 1: 71234 MiB "
                               "used, pid 4242 (python3, 71222 MiB); GPU 2: ")
     assert "GPU 7: 45012 MiB used, no process listed" in message
     assert message.endswith("wait for them, pass --gpus free:2, or name GPUs such as --gpus 0,1 to share them")
-    with pytest.raises(ConfigError, match=r"^gpus=free asks for 1 free GPU but none of the 2 is free \(busy: GPU 1: "):
+    with pytest.raises(ConfigError, match=r"^gpus=free asks for 1 free GPU but none of the 2 is free \(not free: GPU 1: "):
         resolve_gpus("free", None, recorded("8xh100", "1,5"))
 
 
