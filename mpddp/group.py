@@ -29,7 +29,6 @@ from .report import RankState, failure_error
 
 _FAILURE_WINDOW = 0.3  # seconds to collect other ranks' reports after the first failure
 _TEARDOWN_GRACE = 0.5
-_BASELINE_THREADS = psutil.Process().num_threads()  # measured right after torch's import
 
 
 @dataclass(frozen=True)
@@ -70,6 +69,7 @@ def _gpus(config: LaunchConfig) -> tuple[tuple[int, ...] | None, bool]:
 
 
 def _check_fork(gpus: tuple[int, ...] | None) -> None:
+    """Refuse ``fork`` where a forked child fails or can hang; see DESIGN.md."""
     import torch
 
     if gpus or torch.cuda.is_initialized():
@@ -77,13 +77,22 @@ def _check_fork(gpus: tuple[int, ...] | None) -> None:
             "start_method='fork' is unsafe with CUDA GPUs visible: a forked child fails with 'Cannot re-initialize "
             "CUDA in forked subprocess'; use start_method='forkserver' (the default, as fast) or 'spawn'"
         )
-    threads = psutil.Process().num_threads()
-    if threading.active_count() > 1 or threads > _BASELINE_THREADS:
+    if threading.active_count() > 1:
         raise ConfigError(
-            f"start_method='fork' is unsafe here: this process already runs {threads} threads (after a multi-threaded "
-            "torch op, or in Jupyter) and a forked child can hang without a word; use start_method='forkserver' "
-            "(the default, as fast after the first launch) or 'spawn'"
+            f"start_method='fork' is unsafe here: this process runs {threading.active_count()} Python threads "
+            "(Jupyter does) and a forked child inherits any lock they hold, so it can hang without a word; "
+            "use start_method='forkserver' (the default, as fast after the first launch) or 'spawn'"
         )
+
+
+def _fork_threads(threads: int | None) -> int | None:
+    """Forked children use one intra-op thread once this process has other OS threads.
+
+    A child forked after a multi-threaded torch op inherits a dead OpenMP pool
+    and hangs on its next parallel op, unless it stays on one thread. OS
+    threads cannot tell an OpenMP pool from BLAS's, so any extra one counts.
+    """
+    return 1 if psutil.Process().num_threads() > 1 else threads
 
 
 def plan_launch(config: LaunchConfig) -> Plan:
@@ -98,11 +107,13 @@ def plan_launch(config: LaunchConfig) -> Plan:
             f"nprocs={nprocs} with {len(gpus)} GPU(s): NCCL refuses two ranks on one GPU; "
             f"pass --nprocs {len(gpus)} or --backend gloo"
         )
+    threads = None if gpus else threads_per_rank(nprocs)
     if config.start_method == "fork":
         _check_fork(gpus)
+        threads = _fork_threads(threads)
     slots = rank_math.layout(config.nnodes, nprocs, gpus)
     mine = tuple(s for s in slots if s.node_rank == config.node_rank)
-    return Plan(config, nprocs, backend, gpus, pin, None if gpus else threads_per_rank(nprocs), mine)
+    return Plan(config, nprocs, backend, gpus, pin, threads, mine)
 
 
 def _worker_env(plan: Plan, slot: rank_math.RankSlot, port: int, attempt: int) -> dict[str, str]:

@@ -109,12 +109,35 @@ class _Unshippable:
     error: Exception
 
 
-def ship(fn: Callable[..., Any], args: tuple, kwargs: dict[str, Any]) -> bytes:
-    """Serialize ``fn`` and its arguments by value, before any worker starts."""
+def _dumps(value: Any) -> bytes:
+    """cloudpickle, but code keeps its file name so worker tracebacks point at it."""
+    import copyreg
+    import io
+    import types
+
     import cloudpickle
 
+    reduce_code = getattr(cloudpickle.cloudpickle, "_code_reduce", None)
+
+    def code_with_filename(code: types.CodeType) -> Any:
+        ctor, fields = reduce_code(code)  # type: ignore[misc]
+        return ctor, tuple(code.co_filename if f == "<dynamic-code>" else f for f in fields)
+
+    class Pickler(cloudpickle.Pickler):
+        dispatch_table = copyreg.dispatch_table.copy()
+        dispatch_table.update(cloudpickle.Pickler.dispatch_table)
+        if reduce_code is not None:
+            dispatch_table[types.CodeType] = code_with_filename
+
+    buffer = io.BytesIO()
+    Pickler(buffer, protocol=cloudpickle.DEFAULT_PROTOCOL).dump(value)
+    return buffer.getvalue()
+
+
+def ship(fn: Callable[..., Any], args: tuple, kwargs: dict[str, Any]) -> bytes:
+    """Serialize ``fn`` and its arguments by value, before any worker starts."""
     try:
-        return cloudpickle.dumps((fn, args, kwargs))
+        return _dumps((fn, args, kwargs))
     except Exception as e:
         culprit = _find_unshippable(fn, args, kwargs)
         where = f"{culprit.what} ({culprit.error})" if culprit else str(e)

@@ -19,7 +19,7 @@ from .ranks import RankSlot
 
 _PEER_WORDS = ("closed by peer", "reset by peer", "broken pipe", "connection closed", "connection refused",
                "socket closed", "connection reset", "ECONNRESET", "EPIPE")
-_TIMEOUT_WORDS = ("timed out", "timeout", "Timeout")
+_TIMEOUT_WORDS = ("timed out", "timeout", "deadline exceeded")
 _TAIL_LINES = 10
 
 
@@ -40,6 +40,10 @@ class RankState:
     tail: list[str] = field(default_factory=list)
 
     @property
+    def pid(self) -> int | None:
+        return self.process.pid
+
+    @property
     def failed(self) -> bool:
         return self.failed_at is not None
 
@@ -48,7 +52,7 @@ class RankState:
         """own | died | timeout | peer | stopped | ok."""
         if self.error is not None:
             text = f"{self.error['type']}: {self.error['message']}"
-            if any(w in text for w in _TIMEOUT_WORDS):
+            if any(w in text.lower() for w in _TIMEOUT_WORDS):
                 return "timeout"
             if any(w.lower() in text.lower() for w in _PEER_WORDS):
                 return "peer"

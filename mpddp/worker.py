@@ -87,6 +87,9 @@ def _to_cpu(value: Any) -> Any:
 
 
 def _error_report(ctx: WorkerContext, exc: BaseException) -> dict[str, Any]:
+    tb = exc.__traceback__
+    if tb is not None and tb.tb_frame.f_code is entry.__code__ and tb.tb_next is not None:
+        exc = exc.with_traceback(tb.tb_next)  # start the traceback at the user's fn
     return {
         "rank": ctx.rank,
         "type": f"{type(exc).__module__}.{type(exc).__qualname__}".removeprefix("builtins."),

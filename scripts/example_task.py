@@ -1,0 +1,59 @@
+"""A complete user task for ``mpddp train``: two interleaved half-moons, an MLP.
+
+Run it on two CPU ranks::
+
+    python -m mpddp train --task scripts/example_task.py --nprocs 2 --epochs 5
+
+The contract (see ``mpddp.tasks.Task``): a function ``make_task(seed)`` (or
+any name, passed as ``file.py:name``) returns ``Task(model, train_set,
+test_set, loss_fn[, optimizer])``. It runs on every rank after
+``torch.manual_seed(seed)``, so every rank builds the same weights and the
+same data; it must not look at the rank. The trainer does the rest: the
+DistributedSampler, DDP, accumulation, evaluation, checkpoints.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.utils.data import Dataset
+
+from mpddp.tasks import Task
+
+
+class Moons(Dataset):
+    """``(point, label)`` pairs; any map-style Dataset with ``__len__`` works."""
+
+    def __init__(self, points: torch.Tensor, labels: torch.Tensor) -> None:
+        self.points, self.labels = points, labels
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.points[i], self.labels[i]
+
+
+def moons(samples: int, seed: int) -> Moons:
+    """Two noisy half circles, labels 0 and 1 (no download, fixed by ``seed``)."""
+    from sklearn.datasets import make_moons
+
+    x, y = make_moons(n_samples=samples, noise=0.15, random_state=seed)
+    return Moons(torch.tensor(x, dtype=torch.float32), torch.tensor(y, dtype=torch.int64))
+
+
+def sgd(params, lr: float) -> torch.optim.Optimizer:
+    """Optional: the optimizer (the trainer passes ``--lr``); AdamW when left out."""
+    return torch.optim.SGD(params, lr=lr * 50, momentum=0.9)
+
+
+def make_task(seed: int) -> Task:
+    """The factory ``mpddp train --task scripts/example_task.py`` calls on every rank."""
+    model = nn.Sequential(nn.Linear(2, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 2))
+    return Task(
+        model=model,
+        train_set=moons(2048, seed),
+        test_set=moons(512, seed + 1),  # another seed: unseen points
+        loss_fn=nn.CrossEntropyLoss(),  # returns the batch mean, as the contract asks
+        optimizer=sgd,
+    )

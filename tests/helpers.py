@@ -1,0 +1,48 @@
+"""Shared test helpers: finding processes a launch may have left behind."""
+
+from __future__ import annotations
+
+import time
+
+import psutil
+
+_HELPERS = ("multiprocessing.forkserver", "multiprocessing.resource_tracker")
+
+
+def leftovers(wait: float = 3.0) -> list[psutil.Process]:
+    """Descendants of this process other than multiprocessing's helpers.
+
+    The forkserver itself stays (it holds no CUDA and no memory beyond torch's
+    import, and exits with this process); its children, the workers, must not.
+    """
+    deadline = time.monotonic() + wait
+    while True:
+        left = []
+        for proc in psutil.Process().children(recursive=True):
+            try:
+                cmd = " ".join(proc.cmdline())
+                if any(h in cmd for h in _HELPERS) or proc.status() == psutil.STATUS_ZOMBIE:
+                    continue
+                left.append(proc)
+            except psutil.NoSuchProcess:
+                continue
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.05)
+
+
+def gone(pids: list[int], wait: float = 3.0) -> bool:
+    """True once none of ``pids`` is running (zombies count as gone)."""
+    deadline = time.monotonic() + wait
+    while time.monotonic() < deadline:
+        alive = []
+        for pid in pids:
+            try:
+                if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                    alive.append(pid)
+            except psutil.NoSuchProcess:
+                pass
+        if not alive:
+            return True
+        time.sleep(0.05)
+    return False
