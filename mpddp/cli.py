@@ -13,7 +13,8 @@ import functools
 import os
 import signal
 import sys
-from typing import Any, Callable, NoReturn
+from collections.abc import Callable
+from typing import Any, NoReturn
 
 import click
 
@@ -158,7 +159,7 @@ def run_cli(args: list[str] | None = None) -> NoReturn:
         code = EXIT_BAD_INPUT
     except WorkerFailed as e:
         click.echo(str(e), err=True)
-        code = 1
+        code = e.exit_code
     except MpddpError as e:
         click.echo(f"mpddp: error: {e}", err=True)
         code = 1
@@ -172,5 +173,4 @@ def run_cli(args: list[str] | None = None) -> NoReturn:
 
 
 # Commands defined in their own modules attach themselves to `main` on import.
-from . import info  # noqa: E402,F401
-from . import train_cli  # noqa: E402,F401
+from . import info, run_cmd, train_cli  # noqa: E402,F401

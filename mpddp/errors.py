@@ -36,10 +36,11 @@ class WorkerFailed(MpddpError):
     finish, root cause first.
     """
 
-    def __init__(self, message: str, rank: int, failures: list | None = None) -> None:
+    def __init__(self, message: str, rank: int, failures: list | None = None, exit_code: int = 1) -> None:
         super().__init__(message)
         self.rank = rank
         self.failures = failures or []
+        self.exit_code = exit_code  # what the CLI exits with: the failing script's own code, else 1
 
 
 class HangError(WorkerFailed):

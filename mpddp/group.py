@@ -20,10 +20,13 @@ from typing import Any
 import cloudpickle
 import psutil
 
-from . import procs, ranks as rank_math
+from . import procs
+from . import ranks as rank_math
 from .config import LaunchConfig
 from .context import WorkerContext
 from .errors import ConfigError, MainGuardError
+from .gpus import child_cuda_env
+from .machine import banner, physical_cores, threads_per_rank
 from .relay import Relay
 from .report import RankState, failure_error
 
@@ -44,28 +47,24 @@ class Plan:
     slots: tuple[rank_math.RankSlot, ...] = field(default=())
 
 
-def threads_per_rank(local_ranks: int) -> int | None:
-    """Physical cores ÷ local ranks (at least 1); None if OMP_NUM_THREADS is set."""
-    if os.environ.get("OMP_NUM_THREADS"):
-        return None
-    cores = psutil.cpu_count(logical=False) or os.cpu_count() or 1
-    return max(1, cores // local_ranks)
-
-
 def _gpus(config: LaunchConfig) -> tuple[tuple[int, ...] | None, bool]:
+    """Physical GPU ids for local ranks 0, 1, ... (None: CPU), and whether to pin them.
+
+    nvidia-smi/NVML answer without a CUDA context; torch.cuda.device_count()
+    is the fallback (safe too, DESIGN.md), never is_available().
+    """
     import torch
 
-    visible = torch.cuda.device_count()  # safe: no CUDA context (DESIGN.md)
-    if isinstance(config.gpus, str):
-        raise ConfigError(f"gpus={config.gpus!r} needs a GPU query, and no GPU is visible here; drop --gpus")
-    if config.gpus is None:
-        return (tuple(range(visible)) or None), False
-    if not visible:
-        raise ConfigError(
-            f"gpus={','.join(map(str, config.gpus))} but this machine has no visible CUDA GPU; "
-            "drop --gpus to run on the CPU with gloo"
-        )
-    return config.gpus, True
+    from .gpus import busy_warnings, query_gpus, resolve_gpus
+
+    query = query_gpus()
+    if config.gpus is None and not query.visible:
+        count = torch.cuda.device_count()
+        return (tuple(range(count)) or None), False
+    ids = resolve_gpus(config.gpus, config.nprocs, query)
+    for warning in busy_warnings(ids, query):
+        print(warning, file=sys.stderr, flush=True)
+    return ids, ids is not None
 
 
 def _check_fork(gpus: tuple[int, ...] | None) -> None:
@@ -107,7 +106,7 @@ def plan_launch(config: LaunchConfig) -> Plan:
             f"nprocs={nprocs} with {len(gpus)} GPU(s): NCCL refuses two ranks on one GPU; "
             f"pass --nprocs {len(gpus)} or --backend gloo"
         )
-    threads = None if gpus else threads_per_rank(nprocs)
+    threads = None if gpus else threads_per_rank(nprocs, physical_cores(), os.environ.get("OMP_NUM_THREADS"))
     if config.start_method == "fork":
         _check_fork(gpus)
         threads = _fork_threads(threads)
@@ -138,7 +137,7 @@ def _worker_env(plan: Plan, slot: rank_math.RankSlot, port: int, attempt: int) -
     if plan.threads is not None:
         env["OMP_NUM_THREADS"] = str(plan.threads)
     if plan.pin_visible and plan.gpus:
-        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in dict.fromkeys(plan.gpus))
+        env.update(child_cuda_env(tuple(dict.fromkeys(plan.gpus))))
     if config.nnodes == 1:
         # one node: every socket on loopback, none on the machine's public interfaces
         env.setdefault("GLOO_SOCKET_IFNAME", "lo")
@@ -155,20 +154,15 @@ def _interactive() -> bool:
     return "ipykernel" in sys.modules or bool(getattr(sys.stdout, "isatty", lambda: False)())
 
 
-def _banner(ctx: WorkerContext, slot: rank_math.RankSlot) -> str:
-    device = ctx.device if slot.gpu is None else f"{ctx.device} (physical GPU {slot.gpu})"
-    return (
-        f"node {slot.node_rank} · local rank {slot.local_rank} · rank {slot.formula} of {slot.world_size} · {device}"
-    )
-
-
 def _pipe() -> tuple[int, Connection]:
     """An output pipe: the parent's raw read end, the worker's write end."""
     read_fd, write_fd = os.pipe()
     return read_fd, Connection(write_fd, readable=False)
 
 
-def _start(plan: Plan, mp_context: Any, payload: bytes, port: int, attempt: int, relay: Relay) -> list[RankState]:
+def _start(
+    plan: Plan, mp_context: Any, payload: bytes, port: int, attempt: int, relay: Relay, init_group: bool
+) -> list[RankState]:
     from .worker import WorkerSpec, entry
 
     config = plan.config
@@ -186,7 +180,7 @@ def _start(plan: Plan, mp_context: Any, payload: bytes, port: int, attempt: int,
         spec = WorkerSpec(
             ctx=ctx, store_addr=config.master_addr, store_port=port, store_prefix=f"mpddp/attempt_{attempt}",
             timeout=config.timeout, env=_worker_env(plan, slot, port, attempt), threads=plan.threads,
-            payload=payload, banner=_banner(ctx, slot) if config.verbose else None,
+            payload=payload, banner=banner(ctx) if config.verbose else None, init_group=init_group,
             # a forked child inherits every pipe: it must close the ends that are not its own
             close_fds=tuple(sorted(all_fds - own)) if config.start_method == "fork" else (),
         )
@@ -261,7 +255,7 @@ def _teardown(states: list[RankState]) -> None:
             s.exitcode = s.process.exitcode
 
 
-def run_group(plan: Plan, mp_context: Any, payload: bytes, attempt: int) -> list[Any]:
+def run_group(plan: Plan, mp_context: Any, payload: bytes, attempt: int, init_group: bool = True) -> list[Any]:
     """Start this node's ranks, watch them, and stop them all, whatever happens."""
     from . import rendezvous
 
@@ -272,7 +266,7 @@ def run_group(plan: Plan, mp_context: Any, payload: bytes, attempt: int) -> list
     states: list[RankState] = []
     store = None
     try:
-        states = _start(plan, mp_context, payload, port, attempt, relay)
+        states = _start(plan, mp_context, payload, port, attempt, relay, init_group)
         relay.start()
         if sock is not None:
             store = rendezvous.host_store(sock, config.timeout)

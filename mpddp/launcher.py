@@ -13,12 +13,11 @@ from __future__ import annotations
 import multiprocessing
 import os
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Any, Callable
+from typing import Any
 
-from . import ranks as rank_math
 from .config import LaunchConfig
-from .context import WorkerContext
 from .errors import ConfigError, MpddpError, RestartsExhausted, ShipError, WorkerFailed
 
 _FORKSERVER_PRELOAD = ["mpddp.worker"]
@@ -58,12 +57,15 @@ def launch(
     args: tuple = (),
     kwargs: dict[str, Any] | None = None,
     config: LaunchConfig | None = None,
+    init_process_group: bool = True,
     **options: Any,
 ) -> list[Any]:
     """Run ``fn(ctx, *args, **kwargs)`` on every local rank; return their values.
 
     ``options`` are :class:`LaunchConfig` fields (``nnodes``, ``timeout``,
-    ``max_restarts``, ...). The list is in local rank order. If a rank fails,
+    ``max_restarts``, ...). ``init_process_group=False`` leaves the process
+    group to ``fn`` (torchrun-style code calling ``init_process_group("env://")``).
+    The list is in local rank order. If a rank fails,
     the whole group is stopped and :class:`WorkerFailed` names the rank that
     failed first, with its traceback.
     """
@@ -83,7 +85,7 @@ def launch(
     plan = plan_launch(config)
     for attempt in range(config.max_restarts + 1):
         try:
-            return run_group(plan, mp_context, payload, attempt)
+            return run_group(plan, mp_context, payload, attempt, init_process_group)
         except WorkerFailed as failure:
             if attempt == config.max_restarts:
                 if config.max_restarts:

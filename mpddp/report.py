@@ -78,6 +78,8 @@ def _where(s: RankState) -> str:
 
 
 def _how(s: RankState) -> str:
+    if s.error is not None and s.error.get("exit_code") is not None:
+        return f"exited with code {s.error['exit_code']} (sys.exit)"
     if s.error is not None:
         return f"raised {s.error['type']}: {s.error['message']}"
     code = s.exitcode
@@ -120,13 +122,14 @@ def failure_error(states: list[RankState]) -> WorkerFailed:
         return HangError("\n".join(lines), hung[0].slot.rank, [*hung, *[s for s in states if s not in hung]])
     lines = [f"mpddp: {_where(root)} failed first: it {_how(root)}"]
     lines += _tail_block(root)
-    if root.error is not None:
+    if root.error is not None and root.error.get("exit_code") is None:
         lines += [f"mpddp: traceback of rank {root.slot.rank}:", root.error["traceback"].rstrip()]
     others = _others(states, root)
     if others:
         lines += ["mpddp: the other ranks:", *others]
     rest = sorted((s for s in states if s is not root and s.kind != "ok"), key=lambda s: s.failed_at or 0.0)
-    return WorkerFailed("\n".join(lines), root.slot.rank, [root, *rest])
+    code = (root.error or {}).get("exit_code") or 1
+    return WorkerFailed("\n".join(lines), root.slot.rank, [root, *rest], exit_code=code)
 
 
 def _tail_block(s: RankState) -> list[str]:

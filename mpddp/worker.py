@@ -97,6 +97,7 @@ def _error_report(ctx: WorkerContext, exc: BaseException) -> dict[str, Any]:
         "traceback": "".join(traceback.format_exception(exc)),
         # CLOCK_MONOTONIC is machine-wide on Linux: the launcher orders reports by it
         "time": time.monotonic(),
+        "exit_code": exc.code if isinstance(exc, SystemExit) and isinstance(exc.code, int) else None,
     }
 
 

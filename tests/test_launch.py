@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 import mpddp
+
 from helpers import gone
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("no_leftovers")]

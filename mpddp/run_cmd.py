@@ -1,0 +1,44 @@
+"""``mpddp run``: a torchrun-style script in N workers, with no torchrun.
+
+Owns: the ``run`` command's arguments. The worker side is script.py; the
+launch itself is the same as for every other command.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import replace
+from typing import Any
+
+import click
+
+from .cli import build_config, launch_options, main
+from .errors import ConfigError
+
+
+@main.command(context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
+@launch_options
+@click.option("-m", "is_module", is_flag=True, help="TARGET is a module, run as with `python -m`.")
+@click.argument("target")
+@click.argument("script_args", nargs=-1, type=click.UNPROCESSED)
+def run(target: str, script_args: tuple[str, ...], is_module: bool, **options: Any) -> None:
+    """Run a torchrun-style SCRIPT (or -m MODULE) in every worker.
+
+    \b
+    mpddp run --nprocs 2 train.py --epochs 3
+    mpddp run --nprocs 2 -m mypkg.train --epochs 3
+
+    Each worker sees RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE,
+    GROUP_RANK, MASTER_ADDR and MASTER_PORT as under torchrun, its own
+    sys.argv, and __name__ == "__main__"; init_process_group("env://")
+    joins the launcher's store. The exit code is the failing rank's.
+    """
+    from .launcher import launch
+    from .script import run_script
+
+    if not is_module and not os.path.isfile(target):
+        raise ConfigError(f"script {target!r} does not exist: pass a path to a .py file, or -m for a module")
+    config = build_config(**options)
+    # rank 0's env:// rendezvous connects to the launcher's store as a client
+    config = replace(config, env=(*config.env, ("TORCHELASTIC_USE_AGENT_STORE", "1")))
+    launch(run_script, config=config, args=(target, script_args, is_module), init_process_group=False)

@@ -1,0 +1,58 @@
+"""`mpddp run` against `torchrun --standalone` on the same torchrun-style script."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.timeout(180), pytest.mark.usefixtures("no_leftovers")]
+SCRIPTS = Path(__file__).parent / "scripts"
+SCRIPT = str(SCRIPTS / "torchrun_style.py")
+
+
+def results(stdout: str) -> list[dict]:
+    # torchrun lets both ranks write to one stream, where lines can glue: decode from each marker
+    decoder = json.JSONDecoder()
+    found = [decoder.raw_decode(part)[0] for part in stdout.split("RESULT ")[1:]]
+    return sorted(found, key=lambda r: r["rank"])
+
+
+def run(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=120, cwd=cwd)
+
+
+def test_same_ranks_and_result_as_torchrun():
+    ours = run("-m", "mpddp", "run", "--nprocs", "2", SCRIPT, "--lr", "0.1")
+    assert ours.returncode == 0, ours.stderr
+    theirs = run("-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", SCRIPT, "--lr", "0.1")
+    assert theirs.returncode == 0, theirs.stderr
+    a, b = results(ours.stdout), results(theirs.stdout)
+    assert len(a) == len(b) == 2
+    for x, y in zip(a, b):
+        assert x == y  # rank, world size, all_reduce sum, env, argv and __name__ all agree
+    assert a[1]["env"] == {"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "0"}
+    assert a[0]["argv"] == ["--lr", "0.1"] and a[0]["name"] == "__main__" and a[0]["sum"] == 3.0
+    assert "[rank 0] RESULT" in ours.stdout and "[rank 1] RESULT" in ours.stdout
+
+
+def test_module_form():
+    out = run("-m", "mpddp", "run", "--nprocs", "2", "-m", "torchrun_pkg", "x", cwd=SCRIPTS)
+    assert out.returncode == 0, out.stderr
+    assert [r["argv"] for r in results(out.stdout)] == [["x"], ["x"]]
+
+
+def test_failing_script_exit_code_is_the_scripts():
+    out = run("-m", "mpddp", "run", "--nprocs", "2", SCRIPT, "--fail")
+    assert out.returncode == 3, out.stderr
+    assert "rank 1 (node 0, local rank 1) failed first: it exited with code 3 (sys.exit)" in out.stderr
+    assert "Traceback" not in out.stderr
+
+
+def test_missing_script_is_one_line():
+    out = run("-m", "mpddp", "run", "--nprocs", "2", "nope.py")
+    assert out.returncode == 2
+    assert out.stderr.strip() == (
+        "mpddp: error: script 'nope.py' does not exist: pass a path to a .py file, or -m for a module"
+    )
