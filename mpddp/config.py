@@ -9,8 +9,8 @@ and the fix. Leaves to others: resolving values that need the machine
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 from .errors import ConfigError
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import signal
 import time
-from typing import Iterable
+from collections.abc import Iterable
 
 import psutil
 

@@ -6,8 +6,8 @@ that ``mpddp ranks`` prints. No torch, no environment variables, no I/O.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 
 def world_size(nnodes: int, nprocs_per_node: int) -> int:
