@@ -106,8 +106,10 @@ def ranks(nprocs: int | None, nnodes: int | None, gpus: str | None) -> None:
         if nprocs is None and ids is None and allocation.gpus_on_node:
             ids = allocation.gpu_ids if len(allocation.gpu_ids or ()) == allocation.gpus_on_node else None
             nprocs = allocation.gpus_on_node
-    config = LaunchConfig(nprocs=nprocs or (len(ids) if ids else 1), nnodes=nnodes or 1, gpus=ids,
-                          master_port=29500 if (nnodes or 1) > 1 else 0)
+    if nprocs is None:
+        nprocs = len(ids) if ids else 1
+    nnodes = 1 if nnodes is None else nnodes
+    config = LaunchConfig(nprocs=nprocs, nnodes=nnodes, gpus=ids, master_port=29500 if nnodes > 1 else 0)
     click.echo(format_ranks(config.nnodes, config.nprocs or 1, ids))
 
 

@@ -1,0 +1,60 @@
+"""The CLI skeleton: help, version, `mpddp ranks`, one-line errors."""
+
+import subprocess
+import sys
+
+import pytest
+from click.testing import CliRunner
+
+import mpddp
+from mpddp.cli import main
+
+
+def test_help_lists_commands_and_launch_options():
+    out = CliRunner().invoke(main, ["--help"])
+    assert out.exit_code == 0
+    for command in ("ranks", "run", "train", "info"):
+        assert command in out.output
+    run_help = CliRunner().invoke(main, ["run", "--help"]).output
+    for option in ("--nprocs", "--nnodes", "--node-rank", "--master-addr", "--master-port", "--backend",
+                   "--start-method", "--gpus", "--timeout", "--max-restarts", "--output-ranks", "--log-dir"):
+        assert option in run_help
+
+
+def test_version():
+    out = CliRunner().invoke(main, ["--version"])
+    assert out.exit_code == 0 and out.output.strip() == f"mpddp, version {mpddp.__version__}"
+
+
+def test_ranks_shows_the_formula_filled_in():
+    out = CliRunner().invoke(main, ["ranks", "--nnodes", "2", "--nprocs", "4", "--gpus", "0,1,2,5"], env={})
+    assert out.exit_code == 0, out.output
+    lines = out.output.splitlines()
+    assert lines[0] == "world_size = nnodes × nprocs_per_node = 2 × 4 = 8"
+    row6 = [line for line in lines if "1×4+2 = 6" in line]
+    assert len(row6) == 1
+    assert row6[0].split() == ["1", "2", "1×4+2", "=", "6", "cuda:2", "2"]
+    assert any("1×4+3 = 7" in line and line.rstrip().endswith("5") for line in lines)
+    assert "local_rank is not rank" in out.output
+
+
+def test_ranks_as_a_real_subprocess():
+    out = subprocess.run([sys.executable, "-m", "mpddp", "ranks", "--nnodes", "2", "--nprocs", "4"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    row = [line for line in out.stdout.splitlines() if "= 6" in line][0]
+    assert row.split()[:2] == ["1", "2"] and "cpu" in row
+
+
+@pytest.mark.parametrize("args,message", [
+    (["ranks", "--nprocs", "0"], "mpddp: error: nprocs=0 is out of range: it must be an integer >= 1"),
+    (["ranks", "--nprocs", "abc"], "mpddp: error: Invalid value for '--nprocs': 'abc' is not a valid integer."),
+    (["ranks", "--gpus", "0,0"], "mpddp: error: gpus=0,0 names GPU 0 twice"),
+    (["nosuch"], "mpddp: error: No such command 'nosuch'."),
+])
+def test_bad_input_is_one_line_exit_2(args, message):
+    out = subprocess.run([sys.executable, "-m", "mpddp", *args], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2
+    assert len(out.stderr.strip().splitlines()) == 1, out.stderr
+    assert out.stderr.startswith(message)
+    assert "Traceback" not in out.stderr
