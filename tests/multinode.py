@@ -1,0 +1,124 @@
+"""Helpers for tests that run several launchers ("nodes"): ports, tagged processes, results."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import psutil
+
+JOB = Path(__file__).parent / "scripts" / "multinode_job.py"
+REPO = Path(__file__).parent.parent
+TAG = "MPDDP_TEST_TAG"
+
+
+def free_port() -> int:
+    """A port free on 127.0.0.1 now (the launchers bind it later: fine for a test)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@dataclass
+class Node:
+    """One launcher started by a test, with its output in files."""
+
+    proc: subprocess.Popen
+    out: Path
+    err: Path
+    started: float = field(default_factory=time.monotonic)
+
+    def wait(self, timeout: float) -> int:
+        return self.proc.wait(timeout)
+
+    @property
+    def stdout(self) -> str:
+        return self.out.read_text(errors="replace")
+
+    @property
+    def stderr(self) -> str:
+        return self.err.read_text(errors="replace")
+
+    def results(self) -> list[dict]:
+        lines = [line for line in self.stdout.splitlines() if line.startswith("RESULT ")]
+        assert len(lines) == 1, f"no RESULT line:\n{self.stdout}\n{self.stderr}"
+        return json.loads(lines[0][len("RESULT "):])
+
+
+class Cluster:
+    """Launchers started with one tag in their environment, so that every process they leave is found."""
+
+    def __init__(self, tmp: Path) -> None:
+        self.tmp = tmp
+        self.tag = uuid.uuid4().hex
+        self.nodes: list[Node] = []
+
+    def start(self, args: list[str], prefix: list[str] | None = None, env: dict[str, str] | None = None) -> Node:
+        n = len(self.nodes)
+        out, err = self.tmp / f"node{n}.out", self.tmp / f"node{n}.err"
+        full_env = {**os.environ, TAG: self.tag, "PYTHONPATH": str(REPO), **(env or {})}
+        with out.open("w") as o, err.open("w") as e:
+            proc = subprocess.Popen([*(prefix or []), sys.executable, str(JOB), *args], stdout=o, stderr=e,
+                                    env=full_env, cwd=self.tmp)
+        node = Node(proc, out, err)
+        self.nodes.append(node)
+        return node
+
+    def tagged(self) -> list[psutil.Process]:
+        """Every live process that carries this cluster's tag (launchers, workers, helpers)."""
+        found = []
+        for proc in psutil.process_iter():
+            try:
+                if proc.environ().get(TAG) == self.tag and proc.status() != psutil.STATUS_ZOMBIE:
+                    found.append(proc)
+            except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+                continue
+        return found
+
+    def leftovers(self, wait: float) -> list[str]:
+        """Tagged processes still alive after ``wait`` seconds, as command lines."""
+        deadline = time.monotonic() + wait
+        while True:
+            left = self.tagged()
+            if not left or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+        names = []
+        for proc in left:
+            try:
+                names.append(f"{proc.pid}: {' '.join(proc.cmdline())[:120]}")
+            except psutil.Error:
+                continue
+        return names
+
+    def kill_all(self) -> None:
+        """Last resort at the end of a test: SIGKILL every tagged process by pid."""
+        for proc in self.tagged():
+            try:
+                proc.send_signal(signal.SIGKILL)
+            except psutil.Error:
+                continue
+        for node in self.nodes:
+            if node.proc.poll() is None:
+                node.proc.kill()
+            node.proc.wait(10)
+
+    def wait_for(self, text: str, count: int, timeout: float) -> None:
+        """Until ``text`` appears ``count`` times in the nodes' output together."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if sum(node.stdout.count(text) for node in self.nodes) >= count:
+                return
+            if any(node.proc.poll() is not None for node in self.nodes):
+                break
+            time.sleep(0.1)
+        outputs = "\n".join(f"node {i}:\n{n.stdout}\n{n.stderr}" for i, n in enumerate(self.nodes))
+        raise AssertionError(f"{text!r} did not appear {count} times:\n{outputs}")

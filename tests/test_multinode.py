@@ -1,0 +1,128 @@
+"""Two launchers, two "nodes": on 127.0.0.1, and on two network-namespace hosts (10.99.0.1 / .2).
+
+Each node runs ``tests/scripts/multinode_job.py`` (mpddp.launch with
+nnodes=2, 2 ranks a node, gloo): world size 4, global ranks by the formula,
+all_reduce of the ranks = 0+1+2+3. Every process the test starts carries a
+tag in its environment, so that whatever a launch leaves behind is found
+(workers run in their own sessions and outlive a killed parent otherwise).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from multinode import REPO, Cluster, Node, free_port
+
+NETNS = REPO / "scripts" / "netns_hosts.sh"
+SLACK = 15.0  # seconds beyond --timeout for starting workers and tearing down, on 2 busy cores
+
+
+@pytest.fixture
+def cluster(tmp_path: Path) -> Iterator[Cluster]:
+    c = Cluster(tmp_path)
+    yield c
+    c.kill_all()
+
+
+def check_results(node: Node, node_rank: int) -> None:
+    assert node.proc.returncode == 0, f"node {node_rank} failed:\n{node.stdout}\n{node.stderr}"
+    results = node.results()
+    assert [r["rank"] for r in results] == [node_rank * 2, node_rank * 2 + 1]  # rank = node_rank × 2 + local_rank
+    assert [r["local_rank"] for r in results] == [0, 1]
+    assert {r["node_rank"] for r in results} == {node_rank}
+    assert {r["world_size"] for r in results} == {4}
+    assert {r["sum"] for r in results} == {6.0}  # 0+1+2+3
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("first", [0, 1], ids=["node0-first", "node1-first"])
+def test_two_launchers_on_loopback(cluster: Cluster, first: int) -> None:
+    port = free_port()
+    nodes = {}
+    nodes[first] = cluster.start([str(first), str(port), "127.0.0.1", "30"])
+    time.sleep(2.0)  # the other node really arrives later
+    nodes[1 - first] = cluster.start([str(1 - first), str(port), "127.0.0.1", "30"])
+    for rank in (0, 1):
+        nodes[rank].wait(60)
+    for rank in (0, 1):
+        check_results(nodes[rank], rank)
+    assert cluster.leftovers(wait=5) == []
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM], ids=["SIGKILL", "SIGTERM"])
+def test_killed_launcher_stops_the_other_node(cluster: Cluster, sig: signal.Signals) -> None:
+    port, timeout = free_port(), 10.0
+    node0 = cluster.start(["0", str(port), "127.0.0.1", str(timeout), "120"])
+    node1 = cluster.start(["1", str(port), "127.0.0.1", str(timeout), "120"])
+    cluster.wait_for("READY rank", 4, timeout=60)
+    killed_at = time.monotonic()
+    node1.proc.send_signal(sig)
+    node1.wait(30)
+    code = node0.wait(timeout + SLACK)
+    took = time.monotonic() - killed_at
+    assert code != 0
+    assert took < timeout + SLACK
+    assert "node 1" in node0.stderr, f"the message does not name the missing node:\n{node0.stderr}"
+    assert cluster.leftovers(wait=5) == [], "processes left running after a launcher was killed"
+
+
+@pytest.mark.timeout(90)
+def test_node_that_never_arrives_is_named(cluster: Cluster) -> None:
+    timeout = 8.0
+    node0 = cluster.start(["0", str(free_port()), "127.0.0.1", str(timeout)])
+    started = time.monotonic()
+    code = node0.wait(timeout + SLACK + 10)
+    assert code != 0
+    assert time.monotonic() - started < timeout + SLACK
+    assert "node 1" in node0.stderr, f"the message does not name the missing node:\n{node0.stderr}"
+    assert cluster.leftovers(wait=5) == []
+
+
+@pytest.mark.timeout(90)
+def test_unreachable_master_is_named(cluster: Cluster) -> None:
+    timeout, port = 8.0, free_port()
+    node1 = cluster.start(["1", str(port), "127.0.0.1", str(timeout)])
+    started = time.monotonic()
+    code = node1.wait(timeout + SLACK + 10)
+    assert code != 0
+    assert time.monotonic() - started < timeout + SLACK
+    assert f"127.0.0.1:{port}" in node1.stderr, f"the message does not name the master:\n{node1.stderr}"
+    assert cluster.leftovers(wait=5) == []
+
+
+@pytest.fixture(scope="module")
+def netns_hosts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """Hosts n1 (10.99.0.1) and n2 (10.99.0.2) in network namespaces; deleted at the end."""
+    if os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("nsenter") is None:
+        pytest.skip("network namespaces need root, iproute2 and nsenter")
+    work = tmp_path_factory.mktemp("netns")
+    up = subprocess.run([str(NETNS), "up", str(work)], capture_output=True, text=True, timeout=30)
+    if up.returncode == 3:
+        pytest.skip(f"cannot make network namespaces here: {up.stderr.strip()}")
+    try:
+        assert up.returncode == 0, up.stderr
+        yield work
+    finally:
+        subprocess.run([str(NETNS), "down"], timeout=30, check=False)
+
+
+@pytest.mark.netns
+@pytest.mark.timeout(120)
+def test_two_namespace_hosts(cluster: Cluster, netns_hosts: Path) -> None:
+    """Node 0 on n1, node 1 on n2: the master is 10.99.0.1, Gloo must use eth0 (not lo)."""
+    port = free_port()
+    node0 = cluster.start(["0", str(port), "10.99.0.1", "30"], prefix=[str(NETNS), "run", "1", str(netns_hosts)])
+    node1 = cluster.start(["1", str(port), "n1", "30"], prefix=[str(NETNS), "run", "2", str(netns_hosts)])
+    node0.wait(90)
+    node1.wait(90)
+    check_results(node0, 0)
+    check_results(node1, 1)
+    assert cluster.leftovers(wait=5) == []
