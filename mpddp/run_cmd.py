@@ -39,6 +39,7 @@ def run(target: str, script_args: tuple[str, ...], is_module: bool, **options: A
     if not is_module and not os.path.isfile(target):
         raise ConfigError(f"script {target!r} does not exist: pass a path to a .py file, or -m for a module")
     config = build_config(**options)
-    # rank 0's env:// rendezvous connects to the launcher's store as a client
-    config = replace(config, env=(*config.env, ("TORCHELASTIC_USE_AGENT_STORE", "1")))
+    # rank 0's env:// rendezvous connects to the launcher's store as a client; torch compares
+    # the value with str(True), so "1" would make rank 0 try to bind the port itself
+    config = replace(config, env=(*config.env, ("TORCHELASTIC_USE_AGENT_STORE", "True")))
     launch(run_script, config=config, args=(target, script_args, is_module), init_process_group=False)
