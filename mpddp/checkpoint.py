@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import os
 import re
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -48,10 +47,9 @@ def save(state: dict[str, Any], directory: Path, global_step: int,
     """
     directory.mkdir(parents=True, exist_ok=True)
     final = directory / checkpoint_name(global_step)
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{final.name}.", suffix=".tmp", dir=directory)
-    tmp = Path(tmp_name)
+    tmp = directory / f".{final.name}.{os.getpid()}.tmp"  # same directory: os.replace stays one rename
     try:
-        with os.fdopen(fd, "wb") as f:
+        with open(tmp, "wb") as f:
             torch.save({"format": FORMAT, **state}, f)
             f.flush()
             os.fsync(f.fileno())  # the bytes are on disk before the name points at them

@@ -112,7 +112,8 @@ class TrainConfig:
 def resolve(config: TrainConfig) -> TrainConfig:
     """Check the task and the resume file; fix the run directory and checkpoint.
 
-    Runs before any worker starts and writes nothing. A fresh run gets
+    Runs before any worker starts and writes nothing; a user's factory is
+    called once here to check what it returns. A fresh run gets
     ``runs/<task>/<date-time>``; ``resume="auto"`` without ``run_dir`` takes
     the newest run of that task that has a checkpoint.
     """
@@ -120,14 +121,18 @@ def resolve(config: TrainConfig) -> TrainConfig:
 
     task = config.task
     if isinstance(task, str) and task not in ("digits", "synthetic"):
+        load_factory(task)
         target, colon, attr = task.rpartition(":")
         if target.endswith(".py") or task.endswith(".py"):  # workers may start elsewhere: make it absolute
             task = str(Path(target or task).resolve()) + (colon + attr if target else "")
-        load_factory(task)
     config = dataclasses.replace(config, task=task, run_dir=_run_dir(config, task_name(task)))
+    if config.resume is None and config.task in ("digits", "synthetic"):
+        return _check_fresh(config)  # built-in tasks keep their contract: skip building one here
+    # Build the task once here: a factory that breaks the contract, or a checkpoint of another
+    # model, is then one line before any worker starts, not a failure on every rank.
+    model = build_task(config.task, config.seed, config.task_options).model
     if config.resume is None:
         return _check_fresh(config)
-    model = build_task(config.task, config.seed, config.task_options).model  # the signature to check against
     return dataclasses.replace(config, resume=_resume_file(config, checkpoint.signature(model)))
 
 

@@ -1,0 +1,89 @@
+"""The Task contract, the built-in tasks and loading users' tasks (no processes started)."""
+
+import sys
+import textwrap
+
+import pytest
+import torch
+from tiny_task import TINY
+
+from mpddp.errors import ConfigError
+from mpddp.tasks import DigitsCNN, Task, build_task, digits_task, load_factory, synthetic_task, task_name
+
+
+def test_digits_loads_from_scikit_learn_with_a_split_fixed_by_the_seed():
+    a, b, c = digits_task(seed=0), digits_task(seed=0), digits_task(seed=1)
+    assert (len(a.train_set), len(a.test_set)) == (1437, 360)  # 1,797 digits, 20% held out
+    x, y = a.train_set[0]
+    assert x.shape == (1, 8, 8) and x.dtype == torch.float32 and 0 <= x.min() and x.max() <= 1
+    assert y.dtype == torch.int64
+    assert torch.equal(a.test_set.tensors[0], b.test_set.tensors[0])
+    assert not torch.equal(a.test_set.tensors[0], c.test_set.tensors[0])
+    assert sorted(set(a.test_set.tensors[1].tolist())) == list(range(10))  # stratified: every class tested
+    assert DigitsCNN()(x.unsqueeze(0)).shape == (1, 10)
+
+
+def test_synthetic_is_deterministic_and_sized_by_its_options():
+    a, b = synthetic_task(seed=3, samples=100, features=7), synthetic_task(seed=3, samples=100, features=7)
+    assert (len(a.train_set), len(a.test_set)) == (80, 20)
+    assert a.train_set[0][0].shape == (7,)
+    assert torch.equal(a.train_set.tensors[0], b.train_set.tensors[0])
+    assert torch.equal(a.train_set.tensors[1], b.train_set.tensors[1])
+    assert len(set(a.train_set.tensors[1].tolist())) > 1
+
+
+def test_a_task_file_with_the_default_and_a_named_factory():
+    assert isinstance(build_task(TINY, seed=0), Task)
+    task = build_task(TINY + ":make_dropout_task", seed=0)
+    assert isinstance(task.model[1], torch.nn.Dropout)
+    assert task_name(TINY + ":make_task") == "tiny_task"
+
+
+def test_a_task_from_an_importable_module(tmp_path, monkeypatch):
+    pkg = tmp_path / "mytasks"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "problem.py").write_text(textwrap.dedent("""
+        from tiny_task import make_task as build
+    """))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert isinstance(build_task("mytasks.problem:build", seed=0), Task)
+    assert task_name("mytasks.problem:build") == "problem"
+    sys.modules.pop("mytasks.problem", None)
+    sys.modules.pop("mytasks", None)
+
+
+def test_a_factory_function_passed_directly():
+    from tiny_task import make_task
+
+    assert isinstance(build_task(make_task, seed=0), Task)
+    assert task_name(make_task) == "make_task"
+
+
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        ("nosuch.py", "task='nosuch.py': the file .*nosuch.py does not exist; check the path"),
+        ("digitz", "task='digitz' is unknown: use digits, synthetic, package.module:factory or path/to/file.py"),
+        ("nosuchpkg.mod:make", "task='nosuchpkg.mod:make': cannot import module 'nosuchpkg.mod' .*PYTHONPATH"),
+        (TINY + ":nothing", "has no function 'nothing'; define `def nothing\\(seed: int\\) -> mpddp.tasks.Task`"),
+    ],
+)
+def test_a_task_that_cannot_be_found_is_one_line(spec, message):
+    with pytest.raises(ConfigError, match=message) as e:
+        load_factory(spec)
+    assert "\n" not in str(e.value)
+
+
+def test_a_factory_that_returns_the_wrong_thing(tmp_path):
+    with pytest.raises(ConfigError, match="the factory returned dict, not mpddp.tasks.Task; return Task"):
+        build_task(TINY + ":make_wrong", seed=0)
+    bad = tmp_path / "bad_task.py"
+    bad.write_text(textwrap.dedent("""
+        import torch
+        from mpddp.tasks import Task
+        def make_task(seed):
+            return Task(model="not a module", train_set=[1], test_set=[1], loss_fn=torch.nn.MSELoss())
+    """))
+    with pytest.raises(ConfigError, match="the factory's Task is wrong: model must be a torch.nn.Module"):
+        build_task(str(bad), seed=0)

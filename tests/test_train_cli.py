@@ -1,0 +1,126 @@
+"""`mpddp train` from the command line: the digits run, a user task, bad input as one line and exit 2."""
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+from tiny_task import TINY
+
+from mpddp.cli import main, run_cli
+
+REPO = Path(__file__).resolve().parent.parent
+EXAMPLE = REPO / "scripts" / "example_task.py"
+
+
+def mpddp_cli(args, cwd, timeout=120):
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    return subprocess.run([sys.executable, "-m", "mpddp", *args], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+@pytest.fixture
+def in_process_cli(monkeypatch, tmp_path, capsys):
+    """Run `mpddp ...` in this process: returns (exit code, stdout, stderr)."""
+    monkeypatch.chdir(tmp_path)
+    previous = signal.getsignal(signal.SIGTERM)
+
+    def run(*args):
+        with pytest.raises(SystemExit) as e:
+            run_cli(list(args))
+        out = capsys.readouterr()
+        return e.value.code, out.out, out.err
+
+    yield run
+    signal.signal(signal.SIGTERM, previous)
+
+
+def test_help_names_the_global_batch():
+    result = CliRunner().invoke(main, ["train", "--help"])
+    assert result.exit_code == 0
+    assert "global batch = batch size × world size × accumulate" in " ".join(result.output.split())
+    for flag in ("--task", "--dataset", "--resume", "--accumulate", "--precision", "--inject-fault", "--nprocs"):
+        assert flag in result.output
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.usefixtures("no_leftovers")
+def test_digits_on_two_ranks_reaches_95_percent_and_resume_auto_continues(tmp_path):
+    run = mpddp_cli(["train", "--nprocs", "2"], cwd=tmp_path)
+    assert run.returncode == 0, run.stderr
+    epochs = [line for line in run.stdout.splitlines() if line.startswith("[rank 0] epoch")]
+    assert len(epochs) == 10 and not any("[rank 1]" in line for line in run.stdout.splitlines())
+    accuracy = float(re.search(r"test acc\s+([\d.]+)%", epochs[-1]).group(1))
+    assert accuracy > 95.0, epochs[-1]
+    final = run.stdout.strip().splitlines()[-1]
+    match = re.fullmatch(r"checkpoint: (\S+)  metrics: (\S+)", final)
+    assert match, final
+    ckpt, metrics = tmp_path / match.group(1), tmp_path / match.group(2)
+    assert ckpt.is_file() and ckpt.name == "ckpt-000000230.pt"  # 1,437 samples / (32 × 2) = 23 steps per epoch
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [r["epoch"] for r in records] == list(range(1, 11)) and records[-1]["global_batch"] == 64
+
+    again = mpddp_cli(["train", "--nprocs", "2", "--resume", "auto", "--epochs", "11"], cwd=tmp_path)
+    assert again.returncode == 0, again.stderr
+    assert f"resumed from {match.group(1)}: epoch 11, step 230" in again.stdout
+    assert "epoch  11/11" in again.stdout
+    assert len(metrics.read_text().splitlines()) == 11 and (ckpt.parent / "ckpt-000000253.pt").is_file()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.usefixtures("no_leftovers")
+def test_the_example_user_task_trains(tmp_path):
+    run = mpddp_cli(["train", "--task", str(EXAMPLE), "--nprocs", "2", "--epochs", "3", "--run-dir", "ex"], cwd=tmp_path)
+    assert run.returncode == 0, run.stderr
+    accuracy = float(re.findall(r"test acc\s+([\d.]+)%", run.stdout)[-1])
+    assert accuracy > 90.0
+    assert (tmp_path / "ex" / "checkpoints" / "ckpt-000000096.pt").is_file()  # 2048 / (32 × 2) × 3
+
+
+def test_a_missing_task_file_is_one_line_exit_2_and_writes_nothing(tmp_path):
+    run = mpddp_cli(["train", "--task", "nosuch.py", "--nprocs", "2"], cwd=tmp_path)
+    assert run.returncode == 2
+    assert run.stderr == (f"mpddp: error: task='nosuch.py': the file {tmp_path / 'nosuch.py'} does not exist; "
+                          f"check the path (relative to {tmp_path})\n")
+    assert run.stdout == "" and list(tmp_path.iterdir()) == []
+
+
+def test_bad_input_is_one_line_and_exit_2(in_process_cli, tmp_path):
+    torch.save({"weights": torch.zeros(1)}, tmp_path / "foreign.pt")
+    (tmp_path / "cut.pt").write_bytes(b"PK\x03\x04 not a whole file")
+    cases = [
+        (["--task", TINY + ":nope"], "tiny_task.py:nope': mpddp_task_tiny_task has no function 'nope'"),
+        (["--task", TINY + ":make_wrong"], "the factory returned dict, not mpddp.tasks.Task"),
+        (["--task", "no.such.module:make"], "cannot import module 'no.such.module'"),
+        (["--resume", "missing.pt"], "resume='missing.pt': no such checkpoint file; pass an existing ckpt-*.pt"),
+        (["--resume", "foreign.pt"], "resume='foreign.pt' is not an mpddp checkpoint (missing format"),
+        (["--resume", "cut.pt"], "resume='cut.pt' is not a readable checkpoint"),
+        (["--inject-fault", "kill:0"], "inject_fault='kill:0' is not KIND:RANK:STEP"),
+        (["--precision", "fp16"], "precision='fp16' is unknown: use one of auto, bf16, fp32"),
+        (["--epochs", "0"], "epochs=0 is not allowed: it must be an integer >= 1, e.g. --epochs 10"),
+        (["--dataset", "synthetic", "--task", "x.py"], "--dataset synthetic and --task x.py both name the task"),
+        (["--epochs", "many"], "Invalid value for '--epochs': 'many' is not a valid integer"),
+    ]
+    for args, message in cases:
+        code, out, err = in_process_cli("train", "--nprocs", "2", *args)
+        assert code == 2, (args, err)
+        assert err.startswith("mpddp: error: ") and message in err and err.count("\n") == 1, (args, err)
+        assert "Traceback" not in err and out == ""
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cut.pt", "foreign.pt"]  # nothing written
+
+
+def test_resume_from_another_model_is_one_line(in_process_cli, tmp_path):
+    from mpddp.train_config import TrainConfig, resolve
+    from mpddp.trainer import Trainer
+
+    Trainer(resolve(TrainConfig(task="synthetic", samples=40, features=4, epochs=1, run_dir="syn"))).fit()
+    ckpt = next((tmp_path / "syn" / "checkpoints").glob("ckpt-*.pt"))
+    code, _, err = in_process_cli("train", "--resume", str(ckpt), "--nprocs", "2")
+    assert code == 2 and err.count("\n") == 1
+    assert "holds a different model (Sequential vs DigitsCNN); pass a checkpoint of this task's model" in err

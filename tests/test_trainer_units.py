@@ -1,0 +1,142 @@
+"""Trainer pieces in this process (no workers): config, checkpoint files, resume, accumulation."""
+
+import os
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+from tiny_task import TINY
+
+from mpddp import checkpoint
+from mpddp.errors import ConfigError
+from mpddp.faults import Fault, parse_fault
+from mpddp.train_config import TrainConfig, resolve
+from mpddp.trainer import Trainer
+
+TASK = TINY + ":make_task"
+DROPOUT = TINY + ":make_dropout_task"
+
+
+def params(trainer):
+    return {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
+
+
+def fit(config):
+    trainer = Trainer(resolve(config))
+    trainer.fit()
+    return trainer
+
+
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        ({"epochs": 0}, "epochs=0 is not allowed: it must be an integer >= 1, e.g. --epochs 10"),
+        ({"batch_size": 2.5}, "batch_size=2.5 is not allowed: it must be an integer >= 1"),
+        ({"accumulate": 0}, "accumulate=0 is not allowed: it must be an integer >= 1, e.g. --accumulate 4"),
+        ({"lr": -1.0}, "lr=-1.0 is not allowed: the learning rate must be a number > 0"),
+        ({"lr": float("nan")}, "lr=nan is not allowed"),
+        ({"precision": "fp16"}, "precision='fp16' is unknown: use one of auto, bf16, fp32"),
+        ({"task": " "}, "task=' ' is empty: use digits, synthetic"),
+        ({"inject_fault": "kill:one:5"}, "inject_fault='kill:one:5' is not KIND:RANK:STEP: KIND is one of kill, raise"),
+        ({"inject_fault": "explode:0:5"}, "inject_fault='explode:0:5' is not KIND:RANK:STEP"),
+    ],
+)
+def test_bad_train_options_are_one_line(changes, message):
+    with pytest.raises(ConfigError, match=message) as e:
+        TrainConfig(**changes)
+    assert "\n" not in str(e.value)
+
+
+def test_fault_parsing_and_only_on_the_first_attempt():
+    fault = parse_fault("kill:1:20")
+    assert fault == Fault("kill", 1, 20) and parse_fault(None) is None
+    assert fault.due(rank=1, step=20, restart=0)
+    assert not fault.due(rank=1, step=20, restart=1)  # a restarted group runs clean
+    assert not fault.due(rank=0, step=20, restart=0) and not fault.due(rank=1, step=19, restart=0)
+    with pytest.raises(RuntimeError, match="injected fault: rank 0 raised at step 3"):
+        Fault("raise", 0, 3).fire()
+
+
+def test_checkpoint_write_is_atomic(tmp_path):
+    state = {"signature": {}, "model": {}, "optimizer": {}, "epoch": 0, "batches_done": 0, "global_step": 7, "rng": []}
+    path = checkpoint.save(state, tmp_path, 7)
+    assert path.name == "ckpt-000000007.pt" and os.listdir(tmp_path) == [path.name]
+
+    def crash(tmp):
+        assert tmp.parent == tmp_path and tmp.stat().st_size > 0  # complete, not yet renamed
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        checkpoint.save(state, tmp_path, 8, before_replace=crash)
+    assert os.listdir(tmp_path) == [path.name]  # no half file, no temporary file
+
+
+def test_newest_skips_temporary_and_damaged_files(tmp_path):
+    trainer = fit(TrainConfig(task=TASK, epochs=2, batch_size=8, run_dir=str(tmp_path)))
+    ckpts = tmp_path / "checkpoints"
+    good = checkpoint.candidates(ckpts)[0]
+    (ckpts / ".ckpt-000000099.pt.abc.tmp").write_bytes(good.read_bytes()[:100])  # a write that died
+    (ckpts / "ckpt-000000098.pt").write_bytes(good.read_bytes()[:1000])  # damaged by something else
+    found = checkpoint.newest(ckpts, checkpoint.signature(trainer.model))
+    assert found is not None and found[0] == good
+    checkpoint.prune(ckpts, keep=1)
+    assert not list(ckpts.glob("*.tmp"))
+
+
+def test_resume_errors_name_the_file_and_the_fix(tmp_path):
+    fit(TrainConfig(task=TASK, epochs=1, batch_size=8, run_dir=str(tmp_path / "a")))
+    ckpt = str(checkpoint.candidates(tmp_path / "a" / "checkpoints")[0])
+    other = tmp_path / "not-mpddp.pt"
+    torch.save({"weights": torch.zeros(2)}, other)
+    cut = tmp_path / "cut.pt"
+    cut.write_bytes(Path(ckpt).read_bytes()[:500])
+    cases = [
+        (str(tmp_path / "nope.pt"), "nope.pt': no such checkpoint file; pass an existing ckpt-\\*.pt or --resume auto"),
+        (str(cut), "cut.pt' is not a readable checkpoint .*: pass an older ckpt-\\*.pt or --resume auto"),
+        (str(other), "not-mpddp.pt' is not an mpddp checkpoint \\(missing format, signature"),
+    ]
+    for resume, message in cases:
+        with pytest.raises(ConfigError, match=message):
+            resolve(TrainConfig(task=TASK, resume=resume, run_dir=str(tmp_path / "b")))
+    with pytest.raises(ConfigError, match="holds a different model \\(0.bias: \\[16\\] in the file vs "
+                                          "\\[32\\] here\\); pass a checkpoint of this task's model"):
+        resolve(TrainConfig(task="synthetic", features=8, resume=ckpt, run_dir=str(tmp_path / "b")))
+    assert not (tmp_path / "b").exists()  # nothing written
+
+
+def test_run_directories_fresh_auto_and_taken(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    first = resolve(TrainConfig(task=TASK, epochs=1, batch_size=8))
+    assert Path(first.run_dir).parent == Path("runs/tiny_task")
+    Trainer(first).fit()
+    auto = resolve(TrainConfig(task=TASK, resume="auto"))
+    assert auto.run_dir == first.run_dir and auto.resume == str(checkpoint.candidates(first.checkpoint_path)[0])
+    with pytest.raises(ConfigError, match="already holds checkpoints .* pass --resume auto to continue that run"):
+        resolve(TrainConfig(task=TASK, run_dir=first.run_dir))
+    empty = resolve(TrainConfig(task=TASK, resume="auto", run_dir=str(tmp_path / "new")))
+    assert empty.resume is None  # nothing to resume yet: start from scratch
+
+
+@pytest.mark.parametrize("resume_at", ["epoch", "mid-epoch"])
+def test_resume_continues_bit_for_bit(tmp_path, resume_at):
+    base = TrainConfig(task=DROPOUT, epochs=4, batch_size=4, seed=5, checkpoint_every=3, keep_checkpoints=0)
+    full = fit(replace(base, run_dir=str(tmp_path / "full")))
+    fit(replace(base, epochs=2, run_dir=str(tmp_path / "half")))
+    ckpts = checkpoint.candidates(tmp_path / "half" / "checkpoints")
+    start = ckpts[0] if resume_at == "epoch" else ckpts[1]  # step 32 ends epoch 2; step 30 is in its middle
+    assert start.name == ("ckpt-000000032.pt" if resume_at == "epoch" else "ckpt-000000030.pt")
+    torch.manual_seed(12345)  # the resumed run must not depend on what ran before it in this process
+    resumed = fit(replace(base, run_dir=str(tmp_path / "half"), resume=str(start)))
+    assert resumed.global_step == full.global_step == 64
+    for name, value in params(full).items():
+        assert torch.equal(value, params(resumed)[name]), name
+
+
+def test_accumulation_equals_one_big_batch(tmp_path):
+    base = TrainConfig(task=TASK, epochs=2, seed=1)
+    big = fit(replace(base, batch_size=16, run_dir=str(tmp_path / "big")))
+    small = fit(replace(base, batch_size=4, accumulate=4, run_dir=str(tmp_path / "small")))
+    assert big.global_step == small.global_step == 8
+    for name, value in params(big).items():
+        torch.testing.assert_close(params(small)[name], value, rtol=0, atol=1e-12)
