@@ -265,12 +265,15 @@ def run_group(plan: Plan, mp_context: Any, payload: bytes, attempt: int, init_gr
     relay = Relay(config.output_ranks, config.log_dir)
     states: list[RankState] = []
     store = None
+    missing: list[int] = []
     try:
         states = _start(plan, mp_context, payload, port, attempt, relay, init_group)
         relay.start()
         if sock is not None:
             store = rendezvous.host_store(sock, config.timeout)
         _watch(states, config.timeout)
+        if store is not None and init_group and not all(s.has_result for s in states):
+            missing = _missing_ranks(store, plan, attempt)
     finally:
         _teardown(states)
         relay.stop()
@@ -284,7 +287,26 @@ def run_group(plan: Plan, mp_context: Any, payload: bytes, attempt: int, init_gr
         return [s.result for s in states]
     for s in states:
         s.tail = relay.tail(s.slot.rank)
-    raise failure_error(states)
+    error = failure_error(states)
+    if missing:
+        error.args = (f"{_missing_message(missing, plan, port)}\n{error}",)
+    raise error
+
+
+def _missing_ranks(store: Any, plan: Plan, attempt: int) -> list[int]:
+    """Ranks that never reached node 0's store (their node never arrived)."""
+    world = plan.slots[0].world_size
+    return [r for r in range(world) if not store.check([f"mpddp/attempt_{attempt}/arrived/{r}"])]
+
+
+def _missing_message(missing: list[int], plan: Plan, port: int) -> str:
+    nodes = sorted({rank_math.split_rank(r, plan.nprocs)[0] for r in missing})
+    config = plan.config
+    return (
+        f"mpddp: node(s) {', '.join(map(str, nodes))} never arrived (rank(s) {', '.join(map(str, missing))} "
+        f"missing from the rendezvous at {config.master_addr}:{port}): start their launchers with "
+        f"--nnodes {config.nnodes} --master-addr {config.master_addr} --master-port {port} --node-rank N"
+    )
 
 
 def _main_guard_exit() -> int:
