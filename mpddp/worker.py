@@ -30,6 +30,7 @@ from .context import WorkerContext
 
 MAIN_GUARD_EXIT = 97  # a worker re-ran the user's script and met launch() again
 _PR_SET_PDEATHSIG = 1
+_IOLBF = 1  # glibc's setvbuf mode for line buffering
 
 
 @dataclass(frozen=True)
@@ -73,6 +74,24 @@ def _redirect(out: Connection, err: Connection) -> None:
     sys.stderr = io.TextIOWrapper(
         io.FileIO(2, "w", closefd=False), encoding="utf-8", errors="backslashreplace", write_through=True
     )
+    _c_stdio("setvbuf", _IOLBF)
+
+
+def _c_stdio(call: str, mode: int = 0) -> None:
+    """C code's printf reaches the relay line by line (``setvbuf``), and all of it (``fflush``).
+
+    On a pipe, C stdout is fully buffered, and a worker ends in ``os._exit``, which drops
+    C buffers: without this, printf output from C extensions is lost unless the launcher
+    happened to run with PYTHONUNBUFFERED (a Jupyter kernel does not).
+    """
+    try:
+        libc = ctypes.CDLL(None)
+        if call == "setvbuf":
+            libc.setvbuf(ctypes.c_void_p.in_dll(libc, "stdout"), None, mode, ctypes.c_size_t(0))
+        else:
+            libc.fflush(None)
+    except (OSError, AttributeError, ValueError):
+        pass  # not glibc: C output keeps the platform's buffering
 
 
 def _to_cpu(value: Any) -> Any:
@@ -157,5 +176,6 @@ def entry(spec: WorkerSpec, messages: Connection, out: Connection, err: Connecti
             dist.destroy_process_group()
         sys.stdout.flush()
         sys.stderr.flush()
+        _c_stdio("fflush")
     if code:
         sys.exit(code)
