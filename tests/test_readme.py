@@ -1,0 +1,106 @@
+"""README.rst's commands run, and print what README.rst shows.
+
+A block preceded by ``.. readme-check: exact`` must print exactly what is
+shown; ``.. readme-check: runs`` must exit 0 and print every shown line that
+holds no digit (timings and losses vary); ``.. readme-check: python`` runs the
+Python block and compares its output with the literal block after it.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+README = Path(__file__).parent.parent / "README.rst"
+CHECK = re.compile(r"^\.\. readme-check: (exact|runs|python)\s*$")
+
+
+def _block(lines: list[str], start: int) -> tuple[list[str], int]:
+    """The indented body of the directive or literal block starting at ``start``."""
+    i = start + 1
+    while i < len(lines) and not lines[i].strip():
+        i += 1
+    body = []
+    while i < len(lines) and (not lines[i].strip() or lines[i].startswith("   ")):
+        body.append(lines[i][3:] if lines[i].strip() else "")
+        i += 1
+    while body and not body[-1]:
+        body.pop()
+    return body, i
+
+
+def checks() -> list[tuple[str, int, list[str], list[str]]]:
+    lines = README.read_text(encoding="utf-8").splitlines()
+    found = []
+    for n, line in enumerate(lines):
+        m = CHECK.match(line)
+        if not m:
+            continue
+        j = n + 1
+        while not lines[j].startswith(".. code-block::"):
+            j += 1
+        body, end = _block(lines, j)
+        if m.group(1) == "python":
+            k = end
+            while not lines[k].rstrip().endswith("::"):
+                k += 1
+            shown, _ = _block(lines, k)
+            found.append(("python", n + 1, body, shown))
+        else:
+            found.append((m.group(1), n + 1, body, []))
+    return found
+
+
+CHECKS = checks()
+
+
+def _commands(body: list[str]) -> list[tuple[str, list[str]]]:
+    out: list[tuple[str, list[str]]] = []
+    for line in body:
+        if line.startswith("$ "):
+            out.append((line[2:], []))
+        elif out:
+            out[-1][1].append(line)
+    return out
+
+
+def _env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("mode,line,body,shown", CHECKS, ids=[f"README.rst:{c[1]}" for c in CHECKS])
+def test_readme_block(mode, line, body, shown, tmp_path):
+    if mode == "python":
+        script = tmp_path / "example.py"
+        script.write_text("\n".join(body) + "\n")
+        out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=240)
+        assert out.returncode == 0, out.stderr
+        assert sorted(out.stdout.splitlines()) == sorted(shown)  # ranks print concurrently
+        return
+    for command, expected in _commands(body):
+        argv = command.split()
+        if argv[0] == "python":
+            argv[0] = sys.executable
+        out = subprocess.run(argv, capture_output=True, text=True, timeout=240, env=_env(), cwd=tmp_path)
+        assert out.returncode == 0, f"{command}\n{out.stderr}"
+        actual = out.stdout.rstrip("\n").splitlines()
+        if mode == "exact":
+            assert actual == expected, command
+        else:
+            for text in expected:
+                if text.strip() and not re.search(r"\d", text):
+                    assert text in actual, f"{command}: {text!r} not printed"
+
+
+def test_readme_has_checked_blocks():
+    assert len(CHECKS) >= 2
+    text = README.read_text(encoding="utf-8")
+    ci = (Path(__file__).parent.parent / ".ci" / "run").read_text()
+    test_command = re.search(r"python -m pip install -q -e '\.\[test\]'.*pytest -q", text)
+    assert test_command and test_command.group(0) in ci, "README's test command and .ci/run differ"
