@@ -35,7 +35,9 @@ start_munge() {
   mkdir -p /run/munge && chown munge:munge /run/munge
   if munge -n 2>/dev/null | unmunge >/dev/null 2>&1; then log "munged already running (not ours)"; return; fi
   [ -s /etc/munge/munge.key ] || runuser -u munge -- mungekey --create
-  runuser -u munge -- /usr/sbin/munged --pid-file="$W/munged.pid"  # ours: 'down' stops it by this pid
+  # munged runs as user munge, which cannot write to $W: its pid file goes to /run/munge, then here
+  runuser -u munge -- /usr/sbin/munged --pid-file=/run/munge/mpddp-munged.pid
+  cp /run/munge/mpddp-munged.pid "$W/munged.pid"  # ours: 'down' stops it by this pid
 }
 
 write_conf() {  # $1 = single | netns, $2 = SlurmctldHost value
@@ -65,7 +67,8 @@ ReturnToService=2
 SlurmdTimeout=60
 InactiveLimit=0
 KillWait=5
-MinJobAge=30
+MinJobAge=5
+# sbatch --wait polls every 2 s while 2 < MinJobAge/2; with 30 it sleeps 2, 8, 32 s (a 9 s job took 42 s)
 GresTypes=gpu
 CONF
   local gres=""; [ "$FAKE_GPUS" -gt 0 ] && gres="Gres=gpu:$FAKE_GPUS"

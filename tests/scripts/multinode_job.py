@@ -1,6 +1,6 @@
-"""One node of a multi-node job, for the multi-node tests: ``python multinode_job.py NODE_RANK PORT [ADDR] [TIMEOUT] [SECONDS]``.
+"""One node of a multi-node job, for the multi-node tests.
 
-Each rank all-reduces its rank and prints one ``RESULT`` line with what it
+``python multinode_job.py NODE_RANK PORT [ADDR] [TIMEOUT] [SECONDS]``: each rank all-reduces its rank and prints one ``RESULT`` line with what it
 saw. With SECONDS > 0 the ranks keep all-reducing that long (a job to kill).
 Under SLURM, pass NODE_RANK ``slurm`` to let mpddp read the layout.
 """
@@ -12,6 +12,7 @@ import sys
 import time
 
 import mpddp
+import mpddp.slurm
 
 
 def work(ctx: mpddp.WorkerContext, seconds: float) -> dict:
@@ -34,6 +35,10 @@ if __name__ == "__main__":
     addr = sys.argv[3] if len(sys.argv) > 3 else "127.0.0.1"
     timeout = float(sys.argv[4]) if len(sys.argv) > 4 else 30.0
     seconds = float(sys.argv[5]) if len(sys.argv) > 5 else 0.0
-    where = {} if node == "slurm" else {"nnodes": 2, "node_rank": int(node), "master_addr": addr, "master_port": port}
+    if node == "slurm":  # what SLURM says, as the CLI reads it; explicit values would win
+        unset = {"nnodes": None, "node_rank": None, "master_addr": None, "master_port": None}
+        where = {k: v for k, v in mpddp.slurm.apply_slurm(unset).items() if v is not None}
+    else:
+        where = {"nnodes": 2, "node_rank": int(node), "master_addr": addr, "master_port": port}
     results = mpddp.launch(work, nprocs=2, args=(seconds,), backend="gloo", timeout=timeout, **where)
     print("RESULT " + json.dumps(results), flush=True)
