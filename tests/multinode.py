@@ -61,12 +61,14 @@ class Cluster:
         self.tag = uuid.uuid4().hex
         self.nodes: list[Node] = []
 
-    def start(self, args: list[str], prefix: list[str] | None = None, env: dict[str, str] | None = None) -> Node:
+    def start(self, args: list[str], prefix: list[str] | None = None, env: dict[str, str] | None = None,
+              command: list[str] | None = None) -> Node:
+        """Start ``multinode_job.py ARGS`` (or ``command``), behind ``prefix`` (e.g. netns_hosts.sh run 1 DIR)."""
         n = len(self.nodes)
         out, err = self.tmp / f"node{n}.out", self.tmp / f"node{n}.err"
         full_env = {**os.environ, TAG: self.tag, "PYTHONPATH": str(REPO), **(env or {})}
         with out.open("w") as o, err.open("w") as e:
-            proc = subprocess.Popen([*(prefix or []), sys.executable, str(JOB), *args], stdout=o, stderr=e,
+            proc = subprocess.Popen([*(prefix or []), *(command or [sys.executable, str(JOB), *args])], stdout=o, stderr=e,
                                     env=full_env, cwd=self.tmp)
         node = Node(proc, out, err)
         self.nodes.append(node)

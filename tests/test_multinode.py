@@ -10,9 +10,11 @@ tag in its environment, so that whatever a launch leaves behind is found
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -125,4 +127,28 @@ def test_two_namespace_hosts(cluster: Cluster, netns_hosts: Path) -> None:
     node1.wait(90)
     check_results(node0, 0)
     check_results(node1, 1)
+    assert cluster.leftovers(wait=5) == []
+
+
+@pytest.mark.netns
+@pytest.mark.timeout(150)
+def test_train_by_hand_on_two_namespace_hosts(cluster: Cluster, netns_hosts: Path) -> None:
+    """The `python -m mpddp train` command of the README, once on each host, with the master named n1."""
+    port = free_port()
+    nodes = []
+    for node_rank in (0, 1):
+        train = [sys.executable, "-m", "mpddp", "train", "--nnodes", "2", "--node-rank", str(node_rank),
+                 "--master-addr", "n1", "--master-port", str(port), "--nprocs", "2", "--backend", "gloo",
+                 "--epochs", "1", "--dataset", "synthetic", "--samples", "512", "--verbose",
+                 "--run-dir", f"runs/node{node_rank}"]
+        host = [str(NETNS), "run", str(node_rank + 1), str(netns_hosts)]
+        nodes.append(cluster.start([], prefix=host, command=train))
+    for node in nodes:
+        node.wait(120)
+    for node_rank, node in enumerate(nodes):
+        assert node.proc.returncode == 0, f"node {node_rank}:\n{node.stdout}\n{node.stderr}"
+        formulas = set(re.findall(r"rank (\d+×\d+\+\d+ = \d+ of \d+)", node.stdout + node.stderr))
+        local = {f"{node_rank}×2+{lr} = {node_rank * 2 + lr} of 4" for lr in (0, 1)}
+        assert formulas == local, node.stdout
+    assert "epoch   1/1" in nodes[0].stdout
     assert cluster.leftovers(wait=5) == []
