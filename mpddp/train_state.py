@@ -64,7 +64,7 @@ def restore_state(t: Trainer, state: dict[str, Any]) -> None:
         t.world, cfg.batch_size, cfg.accumulate)
     t.epoch, t.batches_done = state["epoch"], state["batches_done"]
     if t.batches_done and not same_layout:
-        t._say(f"note: the checkpoint was written with world_size×batch_size×accumulate = {state['world_size']}×"
+        t.report.say(f"note: the checkpoint was written with world_size×batch_size×accumulate = {state['world_size']}×"
                f"{state['batch_size']}×{state['accumulate']}; its epoch cannot be continued exactly, "
                f"starting epoch {t.epoch + 2}")
         t.epoch, t.batches_done = t.epoch + 1, 0

@@ -18,10 +18,7 @@ checkpoint.py and starting processes to the launcher (:func:`train` calls
 from __future__ import annotations
 
 import contextlib
-import json
-import os
 import random
-import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -38,8 +35,7 @@ from . import checkpoint
 from .config import LaunchConfig
 from .context import WorkerContext
 from .train_config import TrainConfig, resolve
-
-PROGRESS_INTERVAL = 0.5  # seconds between progress-bar refreshes (and loss.item() syncs)
+from .train_output import Reporter
 
 
 @dataclass(frozen=True)
@@ -99,6 +95,7 @@ class Trainer:
         self.loss_sum, self.loss_count = 0.0, 0  # this epoch's training loss so far (global, carried by checkpoints)
         self.last_checkpoint: Path | None = None
         self.last_train_loss = float("nan")
+        self.report = Reporter(self.rank, self.ctx.verbose, config.epochs, config.metrics_path)
         self._seed_rank_rngs()
         self._resume()
         self.ddp = self._wrap(self.model)
@@ -149,14 +146,17 @@ class Trainer:
         test = {"loss": float("nan"), "accuracy": None}
         if self.epoch >= self.config.epochs:
             test = self.evaluate()
-            self._say(f"already trained {self.epoch} epochs: pass --epochs N > {self.epoch} to train more")
+            self.report.say(f"already trained {self.epoch} epochs: pass --epochs N > {self.epoch} to train more")
         while self.epoch < self.config.epochs:
             samples, seconds = self._train_epoch()
             train_loss = self.last_train_loss = self._epoch_loss()
             test = self.evaluate()
             self.epoch, self.batches_done = self.epoch + 1, 0
             self.loss_sum, self.loss_count = 0.0, 0
-            self._log_epoch(train_loss, test, samples / seconds, time.perf_counter() - start)
+            self.report.end_epoch({
+                "epoch": self.epoch, "step": self.global_step, "train_loss": train_loss, "test_loss": test["loss"],
+                "test_accuracy": test["accuracy"], "samples_per_s": samples / seconds,
+                "elapsed_s": time.perf_counter() - start, "world_size": self.world, "global_batch": self.global_batch})
             self.save()
         return self._result(test)
 
@@ -167,14 +167,13 @@ class Trainer:
         self.sampler.skip = self.batches_done * self.config.batch_size  # resumed mid-epoch: skip what was done
         self.loader_rng.manual_seed(self.config.seed * 10_007 + self.epoch)
         batches, samples, begin = iter(self.train_loader), 0, time.perf_counter()
-        bar = self._progress_bar()
+        self.report.start_epoch(self.epoch, self.batches_per_epoch, self.batches_done)
         while self.batches_done < self.batches_per_epoch:
             micro = min(self.config.accumulate, self.batches_per_epoch - self.batches_done)
             loss, n = self._step(batches, micro)
             samples += n * self.world
-            self._after_step(bar, loss, samples / max(time.perf_counter() - begin, 1e-9))
-        if bar is not None:
-            bar.close()
+            self.report.step(loss, samples / max(time.perf_counter() - begin, 1e-9))
+            self._after_step()
         return samples, max(time.perf_counter() - begin, 1e-9)
 
     def _step(self, batches: Iterator[Any], micro: int) -> tuple[torch.Tensor, int]:
@@ -199,15 +198,11 @@ class Trainer:
         self.batches_done += micro
         return loss, samples
 
-    def _after_step(self, bar: Any, loss: torch.Tensor, rate: float) -> None:
+    def _after_step(self) -> None:
         fault = self.config.fault
         if fault is not None and fault.kind != "kill-saving" and fault.due(self.rank, self.global_step,
                                                                             self.ctx.restart):
             fault.fire()
-        if bar is not None:
-            bar.update(1)
-            if time.monotonic() - bar.last_print_t >= PROGRESS_INTERVAL:
-                bar.set_postfix_str(f"loss {loss.item():.4f}  {rate:,.0f} samples/s", refresh=False)
         every = self.config.checkpoint_every
         if every and self.global_step % every == 0 and self.batches_done < self.batches_per_epoch:
             self.save()  # mid-epoch; the end of the epoch saves anyway
@@ -279,42 +274,11 @@ class Trainer:
         if path is not None:
             state = checkpoint.load(Path(path), checkpoint.signature(self.model))
             restore_state(self, state)
-            self._say(f"resumed from {path}: epoch {self.epoch + 1}, step {self.global_step}")
+            self.report.say(f"resumed from {path}: epoch {self.epoch + 1}, step {self.global_step}")
 
     def _barrier(self) -> None:
         if self.world > 1 and dist.is_initialized():
             dist.barrier()
-
-    # ---- output -----------------------------------------------------------------------------------
-
-    def _talks(self) -> bool:
-        return self.rank == 0 or self.ctx.verbose
-
-    def _say(self, line: str) -> None:
-        if self._talks():
-            print(line, flush=True)
-
-    def _progress_bar(self) -> Any:
-        if not self._talks() or os.environ.get("MPDDP_STDOUT_ISATTY") != "1":
-            return None
-        from tqdm import tqdm
-
-        return tqdm(total=self.batches_per_epoch, initial=self.batches_done, file=sys.stdout, ncols=100,
-                    desc=f"epoch {self.epoch + 1}/{self.config.epochs}", unit="step", leave=False,
-                    mininterval=PROGRESS_INTERVAL)
-
-    def _log_epoch(self, train_loss: float, test: dict[str, Any], rate: float, elapsed: float) -> None:
-        acc = test["accuracy"]
-        acc_text = "" if acc is None else f"  test acc {100 * acc:6.2f}%"
-        self._say(f"epoch {self.epoch:>3}/{self.config.epochs}  train loss {train_loss:.4f}  "
-                  f"test loss {test['loss']:.4f}{acc_text}  {rate:,.0f} samples/s  elapsed {elapsed:.1f}s")
-        if self.rank == 0:
-            record = {"epoch": self.epoch, "step": self.global_step, "train_loss": train_loss,
-                      "test_loss": test["loss"], "test_accuracy": acc, "samples_per_s": rate, "elapsed_s": elapsed,
-                      "world_size": self.world, "global_batch": self.global_batch}
-            self.config.metrics_path.parent.mkdir(parents=True, exist_ok=True)
-            with open(self.config.metrics_path, "a") as f:
-                f.write(json.dumps(record) + "\n")
 
     @property
     def global_batch(self) -> int:

@@ -13,7 +13,7 @@ from mpddp.tasks import DigitsCNN, Task, build_task, digits_task, load_factory, 
 
 def test_digits_loads_from_scikit_learn_with_a_split_fixed_by_the_seed():
     a, b, c = digits_task(seed=0), digits_task(seed=0), digits_task(seed=1)
-    assert (len(a.train_set), len(a.test_set)) == (1437, 360)  # 1,797 digits, 20% held out
+    assert (len(a.train_set), len(a.test_set)) == (1438, 359)  # 1,797 digits, 20% of each class held out
     x, y = a.train_set[0]
     assert x.shape == (1, 8, 8) and x.dtype == torch.float32 and 0 <= x.min() and x.max() <= 1
     assert y.dtype == torch.int64
@@ -21,6 +21,17 @@ def test_digits_loads_from_scikit_learn_with_a_split_fixed_by_the_seed():
     assert not torch.equal(a.test_set.tensors[0], c.test_set.tensors[0])
     assert sorted(set(a.test_set.tensors[1].tolist())) == list(range(10))  # stratified: every class tested
     assert DigitsCNN()(x.unsqueeze(0)).shape == (1, 10)
+
+
+def test_digits_are_scikit_learns_own():
+    from sklearn.datasets import load_digits
+
+    from mpddp.tasks import load_digits_arrays
+
+    images, labels = load_digits_arrays()
+    reference = load_digits()
+    assert torch.equal(images.squeeze(1), torch.tensor(reference.images / 16.0, dtype=torch.float32))
+    assert torch.equal(labels, torch.tensor(reference.target))
 
 
 def test_synthetic_is_deterministic_and_sized_by_its_options():

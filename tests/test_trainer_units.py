@@ -140,3 +140,23 @@ def test_accumulation_equals_one_big_batch(tmp_path):
     assert big.global_step == small.global_step == 8
     for name, value in params(big).items():
         torch.testing.assert_close(params(small)[name], value, rtol=0, atol=1e-12)
+
+
+def test_progress_bar_only_on_a_terminal_and_metrics_as_json_lines(tmp_path, monkeypatch, capsys):
+    import json
+
+    import mpddp.train_output as output
+
+    monkeypatch.setattr(output, "PROGRESS_INTERVAL", 0.0)  # redraw at every step
+    monkeypatch.setenv("MPDDP_STDOUT_ISATTY", "1")
+    fit(TrainConfig(task=TASK, epochs=1, batch_size=8, run_dir=str(tmp_path / "tty")))
+    shown = capsys.readouterr().out
+    assert "epoch 1/1" in shown and "8/8" in shown and "samples/s" in shown and "loss " in shown
+    monkeypatch.setenv("MPDDP_STDOUT_ISATTY", "0")
+    fit(TrainConfig(task=TASK, epochs=2, batch_size=8, run_dir=str(tmp_path / "pipe")))
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 2 and all("\r" not in line for line in lines)  # plain summary lines only
+    assert lines[1].startswith("epoch   2/2  train loss ") and "test acc" in lines[1] and "elapsed" in lines[1]
+    records = [json.loads(line) for line in (tmp_path / "pipe" / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["epoch"], r["step"], r["global_batch"]) for r in records] == [(1, 8, 8), (2, 16, 8)]
+    assert set(records[0]) >= {"train_loss", "test_loss", "test_accuracy", "samples_per_s", "elapsed_s"}

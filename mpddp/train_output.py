@@ -1,0 +1,71 @@
+"""What the user sees of a training run: progress, one line per epoch, a metrics file.
+
+Owns: rank 0's voice (other ranks stay quiet unless ``verbose``), the tqdm
+bar per epoch (only when the launcher says the user's stdout is a terminal
+or notebook, ``MPDDP_STDOUT_ISATTY=1``), the per-epoch summary line and the
+JSON-lines metrics file. It reads losses at most every
+:data:`PROGRESS_INTERVAL` seconds, so the bar costs no GPU sync per step.
+Leaves computing the numbers to trainer.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+PROGRESS_INTERVAL = 0.5  # seconds between progress-bar refreshes (and loss.item() syncs)
+
+
+class Reporter:
+    """Prints and records for one rank; only rank 0 (or every rank with ``verbose``) talks."""
+
+    def __init__(self, rank: int, verbose: bool, epochs: int, metrics_path: Path) -> None:
+        self.rank, self.epochs, self.metrics_path = rank, epochs, metrics_path
+        self.talks = rank == 0 or verbose
+        self.bar: Any = None
+
+    def say(self, line: str) -> None:
+        """One line on this rank's stdout (relayed as ``[rank N] line``)."""
+        if self.talks:
+            print(line, flush=True)
+
+    def start_epoch(self, epoch: int, total: int, done: int) -> None:
+        """Open the epoch's progress bar when stdout reaches a terminal."""
+        if not self.talks or os.environ.get("MPDDP_STDOUT_ISATTY") != "1":
+            return
+        from tqdm import tqdm
+
+        # stdout is the launcher's pipe: size the bar for the user's terminal less the "[rank N] " prefix.
+        width = min(100, shutil.get_terminal_size((80, 24)).columns - len(f"[rank {self.rank}] "))
+        self.bar = tqdm(total=total, initial=done, file=sys.stdout, ncols=width, desc=f"epoch {epoch + 1}/{self.epochs}",
+                        unit="step", leave=False, mininterval=PROGRESS_INTERVAL)
+
+    def step(self, loss: torch.Tensor, rate: float) -> None:
+        """One optimizer step done; the loss is read only when the bar is about to redraw."""
+        if self.bar is None:
+            return
+        self.bar.update(1)
+        if time.monotonic() - self.bar.last_print_t >= PROGRESS_INTERVAL:
+            self.bar.set_postfix_str(f"loss {loss.item():.4f}  {rate:,.0f} samples/s", refresh=False)
+
+    def end_epoch(self, record: dict[str, Any]) -> None:
+        """Close the bar, print the summary line, append the record to the metrics file (rank 0)."""
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+        acc = record["test_accuracy"]
+        acc_text = "" if acc is None else f"  test acc {100 * acc:6.2f}%"
+        self.say(f"epoch {record['epoch']:>3}/{self.epochs}  train loss {record['train_loss']:.4f}  "
+                 f"test loss {record['test_loss']:.4f}{acc_text}  {record['samples_per_s']:,.0f} samples/s  "
+                 f"elapsed {record['elapsed_s']:.1f}s")
+        if self.rank == 0:
+            self.metrics_path.parent.mkdir(parents=True, exist_ok=True)
+            with open(self.metrics_path, "a") as f:
+                f.write(json.dumps(record) + "\n")
