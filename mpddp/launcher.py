@@ -37,17 +37,24 @@ def _start_context(method: str) -> Any:
     The forkserver imports torch once, touches no CUDA and runs no torch op,
     so every worker forked from it is as clean as a spawned one, but starts
     in milliseconds. It is started before this process imports torch, so the
-    two imports overlap.
+    two imports overlap: importing torch.multiprocessing imports all of torch
+    (~1-2 s), so the stdlib starts the forkserver and torch.multiprocessing's
+    context (the same object, plus torch's tensor reductions) comes after.
     """
-    import torch.multiprocessing as tmp  # cheap: torch itself is imported lazily below
-
-    ctx = tmp.get_context(method)
     if method == "forkserver":
-        ctx.set_forkserver_preload(_FORKSERVER_PRELOAD)
+        multiprocessing.get_context(method).set_forkserver_preload(_FORKSERVER_PRELOAD)
         from multiprocessing import forkserver
 
-        forkserver.ensure_running()
-    return ctx
+        # read by mpddp.worker when the forkserver imports it (see there); a literal,
+        # since importing mpddp.worker here would import torch first
+        os.environ["MPDDP_FORKSERVER_PARENT"] = str(os.getpid())
+        try:
+            forkserver.ensure_running()
+        finally:
+            os.environ.pop("MPDDP_FORKSERVER_PARENT", None)
+    import torch.multiprocessing
+
+    return torch.multiprocessing.get_context(method)
 
 
 def launch(

@@ -50,13 +50,26 @@ class WorkerSpec:
     init_group: bool = True
 
 
-def _detach(close_fds: tuple[int, ...]) -> None:
-    """Own session (the terminal's Ctrl-C goes to the launcher only) and die with the parent."""
-    os.setsid()
+def die_with_parent() -> None:
+    """Ask Linux to SIGKILL this process the moment its parent dies."""
     try:
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
     except (OSError, AttributeError):
         pass
+
+
+# The launcher starts its forkserver with FORKSERVER_PARENT=<its pid>: the forkserver
+# (which imports this module first) then dies with the launcher at once, instead of
+# after noticing a closed pipe and finalizing an interpreter that holds torch.
+FORKSERVER_PARENT = "MPDDP_FORKSERVER_PARENT"
+if os.environ.pop(FORKSERVER_PARENT, None) == str(os.getppid()):
+    die_with_parent()
+
+
+def _detach(close_fds: tuple[int, ...]) -> None:
+    """Own session (the terminal's Ctrl-C goes to the launcher only) and die with the parent."""
+    os.setsid()
+    die_with_parent()
     for fd in close_fds:
         try:
             os.close(fd)
@@ -135,6 +148,20 @@ def _init_group(spec: WorkerSpec) -> None:
     )
 
 
+def _default_timeout(seconds: float) -> None:
+    """Make ``--timeout`` the default of a script's own ``init_process_group``.
+
+    Without it a torchrun-style script waits gloo's 30 minutes (NCCL's 10)
+    for a hung peer; a timeout the script passes itself still wins.
+    """
+    from torch.distributed import distributed_c10d as c10d
+
+    limit = timedelta(seconds=seconds)
+    c10d.default_pg_timeout = limit
+    if isinstance(getattr(c10d, "default_pg_nccl_timeout", None), timedelta):
+        c10d.default_pg_nccl_timeout = limit
+
+
 def _connect(addr: str, port: int, timeout: float) -> Any:
     from .rendezvous import connect
 
@@ -160,6 +187,8 @@ def entry(spec: WorkerSpec, messages: Connection, out: Connection, err: Connecti
             torch.cuda.set_device(ctx.device)  # before init: else every rank lands on cuda:0
         if spec.init_group:
             _init_group(spec)
+        else:
+            _default_timeout(spec.timeout)
         result = fn(ctx, *args, **kwargs)
         messages.send_bytes(b"R" + cloudpickle.dumps(_to_cpu(result)))
     except SystemExit as e:
