@@ -151,7 +151,8 @@ down() {
 }
 
 case "${1:-}" in
+  install) install ;;
   up) up "${2:-single}" ;;
   down) down ;;
-  *) echo "usage: $0 up [single|netns] | down" >&2; exit 2 ;;
+  *) echo "usage: $0 install | up [single|netns] | down" >&2; exit 2 ;;
 esac
