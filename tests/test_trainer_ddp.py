@@ -130,3 +130,10 @@ def test_an_injected_exception_names_its_rank(tmp_path):
     with pytest.raises(mpddp.WorkerFailed, match="injected fault: rank 1 raised at step 3") as e:
         train(replace(BASE, run_dir=str(tmp_path), inject_fault="raise:1:3"), nprocs=2)
     assert e.value.rank == 1
+
+
+@pytest.mark.timeout(60)
+def test_an_injected_hang_is_caught_by_the_timeout(tmp_path):
+    with pytest.raises(mpddp.HangError, match="rank 1 made no progress") as e:
+        train(replace(BASE, run_dir=str(tmp_path), inject_fault="hang:1:3"), nprocs=2, timeout=3)
+    assert e.value.rank == 1
