@@ -129,17 +129,6 @@ def test_two_tasks_on_one_node_prints_the_srun_line(slurm_ci: SlurmCI) -> None:
 
 
 @pytest.mark.timeout(120)
-def test_sbatch_example_one_node(slurm_ci: SlurmCI) -> None:
-    slurm_ci.ensure("single")
-    log = slurm_ci.work / "sbatch-one.out"
-    check(slurm_ci.run(["timeout", "90", "sbatch", "--wait", "--nodes=1", "--gpus-per-node=2", f"--output={log}",
-                        str(REPO / "scripts" / "sbatch_example.sh"), *TRAIN[4:], "--run-dir", "runs/sbatch-one"]))
-    out = log.read_text()
-    assert banners(out) == {"0×2+0 = 0 of 2", "0×2+1 = 1 of 2"}, out
-    assert "epoch   1/1" in out
-
-
-@pytest.mark.timeout(120)
 def test_srun_two_namespace_nodes_train(slurm_ci: SlurmCI) -> None:
     slurm_ci.ensure("netns")
     out = check(slurm_ci.run([*SRUN, "-N2", "--ntasks-per-node=1", "--gpus-per-node=2", *TRAIN,
