@@ -146,7 +146,7 @@ def _dumps(value: Any) -> bytes:
 def ship(fn: Callable[..., Any], args: tuple, kwargs: dict[str, Any]) -> bytes:
     """Serialize ``fn`` and its arguments by value, before any worker starts."""
     try:
-        return _dumps((fn, args, kwargs))
+        return _dumps((fn, args, kwargs, _cell_sources()))
     except Exception as e:
         culprit = _find_unshippable(fn, args, kwargs)
         where = f"{culprit.what} ({culprit.error})" if culprit else str(e)
@@ -154,6 +154,17 @@ def ship(fn: Callable[..., Any], args: tuple, kwargs: dict[str, Any]) -> bytes:
             f"cannot send {where} to the workers: each worker is a separate process, so everything fn "
             "uses is pickled; create locks, sockets, files and threads inside fn instead"
         ) from e
+
+
+def _cell_sources() -> dict[str, tuple]:
+    """Lines of code typed into Jupyter/IPython cells, which no file holds.
+
+    IPython keeps them in linecache with no mtime; sent along, a worker's
+    traceback shows the cell's lines instead of bare line numbers.
+    """
+    import linecache
+
+    return {name: entry for name, entry in list(linecache.cache.items()) if len(entry) == 4 and entry[1] is None}
 
 
 def _find_unshippable(fn: Callable[..., Any], args: tuple, kwargs: dict[str, Any]) -> _Unshippable | None:

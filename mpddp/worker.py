@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import io
+import linecache
 import os
 import signal
 import sys
@@ -44,7 +45,7 @@ class WorkerSpec:
     timeout: float
     env: dict[str, str]
     threads: int | None
-    payload: bytes  # cloudpickle of (fn, args, kwargs)
+    payload: bytes  # cloudpickle of (fn, args, kwargs, notebook cells' linecache entries)
     close_fds: tuple[int, ...] = ()  # parent fds a forked child inherited
     banner: str | None = None
     init_group: bool = True
@@ -182,7 +183,8 @@ def entry(spec: WorkerSpec, messages: Connection, out: Connection, err: Connecti
         print(spec.banner, flush=True)
     code = 0
     try:
-        fn, args, kwargs = cloudpickle.loads(spec.payload)
+        fn, args, kwargs, sources = cloudpickle.loads(spec.payload)
+        linecache.cache.update(sources)  # notebook cells' lines, for tracebacks
         if ctx.device.startswith("cuda"):
             torch.cuda.set_device(ctx.device)  # before init: else every rank lands on cuda:0
         if spec.init_group:
