@@ -196,6 +196,8 @@ y = x @ x  # a multi-threaded op in the kernel, before any launch: a forked work
 print("threads", torch.get_num_threads())
 """
 
+IMPORTS = SETUP.split("\n\n")[0]
+
 TRAIN = """\
 SCALE = 10  # a notebook global the function uses
 
@@ -238,7 +240,7 @@ def test_cell_defined_train_function_returns_every_rank_and_prints_in_the_cell(k
 @pytest.mark.timeout(60)
 @pytest.mark.usefixtures("no_workers_left")
 def test_closures_lambdas_and_an_unshippable_global(kernel: Kernel):
-    ok(kernel.run(SETUP.split("\n\n")[0]))  # the imports, when run alone
+    ok(kernel.run(IMPORTS))  # each test runs alone too
     cell = ok(kernel.run(
         "offset = {'value': 7}\n"
         "def make(factor):\n"
@@ -263,6 +265,7 @@ def test_closures_lambdas_and_an_unshippable_global(kernel: Kernel):
 @pytest.mark.timeout(60)
 @pytest.mark.usefixtures("no_workers_left")
 def test_fork_is_refused_in_a_kernel_with_a_reason_and_a_fix(kernel: Kernel):
+    ok(kernel.run(IMPORTS))
     cell = kernel.run("mpddp.launch(lambda ctx: 1, nprocs=2, start_method='fork')")
     assert cell.error == "ConfigError" and cell.seconds < 10
     assert "start_method='fork' is unsafe here" in cell.evalue and "Python threads (Jupyter does)" in cell.evalue
@@ -272,6 +275,7 @@ def test_fork_is_refused_in_a_kernel_with_a_reason_and_a_fix(kernel: Kernel):
 @pytest.mark.timeout(60)
 @pytest.mark.usefixtures("no_workers_left")
 def test_ten_megabyte_results_from_each_rank(kernel: Kernel):
+    ok(kernel.run(IMPORTS))
     cell = ok(kernel.run(
         "N = 10 * 2**20 // 4  # float32: 10 MB a rank, far past a pipe's 64 KiB\n"
         "def big(ctx):\n"
@@ -286,6 +290,7 @@ def test_ten_megabyte_results_from_each_rank(kernel: Kernel):
 @pytest.mark.timeout(60)
 @pytest.mark.usefixtures("no_workers_left")
 def test_a_failing_rank_raises_in_the_cell_with_its_traceback(kernel: Kernel):
+    ok(kernel.run(IMPORTS))
     cell = kernel.run(
         "def load_batch(i):\n"
         "    raise ValueError(f'corrupt batch {i}')\n"
@@ -300,6 +305,8 @@ def test_a_failing_rank_raises_in_the_cell_with_its_traceback(kernel: Kernel):
     assert "rank 1 (node 0, local rank 1) failed first: it raised ValueError: corrupt batch 42" in cell.evalue
     assert "mpddp: traceback of rank 1:" in cell.evalue and "in load_batch" in cell.evalue
     assert "in fails" in cell.evalue
+    # the cell's source lines, which no file holds, are in the worker's traceback too
+    assert "raise ValueError(f'corrupt batch {i}')" in cell.evalue and "load_batch(42)" in cell.evalue
     assert "[rank 1] step 1 done" in cell.stdout
     assert ok(kernel.run("'still usable'")).result == "'still usable'"
 
@@ -319,7 +326,7 @@ mpddp.launch(blocked, nprocs=2, timeout=300)
 @pytest.mark.timeout(90)
 @pytest.mark.usefixtures("no_workers_left")
 def test_interrupt_stops_every_rank_and_the_kernel_launches_again(kernel: Kernel):
-    ok(kernel.run(SETUP.split("\n\n")[0]))
+    ok(kernel.run(IMPORTS))
     cell, seconds = kernel.run_and_interrupt(BLOCKED, ready=lambda c: c.stdout.count("[rank") >= 2)
     assert cell.error == "KeyboardInterrupt", cell
     assert seconds < 5
