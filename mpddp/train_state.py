@@ -69,7 +69,8 @@ def restore_state(t: Trainer, state: dict[str, Any]) -> None:
                f"starting epoch {t.epoch + 2}")
         t.epoch, t.batches_done = t.epoch + 1, 0
     if t.batches_done and t.rank == 0:
-        t.loss_sum, t.loss_count = state["epoch_loss"][0], int(state["epoch_loss"][1])
+        t.loss_sum.fill_(state["epoch_loss"][0])
+        t.loss_count = int(state["epoch_loss"][1])
     if len(state["rng"]) == t.world:
         set_rng_state(state["rng"][t.rank], t.device)
     else:  # another world size: fresh, distinct, reproducible generators

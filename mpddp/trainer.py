@@ -92,9 +92,11 @@ class Trainer:
         self.model = self.task.model.to(self.device)
         self.optimizer = self.task.optimizer(self.model.parameters(), config.lr)
         self.epoch, self.batches_done, self.global_step = 0, 0, 0
-        self.loss_sum, self.loss_count = 0.0, 0  # this epoch's training loss so far (global, carried by checkpoints)
+        # This epoch's training loss so far: a device tensor, so adding to it never waits for the device.
+        self.loss_sum, self.loss_count = torch.zeros((), dtype=torch.float64, device=self.device), 0
         self.last_checkpoint: Path | None = None
         self.last_train_loss = float("nan")
+        self.fault = config.fault  # parsed once, checked every step
         self.report = Reporter(self.rank, self.ctx.verbose, config.epochs, config.metrics_path)
         self._seed_rank_rngs()
         self._resume()
@@ -136,7 +138,9 @@ class Trainer:
         precision = self.config.precision
         if precision == "auto":
             precision = "bf16" if self.device.type == "cuda" and torch.cuda.is_bf16_supported() else "fp32"
-        return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=precision == "bf16")
+        if precision == "fp32":
+            return contextlib.nullcontext()  # not even a disabled autocast: nothing to do per step
+        return torch.autocast(self.device.type, dtype=torch.bfloat16)
 
     # ---- training ---------------------------------------------------------------------------------
 
@@ -152,7 +156,8 @@ class Trainer:
             train_loss = self.last_train_loss = self._epoch_loss()
             test = self.evaluate()
             self.epoch, self.batches_done = self.epoch + 1, 0
-            self.loss_sum, self.loss_count = 0.0, 0
+            self.loss_sum.zero_()
+            self.loss_count = 0
             self.report.end_epoch({
                 "epoch": self.epoch, "step": self.global_step, "train_loss": train_loss, "test_loss": test["loss"],
                 "test_accuracy": test["accuracy"], "samples_per_s": samples / seconds,
@@ -187,9 +192,9 @@ class Trainer:
             with contextlib.nullcontext() if last or self.world == 1 else self.ddp.no_sync():  # type: ignore[operator]
                 with self.autocast:
                     loss = self.task.loss_fn(self.ddp(inputs), targets)
-                (loss / micro).backward()  # the mean over micro-batches, as one big batch would give
+                (loss / micro if micro > 1 else loss).backward()  # the mean over micro-batches, as one big batch
             n = int(targets.shape[0])
-            self.loss_sum += loss.detach().double() * n  # type: ignore[assignment]  # a tensor: no sync per step
+            self.loss_sum.add_(loss.detach(), alpha=n)  # one small op, no sync
             self.loss_count += n
             samples += n
         self.optimizer.step()
@@ -199,7 +204,7 @@ class Trainer:
         return loss, samples
 
     def _after_step(self) -> None:
-        fault = self.config.fault
+        fault = self.fault
         if fault is not None and fault.kind != "kill-saving" and fault.due(self.rank, self.global_step,
                                                                             self.ctx.restart):
             fault.fire()
@@ -254,7 +259,7 @@ class Trainer:
         state = gather_state(self)  # a collective: every rank's RNG state and the global epoch loss
         path = None
         if self.rank == 0:
-            fault = self.config.fault
+            fault = self.fault
             hook = fault.fire if fault is not None and fault.kind == "kill-saving" and fault.due(
                 self.rank, self.global_step, self.ctx.restart) else None
             path = checkpoint.save(state, self.config.checkpoint_path, self.global_step,

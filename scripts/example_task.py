@@ -14,6 +14,8 @@ DistributedSampler, DDP, accumulation, evaluation, checkpoints.
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 from torch.utils.data import Dataset
@@ -35,11 +37,14 @@ class Moons(Dataset):
 
 
 def moons(samples: int, seed: int) -> Moons:
-    """Two noisy half circles, labels 0 and 1 (no download, fixed by ``seed``)."""
-    from sklearn.datasets import make_moons
-
-    x, y = make_moons(n_samples=samples, noise=0.15, random_state=seed)
-    return Moons(torch.tensor(x, dtype=torch.float32), torch.tensor(y, dtype=torch.int64))
+    """Two noisy interleaved half circles, labels 0 and 1 (no download, fixed by ``seed``)."""
+    gen = torch.Generator().manual_seed(seed)
+    labels = torch.arange(samples) % 2
+    angle = torch.rand(samples, generator=gen) * math.pi
+    upper = torch.stack([torch.cos(angle), torch.sin(angle)], dim=1)
+    lower = torch.stack([1 - torch.cos(angle), 0.5 - torch.sin(angle)], dim=1)
+    points = torch.where(labels[:, None] == 0, upper, lower) + 0.15 * torch.randn(samples, 2, generator=gen)
+    return Moons(points, labels)
 
 
 def sgd(params, lr: float) -> torch.optim.Optimizer:
