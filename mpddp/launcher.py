@@ -31,6 +31,28 @@ def _refuse_bootstrap() -> None:
         os._exit(MAIN_GUARD_EXIT)
 
 
+def _start_resource_tracker() -> None:
+    """Start multiprocessing's resource tracker, quiet about ranks that were killed.
+
+    Every worker shares this process's tracker. A rank killed mid-run (by a
+    failure, SIGTERM or Ctrl-C) cannot release its DataLoader's semaphores;
+    the tracker unlinks them, so nothing leaks, but would end the report with
+    "There appear to be 28 leaked semaphore objects", which only confuses.
+    """
+    from multiprocessing import resource_tracker
+
+    previous = os.environ.get("PYTHONWARNINGS")
+    quiet = "ignore::UserWarning:multiprocessing.resource_tracker"
+    os.environ["PYTHONWARNINGS"] = f"{previous},{quiet}" if previous else quiet  # the tracker's only
+    try:
+        resource_tracker.ensure_running()
+    finally:
+        if previous is None:
+            os.environ.pop("PYTHONWARNINGS", None)
+        else:
+            os.environ["PYTHONWARNINGS"] = previous
+
+
 def _start_context(method: str) -> Any:
     """The multiprocessing context; a forkserver is started early, in parallel.
 
@@ -41,6 +63,7 @@ def _start_context(method: str) -> Any:
     (~1-2 s), so the stdlib starts the forkserver and torch.multiprocessing's
     context (the same object, plus torch's tensor reductions) comes after.
     """
+    _start_resource_tracker()
     if method == "forkserver":
         multiprocessing.get_context(method).set_forkserver_preload(_FORKSERVER_PRELOAD)
         from multiprocessing import forkserver
