@@ -1,0 +1,168 @@
+"""Watching a real ``python -m mpddp ...`` launch from outside, for reliability tests.
+
+A :class:`Run` starts the launcher with a marker in its environment (every
+worker and DataLoader worker inherits it), its own TMPDIR and output files,
+lists the whole process tree while it runs, and answers afterwards what is
+left: processes (found by the marker, so re-parented ones count too),
+zombies, temporary files and listening ports.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import psutil
+
+REPO = Path(__file__).resolve().parent.parent
+SCRIPTS = REPO / "tests" / "scripts"
+
+
+class Run:
+    def __init__(self, argv: list[str], tmp_path: Path, env: dict[str, str] | None = None) -> None:
+        """Start ``python *argv`` (e.g. ``["-m", "mpddp", "run", ...]``) in ``tmp_path``."""
+        self.marker = uuid.uuid4().hex
+        self.tmpdir = tmp_path / "tmp"
+        self.tmpdir.mkdir()
+        self.go_file = tmp_path / "go"
+        self.out_path, self.err_path = tmp_path / "stdout.txt", tmp_path / "stderr.txt"
+        full_env = dict(os.environ, MPDDP_TEST_RUN=self.marker, TMPDIR=str(self.tmpdir), FAIL_GO=str(self.go_file))
+        full_env.pop("PYTEST_CURRENT_TEST", None)
+        full_env.update(env or {})
+        with open(self.out_path, "wb") as out, open(self.err_path, "wb") as err:
+            self.proc = subprocess.Popen([sys.executable, *argv], stdout=out, stderr=err,
+                                         env=full_env, cwd=tmp_path)
+        self.pids: set[int] = set()
+        self.exited_at: float | None = None
+
+    @property
+    def stdout(self) -> str:
+        return self.out_path.read_text(errors="replace")
+
+    @property
+    def stderr(self) -> str:
+        return self.err_path.read_text(errors="replace")
+
+    def wait_for(self, pattern: str, count: int = 1, timeout: float = 60.0) -> list[re.Match[str]]:
+        """Wait until ``pattern`` matched ``count`` times in stdout; fail if the launcher exits first."""
+        deadline = time.monotonic() + timeout
+        while True:
+            found = list(re.finditer(pattern, self.stdout))
+            if len(found) >= count:
+                return found
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise AssertionError(f"no {count}× {pattern!r} (rc={self.proc.poll()}):\n{self.stdout}\n{self.stderr}")
+            time.sleep(0.02)
+
+    def list_tree(self) -> set[int]:
+        """The launcher and every descendant now, plus processes carrying the marker."""
+        root = psutil.Process(self.proc.pid)
+        self.pids |= {root.pid, *(p.pid for p in root.children(recursive=True))}
+        self.pids |= {p.pid for p in marked(self.marker)}
+        return self.pids
+
+    def go(self) -> None:
+        self.go_file.write_text("go")
+
+    def worker_pids(self) -> list[int]:
+        return [int(m.group(1)) for m in re.finditer(r"UP rank=\d+ pid=(\d+)", self.stdout)]
+
+    def port(self) -> int:
+        return int(self.wait_for(r"port=(\d+)")[0].group(1))
+
+    def fail_time(self) -> float:
+        return float(self.wait_for(r"FAIL_AT ([0-9.]+)")[0].group(1))
+
+    def all_gone_at(self, pids: set[int], timeout: float = 30.0) -> float:
+        """Monotonic time at which none of ``pids`` runs any more (zombies count as gone)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if not running(pids):
+                return time.monotonic()
+            time.sleep(0.01)
+        raise AssertionError(f"still running after {timeout} s: {running(pids)}")
+
+    def finish(self, timeout: float = 60.0) -> int:
+        rc = self.proc.wait(timeout)
+        self.exited_at = time.monotonic()
+        return rc
+
+    def kill(self) -> None:
+        """Last resort in a failing test: nothing of the run may outlive it."""
+        for p in [*marked(self.marker), *(psutil.Process(pid) for pid in running(self.pids))]:
+            try:
+                p.kill()
+            except psutil.NoSuchProcess:
+                pass
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+    def assert_nothing_left(self) -> None:
+        """No process of the run (not even a zombie), no temp file, no listening socket on its port."""
+        deadline = time.monotonic() + 3.0
+        while (left := alive_or_zombie(self.pids) + [p.pid for p in marked(self.marker)]) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not left, f"processes of the run left: {describe(left)}"
+        assert not list(self.tmpdir.iterdir()), f"temporary files left: {list(self.tmpdir.iterdir())}"
+
+
+def marked(marker: str) -> list[psutil.Process]:
+    """Live processes whose environment carries ``MPDDP_TEST_RUN=marker``."""
+    found = []
+    for p in psutil.process_iter():
+        try:
+            if p.environ().get("MPDDP_TEST_RUN") == marker and p.status() != psutil.STATUS_ZOMBIE:
+                found.append(p)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+    return found
+
+
+def running(pids: set[int]) -> list[int]:
+    left = []
+    for pid in pids:
+        try:
+            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                left.append(pid)
+        except psutil.NoSuchProcess:
+            pass
+    return left
+
+
+def alive_or_zombie(pids: set[int]) -> list[int]:
+    """``pids`` that still exist in the process table, zombies included."""
+    return [pid for pid in pids if psutil.pid_exists(pid)]
+
+
+def describe(pids: list[int]) -> list[str]:
+    out = []
+    for pid in pids:
+        try:
+            p = psutil.Process(pid)
+            out.append(f"{pid} {p.status()} ppid={p.ppid()} {' '.join(p.cmdline())[:100]}")
+        except psutil.NoSuchProcess:
+            out.append(f"{pid} gone")
+    return out
+
+
+def port_is_free(port: int) -> bool:
+    """Nothing listens on ``port`` any more, and the launcher's own bind would succeed again."""
+    listening = [c for c in psutil.net_connections(kind="inet")
+                 if c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port]
+    if listening:
+        return False
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("127.0.0.1", port))
+            s.listen()
+        except OSError:
+            return False
+    return True

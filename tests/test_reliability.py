@@ -1,0 +1,198 @@
+"""Failures of real launches on CPU: the report's words, the exit code, the time to
+teardown, and that nothing of the run is left (processes, zombies, temp files, ports).
+
+Each case runs ``python -m mpddp run --nprocs 2 tests/scripts/fail_modes.py MODE``
+(or ``mpddp.launch`` in a subprocess) and watches it from outside with psutil.
+The bounds on time are generous (a loaded 2-core CI machine); the measured
+figures are in docs_failures.rst.
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+from runs import SCRIPTS, Run, port_is_free
+
+pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("no_leftovers")]
+
+FAIL_MODES = str(SCRIPTS / "fail_modes.py")
+TEARDOWN_BOUND = 5.0  # seconds from the failure until every process of the run is gone
+
+
+def run_failure(tmp_path, mode: str, *flags: str, ready: int = 1) -> tuple[Run, int, float]:
+    """Launch, list the tree once the ranks are up, let rank 1 fail; -> run, exit code, teardown seconds."""
+    run = Run(["-m", "mpddp", "run", "--nprocs", "2", *flags, FAIL_MODES, *mode.split()], tmp_path)
+    try:
+        run.wait_for(r"READY", count=ready)
+        time.sleep(0.3)  # rank 0 reaches its collective
+        pids = run.list_tree()
+        run.go()
+        failed_at = run.fail_time()
+        workers = set(run.worker_pids()) | (pids - {run.proc.pid})
+        gone_at = run.all_gone_at(workers)
+        rc = run.finish()
+        run.assert_nothing_left()
+        assert port_is_free(run.port())
+    finally:
+        run.kill()
+    assert "leaked" not in run.stderr and "resource_tracker" not in run.stderr
+    print(f"teardown {mode}: {gone_at - failed_at:.2f} s")  # the figure for docs_failures.rst (pytest -s)
+    return run, rc, gone_at - failed_at
+
+
+def test_an_exception_on_one_rank_stops_all_and_shows_its_traceback(tmp_path):
+    run, rc, teardown = run_failure(tmp_path, "raise")
+    err = run.stderr
+    assert rc == 1, err
+    assert "mpddp: rank 1 (node 0, local rank 1) failed first: it raised ValueError: bad sample in shard 7" in err
+    assert "mpddp: last lines of rank 1:\n" in err and "  loading shard 7 of 8\n" in err
+    assert "mpddp: traceback of rank 1:\nTraceback (most recent call last):" in err
+    assert 'fail_modes.py", line' in err and 'raise ValueError("bad sample in shard 7")' in err
+    assert err.count("Traceback") == 1  # only the root cause's, never the victim's or the launcher's
+    # rank 0 either failed as a victim in its all_reduce or was stopped by mpddp
+    assert ("rank 0: failed after rank 1" in err and "a consequence, not the cause" in err) or \
+        "rank 0: stopped by mpddp after rank 1 failed" in err
+    assert teardown < TEARDOWN_BOUND
+
+
+def test_sys_exit_code_of_the_failing_rank_is_the_exit_code(tmp_path):
+    run, rc, teardown = run_failure(tmp_path, "exit")
+    assert rc == 3, run.stderr
+    assert "rank 1 (node 0, local rank 1) failed first: it exited with code 3 (sys.exit)" in run.stderr
+    assert "Traceback" not in run.stderr
+    assert teardown < TEARDOWN_BOUND
+
+
+def test_sigkill_of_one_rank_is_named_with_the_oom_hint(tmp_path):
+    run, rc, teardown = run_failure(tmp_path, "kill")
+    err = run.stderr
+    assert rc == 1, err
+    assert "mpddp: rank 1 (node 0, local rank 1) failed first: it was killed by SIGKILL" in err
+    assert "out-of-memory killer is a common cause" in err
+    assert "mpddp: last lines of rank 1:\n" in err and "  about to be killed\n" in err
+    assert "Traceback" not in err
+    assert teardown < TEARDOWN_BOUND
+
+
+def test_a_killed_rank_takes_its_dataloader_workers_along(tmp_path):
+    run, rc, teardown = run_failure(tmp_path, "loader kill", ready=2)
+    assert rc == 1, run.stderr
+    assert "rank 1 (node 0, local rank 1) failed first: it was killed by SIGKILL" in run.stderr
+    # 2 ranks × 2 DataLoader workers were listed, and all are gone (assert_nothing_left ran)
+    assert len(run.pids) >= 1 + 2 + 4, run.pids
+    assert teardown < TEARDOWN_BOUND
+
+
+def test_a_hung_rank_is_caught_by_the_timeout_and_named(tmp_path):
+    timeout = 3
+    run, rc, teardown = run_failure(tmp_path, "hang", "--timeout", str(timeout))
+    err = run.stderr
+    assert rc == 1, err
+    assert "mpddp: rank 1 made no progress: rank 0 timed out waiting for it in a collective" in err
+    assert f"Timed out waiting {timeout * 1000}ms" in err
+    assert "every rank was stopped. Raise --timeout if a step legitimately takes longer." in err
+    assert "  stuck in a data read" in err
+    assert teardown < timeout + TEARDOWN_BOUND
+
+
+@pytest.mark.parametrize(("sig", "code", "words", "mode"), [
+    (signal.SIGINT, 130, "mpddp: interrupted (SIGINT); every worker was stopped", "block"),
+    (signal.SIGTERM, 143, "mpddp: terminated (SIGTERM); every worker was stopped", "loader"),
+])
+def test_a_signal_to_the_launcher_stops_the_whole_tree(tmp_path, sig, code, words, mode):
+    run = Run(["-m", "mpddp", "run", "--nprocs", "2", FAIL_MODES, mode], tmp_path)
+    try:
+        run.wait_for(r"READY rank=\d", count=2)
+        pids = run.list_tree()
+        port = run.port()
+        if mode == "loader":
+            assert len(pids) >= 1 + 2 + 4, pids  # launcher, 2 ranks, 2 DataLoader workers each
+        sent = time.monotonic()
+        run.proc.send_signal(sig)
+        rc = run.finish(timeout=30)
+        gone_at = run.all_gone_at(pids)
+        run.assert_nothing_left()
+        assert port_is_free(port)
+    finally:
+        run.kill()
+    assert rc == code, run.stderr
+    assert run.stderr.strip().splitlines()[-1] == words
+    assert "Traceback" not in run.stderr and "leaked" not in run.stderr
+    print(f"signal {sig.name}: all gone {gone_at - sent:.2f} s after it was sent")
+    assert gone_at - sent < TEARDOWN_BOUND
+
+
+API_JOBS = textwrap.dedent("""
+    import sys, time
+    import torch, torch.distributed as dist
+    import mpddp
+
+    def hang(ctx):
+        print("UP rank=%d" % ctx.rank, flush=True)
+        if ctx.rank == 1:
+            while True:
+                time.sleep(3600)
+        t = torch.ones(1)
+        dist.all_reduce(t)
+
+    def block(ctx):
+        print("READY rank=%d" % ctx.rank, flush=True)
+        while True:
+            time.sleep(3600)
+
+    if __name__ == "__main__":
+        job = {"hang": hang, "block": block}[sys.argv[1]]
+        try:
+            mpddp.launch(job, nprocs=2, timeout=3)
+        except mpddp.HangError as e:
+            print("HangError rank", e.rank, "|", str(e).splitlines()[0], flush=True)
+        except KeyboardInterrupt:
+            print("KeyboardInterrupt reached the caller", flush=True)
+""")
+
+
+def test_api_hang_raises_hang_error_naming_the_rank(tmp_path):
+    script = tmp_path / "api_jobs.py"
+    script.write_text(API_JOBS)
+    start = time.monotonic()
+    out = subprocess.run([sys.executable, str(script), "hang"], capture_output=True, text=True, timeout=60,
+                         cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert "HangError rank 1 | mpddp: rank 1 made no progress: rank 0 timed out" in out.stdout
+    assert time.monotonic() - start < 3 + 20  # start-up, the 3 s timeout, teardown
+
+
+def test_api_keyboard_interrupt_stops_the_tree_and_reaches_the_caller(tmp_path):
+    script = tmp_path / "api_jobs.py"
+    script.write_text(API_JOBS)
+    run = Run([str(script), "block"], tmp_path)
+    try:
+        run.wait_for(r"READY rank=\d", count=2)
+        pids = run.list_tree()
+        sent = time.monotonic()
+        run.proc.send_signal(signal.SIGINT)
+        rc = run.finish(timeout=30)
+        gone_at = run.all_gone_at(pids)
+        run.assert_nothing_left()
+    finally:
+        run.kill()
+    assert rc == 0, run.stderr
+    assert "KeyboardInterrupt reached the caller" in run.stdout
+    assert gone_at - sent < TEARDOWN_BOUND
+
+
+def test_restarts_exhausted_say_so_and_each_attempt_gets_a_fresh_rendezvous(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "mpddp", "run", "--nprocs", "2", "--max-restarts", "1", FAIL_MODES,
+                          "raise"], capture_output=True, text=True, timeout=90, cwd=tmp_path)
+    assert out.returncode == 1, out.stderr
+    assert "mpddp: rank 1 failed; restarting the group (1 of 1)" in out.stderr
+    assert out.stderr.count("failed first: it raised ValueError: bad sample in shard 7") == 1  # the last one
+    assert "mpddp: gave up after 1 restart(s) (max_restarts=1); raise --max-restarts or fix the failure above" \
+        in out.stderr
+    ports = {line.split("port=")[1] for line in out.stdout.splitlines() if "UP rank=0" in line}
+    assert len(ports) == 2  # a fresh store (and port) for the second attempt
