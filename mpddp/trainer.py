@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import random
+import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -126,12 +127,17 @@ class Trainer:
         self.sampler = ResumableSampler(self.task.train_set, num_replicas=self.world, rank=self.rank,
                                         shuffle=True, seed=cfg.seed, drop_last=False)
         self.loader_rng = torch.Generator()  # worker seeds come from here, not from the global RNG
+        # DataLoader workers are forked from the rank, as under torchrun on Linux: the rank itself was
+        # started by a forkserver, whose children would have to unpickle the dataset (and could not
+        # import a task module loaded from a file).
+        context = "fork" if cfg.num_workers and sys.platform == "linux" else None
         self.train_loader = DataLoader(self.task.train_set, batch_size=cfg.batch_size, sampler=self.sampler,
-                                       num_workers=cfg.num_workers, pin_memory=on_gpu, generator=self.loader_rng)
+                                       num_workers=cfg.num_workers, pin_memory=on_gpu, generator=self.loader_rng,
+                                       multiprocessing_context=context)
         # Evaluation shards without padding (rank, rank+world, ...): no sample is counted twice.
         shard = Subset(self.task.test_set, range(self.rank, len(self.task.test_set), self.world))  # type: ignore[arg-type]
         self.test_loader = DataLoader(shard, batch_size=cfg.batch_size * 4, num_workers=cfg.num_workers,
-                                      pin_memory=on_gpu)
+                                      pin_memory=on_gpu, multiprocessing_context=context)
         self.batches_per_epoch = -(-len(self.sampler) // cfg.batch_size)
 
     def _autocast(self) -> contextlib.AbstractContextManager[Any]:

@@ -75,8 +75,10 @@ def test_digits_on_two_ranks_reaches_95_percent_and_resume_auto_continues(tmp_pa
 
 @pytest.mark.timeout(120)
 @pytest.mark.usefixtures("no_leftovers")
-def test_the_example_user_task_trains(tmp_path):
-    run = mpddp_cli(["train", "--task", str(EXAMPLE), "--nprocs", "2", "--epochs", "3", "--run-dir", "ex"], cwd=tmp_path)
+def test_the_example_user_task_trains_with_dataloader_workers(tmp_path):
+    # DataLoader workers of a rank must find the task's classes (a module loaded from a file), as under torchrun.
+    run = mpddp_cli(["train", "--task", str(EXAMPLE), "--nprocs", "2", "--epochs", "3", "--run-dir", "ex",
+                     "--num-workers", "1"], cwd=tmp_path)
     assert run.returncode == 0, run.stderr
     accuracy = float(re.findall(r"test acc\s+([\d.]+)%", run.stdout)[-1])
     assert accuracy > 90.0
