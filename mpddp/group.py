@@ -26,9 +26,10 @@ from .config import LaunchConfig
 from .context import WorkerContext
 from .errors import ConfigError, MainGuardError
 from .gpus import child_cuda_env
+from .heartbeat import Heartbeat, stalled_nodes
 from .machine import banner, physical_cores, threads_per_rank
 from .relay import Relay
-from .report import RankState, failure_error
+from .report import RankState, failure_error, root_cause
 
 _FAILURE_WINDOW = 0.3  # seconds to collect other ranks' reports after the first failure
 _TEARDOWN_GRACE = 0.5
@@ -264,17 +265,21 @@ def run_group(plan: Plan, mp_context: Any, payload: bytes, attempt: int, init_gr
     port = sock.getsockname()[1] if sock is not None else config.master_port
     relay = Relay(config.output_ranks, config.log_dir)
     states: list[RankState] = []
-    store = None
-    missing: list[int] = []
+    store = beat = None
+    notes: list[str] = []
     try:
         states = _start(plan, mp_context, payload, port, attempt, relay, init_group)
         relay.start()
         if sock is not None:
             store = rendezvous.host_store(sock, config.timeout)
+        if config.nnodes > 1:
+            beat = Heartbeat(config.master_addr, port, config.node_rank, attempt, config.timeout)
         _watch(states, config.timeout)
-        if store is not None and init_group and not all(s.has_result for s in states):
-            missing = _missing_ranks(store, plan, attempt)
+        if not all(s.exitcode == 0 and s.has_result for s in states):
+            notes = _remote_causes(plan, states, store, port, attempt, init_group)
     finally:
+        if beat is not None:
+            beat.stop()
         _teardown(states)
         relay.stop()
         del store
@@ -288,9 +293,34 @@ def run_group(plan: Plan, mp_context: Any, payload: bytes, attempt: int, init_gr
     for s in states:
         s.tail = relay.tail(s.slot.rank)
     error = failure_error(states)
-    if missing:
-        error.args = (f"{_missing_message(missing, plan, port)}\n{error}",)
+    if notes:
+        error.args = ("\n".join([*notes, str(error)]),)
     raise error
+
+
+def _remote_causes(
+    plan: Plan, states: list[RankState], store: Any, port: int, attempt: int, init_group: bool
+) -> list[str]:
+    """On several nodes, what another node did: never arrived, or went away."""
+    config = plan.config
+    if config.nnodes == 1:
+        return []
+    if store is not None and init_group:
+        missing = _missing_ranks(store, plan, attempt)
+        if missing:
+            return [_missing_message(missing, plan, port)]
+    if root_cause(states).kind not in ("peer", "timeout"):
+        return []  # a rank here failed by itself: that is the story
+    _teardown(states)  # our ranks stop now; this launcher keeps beating while it looks
+    stalled = stalled_nodes(config.master_addr, port, config.nnodes, config.node_rank, attempt)
+    if stalled is None:
+        return [f"mpddp: node 0, which hosts the rendezvous at {config.master_addr}:{port}, is gone (its launcher "
+                "was killed, or its machine lost); the failures below are consequences"]
+    if not stalled:
+        return []
+    ranks = [s.rank for s in rank_math.layout(config.nnodes, plan.nprocs) if s.node_rank in stalled]
+    return [f"mpddp: node(s) {', '.join(map(str, stalled))} went away (the launcher's heartbeat stopped: killed, "
+            f"preempted or lost), taking rank(s) {', '.join(map(str, ranks))}; the failures below are consequences"]
 
 
 def _missing_ranks(store: Any, plan: Plan, attempt: int) -> list[int]:
