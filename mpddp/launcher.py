@@ -21,6 +21,7 @@ from .config import LaunchConfig
 from .errors import ConfigError, MpddpError, RestartsExhausted, ShipError, WorkerFailed
 
 _FORKSERVER_PRELOAD = ["mpddp.worker"]
+_LAYOUT_KEYS = {"nnodes", "node_rank", "master_addr", "master_port"}
 
 
 def _refuse_bootstrap() -> None:
@@ -104,6 +105,10 @@ def launch(
         raise ConfigError(f"fn={fn!r} is not callable: pass a function such as `def train(ctx): ...`")
     if nprocs is not None:
         options["nprocs"] = nprocs
+    if config is None and not _LAYOUT_KEYS & options.keys():
+        from .slurm import apply_slurm
+
+        options = apply_slurm(options)  # under srun, SLURM's layout; unchanged elsewhere
     try:
         config = replace(config, **options) if config is not None else LaunchConfig(**options)
     except TypeError as e:
