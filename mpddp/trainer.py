@@ -266,10 +266,9 @@ class Trainer:
         path = None
         if self.rank == 0:
             fault = self.fault
-            hook = fault.fire if fault is not None and fault.kind == "kill-saving" and fault.due(
-                self.rank, self.global_step, self.ctx.restart) else None
+            dies = fault is not None and fault.kind == "kill-saving" and fault.due(0, self.global_step, self.ctx.restart)
             path = checkpoint.save(state, self.config.checkpoint_path, self.global_step,
-                                   before_replace=(lambda tmp: hook()) if hook else None)
+                                   before_replace=(lambda tmp: fault.fire()) if dies and fault else None)
             checkpoint.prune(self.config.checkpoint_path, self.config.keep_checkpoints)
         self._barrier()  # nobody moves on (or exits) before the file is complete
         self.last_checkpoint = self.config.checkpoint_path / checkpoint.checkpoint_name(self.global_step)
@@ -280,11 +279,15 @@ class Trainer:
 
         path = self.config.resume
         if self.ctx.restart > 0:  # the group was restarted after a failure: continue from the newest
-            found = checkpoint.newest(self.config.checkpoint_path)
-            path = str(found[0]) if found else path
+            found = checkpoint.newest(self.config.checkpoint_path) if self.rank == 0 else None
+            box = [str(found[0]) if found else path]
+            if self.world > 1 and dist.is_initialized():
+                dist.broadcast_object_list(box, src=0)  # rank 0 wrote them: every rank takes its choice
+            path = box[0]
         if path is not None:
             state = checkpoint.load(Path(path), checkpoint.signature(self.model))
             restore_state(self, state)
+            self.last_checkpoint = Path(path)
             self.report.say(f"resumed from {path}: epoch {self.epoch + 1}, step {self.global_step}")
 
     def _barrier(self) -> None:

@@ -112,6 +112,8 @@ def test_run_directories_fresh_auto_and_taken(tmp_path, monkeypatch):
     Trainer(first).fit()
     auto = resolve(TrainConfig(task=TASK, resume="auto"))
     assert auto.run_dir == first.run_dir and auto.resume == str(checkpoint.candidates(first.checkpoint_path)[0])
+    done = Trainer(replace(auto, epochs=1)).fit()  # nothing left to train: evaluates and says how to train more
+    assert done.epochs == 1 and done.checkpoint == auto.resume and done.test_accuracy is not None
     with pytest.raises(ConfigError, match="already holds checkpoints .* pass --resume auto to continue that run"):
         resolve(TrainConfig(task=TASK, run_dir=first.run_dir))
     empty = resolve(TrainConfig(task=TASK, resume="auto", run_dir=str(tmp_path / "new")))
