@@ -36,7 +36,7 @@ _LAUNCH_KEYS = ("nprocs", "nnodes", "node_rank", "master_addr", "master_port", "
 @click.option("--num-workers", type=int, default=0, show_default=True, help="DataLoader worker processes per rank.")
 @click.option("--find-unused-parameters", is_flag=True, help="For models whose forward skips parameters.")
 @click.option("--run-dir", default=None, help="Where metrics and checkpoints go [default: runs/<task>/<date-time>].")
-@click.option("--checkpoint-dir", default=None, help="[default: <run dir>/checkpoints].")
+@click.option("--checkpoint-dir", default=None, help="Where checkpoints go [default: <run dir>/checkpoints].")
 @click.option("--checkpoint-every", type=int, default=0, show_default=True,
               help="Also checkpoint every N optimizer steps (0: at the end of each epoch only).")
 @click.option("--keep-checkpoints", type=int, default=3, show_default=True, help="Newest checkpoints kept (0: all).")
