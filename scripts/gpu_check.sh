@@ -71,8 +71,8 @@ if __name__ == "__main__":
     print("forkserver:", mpddp.launch(on_gpu, nprocs=1))
 PYEOF
 step fork_refused 40 $PY "$WORK/fork_check.py"
-step bench_train_gpu 90 $PY scripts/bench_train.py --gpu --reps 3 --json "$OUT/bench_train_gpu.json"
-step bench_launch_1rank 110 $PY scripts/bench_launch.py --ranks 1 --reps 2 --json "$OUT/bench_launch_1rank.json"
+step bench_train_gpu 100 $PY scripts/bench_train.py --gpu --reps 3 --json "$OUT/bench_train_gpu.json"
+step bench_launch_1rank 100 $PY scripts/bench_launch.py --ranks 1 --reps 2 --json "$OUT/bench_launch_1rank.json"
 
 echo
 echo "== gpu_check summary ($(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)); logs in $OUT"
