@@ -114,6 +114,10 @@ def launch(
     except TypeError as e:
         raise ConfigError(f"{e}: see help(mpddp.LaunchConfig) for the launch options") from e
     payload = ship(fn, tuple(args), dict(kwargs or {}))
+    if config.nnodes > 1:
+        from .netif import resolve
+
+        resolve(config.master_addr)  # a bad address: one line now, before any process or torch import
     mp_context = _start_context(config.start_method)
     from .group import plan_launch, run_group
 
