@@ -16,6 +16,7 @@ import textwrap
 import time
 
 import pytest
+
 from runs import SCRIPTS, Run, port_is_free
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("no_leftovers")]

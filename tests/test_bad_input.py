@@ -1,0 +1,191 @@
+"""Bad input, through the real command line and through the API: one table.
+
+Each CLI case must exit 2 with exactly one stderr line ``mpddp: error: ...``
+that names the value, no traceback, nothing written to its directory (or to
+its TMPDIR) and no process left. Each API case must raise the typed
+exception with a one-line message naming the value, and write nothing.
+The CLI cases run at the same time (a module fixture) to keep the suite fast.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import mpddp
+
+from runs import marked
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def job(ctx):
+    return ctx.rank
+
+
+@dataclass(frozen=True)
+class Case:
+    id: str
+    words: str  # the message names the value this way
+    cli: tuple[str, ...] | None = None  # arguments after `python -m mpddp`
+    api: dict[str, Any] | None = None  # launch() options, or {"train": TrainConfig fields}
+    error: type[Exception] = mpddp.ConfigError
+    files: dict[str, str] = field(default_factory=dict)  # prepared in the case's directory
+    seconds: float | None = None  # the CLI answers within this (checked before any torch import)
+
+
+OTHER_MODEL = "other-model.pt"  # a well-formed checkpoint of a model that is not the digits CNN
+MULTI = ("--nnodes", "2", "--node-rank", "1", "--master-port", "29500")
+
+CASES = [
+    Case("nprocs-0", "nprocs=0", ("run", "--nprocs", "0", "x.py"), {"nprocs": 0}),
+    Case("nprocs-negative", "nprocs=-1", ("run", "--nprocs", "-1", "x.py"), {"nprocs": -1}),
+    Case("nprocs-abc", "'abc'", ("run", "--nprocs", "abc", "x.py"), {"nprocs": "abc"}),
+    Case("node-rank-too-big", "node_rank=2 with nnodes=2",
+         ("run", "--nnodes", "2", "--node-rank", "2", "--master-port", "29500", "x.py"),
+         {"nnodes": 2, "node_rank": 2, "master_port": 29500}),
+    Case("master-port-70000", "master_port=70000", ("run", "--master-port", "70000", "x.py"), {"master_port": 70000}),
+    Case("multinode-without-port", "master_port=0 with nnodes>1", ("run", "--nnodes", "2", "x.py"), {"nnodes": 2}),
+    Case("gpus-repeated", "names GPU 0 twice", ("run", "--gpus", "0,0", "x.py"), {"gpus": [0, 0]}),
+    Case("gpus-not-ids", "gpus='1,x'", ("run", "--gpus", "1,x", "x.py"), {"gpus": "1,x"}),
+    Case("gpus-unknown", "gpus=7", ("run", "--gpus", "7", "x.py"), {"gpus": "7"}),
+    Case("nccl-without-cuda", "backend='nccl'", ("run", "--backend", "nccl", "x.py"), {"backend": "nccl"}),
+    Case("backend-unknown", "backend='mpi'", ("run", "--backend", "mpi", "x.py"), {"backend": "mpi"}),
+    Case("start-method-unknown", "start_method='thread'", ("run", "--start-method", "thread", "x.py"),
+         {"start_method": "thread"}),
+    Case("timeout-zero", "timeout=0", ("run", "--timeout", "0", "x.py"), {"timeout": 0}),
+    Case("max-restarts-negative", "max_restarts=-1", ("run", "--max-restarts", "-1", "x.py"), {"max_restarts": -1}),
+    Case("output-ranks", "output_ranks='x'", ("run", "--output-ranks", "x", "x.py")),
+    Case("unresolvable-master", "'no-such-host.invalid' does not resolve",
+         ("run", *MULTI, "--master-addr", "no-such-host.invalid", "x.py"),
+         {"nnodes": 2, "node_rank": 1, "master_port": 29500, "master_addr": "no-such-host.invalid"}, seconds=2.5),
+    Case("script-missing", "script 'nosuch.py' does not exist", ("run", "nosuch.py")),
+    Case("unknown-option", "unexpected keyword argument 'nproc'", api={"nproc": 2}),
+    Case("fn-not-callable", "fn=42 is not callable", api={"fn": 42}),
+    Case("fn-arg-unshippable", "cannot send args[0]=<unlocked _thread.lock", api={"args": "lock"},
+         error=mpddp.ShipError),
+    Case("task-unknown", "task='nosuch'", ("train", "--task", "nosuch"), {"train": {"task": "nosuch"}}),
+    Case("resume-missing", "resume='missing.pt': no such checkpoint file", ("train", "--resume", "missing.pt"),
+         {"train": {"resume": "missing.pt"}}),
+    Case("resume-corrupt", "resume='corrupt.pt' is not a readable checkpoint", ("train", "--resume", "corrupt.pt"),
+         {"train": {"resume": "corrupt.pt"}}, files={"corrupt.pt": "not a checkpoint\n"}),
+    Case("resume-other-model", f"resume='{OTHER_MODEL}' holds a different model (Other vs",
+         ("train", "--resume", OTHER_MODEL), {"train": {"resume": OTHER_MODEL}}, files={OTHER_MODEL: ""}),
+    Case("inject-fault", "inject_fault='boom:1:2'", ("train", "--inject-fault", "boom:1:2"),
+         {"train": {"inject_fault": "boom:1:2"}}),
+    Case("epochs-zero", "epochs=0", ("train", "--epochs", "0"), {"train": {"epochs": 0}}),
+]
+
+
+def prepare(directory: Path, case: Case) -> set[str]:
+    """Write the files the case needs; return the directory listing before the run."""
+    directory.mkdir(parents=True)
+    (directory / "x.py").write_text("print('never runs')\n")
+    for name, text in case.files.items():
+        if name == OTHER_MODEL:
+            torch.save({"format": "mpddp-checkpoint-1", "signature": {"model": "Other", "shapes": {}}, "model": {},
+                        "optimizer": {}, "epoch": 0, "batches_done": 0, "global_step": 1, "rng": {}},
+                       directory / name)
+        else:
+            (directory / name).write_text(text)
+    return listing(directory)
+
+
+def listing(directory: Path) -> set[str]:
+    return {str(p.relative_to(directory)) for p in directory.rglob("*")}
+
+
+@dataclass
+class CliResult:
+    rc: int
+    stderr: str
+    stdout: str
+    seconds: float
+    before: set[str]
+    after: set[str]
+    tmp_left: list[str]
+    left: list[str]
+
+
+def run_cli_case(case: Case, base: Path) -> CliResult:
+    directory, tmpdir = base / case.id, base / f"{case.id}-tmp"
+    before = prepare(directory, case)
+    tmpdir.mkdir()
+    marker = uuid.uuid4().hex
+    env = dict(os.environ, MPDDP_TEST_RUN=marker, TMPDIR=str(tmpdir))
+    for name in [k for k in env if k.startswith("SLURM_")]:
+        del env[name]
+    start = time.monotonic()
+    out = subprocess.run([sys.executable, "-m", "mpddp", *case.cli], capture_output=True, text=True, timeout=120,
+                         cwd=directory, env=env)
+    seconds = time.monotonic() - start
+    deadline = time.monotonic() + 3.0
+    while (left := marked(marker)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return CliResult(out.returncode, out.stderr, out.stdout, seconds, before, listing(directory),
+                     [p.name for p in tmpdir.iterdir()], [" ".join(p.cmdline()) for p in left])
+
+
+@pytest.fixture(scope="module")
+def cli_results(tmp_path_factory) -> dict[str, CliResult]:
+    base = tmp_path_factory.mktemp("bad_input")
+    cli_cases = [c for c in CASES if c.cli is not None]
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        return dict(zip([c.id for c in cli_cases], pool.map(lambda c: run_cli_case(c, base), cli_cases)))
+
+
+def call_api(case: Case) -> None:
+    from mpddp.train_config import TrainConfig
+    from mpddp.trainer import train
+
+    options = dict(case.api or {})
+    if "train" in options:
+        train(TrainConfig(**options["train"]), nprocs=1)
+        return
+    fn = options.pop("fn", job)
+    if options.pop("args", None) == "lock":
+        options["args"] = (threading.Lock(),)
+    mpddp.launch(fn, **options)
+
+
+PARAMS = [pytest.param(c, "cli", id=f"cli-{c.id}") for c in CASES if c.cli is not None]
+PARAMS += [pytest.param(c, "api", id=f"api-{c.id}") for c in CASES if c.api is not None]
+
+
+def test_the_table_is_big_enough():
+    assert len([c for c in CASES if c.cli]) >= 15 and len([c for c in CASES if c.api]) >= 15
+
+
+@pytest.mark.usefixtures("no_leftovers")
+@pytest.mark.parametrize(("case", "surface"), PARAMS)
+def test_bad_input_is_one_line_naming_the_value(case, surface, request, tmp_path, monkeypatch):
+    if surface == "cli":
+        result = request.getfixturevalue("cli_results")[case.id]
+        lines = result.stderr.splitlines()
+        assert result.rc == 2, result.stderr
+        assert len(lines) == 1, result.stderr
+        assert lines[0].startswith("mpddp: error: ") and case.words in lines[0], lines[0]
+        assert "Traceback" not in result.stderr + result.stdout
+        assert result.after == result.before, "the run wrote files"
+        assert not result.tmp_left, f"temporary files left: {result.tmp_left}"
+        assert not result.left, f"processes left: {result.left}"
+        assert case.seconds is None or result.seconds < case.seconds, result.seconds
+        return
+    before = prepare(tmp_path / "cwd", case)
+    monkeypatch.chdir(tmp_path / "cwd")
+    with pytest.raises(case.error) as info:
+        call_api(case)
+    message = str(info.value)
+    assert len(message.splitlines()) == 1 and case.words in message, message
+    assert listing(tmp_path / "cwd") == before, "the call wrote files"
