@@ -9,10 +9,12 @@ restart loop and shipping ``fn`` to launcher.py, reports to report.py.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from typing import Any
@@ -155,6 +157,25 @@ def _interactive() -> bool:
     return "ipykernel" in sys.modules or bool(getattr(sys.stdout, "isatty", lambda: False)())
 
 
+@contextlib.contextmanager
+def _main_file_checked() -> Iterator[None]:
+    """Workers re-import ``__main__`` from its file, as multiprocessing does; a
+    ``__main__`` with no such file (``python - < script``, an embedded
+    interpreter) would make every worker die before it starts. ``fn`` travels
+    by value, so such a worker does not need it: hide the name while starting.
+    """
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    if path is None or os.path.isfile(path) or getattr(main, "__spec__", None) is not None:
+        yield
+        return
+    del main.__file__  # type: ignore[union-attr]
+    try:
+        yield
+    finally:
+        main.__file__ = path  # type: ignore[union-attr]
+
+
 def _pipe() -> tuple[int, Connection]:
     """An output pipe: the parent's raw read end, the worker's write end."""
     read_fd, write_fd = os.pipe()
@@ -186,7 +207,8 @@ def _start(
             close_fds=tuple(sorted(all_fds - own)) if config.start_method == "fork" else (),
         )
         process = mp_context.Process(target=entry, args=(spec, msg_w, out_w, err_w), name=f"mpddp-rank-{slot.rank}")
-        process.start()
+        with _main_file_checked():
+            process.start()
         states.append(RankState(slot=slot, process=process, messages=msg_r))
         relay.add(slot.rank, out_r, err_r)
     for (_, msg_w), (_, out_w), (_, err_w) in channels:

@@ -30,6 +30,7 @@ class _Stream:
     log: IO[str] | None
     decoder: codecs.IncrementalDecoder = field(default_factory=lambda: codecs.getincrementaldecoder("utf-8")("replace"))
     pending: str = ""
+    drawn: int = 0  # width of the progress line drawn last with \r (0: none)
 
 
 class Relay:
@@ -130,9 +131,15 @@ class Relay:
         if not stream.shown:
             return
         out = sys.stderr if stream.is_err else sys.stdout
+        text = f"[rank {stream.rank}] {line}"
+        if end == "\r":  # a progress bar redraws in place, in terminals and notebooks alike
+            text, stream.drawn = "\r" + text.ljust(stream.drawn), len(text)
+        elif stream.drawn:  # a whole line after a bar: overwrite the bar, then go on
+            text, stream.drawn = "\r" + text.ljust(stream.drawn) + "\n", 0
+        else:
+            text += "\n"
         try:
-            # \r lines (progress bars) redraw in place in terminals and notebooks
-            out.write(f"[rank {stream.rank}] {line}{end}" if end == "\n" else f"\r[rank {stream.rank}] {line}")
+            out.write(text)
             out.flush()
         except (ValueError, OSError):
             pass  # the parent's stream was closed: keep draining the pipes

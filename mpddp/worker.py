@@ -13,6 +13,7 @@ from __future__ import annotations
 import ctypes
 import io
 import linecache
+import multiprocessing
 import os
 import signal
 import sys
@@ -147,6 +148,12 @@ def _init_group(spec: WorkerSpec) -> None:
         world_size=ctx.world_size,
         timeout=timedelta(seconds=spec.timeout),
     )
+    # Gloo's init returns on one rank while a peer still connects to it: a rank whose fn
+    # returns at once would exit and fail that peer ("connectFullMesh failed ... closed by
+    # peer"). Leave init only when every rank has.
+    if store.add("initialized", 1) == ctx.world_size:
+        store.set("all_initialized", "1")
+    store.wait(["all_initialized"])
 
 
 def _default_timeout(seconds: float) -> None:
@@ -177,6 +184,9 @@ def entry(spec: WorkerSpec, messages: Connection, out: Connection, err: Connecti
     os.environ.update(spec.env)
     if spec.threads is not None:
         torch.set_num_threads(spec.threads)
+    # as under torchrun, fn's own multiprocessing (DataLoader workers, ...) gets the
+    # platform's default start method, not the forkserver this worker came from
+    multiprocessing.set_start_method(None, force=True)
     ctx = spec.ctx
     messages.send(("started", os.getpid()))
     if spec.banner:

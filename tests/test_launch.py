@@ -1,5 +1,6 @@
 """Real launches on CPU with gloo: values, order, failures, nothing left behind."""
 
+import multiprocessing
 import os
 import subprocess
 import sys
@@ -176,3 +177,14 @@ def test_not_callable_and_unshippable():
         mpddp.launch(lambda ctx, lk: 1, nprocs=1, args=(lock,))
     with pytest.raises(mpddp.ConfigError, match="unexpected keyword argument 'nproc'"):
         mpddp.launch(lambda ctx: 1, nproc=2)
+
+
+def test_workers_multiprocessing_has_the_platform_default_and_stdin_scripts_work():
+    code = (
+        "import multiprocessing, mpddp\n"
+        "print(mpddp.launch(lambda c: multiprocessing.get_start_method(), nprocs=1))\n"
+    )
+    out = subprocess.run([sys.executable, "-"], input=code, capture_output=True, text=True, timeout=90)
+    assert out.returncode == 0, out.stderr
+    expected = multiprocessing.get_context().get_start_method()  # this platform's default, as under torchrun
+    assert out.stdout.strip().splitlines()[-1] == f"[{expected!r}]"
