@@ -113,6 +113,25 @@ class Kernel:
         seconds = self.loop.run_until_complete(go())
         return _cell(node, seconds), seconds
 
+    def restart_while(self, source: str, ready: Callable[[Cell], bool], wait: float = 30.0) -> list[psutil.Process]:
+        """Start a cell, restart the kernel once ``ready``; the old kernel's processes still alive 10 s later."""
+        node = self._add(source)
+
+        async def go() -> list[psutil.Process]:
+            task = asyncio.ensure_future(self.client.async_execute_cell(node, len(self.nb.cells) - 1))
+            deadline = time.monotonic() + wait
+            while not task.done() and not ready(_cell(node, 0)) and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            assert not task.done(), f"the cell ended before the restart: {_cell(node, 0)}"
+            old = psutil.Process(self.pid)
+            family = [old, *old.children(recursive=True)]
+            await self.km.restart_kernel(now=True)
+            task.cancel()
+            self.pid = self.km.provisioner.pid  # type: ignore[union-attr]
+            return psutil.wait_procs(family, timeout=10)[1]
+
+        return self.loop.run_until_complete(go())
+
     def workers(self) -> list[psutil.Process]:
         """The kernel's descendants other than multiprocessing's forkserver and resource tracker."""
         left = []
@@ -335,6 +354,16 @@ def test_interrupt_stops_every_rank_and_the_kernel_launches_again(kernel: Kernel
     assert kernel.workers() == []
     again = ok(kernel.run("mpddp.launch(lambda ctx: ctx.rank + 1, nprocs=2)"))
     assert again.result == "[1, 2]"
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.usefixtures("no_workers_left")
+def test_restarting_the_kernel_while_ranks_run_leaves_no_process(kernel: Kernel):
+    ok(kernel.run(IMPORTS))
+    left = kernel.restart_while(BLOCKED, ready=lambda c: c.stdout.count("[rank") >= 2)
+    assert left == []  # the kernel died: its forkserver follows, and the workers with it (parent-death signal)
+    ok(kernel.run(IMPORTS))
+    assert ok(kernel.run("mpddp.launch(lambda ctx: ctx.rank + 1, nprocs=2)")).result == "[1, 2]"
 
 
 @pytest.mark.timeout(120)
