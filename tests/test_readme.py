@@ -2,7 +2,7 @@
 
 A block preceded by ``.. readme-check: exact`` must print exactly what is
 shown; ``.. readme-check: runs`` must exit 0 and print every shown line that
-holds no digit (timings and losses vary); ``.. readme-check: python`` runs the
+holds no digit (timings and losses vary; ``...`` stands for lines left out); ``.. readme-check: python`` runs the
 Python block and compares its output with the literal block after it.
 """
 
@@ -12,6 +12,7 @@ import os
 import re
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -21,17 +22,17 @@ CHECK = re.compile(r"^\.\. readme-check: (exact|runs|python)\s*$")
 
 
 def _block(lines: list[str], start: int) -> tuple[list[str], int]:
-    """The indented body of the directive or literal block starting at ``start``."""
+    """The indented body (dedented) of the directive or literal block starting at ``start``."""
     i = start + 1
     while i < len(lines) and not lines[i].strip():
         i += 1
     body = []
-    while i < len(lines) and (not lines[i].strip() or lines[i].startswith("   ")):
-        body.append(lines[i][3:] if lines[i].strip() else "")
+    while i < len(lines) and (not lines[i].strip() or lines[i].startswith(" ")):
+        body.append(lines[i])
         i += 1
-    while body and not body[-1]:
+    while body and not body[-1].strip():
         body.pop()
-    return body, i
+    return textwrap.dedent("\n".join(body)).splitlines(), i
 
 
 def checks() -> list[tuple[str, int, list[str], list[str]]]:
@@ -83,7 +84,9 @@ def test_readme_block(mode, line, body, shown, tmp_path):
         assert out.returncode == 0, out.stderr
         assert sorted(out.stdout.splitlines()) == sorted(shown)  # ranks print concurrently
         return
-    for command, expected in _commands(body):
+    commands = _commands(body)
+    assert commands, f"README.rst:{line}: a checked block with no `$ ` command"
+    for command, expected in commands:
         argv = command.split()
         if argv[0] == "python":
             argv[0] = sys.executable
@@ -94,7 +97,7 @@ def test_readme_block(mode, line, body, shown, tmp_path):
             assert actual == expected, command
         else:
             for text in expected:
-                if text.strip() and not re.search(r"\d", text):
+                if text.strip() not in ("", "...") and not re.search(r"\d", text):
                     assert text in actual, f"{command}: {text!r} not printed"
 
 
