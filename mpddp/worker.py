@@ -120,10 +120,16 @@ def _to_cpu(value: Any) -> Any:
     return value
 
 
+_PLUMBING = (os.path.join("mpddp", "script.py"), "<frozen runpy>", "runpy.py")
+
+
 def _error_report(ctx: WorkerContext, exc: BaseException) -> dict[str, Any]:
     tb = exc.__traceback__
-    if tb is not None and tb.tb_frame.f_code is entry.__code__ and tb.tb_next is not None:
-        exc = exc.with_traceback(tb.tb_next)  # start the traceback at the user's fn
+    # start the traceback at the user's fn or script: not at entry, run_script or runpy
+    while tb is not None and tb.tb_next is not None and (
+            tb.tb_frame.f_code is entry.__code__ or tb.tb_frame.f_code.co_filename.endswith(_PLUMBING)):
+        tb = tb.tb_next
+    exc = exc.with_traceback(tb)
     return {
         "rank": ctx.rank,
         "type": f"{type(exc).__module__}.{type(exc).__qualname__}".removeprefix("builtins."),
