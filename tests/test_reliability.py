@@ -54,6 +54,9 @@ def test_an_exception_on_one_rank_stops_all_and_shows_its_traceback(tmp_path):
     assert "mpddp: last lines of rank 1:\n" in err and "  loading shard 7 of 8\n" in err
     assert "mpddp: traceback of rank 1:\nTraceback (most recent call last):" in err
     assert 'fail_modes.py", line' in err and 'raise ValueError("bad sample in shard 7")' in err
+    # it starts at the user's script, as `python fail_modes.py` would show it: no runpy, no mpddp frames
+    assert err.split("Traceback (most recent call last):\n")[1].startswith(f'  File "{FAIL_MODES}", line'), err
+    assert "runpy" not in err and "mpddp/script.py" not in err
     assert err.count("Traceback") == 1  # only the root cause's, never the victim's or the launcher's
     # rank 0 either failed as a victim in its all_reduce or was stopped by mpddp
     assert ("rank 0: failed after rank 1" in err and "a consequence, not the cause" in err) or \
