@@ -133,10 +133,11 @@ def launch(
                         f"{config.max_restarts}); raise --max-restarts or fix the failure above",
                         failure.rank,
                         failure.failures,
+                        exit_code=failure.exit_code,
                     ) from failure
                 raise
-            print(
-                f"mpddp: rank {failure.rank} failed; restarting the group "
+            print(  # the cause's line, so that a run that recovers still says what went wrong
+                f"{str(failure).splitlines()[0]}\nmpddp: restarting the group "
                 f"({attempt + 1} of {config.max_restarts})",
                 file=sys.stderr,
                 flush=True,
