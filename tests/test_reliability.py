@@ -87,6 +87,8 @@ def test_a_killed_rank_takes_its_dataloader_workers_along(tmp_path):
     run, rc, teardown = run_failure(tmp_path, "loader kill", ready=2)
     assert rc == 1, run.stderr
     assert "rank 1 (node 0, local rank 1) failed first: it was killed by SIGKILL" in run.stderr
+    # rank 0 was busy in its DataLoader loop, not in a collective: the launcher stopped it and says so
+    assert run.stderr.rstrip().endswith("mpddp: the other ranks:\n  rank 0: stopped by mpddp after rank 1 failed")
     # 2 ranks × 2 DataLoader workers were listed, and all are gone (assert_nothing_left ran)
     assert len(run.pids) >= 1 + 2 + 4, run.pids
     assert teardown < TEARDOWN_BOUND
