@@ -125,8 +125,8 @@ def launch(
     for attempt in range(config.max_restarts + 1):
         try:
             return run_group(plan, mp_context, payload, attempt, init_process_group)
-        except KeyboardInterrupt as e:  # the teardown has already run, in run_group's finally
-            raise KeyboardInterrupt("mpddp: interrupted; every worker was stopped") from e
+        except KeyboardInterrupt:  # the teardown has already run, in run_group's finally
+            raise KeyboardInterrupt("mpddp: interrupted; every worker was stopped") from None
         except WorkerFailed as failure:
             if attempt == config.max_restarts:
                 if config.max_restarts:
