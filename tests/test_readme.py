@@ -107,3 +107,16 @@ def test_readme_has_checked_blocks():
     ci = (Path(__file__).parent.parent / ".ci" / "run").read_text()
     test_command = re.search(r"python -m pip install -q -e '\.\[test\]'.*pytest -q", text)
     assert test_command and test_command.group(0) in ci, "README's test command and .ci/run differ"
+
+
+def test_readme_is_valid_restructuredtext():
+    import docutils.core
+    import docutils.utils
+
+    problems: list[str] = []
+    settings = {"report_level": 2, "halt_level": 5, "warning_stream": False}
+    doctree = docutils.core.publish_doctree(README.read_text(encoding="utf-8"), settings_overrides=settings)
+    for node in doctree.findall(lambda n: n.tagname == "system_message"):
+        if node["level"] >= docutils.utils.Reporter.WARNING_LEVEL:
+            problems.append(node.astext())
+    assert not problems, problems
