@@ -183,15 +183,17 @@ def _pipe() -> tuple[int, Connection]:
 
 
 def _start(
-    plan: Plan, mp_context: Any, payload: bytes, port: int, attempt: int, relay: Relay, init_group: bool
-) -> list[RankState]:
+    plan: Plan, mp_context: Any, payload: bytes, port: int, attempt: int, relay: Relay, init_group: bool,
+    states: list[RankState],
+) -> None:
+    """Start every rank, adding each to ``states`` at once: a Ctrl-C between two starts
+    must still find the ones already running (the caller tears ``states`` down)."""
     from .worker import WorkerSpec, entry
 
     config = plan.config
     channels = [(mp_context.Pipe(duplex=False), _pipe(), _pipe()) for _ in plan.slots]
     all_fds = {fd for (m_r, m_w), (o_r, o_w), (e_r, e_w) in channels
                for fd in (m_r.fileno(), m_w.fileno(), o_r, o_w.fileno(), e_r, e_w.fileno())}
-    states = []
     for slot, ((msg_r, msg_w), (out_r, out_w), (err_r, err_w)) in zip(plan.slots, channels):
         ctx = WorkerContext(
             rank=slot.rank, local_rank=slot.local_rank, node_rank=slot.node_rank, world_size=slot.world_size,
@@ -214,7 +216,6 @@ def _start(
     for (_, msg_w), (_, out_w), (_, err_w) in channels:
         for conn in (msg_w, out_w, err_w):
             conn.close()  # the parent keeps only read ends: EOF when a worker is gone
-    return states
 
 
 def _receive(state: RankState) -> None:
@@ -290,7 +291,7 @@ def run_group(plan: Plan, mp_context: Any, payload: bytes, attempt: int, init_gr
     store = beat = None
     notes: list[str] = []
     try:
-        states = _start(plan, mp_context, payload, port, attempt, relay, init_group)
+        _start(plan, mp_context, payload, port, attempt, relay, init_group, states)
         relay.start()
         if sock is not None:
             store = rendezvous.host_store(sock, config.timeout)
