@@ -17,6 +17,7 @@ import time
 
 import pytest
 
+from helpers import gone
 from runs import SCRIPTS, Run, port_is_free
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("no_leftovers")]
@@ -203,3 +204,40 @@ def test_restarts_exhausted_say_so_and_each_attempt_gets_a_fresh_rendezvous(tmp_
         "mpddp: gave up after 1 restart(s) (max_restarts=1); raise --max-restarts or fix the failure above")
     ports = {line.split("port=")[1] for line in out.stdout.splitlines() if "UP rank=0" in line}
     assert len(ports) == 2  # a fresh store (and port) for the second attempt
+
+
+def wait_forever(ctx):
+    while True:
+        time.sleep(3600)
+
+
+def test_ctrl_c_while_ranks_start_stops_those_already_started(monkeypatch):
+    """Ctrl-C between two ranks' starts (a notebook's stop button) leaves no rank behind."""
+    import mpddp
+    from mpddp import launcher
+
+    real = launcher._start_context
+    started = []
+
+    def ctrl_c_once_rank_0_runs():
+        time.sleep(1.5)  # rank 0 is inside fn by now, and would wait there forever
+        raise KeyboardInterrupt
+
+    class CtrlCOnSecondStart:
+        def __init__(self, ctx):
+            self.ctx = ctx
+
+        def __getattr__(self, name):
+            return getattr(self.ctx, name)
+
+        def Process(self, *args, **kwargs):  # noqa: N802 - multiprocessing's name
+            process = self.ctx.Process(*args, **kwargs)
+            started.append(process)
+            if len(started) == 2:
+                process.start = ctrl_c_once_rank_0_runs
+            return process
+
+    monkeypatch.setattr(launcher, "_start_context", lambda method: CtrlCOnSecondStart(real(method)))
+    with pytest.raises(KeyboardInterrupt):
+        mpddp.launch(wait_forever, nprocs=2, init_process_group=False)
+    assert gone([started[0].pid], wait=1.0), "rank 0, started before the Ctrl-C, is still running"
