@@ -9,6 +9,7 @@ figures are in docs_failures.rst.
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -16,6 +17,10 @@ import textwrap
 import time
 
 import pytest
+import torch
+import torch.distributed as dist
+
+import mpddp
 
 from helpers import gone
 from runs import SCRIPTS, Run, port_is_free
@@ -213,7 +218,6 @@ def wait_forever(ctx):
 
 def test_ctrl_c_while_ranks_start_stops_those_already_started(monkeypatch):
     """Ctrl-C between two ranks' starts (a notebook's stop button) leaves no rank behind."""
-    import mpddp
     from mpddp import launcher
 
     real = launcher._start_context
@@ -241,3 +245,23 @@ def test_ctrl_c_while_ranks_start_stops_those_already_started(monkeypatch):
     with pytest.raises(KeyboardInterrupt):
         mpddp.launch(wait_forever, nprocs=2, init_process_group=False)
     assert gone([started[0].pid], wait=1.0), "rank 0, started before the Ctrl-C, is still running"
+
+
+def fail_on_first_attempt(ctx, record):
+    with open(record, "a") as f:
+        f.write(f"{ctx.restart} {ctx.rank} {os.environ['MASTER_PORT']}\n")
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    if ctx.restart == 0 and ctx.rank == 1:
+        raise RuntimeError("transient failure")
+    return (ctx.restart, t.item())
+
+
+def test_api_max_restarts_starts_a_fresh_group(tmp_path, capfd):
+    record = tmp_path / "attempts.txt"
+    assert mpddp.launch(fail_on_first_attempt, nprocs=2, args=(str(record),), max_restarts=1) == [(1, 2.0)] * 2
+    lines = [line.split() for line in record.read_text().splitlines()]
+    assert sorted((a, r) for a, r, _ in lines) == [("0", "0"), ("0", "1"), ("1", "0"), ("1", "1")]
+    assert len({(a, p) for a, _, p in lines}) == 2 and len({p for _, _, p in lines}) == 2  # a new port per attempt
+    err = capfd.readouterr().err
+    assert "failed first: it raised RuntimeError: transient failure\nmpddp: restarting the group (1 of 1)" in err
