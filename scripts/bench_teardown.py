@@ -40,6 +40,8 @@ import psutil
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from benchlib import machine, summary, table, torch_version, write_json  # noqa: E402
 
+from mpddp.procs import tree  # noqa: E402
+
 BODY = """\
 def body(rank, mode, go, stamp):
     import os, time
@@ -119,15 +121,7 @@ class Run:
         raise SystemExit(f"bench_teardown: the ranks did not come up:\n{self.output[-3000:]}")
 
     def everything(self, rank_pids: dict[int, int]) -> list[psutil.Process]:
-        procs = {}
-        for pid in [self.proc.pid, *rank_pids.values()]:
-            try:
-                root = psutil.Process(pid)
-                for p in [root, *root.children(recursive=True)]:
-                    procs[p.pid] = p
-            except psutil.NoSuchProcess:
-                pass
-        return list(procs.values())
+        return tree([self.proc.pid, *rank_pids.values()])
 
     def kill(self) -> None:
         try:
