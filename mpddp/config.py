@@ -8,6 +8,7 @@ and the fix. Leaves to others: resolving values that need the machine
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -115,6 +116,8 @@ class LaunchConfig:
             if not ranks or any(isinstance(r, bool) or not isinstance(r, int) or r < 0 for r in ranks):
                 raise ConfigError(f"output_ranks={self.output_ranks!r}: use 'all' or ranks >= 0 such as 0 or 0,1")
             object.__setattr__(self, "output_ranks", ranks)
+        if self.log_dir is not None and os.path.exists(self.log_dir) and not os.path.isdir(self.log_dir):
+            raise ConfigError(f"log_dir={self.log_dir!r} is a file: pass a directory (created if missing), e.g. logs")
         if isinstance(self.gpus, tuple) and self.nprocs is not None and self.nprocs > len(self.gpus):
             if self.backend != "gloo":
                 raise ConfigError(
