@@ -70,6 +70,8 @@ CASES = [
     Case("unresolvable-master", "'no-such-host.invalid' does not resolve",
          ("run", *MULTI, "--master-addr", "no-such-host.invalid", "x.py"),
          {"nnodes": 2, "node_rank": 1, "master_port": 29500, "master_addr": "no-such-host.invalid"}, seconds=2.5),
+    Case("log-dir-is-a-file", "'afile' is a file", ("run", "--log-dir", "afile", "x.py"), {"log_dir": "afile"},
+         files={"afile": "not a directory\n"}),
     Case("script-missing", "script 'nosuch.py' does not exist", ("run", "nosuch.py")),
     Case("unknown-option", "unexpected keyword argument 'nproc'", api={"nproc": 2}),
     Case("fn-not-callable", "fn=42 is not callable", api={"fn": 42}),
