@@ -137,8 +137,20 @@ def running(pids: set[int]) -> list[int]:
 
 
 def alive_or_zombie(pids: set[int]) -> list[int]:
-    """``pids`` that still exist in the process table, zombies included."""
-    return [pid for pid in pids if psutil.pid_exists(pid)]
+    """``pids`` still in the process table: running, or zombies that a process of ours should reap.
+
+    A zombie re-parented to the machine's init is init's to reap (a container
+    without an init, such as ``docker run`` without ``--init``, never does).
+    """
+    left = []
+    for pid in pids:
+        try:
+            proc = psutil.Process(pid)
+            if proc.status() != psutil.STATUS_ZOMBIE or proc.ppid() in pids | {os.getpid()}:
+                left.append(pid)
+        except psutil.NoSuchProcess:
+            continue
+    return left
 
 
 def describe(pids: list[int]) -> list[str]:
