@@ -153,6 +153,7 @@ def run_cli(args: list[str] | None = None) -> NoReturn:
     is the launcher's own, and it exits at once (see :func:`_exit_process`).
     """
     signal.signal(signal.SIGTERM, _raise_terminated)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         code = main.main(args=args, prog_name="mpddp", standalone_mode=False)
     except click.exceptions.Exit as e:

@@ -10,10 +10,13 @@ to worker.py, lines to relay.py and killing to procs.py.
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
+import signal
 import sys
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -81,6 +84,28 @@ def _start_context(method: str) -> Any:
     return torch.multiprocessing.get_context(method)
 
 
+@contextlib.contextmanager
+def _interrupts_deferred() -> Iterator[None]:
+    """Hold a Ctrl-C back while torch is imported, then raise it.
+
+    A KeyboardInterrupt in the middle of ``import torch`` leaves torch half
+    imported: measured, the interrupt was then swallowed (the run went on) or
+    turned into "cannot load module more than once per process". Nothing has
+    started yet, so raising it right after costs nothing.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught: list[int] = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: caught.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if caught:
+        raise KeyboardInterrupt("mpddp: interrupted before any worker started")
+
+
 def launch(
     fn: Callable[..., Any],
     nprocs: int | None = None,
@@ -118,10 +143,11 @@ def launch(
         from .netif import resolve
 
         resolve(config.master_addr)  # a bad address: one line now, before any process or torch import
-    mp_context = _start_context(config.start_method)
-    from .group import plan_launch, run_group
+    with _interrupts_deferred():
+        mp_context = _start_context(config.start_method)
+        from .group import plan_launch, run_group
 
-    plan = plan_launch(config)
+        plan = plan_launch(config)
     for attempt in range(config.max_restarts + 1):
         try:
             return run_group(plan, mp_context, payload, attempt, init_process_group)

@@ -265,3 +265,20 @@ def test_api_max_restarts_starts_a_fresh_group(tmp_path, capfd):
     assert len({(a, p) for a, _, p in lines}) == 2 and len({p for _, _, p in lines}) == 2  # a new port per attempt
     err = capfd.readouterr().err
     assert "failed first: it raised RuntimeError: transient failure\nmpddp: restarting the group (1 of 1)" in err
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("delay", [0.05, 0.15, 0.3, 0.45])
+def test_ctrl_c_during_start_up_is_never_lost(tmp_path, delay):
+    # Measured before the fix: a SIGINT that landed inside the launcher's `import torch`
+    # was swallowed (the run went on) or became "cannot load module more than once".
+    run = Run(["-m", "mpddp", "run", "--nprocs", "2", str(SCRIPTS / "fail_modes.py"), "block"], tmp_path)
+    try:
+        time.sleep(delay)
+        run.proc.send_signal(signal.SIGINT)
+        assert run.finish(30) == 130, run.stderr
+        assert run.stderr.lstrip().startswith("mpddp: interrupted (SIGINT)"), run.stderr
+        assert "Traceback" not in run.stderr
+        run.assert_nothing_left()
+    finally:
+        run.kill()
