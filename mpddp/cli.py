@@ -159,7 +159,8 @@ def run_cli(args: list[str] | None = None) -> NoReturn:
     except click.exceptions.Exit as e:
         code = e.exit_code
     except click.UsageError as e:
-        click.echo(f"mpddp: error: {e.format_message()}", err=True)
+        where = f"mpddp {e.ctx.info_name} --help" if e.ctx is not None and e.ctx.parent is not None else "mpddp --help"
+        click.echo(f"mpddp: error: {e.format_message()} See `{where}`.", err=True)
         code = EXIT_BAD_INPUT
     except ConfigError as e:
         click.echo(f"mpddp: error: {e}", err=True)

@@ -128,6 +128,10 @@ def launch(
     _refuse_bootstrap()
     if not callable(fn):
         raise ConfigError(f"fn={fn!r} is not callable: pass a function such as `def train(ctx): ...`")
+    if not isinstance(args, (tuple, list)):
+        raise ConfigError(f"args={args!r} is not a tuple: pass fn's extra arguments as a tuple, e.g. args=({args!r},)")
+    if kwargs is not None and not isinstance(kwargs, dict):
+        raise ConfigError(f"kwargs={kwargs!r} is not a dict: pass fn's keyword arguments as a dict")
     if nprocs is not None:
         options["nprocs"] = nprocs
     if config is None and not _LAYOUT_KEYS & options.keys():

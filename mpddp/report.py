@@ -129,6 +129,8 @@ def failure_error(states: list[RankState]) -> WorkerFailed:
         lines += ["mpddp: the other ranks:", *others]
     rest = sorted((s for s in states if s is not root and s.kind != "ok"), key=lambda s: s.failed_at or 0.0)
     code = (root.error or {}).get("exit_code") or 1
+    if root.error is None and root.exitcode is not None and root.exitcode < 0:
+        code = 128 - root.exitcode  # a shell's convention: SIGKILL -> 137, what schedulers read as "killed"
     return WorkerFailed("\n".join(lines), root.slot.rank, [root, *rest], exit_code=code)
 
 

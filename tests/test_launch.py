@@ -175,6 +175,8 @@ def test_not_callable_and_unshippable():
     lock = threading.Lock()
     with pytest.raises(mpddp.ShipError, match=r"cannot send args\[0\]=<unlocked _thread.lock"):
         mpddp.launch(lambda ctx, lk: 1, nprocs=1, args=(lock,))
+    with pytest.raises(mpddp.ConfigError, match=r"args=5 is not a tuple: .*args=\(5,\)"):
+        mpddp.launch(lambda ctx, x: x, nprocs=1, args=5)
     with pytest.raises(mpddp.ConfigError, match="unexpected keyword argument 'nproc'"):
         mpddp.launch(lambda ctx: 1, nproc=2)
 
