@@ -91,6 +91,15 @@ def _how(s: RankState) -> str:
     return f"exited with code {code} without returning a result"
 
 
+def _short(message: str, width: int = 160) -> str:
+    """The first sentence (or line) of a long error message."""
+    line = message.splitlines()[0] if message else ""
+    if len(line) <= width:
+        return line
+    cut = line.rfind(". ", 0, width)
+    return line[: cut + 1] if cut > 40 else line[:width] + "…"
+
+
 def _others(states: list[RankState], root: RankState) -> list[str]:
     lines = []
     for s in states:
@@ -100,7 +109,7 @@ def _others(states: list[RankState], root: RankState) -> list[str]:
             lines.append(f"  rank {s.slot.rank}: stopped by mpddp after rank {root.slot.rank} failed")
         elif s.kind in ("peer", "timeout") and s.error is not None:
             lines.append(f"  rank {s.slot.rank}: failed after rank {root.slot.rank} ({s.error['type']}: "
-                         f"{s.error['message'].splitlines()[0][:160]}) — a consequence, not the cause")
+                         f"{_short(s.error['message'])}) — a consequence, not the cause")
         elif s.kind in ("own", "died"):
             lines.append(f"  rank {s.slot.rank}: also {_how(s)}")
         else:
