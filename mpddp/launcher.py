@@ -57,28 +57,34 @@ def _start_resource_tracker() -> None:
             os.environ["PYTHONWARNINGS"] = previous
 
 
-def _start_context(method: str) -> Any:
-    """The multiprocessing context; a forkserver is started early, in parallel.
+def start_forkserver(method: str = "forkserver") -> None:
+    """Start the forkserver now, in parallel with whatever this process imports next.
 
     The forkserver imports torch once, touches no CUDA and runs no torch op,
     so every worker forked from it is as clean as a spawned one, but starts
-    in milliseconds. It is started before this process imports torch, so the
-    two imports overlap: importing torch.multiprocessing imports all of torch
-    (~1-2 s), so the stdlib starts the forkserver and torch.multiprocessing's
-    context (the same object, plus torch's tensor reductions) comes after.
+    in milliseconds. Started before this process imports torch, the two
+    imports overlap; commands that import torch themselves before launching
+    (``mpddp train``) call this first. Idempotent; a no-op for other methods.
     """
-    _start_resource_tracker()
-    if method == "forkserver":
-        multiprocessing.get_context(method).set_forkserver_preload(_FORKSERVER_PRELOAD)
-        from multiprocessing import forkserver
+    if method != "forkserver":
+        return
+    # the stdlib's context: importing torch.multiprocessing would import all of torch first
+    multiprocessing.get_context(method).set_forkserver_preload(_FORKSERVER_PRELOAD)
+    from multiprocessing import forkserver
 
-        # read by mpddp.worker when the forkserver imports it (see there); a literal,
-        # since importing mpddp.worker here would import torch first
-        os.environ["MPDDP_FORKSERVER_PARENT"] = str(os.getpid())
-        try:
-            forkserver.ensure_running()
-        finally:
-            os.environ.pop("MPDDP_FORKSERVER_PARENT", None)
+    # read by mpddp.worker when the forkserver imports it (see there); a literal,
+    # since importing mpddp.worker here would import torch first
+    os.environ["MPDDP_FORKSERVER_PARENT"] = str(os.getpid())
+    try:
+        forkserver.ensure_running()
+    finally:
+        os.environ.pop("MPDDP_FORKSERVER_PARENT", None)
+
+
+def _start_context(method: str) -> Any:
+    """The multiprocessing context, from ``torch.multiprocessing`` (the stdlib's
+    object plus torch's tensor reductions), once the forkserver is running."""
+    start_forkserver(method)
     import torch.multiprocessing
 
     return torch.multiprocessing.get_context(method)

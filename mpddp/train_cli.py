@@ -53,6 +53,9 @@ def train(**options: Any) -> None:
     mpddp train --task scripts/example_task.py --nprocs 2
     """
     from .errors import ConfigError
+    from .launcher import start_forkserver
+
+    start_forkserver(options["start_method"])  # its torch import overlaps this process's, just below
     from .train_config import TrainConfig
     from .trainer import train as run_training
 
