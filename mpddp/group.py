@@ -28,7 +28,7 @@ from .config import LaunchConfig
 from .context import WorkerContext
 from .errors import ConfigError, MainGuardError
 from .gpus import child_cuda_env
-from .heartbeat import Heartbeat, stalled_nodes
+from .heartbeat import Heartbeat, remote_causes
 from .machine import banner, physical_cores, threads_per_rank
 from .relay import Relay
 from .report import RankState, failure_error, root_cause
@@ -299,7 +299,8 @@ def run_group(plan: Plan, mp_context: Any, payload: bytes, attempt: int, init_gr
             beat = Heartbeat(config.master_addr, port, config.node_rank, attempt, config.timeout)
         _watch(states, config.timeout)
         if not all(s.exitcode == 0 and s.has_result for s in states):
-            notes = _remote_causes(plan, states, store, port, attempt, init_group)
+            notes = remote_causes(config, plan.nprocs, root_cause(states).kind, store, port, attempt,
+                                  init_group, stop_local=lambda: _teardown(states))
     finally:
         if beat is not None:
             beat.stop()
@@ -319,47 +320,6 @@ def run_group(plan: Plan, mp_context: Any, payload: bytes, attempt: int, init_gr
     if notes:
         error.args = ("\n".join([*notes, str(error)]),)
     raise error
-
-
-def _remote_causes(
-    plan: Plan, states: list[RankState], store: Any, port: int, attempt: int, init_group: bool
-) -> list[str]:
-    """On several nodes, what another node did: never arrived, or went away."""
-    config = plan.config
-    if config.nnodes == 1:
-        return []
-    if store is not None and init_group:
-        missing = _missing_ranks(store, plan, attempt)
-        if missing:
-            return [_missing_message(missing, plan, port)]
-    if root_cause(states).kind not in ("peer", "timeout"):
-        return []  # a rank here failed by itself: that is the story
-    _teardown(states)  # our ranks stop now; this launcher keeps beating while it looks
-    stalled = stalled_nodes(config.master_addr, port, config.nnodes, config.node_rank, attempt)
-    if stalled is None:
-        return [f"mpddp: node 0, which hosts the rendezvous at {config.master_addr}:{port}, is gone (its launcher "
-                "was killed, or its machine lost); the failures below are consequences"]
-    if not stalled:
-        return []
-    ranks = [s.rank for s in rank_math.layout(config.nnodes, plan.nprocs) if s.node_rank in stalled]
-    return [f"mpddp: node(s) {', '.join(map(str, stalled))} went away (the launcher's heartbeat stopped: killed, "
-            f"preempted or lost), taking rank(s) {', '.join(map(str, ranks))}; the failures below are consequences"]
-
-
-def _missing_ranks(store: Any, plan: Plan, attempt: int) -> list[int]:
-    """Ranks that never reached node 0's store (their node never arrived)."""
-    world = plan.slots[0].world_size
-    return [r for r in range(world) if not store.check([f"mpddp/attempt_{attempt}/arrived/{r}"])]
-
-
-def _missing_message(missing: list[int], plan: Plan, port: int) -> str:
-    nodes = sorted({rank_math.split_rank(r, plan.nprocs)[0] for r in missing})
-    config = plan.config
-    return (
-        f"mpddp: node(s) {', '.join(map(str, nodes))} never arrived (rank(s) {', '.join(map(str, missing))} "
-        f"missing from the rendezvous at {config.master_addr}:{port}): start their launchers with "
-        f"--nnodes {config.nnodes} --master-addr {config.master_addr} --master-port {port} --node-rank N"
-    )
 
 
 def _main_guard_exit() -> int:

@@ -1,17 +1,23 @@
-"""Node heartbeats: which node's launcher is gone, when a multi-node job fails.
+"""What the other nodes did, when a multi-node job fails.
 
-Owns: one counter per node in node 0's store, bumped twice a second by each
-launcher, and the check that names the nodes whose counter stopped. A
+Owns: one heartbeat counter per node in node 0's store, bumped twice a
+second by each launcher, the check that names the nodes whose counter
+stopped, and the lines that say which nodes never arrived or went away. A
 launcher that is killed (or a machine that is lost) takes its workers with
 it; the other nodes then only see "Connection closed by peer" in their own
-ranks, which would blame a victim. Leaves the report itself to group.py.
+ranks, which would blame a victim. Leaves the rest of the report to
+report.py and the watching to group.py.
 """
 
 from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
+
+from . import ranks as rank_math
+from .config import LaunchConfig
 
 _INTERVAL = 0.5
 _CHECK_WAIT = 3 * _INTERVAL
@@ -60,3 +66,46 @@ def stalled_nodes(addr: str, port: int, nnodes: int, me: int, attempt: int) -> l
     except Exception:  # noqa: BLE001 - the store (node 0's launcher) does not answer
         return None
     return [n for n, b, a in zip(others, before, after) if a == b]
+
+
+def remote_causes(
+    config: LaunchConfig, nprocs: int, root_kind: str, store: Any, port: int, attempt: int, init_group: bool,
+    stop_local: Callable[[], None],
+) -> list[str]:
+    """Lines that say what another node did (never arrived, went away); [] on one node.
+
+    ``root_kind`` is the kind of this node's first failure (report.py): only
+    a "peer" or "timeout" failure can be another node's doing.
+    """
+    if config.nnodes == 1:
+        return []
+    if store is not None and init_group:
+        missing = _missing_ranks(store, config.nnodes * nprocs, attempt)
+        if missing:
+            return [_missing_message(missing, config, nprocs, port)]
+    if root_kind not in ("peer", "timeout"):
+        return []  # a rank here failed by itself: that is the story
+    stop_local()  # our ranks stop now; this launcher keeps beating while it looks
+    stalled = stalled_nodes(config.master_addr, port, config.nnodes, config.node_rank, attempt)
+    if stalled is None:
+        return [f"mpddp: node 0, which hosts the rendezvous at {config.master_addr}:{port}, is gone (its launcher "
+                "was killed, or its machine lost); the failures below are consequences"]
+    if not stalled:
+        return []
+    ranks = [s.rank for s in rank_math.layout(config.nnodes, nprocs) if s.node_rank in stalled]
+    return [f"mpddp: node(s) {', '.join(map(str, stalled))} went away (the launcher's heartbeat stopped: killed, "
+            f"preempted or lost), taking rank(s) {', '.join(map(str, ranks))}; the failures below are consequences"]
+
+
+def _missing_ranks(store: Any, world_size: int, attempt: int) -> list[int]:
+    """Ranks that never reached node 0's store (their node never arrived); see worker._init_group."""
+    return [r for r in range(world_size) if not store.check([f"mpddp/attempt_{attempt}/arrived/{r}"])]
+
+
+def _missing_message(missing: list[int], config: LaunchConfig, nprocs: int, port: int) -> str:
+    nodes = sorted({rank_math.split_rank(r, nprocs)[0] for r in missing})
+    return (
+        f"mpddp: node(s) {', '.join(map(str, nodes))} never arrived (rank(s) {', '.join(map(str, missing))} "
+        f"missing from the rendezvous at {config.master_addr}:{port}): start their launchers with "
+        f"--nnodes {config.nnodes} --master-addr {config.master_addr} --master-port {port} --node-rank N"
+    )
