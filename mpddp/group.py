@@ -109,7 +109,8 @@ def plan_launch(config: LaunchConfig) -> Plan:
             f"nprocs={nprocs} with {len(gpus)} GPU(s): NCCL refuses two ranks on one GPU; "
             f"pass --nprocs {len(gpus)} or --backend gloo"
         )
-    threads = None if gpus else threads_per_rank(nprocs, physical_cores(), os.environ.get("OMP_NUM_THREADS"))
+    # GPU ranks too: 8 ranks each running a thread per core would fight over the CPU
+    threads = threads_per_rank(nprocs, physical_cores(), os.environ.get("OMP_NUM_THREADS"))
     if config.start_method == "fork":
         _check_fork(gpus)
         threads = _fork_threads(threads)
