@@ -87,7 +87,7 @@ def _check_fork(gpus: tuple[int, ...] | None) -> None:
         )
 
 
-def _fork_threads(threads: int | None) -> int | None:
+def _fork_threads(threads: int) -> int:
     """Forked children use one intra-op thread once this process has other OS threads.
 
     A child forked after a multi-threaded torch op inherits a dead OpenMP pool
