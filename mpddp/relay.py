@@ -122,6 +122,8 @@ class Relay:
 
     def _emit(self, stream: _Stream, line: str, end: str) -> None:
         line = line.rstrip("\r")
+        if end == "\r" and not line:
+            return  # a bare carriage return (tqdm starts with one): nothing to draw
         if end == "\n":
             with self._lock:
                 self._tails[stream.rank].append(line)

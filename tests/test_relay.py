@@ -36,7 +36,7 @@ def test_lines_split_across_writes_are_joined_and_prefixed(monkeypatch):
 
 
 def test_progress_bar_redraws_in_place_and_the_next_line_overwrites_it(monkeypatch):
-    out, _, relay = relay_bytes({0: [b"10%|#  \r", b"100%|####\r", b"ok\n", b"next\n"]}, monkeypatch)
+    out, _, relay = relay_bytes({0: [b"\r10%|#  \r", b"100%|####\r", b"ok\n", b"next\n"]}, monkeypatch)
     assert out == (
         "\r[rank 0] 10%|#  "
         "\r[rank 0] 100%|####"
