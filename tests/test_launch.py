@@ -190,3 +190,10 @@ def test_workers_multiprocessing_has_the_platform_default_and_stdin_scripts_work
     assert out.returncode == 0, out.stderr
     expected = multiprocessing.get_context().get_start_method()  # this platform's default, as under torchrun
     assert out.stdout.strip().splitlines()[-1] == f"[{expected!r}]"
+
+
+def test_verbose_prints_each_workers_banner(capsys):
+    assert mpddp.launch(lambda ctx: ctx.rank, nprocs=2, verbose=True) == [0, 1]
+    out = capsys.readouterr().out.splitlines()
+    assert "[rank 0] node 0 · local rank 0 · rank 0×2+0 = 0 of 2 · cpu" in out
+    assert "[rank 1] node 0 · local rank 1 · rank 0×2+1 = 1 of 2 · cpu" in out
