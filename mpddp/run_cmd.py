@@ -38,8 +38,27 @@ def run(target: str, script_args: tuple[str, ...], is_module: bool, **options: A
 
     if not is_module and not os.path.isfile(target):
         raise ConfigError(f"script {target!r} does not exist: pass a path to a .py file, or -m for a module")
+    if is_module and not _importable(target):
+        raise ConfigError(
+            f"module {target!r} cannot be found from {os.getcwd()}: check its name, run from the directory "
+            "that holds its package, or install it (pip install -e .)"
+        )
     config = build_config(**options)
     # rank 0's env:// rendezvous connects to the launcher's store as a client; torch compares
     # the value with str(True), so "1" would make rank 0 try to bind the port itself
     config = replace(config, env=(*config.env, ("TORCHELASTIC_USE_AGENT_STORE", "True")))
     launch(run_script, config=config, args=(target, script_args, is_module), init_process_group=False)
+
+
+def _importable(module: str) -> bool:
+    """Whether ``python -m module`` would find it here (the workers add the cwd too)."""
+    import importlib.util
+    import sys
+
+    sys.path.insert(0, os.getcwd())
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
+    finally:
+        sys.path.remove(os.getcwd())

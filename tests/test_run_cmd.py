@@ -57,3 +57,13 @@ def test_missing_script_is_one_line():
     assert out.stderr.strip() == (
         "mpddp: error: script 'nope.py' does not exist: pass a path to a .py file, or -m for a module"
     )
+
+
+def test_missing_module_is_one_line(tmp_path):
+    out = run("-m", "mpddp", "run", "--nprocs", "2", "-m", "no_such_module.train", cwd=tmp_path)
+    assert out.returncode == 2
+    assert out.stderr.strip() == (
+        f"mpddp: error: module 'no_such_module.train' cannot be found from {tmp_path}: check its name, run from "
+        "the directory that holds its package, or install it (pip install -e .)"
+    )
+    assert list(tmp_path.iterdir()) == []
