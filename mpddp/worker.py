@@ -17,6 +17,7 @@ import multiprocessing
 import os
 import signal
 import sys
+import threading
 import time
 import traceback
 from dataclasses import dataclass
@@ -30,6 +31,7 @@ import torch.distributed as dist
 
 from .context import WorkerContext
 
+THREAD_GRACE = 5.0  # seconds a worker waits for threads fn left running
 MAIN_GUARD_EXIT = 97  # a worker re-ran the user's script and met launch() again
 _PR_SET_PDEATHSIG = 1
 _IOLBF = 1  # glibc's setvbuf mode for line buffering
@@ -182,6 +184,27 @@ def _connect(addr: str, port: int, timeout: float) -> Any:
     return connect(addr, port, timeout)
 
 
+def _join_threads(rank: int, code: int) -> None:
+    """Give threads fn left running a moment, then end the worker anyway.
+
+    multiprocessing joins every non-daemon thread before a worker exits, so
+    one that fn forgot (a logger, a prefetcher) would keep the worker, and
+    the whole launch, alive forever after fn returned.
+    """
+    deadline = time.monotonic() + THREAD_GRACE
+    for thread in threading.enumerate():
+        if thread is not threading.current_thread() and not thread.daemon:
+            thread.join(max(0.0, deadline - time.monotonic()))
+    left = [t.name for t in threading.enumerate() if t is not threading.current_thread() and not t.daemon]
+    if left:
+        print(f"mpddp: rank {rank}: fn returned but left thread(s) {', '.join(left)} running; "
+              f"stopped them after {THREAD_GRACE:.0f} s (make them daemon threads, or join them in fn)",
+              file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        _c_stdio("fflush")
+        os._exit(code)  # the normal exit would join them; the launcher reaps what they leave
+
+
 def entry(spec: WorkerSpec, messages: Connection, out: Connection, err: Connection) -> None:
     """The target of every worker process."""
     _detach(spec.close_fds)
@@ -221,6 +244,8 @@ def entry(spec: WorkerSpec, messages: Connection, out: Connection, err: Connecti
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+        if spec.init_group:  # a script (mpddp run) waits for its threads, as `python script.py` does
+            _join_threads(ctx.rank, code)
         sys.stdout.flush()
         sys.stderr.flush()
         _c_stdio("fflush")

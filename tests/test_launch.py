@@ -197,3 +197,23 @@ def test_verbose_prints_each_workers_banner(capsys):
     out = capsys.readouterr().out.splitlines()
     assert "[rank 0] node 0 · local rank 0 · rank 0×2+0 = 0 of 2 · cpu" in out
     assert "[rank 1] node 0 · local rank 1 · rank 0×2+1 = 1 of 2 · cpu" in out
+
+
+def leave_a_thread(ctx):
+    import threading
+    import time
+
+    threading.Thread(target=time.sleep, args=(600,), name="forgotten").start()
+    return ctx.rank
+
+
+def test_a_forgotten_non_daemon_thread_does_not_keep_the_launch_alive(capsys):
+    import time
+
+    from mpddp.worker import THREAD_GRACE
+
+    start = time.monotonic()
+    assert mpddp.launch(leave_a_thread, nprocs=2) == [0, 1]
+    assert time.monotonic() - start < THREAD_GRACE + 20
+    err = capsys.readouterr().err
+    assert "[rank 1] mpddp: rank 1: fn returned but left thread(s) forgotten running" in err
