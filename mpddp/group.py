@@ -119,18 +119,16 @@ def plan_launch(config: LaunchConfig) -> Plan:
     return Plan(config, nprocs, backend, gpus, pin, threads, mine)
 
 
-def _worker_env(plan: Plan, slot: rank_math.RankSlot, port: int, attempt: int) -> dict[str, str]:
+def _node_env(plan: Plan, port: int, attempt: int) -> dict[str, str]:
+    """The environment every worker of this node shares, computed once per group."""
     config = plan.config
     env = dict(os.environ)
     env.update(
-        RANK=str(slot.rank),
-        LOCAL_RANK=str(slot.local_rank),
-        WORLD_SIZE=str(slot.world_size),
+        WORLD_SIZE=str(plan.slots[0].world_size),
         LOCAL_WORLD_SIZE=str(plan.nprocs),
-        GROUP_RANK=str(slot.node_rank),
-        NODE_RANK=str(slot.node_rank),
-        ROLE_RANK=str(slot.rank),
-        ROLE_WORLD_SIZE=str(slot.world_size),
+        GROUP_RANK=str(config.node_rank),
+        NODE_RANK=str(config.node_rank),
+        ROLE_WORLD_SIZE=str(plan.slots[0].world_size),
         MASTER_ADDR=config.master_addr,
         MASTER_PORT=str(port),
         TORCHELASTIC_RESTART_COUNT=str(attempt),
@@ -152,6 +150,11 @@ def _worker_env(plan: Plan, slot: rank_math.RankSlot, port: int, attempt: int) -
         for key, value in interface_env(config.master_addr, os.environ).items():
             env.setdefault(key, value)
     return env
+
+
+def _rank_env(node_env: dict[str, str], slot: rank_math.RankSlot) -> dict[str, str]:
+    """One worker's environment: the node's plus its ranks, as torchrun sets them."""
+    return {**node_env, "RANK": str(slot.rank), "LOCAL_RANK": str(slot.local_rank), "ROLE_RANK": str(slot.rank)}
 
 
 def _interactive() -> bool:
@@ -192,6 +195,7 @@ def _start(
     from .worker import WorkerSpec, entry
 
     config = plan.config
+    node_env = _node_env(plan, port, attempt)
     channels = [(mp_context.Pipe(duplex=False), _pipe(), _pipe()) for _ in plan.slots]
     all_fds = {fd for (m_r, m_w), (o_r, o_w), (e_r, e_w) in channels
                for fd in (m_r.fileno(), m_w.fileno(), o_r, o_w.fileno(), e_r, e_w.fileno())}
@@ -204,7 +208,7 @@ def _start(
         own = {msg_w.fileno(), out_w.fileno(), err_w.fileno()}
         spec = WorkerSpec(
             ctx=ctx, store_addr=config.master_addr, store_port=port, store_prefix=f"mpddp/attempt_{attempt}",
-            timeout=config.timeout, env=_worker_env(plan, slot, port, attempt), threads=plan.threads,
+            timeout=config.timeout, env=_rank_env(node_env, slot), threads=plan.threads,
             payload=payload, banner=banner(ctx) if config.verbose else None, init_group=init_group,
             # a forked child inherits every pipe: it must close the ends that are not its own
             close_fds=tuple(sorted(all_fds - own)) if config.start_method == "fork" else (),
@@ -242,7 +246,7 @@ def _receive(state: RankState) -> None:
                 state.failed_at = value["time"]
 
 
-def _watch(states: list[RankState], timeout_hint: float) -> None:
+def _watch(states: list[RankState]) -> None:
     """Wait until every rank succeeded, or a failure window has closed."""
     first_failure: float | None = None
     while True:
@@ -298,7 +302,7 @@ def run_group(plan: Plan, mp_context: Any, payload: bytes, attempt: int, init_gr
             store = rendezvous.host_store(sock, config.timeout)
         if config.nnodes > 1:
             beat = Heartbeat(config.master_addr, port, config.node_rank, attempt, config.timeout)
-        _watch(states, config.timeout)
+        _watch(states)
         if not all(s.exitcode == 0 and s.has_result for s in states):
             notes = remote_causes(config, plan.nprocs, root_cause(states).kind, store, port, attempt,
                                   init_group, stop_local=lambda: _teardown(states))

@@ -11,28 +11,18 @@ Leaves starting workers and reading failures to launcher.py.
 from __future__ import annotations
 
 import errno
+import ipaddress
 import socket
 from datetime import timedelta
 
-from .errors import ConfigError, RendezvousError
-
-
-def resolve(addr: str) -> tuple[socket.AddressFamily, str]:
-    """Address family and numeric address of ``addr`` (a name or an IP)."""
-    try:
-        infos = socket.getaddrinfo(addr, None, type=socket.SOCK_STREAM)
-    except socket.gaierror as e:
-        raise ConfigError(
-            f"master_addr={addr!r} does not resolve ({e.strerror}): pass node 0's IP address "
-            "or add the name to /etc/hosts"
-        ) from e
-    family, _, _, _, sockaddr = infos[0]
-    return family, str(sockaddr[0])
+from .errors import RendezvousError
+from .netif import resolve
 
 
 def listen(addr: str, port: int) -> socket.socket:
     """Bind and listen on ``addr:port`` (port 0: a free one, kept bound)."""
-    family, numeric = resolve(addr)
+    numeric = resolve(addr)  # a literal such as 127.0.0.1 costs no lookup
+    family = socket.AF_INET6 if ipaddress.ip_address(numeric).version == 6 else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
