@@ -97,9 +97,8 @@ def _fork_threads(threads: int) -> int:
     return 1 if psutil.Process().num_threads() > 1 else threads
 
 
-def plan_launch(config: LaunchConfig) -> Plan:
-    """Decide GPUs, nprocs, backend and threads without initializing CUDA here."""
-    gpus, pin = _gpus(config)
+def choose(config: LaunchConfig, gpus: tuple[int, ...] | None) -> tuple[int, str]:
+    """nprocs and backend for ``config`` on these GPUs (pure; ``mpddp info`` shows the same)."""
     nprocs = config.nprocs or (len(gpus) if gpus else 1)
     backend = config.backend if config.backend != "auto" else ("nccl" if gpus else "gloo")
     if backend == "nccl" and not gpus:
@@ -109,6 +108,13 @@ def plan_launch(config: LaunchConfig) -> Plan:
             f"nprocs={nprocs} with {len(gpus)} GPU(s): NCCL refuses two ranks on one GPU; "
             f"pass --nprocs {len(gpus)} or --backend gloo"
         )
+    return nprocs, backend
+
+
+def plan_launch(config: LaunchConfig) -> Plan:
+    """Decide GPUs, nprocs, backend and threads without initializing CUDA here."""
+    gpus, pin = _gpus(config)
+    nprocs, backend = choose(config, gpus)
     # GPU ranks too: 8 ranks each running a thread per core would fight over the CPU
     threads = threads_per_rank(nprocs, physical_cores(), os.environ.get("OMP_NUM_THREADS"))
     if config.start_method == "fork":

@@ -91,10 +91,11 @@ def cpu_lines() -> list[str]:
 
 def choice_lines(config: LaunchConfig, query: GpuQuery) -> list[str]:
     """What a one-node launch with ``config`` would choose here, and why."""
+    from .group import choose
+
     ids = resolve_gpus(config.gpus, config.nprocs, query)  # a ConfigError ends the report, exit code 2
-    nprocs = config.nprocs or (len(ids) if ids else 1)
-    shared = bool(ids) and nprocs > len(ids or ())
-    backend = "gloo (no GPU)" if not ids else "gloo (ranks share GPUs)" if shared else "nccl (one GPU per rank)"
+    nprocs, chosen = choose(config, ids)  # what the launch itself decides (a ConfigError, too)
+    backend = "gloo (no GPU)" if not ids else "nccl (one GPU per rank)" if chosen == "nccl" else "gloo"
     omp = os.environ.get("OMP_NUM_THREADS")
     cores = physical_cores()
     why = f"OMP_NUM_THREADS={omp}" if omp else f"{cores} physical cores // {nprocs} rank{'s' if nprocs > 1 else ''}"
