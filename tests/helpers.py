@@ -31,18 +31,23 @@ def leftovers(wait: float = 3.0) -> list[psutil.Process]:
         time.sleep(0.05)
 
 
+def running(pids: set[int] | list[int]) -> list[int]:
+    """Those of ``pids`` still running (zombies count as gone)."""
+    left = []
+    for pid in pids:
+        try:
+            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                left.append(pid)
+        except psutil.NoSuchProcess:
+            pass
+    return left
+
+
 def gone(pids: list[int], wait: float = 3.0) -> bool:
-    """True once none of ``pids`` is running (zombies count as gone)."""
+    """True once none of ``pids`` is running."""
     deadline = time.monotonic() + wait
     while time.monotonic() < deadline:
-        alive = []
-        for pid in pids:
-            try:
-                if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
-                    alive.append(pid)
-            except psutil.NoSuchProcess:
-                pass
-        if not alive:
+        if not running(pids):
             return True
         time.sleep(0.05)
     return False

@@ -20,6 +20,8 @@ from pathlib import Path
 
 import psutil
 
+from helpers import running
+
 REPO = Path(__file__).resolve().parent.parent
 SCRIPTS = REPO / "tests" / "scripts"
 
@@ -123,17 +125,6 @@ def marked(marker: str) -> list[psutil.Process]:
         except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
             continue
     return found
-
-
-def running(pids: set[int]) -> list[int]:
-    left = []
-    for pid in pids:
-        try:
-            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
-                left.append(pid)
-        except psutil.NoSuchProcess:
-            pass
-    return left
 
 
 def alive_or_zombie(pids: set[int]) -> list[int]:
