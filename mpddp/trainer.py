@@ -131,13 +131,18 @@ class Trainer:
         # started by a forkserver, whose children would have to unpickle the dataset (and could not
         # import a task module loaded from a file).
         context = "fork" if cfg.num_workers and sys.platform == "linux" else None
+        # Workers forked once and kept: re-forking every epoch, right while the last epoch's
+        # queue feeder threads exit, can deadlock the child inside CPython's fork (seen here,
+        # Python 3.11: stuck in _PyThreadState_DeleteExcept). It also saves a fork per epoch.
+        persistent = cfg.num_workers > 0
         self.train_loader = DataLoader(self.task.train_set, batch_size=cfg.batch_size, sampler=self.sampler,
                                        num_workers=cfg.num_workers, pin_memory=on_gpu, generator=self.loader_rng,
-                                       multiprocessing_context=context)
+                                       multiprocessing_context=context, persistent_workers=persistent)
         # Evaluation shards without padding (rank, rank+world, ...): no sample is counted twice.
         shard = Subset(self.task.test_set, range(self.rank, len(self.task.test_set), self.world))  # type: ignore[arg-type]
         self.test_loader = DataLoader(shard, batch_size=cfg.batch_size * 4, num_workers=cfg.num_workers,
-                                      pin_memory=on_gpu, multiprocessing_context=context)
+                                      pin_memory=on_gpu, multiprocessing_context=context,
+                                      persistent_workers=persistent)
         self.batches_per_epoch = -(-len(self.sampler) // cfg.batch_size)
 
     def _autocast(self) -> contextlib.AbstractContextManager[Any]:
