@@ -1,7 +1,12 @@
 """mpddp: launch PyTorch DistributedDataParallel training with no torchrun.
 
-``import mpddp`` stays light (no torch import) so that the command line and
-the launcher's own start-up are fast; torch is imported where it is used.
+The public API: :func:`launch`, :class:`LaunchConfig`, :class:`WorkerContext`
+and the errors. The layers, in data-flow order: this top level (config,
+ranks, context, errors, log: what every layer shares), ``machine/`` (GPUs,
+interfaces, SLURM, cores), ``core/`` (the launcher), ``trainer/`` (the example
+trainer, on the public API only) and ``cli/`` (on top). ``import mpddp``
+stays light (no torch import) so that the command line and the launcher's
+own start-up are fast; torch is imported where it is used.
 """
 
 from __future__ import annotations
@@ -11,11 +16,14 @@ from typing import TYPE_CHECKING, Any
 __version__ = "0.1.0"
 
 from .config import LaunchConfig
+from .context import WorkerContext
 from .errors import (
     ConfigError,
     HangError,
     MainGuardError,
     MpddpError,
+    Outcome,
+    RankFailure,
     RendezvousError,
     RestartsExhausted,
     ShipError,
@@ -23,8 +31,7 @@ from .errors import (
 )
 
 if TYPE_CHECKING:
-    from .launcher import launch as launch
-    from .worker import WorkerContext as WorkerContext
+    from .core.api import launch as launch
 
 __all__ = [
     "ConfigError",
@@ -32,6 +39,8 @@ __all__ = [
     "LaunchConfig",
     "MainGuardError",
     "MpddpError",
+    "Outcome",
+    "RankFailure",
     "RendezvousError",
     "RestartsExhausted",
     "ShipError",
@@ -42,12 +51,8 @@ __all__ = [
 
 
 def __getattr__(name: str) -> Any:
-    if name == "launch":
-        from .launcher import launch
+    if name == "launch":  # the core loads on first use
+        from .core.api import launch
 
         return launch
-    if name == "WorkerContext":
-        from .worker import WorkerContext
-
-        return WorkerContext
     raise AttributeError(f"module 'mpddp' has no attribute {name!r}")

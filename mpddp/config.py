@@ -1,17 +1,22 @@
 """The launch configuration: one frozen dataclass, validated once.
 
-Owns: every launch option, its default and its validation. Each violation
-raises :class:`~mpddp.errors.ConfigError` naming the value, what is allowed
-and the fix. Leaves to others: resolving values that need the machine
-(GPU count, backend ``auto``) to launcher.py, reading SLURM to slurm.py.
+Owns: every launch option, its default, its validation and its command-line
+help (each field's ``metadata``: the CLI's shared launch options are made
+from these fields, so the two cannot drift apart). Each violation raises
+:class:`~mpddp.errors.ConfigError` naming the value, what is allowed and the
+fix. Leaves to others: values that need the machine (GPU count, backend
+``auto``) to core/plan.py, reading SLURM to machine/slurm.py, merging the two
+to core/api.py.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from .errors import ConfigError
 
@@ -21,12 +26,22 @@ DEFAULT_TIMEOUT = 180.0
 _FREE_GPUS = re.compile(r"^free(:[1-9][0-9]*)?$")
 
 
-def _check_int(name: str, value: object, low: int, high: int | None, fix: str) -> None:
+MAX_TIMEOUT = 1e7  # seconds (115 days): beyond it timedelta and the C++ clocks overflow
+MIN_TIMEOUT = 1.0  # seconds: a shorter window cannot tell a hang from a slow start
+
+
+def check_int(name: str, value: object, low: int, high: int | None, fix: str, verdict: str = "is out of range") -> None:
+    """Raise ConfigError unless ``value`` is an int in ``[low, high]``; ``fix`` starts with its own punctuation."""
     allowed = f"an integer >= {low}" if high is None else f"an integer from {low} to {high}"
     if isinstance(value, bool) or not isinstance(value, int):
-        raise ConfigError(f"{name}={value!r} is not allowed: it must be {allowed}; {fix}")
+        raise ConfigError(f"{name}={value!r} is not allowed: it must be {allowed}{fix}")
     if value < low or (high is not None and value > high):
-        raise ConfigError(f"{name}={value} is out of range: it must be {allowed}; {fix}")
+        raise ConfigError(f"{name}={value} {verdict}: it must be {allowed}{fix}")
+
+
+def _cli(help: str, kind: Any = str, *decls: str) -> dict[str, Any]:
+    """A field's command-line option: its help, its click type (or "flag"), extra spellings."""
+    return {"cli": {"help": help, "type": kind, "decls": decls}}
 
 
 def parse_gpus(spec: str | Sequence[int] | None) -> tuple[int, ...] | str | None:
@@ -66,32 +81,37 @@ class LaunchConfig:
     ``master_port=0`` lets the OS pick a free port (single node only).
     """
 
-    nprocs: int | None = None
-    nnodes: int = 1
-    node_rank: int = 0
-    master_addr: str = "127.0.0.1"
-    master_port: int = 0
-    backend: str = "auto"
-    start_method: str = "forkserver"
-    timeout: float = DEFAULT_TIMEOUT
-    gpus: tuple[int, ...] | str | None = None
-    max_restarts: int = 0
-    output_ranks: tuple[int, ...] | None = None  # None: every rank
-    log_dir: str | None = None
-    verbose: bool = False
-    env: tuple[tuple[str, str], ...] = field(default=())  # extra worker variables
+    nprocs: int | None = field(default=None, metadata=_cli(
+        "Workers on this node [default: one per GPU, else 1].", int))
+    nnodes: int = field(default=1, metadata=_cli("Number of machines [default: 1, or SLURM's].", int))
+    node_rank: int = field(default=0, metadata=_cli("This machine's index, 0..nnodes-1.", int))
+    master_addr: str = field(default="127.0.0.1", metadata=_cli("Node 0's address [default: 127.0.0.1]."))
+    master_port: int = field(default=0, metadata=_cli("Node 0's port [default: a free one on one node].", int))
+    backend: str = field(default="auto", metadata=_cli("auto (nccl on GPUs, else gloo), nccl or gloo [default: auto]."))
+    start_method: str = field(default="forkserver", metadata=_cli(
+        "forkserver, spawn or fork [default: forkserver]."))
+    timeout: float = field(default=DEFAULT_TIMEOUT, metadata=_cli(
+        f"Seconds a rank may wait in a collective [default: {DEFAULT_TIMEOUT:g}].", float))
+    gpus: tuple[int, ...] | str | None = field(default=None, metadata=_cli(
+        "GPU ids such as 0,3, or free / free:N [default: all visible]."))
+    max_restarts: int = field(default=0, metadata=_cli("Restart the group after a failure [default: 0].", int))
+    output_ranks: tuple[int, ...] | None = field(default=None, metadata=_cli(  # None: every rank; "0,1" parsed
+        "Ranks whose stdout is shown (0, 0,1, all) [default: all]."))
+    log_dir: str | None = field(default=None, metadata=_cli("Also write one log file per rank.", "directory"))
+    verbose: bool = field(default=False, metadata=_cli("A banner per worker; every rank's progress.", "flag", "-v"))
+    env: tuple[tuple[str, str], ...] = field(default=())  # extra worker variables (no flag)
 
     def __post_init__(self) -> None:
         if self.nprocs is not None:
-            _check_int("nprocs", self.nprocs, 1, None, "pass the number of workers for this node, e.g. --nprocs 2")
-        _check_int("nnodes", self.nnodes, 1, None, "pass the number of machines, e.g. --nnodes 2")
-        _check_int("node_rank", self.node_rank, 0, None, "number the nodes 0, 1, ... nnodes-1")
+            check_int("nprocs", self.nprocs, 1, None, "; pass the number of workers for this node, e.g. --nprocs 2")
+        check_int("nnodes", self.nnodes, 1, None, "; pass the number of machines, e.g. --nnodes 2")
+        check_int("node_rank", self.node_rank, 0, None, "; number the nodes 0, 1, ... nnodes-1")
         if self.node_rank >= self.nnodes:
             raise ConfigError(
                 f"node_rank={self.node_rank} with nnodes={self.nnodes}: node ranks run from 0 to "
                 f"{self.nnodes - 1}; pass --node-rank {self.nnodes - 1} or raise --nnodes to {self.node_rank + 1}"
             )
-        _check_int("master_port", self.master_port, 0, 65535, "pick a TCP port such as 29500 (0: let the OS choose)")
+        check_int("master_port", self.master_port, 0, 65535, "; pick a TCP port such as 29500 (0: let the OS choose)")
         if self.nnodes > 1 and self.master_port == 0:
             raise ConfigError(
                 "master_port=0 with nnodes>1: every node must know the port in advance; "
@@ -108,9 +128,13 @@ class LaunchConfig:
             )
         if isinstance(self.timeout, bool) or not isinstance(self.timeout, (int, float)) or not self.timeout > 0:
             raise ConfigError(f"timeout={self.timeout!r} is not allowed: it must be a number of seconds > 0, e.g. 180")
+        if not (math.isfinite(self.timeout) and MIN_TIMEOUT <= self.timeout <= MAX_TIMEOUT):
+            raise ConfigError(f"timeout={self.timeout!r} is out of range: it must be from {MIN_TIMEOUT:g} to "
+                              f"{MAX_TIMEOUT:g} seconds, e.g. 180 (or 86400 for a day)")
         object.__setattr__(self, "timeout", float(self.timeout))
         object.__setattr__(self, "gpus", parse_gpus(self.gpus))
-        _check_int("max_restarts", self.max_restarts, 0, None, "pass 0 (no restart) or more")
+        check_int("max_restarts", self.max_restarts, 0, None, "; pass 0 (no restart) or more")
+        object.__setattr__(self, "output_ranks", parse_output_ranks(self.output_ranks))
         if self.output_ranks is not None:
             ranks = tuple(self.output_ranks)
             if not ranks or any(isinstance(r, bool) or not isinstance(r, int) or r < 0 for r in ranks):

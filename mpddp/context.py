@@ -1,12 +1,16 @@
 """What a worker knows about itself: the frozen ``ctx`` passed to ``fn``.
 
-Owns: the :class:`WorkerContext` value type. No torch import here, so that
-code which only reads a context stays light.
+Owns: the :class:`WorkerContext` value type, made from a rank's
+:class:`~mpddp.ranks.RankSlot` plus what the job decided. No torch import
+here, so that code which only reads a context stays light.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+from typing import Any
+
+from .ranks import RankSlot
 
 
 @dataclass(frozen=True)
@@ -30,6 +34,13 @@ class WorkerContext:
     gpu: int | None = None
     restart: int = 0
     verbose: bool = False
+
+    @classmethod
+    def at(cls, slot: RankSlot, *, nnodes: int, backend: str, restart: int = 0, verbose: bool = False) -> WorkerContext:
+        """The context of the worker in ``slot``: the slot's fields (device included) and the job's."""
+        job: dict[str, Any] = {"nnodes": nnodes, "backend": backend, "restart": restart, "verbose": verbose}
+        where = {f.name: getattr(slot, f.name) for f in fields(cls) if f.name not in job and hasattr(slot, f.name)}
+        return cls(**where, **job)
 
     @property
     def is_main(self) -> bool:

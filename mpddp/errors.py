@@ -1,11 +1,53 @@
-"""The small family of errors mpddp raises.
+"""The small family of errors mpddp raises, and what a failed launch reports.
 
-Owns: every exception type a user of mpddp can catch. Each message names the
-value, what is allowed and the fix, on one line where the input was bad.
-Leaves to others: deciding *when* to raise (config.py, launcher.py, ...).
+Owns: every exception type a user of mpddp can catch, the :class:`Outcome`
+of a rank, and :class:`RankFailure`, the plain record of one rank that did
+not finish. Each message names the value, what is allowed and the fix, on
+one line where the input was bad. Every error survives pickling (a launch
+run under submitit or a process pool hands its error to another process):
+it holds data only, never a live process. Leaves deciding *when* to raise
+to config.py, core/api.py and core/report.py.
 """
 
 from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Any
+
+
+class Outcome(enum.Enum):
+    """How one rank ended, as the launcher tells it (set where it is known, never read from text).
+
+    The worker itself reports ``RAISED``, ``EXITED`` or ``COLLECTIVE`` (from
+    the exception's type and the frame it was raised in); the launcher adds
+    what only it can see.
+    """
+
+    OK = "ok"  # returned a value
+    RAISED = "raised"  # its own exception: a root cause, whatever its message says
+    EXITED = "exited"  # sys.exit / os._exit with a non-zero code
+    DIED = "died"  # killed by a signal, or gone without a word
+    EARLY_EXIT = "early-exit"  # returned (or exited 0) while its peers still waited for it
+    HUNG = "hung"  # declared hung by the launcher's watchdog
+    COLLECTIVE = "collective"  # an error raised inside torch.distributed after a peer went away
+    STOPPED = "stopped"  # stopped by mpddp after another rank failed
+
+
+@dataclass(frozen=True)
+class RankFailure:
+    """One rank that did not finish: where it sat, how it ended, what it said."""
+
+    rank: int
+    node_rank: int
+    local_rank: int
+    outcome: Outcome
+    pid: int | None = None
+    exit_code: int | None = None  # the process's (negative: killed by that signal)
+    error_type: str | None = None  # e.g. "ValueError", for a rank that raised
+    message: str | None = None
+    traceback: str | None = None
+    where: str | None = None  # the frame it was stopped at, e.g. "barrier at train.py:12"
 
 
 class MpddpError(Exception):
@@ -32,19 +74,23 @@ class WorkerFailed(MpddpError):
     """A rank raised, exited non-zero or died by a signal; the group was stopped.
 
     ``rank`` is the rank that failed first (the root cause), ``failures``
-    holds one :class:`mpddp.launcher.RankFailure` per rank that did not
-    finish, root cause first.
+    holds one :class:`RankFailure` per rank that did not finish, root cause
+    first; ``exit_code`` is what the CLI exits with.
     """
 
-    def __init__(self, message: str, rank: int, failures: list | None = None, exit_code: int = 1) -> None:
+    def __init__(self, message: str, rank: int, failures: list[RankFailure] | None = None, exit_code: int = 1) -> None:
         super().__init__(message)
         self.rank = rank
-        self.failures = failures or []
-        self.exit_code = exit_code  # what the CLI exits with: the failing script's own code, else 1
+        self.failures = list(failures or [])
+        self.exit_code = exit_code  # the failing script's own code, 128+signal for a killed rank, else 1
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # the default would call cls(message) alone; torch.multiprocessing's errors do the same
+        return type(self), (str(self), self.rank, self.failures, self.exit_code)
 
 
 class HangError(WorkerFailed):
-    """A rank made no progress while the others waited in a collective."""
+    """No rank made progress for ``timeout`` seconds; the report says where each rank was."""
 
 
 class RestartsExhausted(WorkerFailed):

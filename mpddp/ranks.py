@@ -1,13 +1,15 @@
 """Rank math: the whole lesson of a multi-node launch, as pure functions.
 
-Owns: world size, global rank, the inverse, and the per-worker layout table
-that ``mpddp ranks`` prints. No torch, no environment variables, no I/O.
+Owns: world size, global rank, the inverse, the per-worker layout table
+that ``mpddp ranks`` prints, and the one-line banner a worker prints with
+``--verbose``. No torch, no environment variables, no I/O.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 
 def world_size(nnodes: int, nprocs_per_node: int) -> int:
@@ -71,3 +73,35 @@ def layout(nnodes: int, nprocs_per_node: int, gpus: Sequence[int] | None = None)
         for node in range(nnodes)
         for local in range(nprocs_per_node)
     ]
+
+
+class Placed(Protocol):
+    """Where a worker sits: a :class:`RankSlot` or a :class:`~mpddp.context.WorkerContext`."""
+
+    @property
+    def node_rank(self) -> int: ...
+    @property
+    def local_rank(self) -> int: ...
+    @property
+    def rank(self) -> int: ...
+    @property
+    def world_size(self) -> int: ...
+    @property
+    def nprocs_per_node(self) -> int: ...
+    @property
+    def device(self) -> str: ...
+    @property
+    def gpu(self) -> int | None: ...
+
+
+def banner(where: Placed) -> str:
+    """``node 1 · local rank 1 · rank 1×4+1 = 5 of 8 · cuda:1 (physical GPU 3)``.
+
+    The relay adds the ``[rank 5] `` prefix. On the CPU the device is ``cpu``.
+    """
+    device = where.device if where.gpu is None else f"{where.device} (physical GPU {where.gpu})"
+    return (
+        f"node {where.node_rank} · local rank {where.local_rank} · "
+        f"rank {where.node_rank}×{where.nprocs_per_node}+{where.local_rank} = {where.rank} of {where.world_size} · "
+        f"{device}"
+    )

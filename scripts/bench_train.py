@@ -68,7 +68,7 @@ def gpu_task(seed: int = 0, samples: int = 65536) -> Any:
 
 
 def _task(spec: Spec) -> Any:
-    from mpddp.tasks import synthetic_task
+    from mpddp.trainer.tasks import synthetic_task
 
     if spec.gpu:
         return gpu_task(spec.seed, spec.samples)
@@ -88,8 +88,8 @@ def _sync(device: Any) -> None:
 
 def run_trainer(ctx: Any, spec: Spec) -> list[tuple[int, float]]:
     """The mpddp Trainer; returns (global samples, seconds) per epoch."""
-    from mpddp.train_config import TrainConfig
-    from mpddp.trainer import Trainer
+    from mpddp.trainer.config import TrainConfig
+    from mpddp.trainer.loop import Trainer
 
     epochs: list[tuple[int, float]] = []
 

@@ -12,7 +12,7 @@ nvidia-smi $A $F > $OUT/smi_1xh200_idle_compute_apps.csv; echo "apps rc=$?"
 cat $OUT/smi_1xh200_idle_*.csv
 echo "== info idle"; time $PY -m mpddp info 2>&1 | tee $OUT/info_idle.txt
 echo "== nvml vs smi"; $PY -c "
-from mpddp import gpus
+from mpddp.machine import gpus
 print('default', gpus.query_gpus())
 print('smi    ', gpus._query_smi())
 print('visible', gpus.visible_gpu_ids({'CUDA_VISIBLE_DEVICES': ''}), gpus.visible_gpu_ids())"
@@ -29,7 +29,7 @@ cat $OUT/smi_1xh200_busy_*.csv
 echo "== info busy"; $PY -m mpddp info 2>&1 | tee $OUT/info_busy.txt
 echo "== info --gpus free (busy)"; $PY -m mpddp info --gpus free 2>&1 | tail -3; echo "rc=${PIPESTATUS[0]}"
 $PY -c "
-from mpddp import gpus
+from mpddp.machine import gpus
 q = gpus.query_gpus(); print(q); print(gpus.busy_warnings((0,), q))
 print('smi', gpus._query_smi())"
 kill $BUSY; wait $BUSY 2>/dev/null

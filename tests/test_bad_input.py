@@ -148,8 +148,8 @@ def cli_results(tmp_path_factory) -> dict[str, CliResult]:
 
 
 def call_api(case: Case) -> None:
-    from mpddp.train_config import TrainConfig
-    from mpddp.trainer import train
+    from mpddp.trainer.config import TrainConfig
+    from mpddp.trainer.loop import train
 
     options = dict(case.api or {})
     if "train" in options:

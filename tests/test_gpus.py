@@ -8,12 +8,12 @@ from types import SimpleNamespace
 
 import pytest
 
-from mpddp import gpus
 from mpddp.context import WorkerContext
 from mpddp.errors import ConfigError
-from mpddp.gpus import GpuQuery, busy_warnings, parse_visible_devices, resolve_gpus
-from mpddp.machine import banner, threads_per_rank
-from mpddp.ranks import RankSlot
+from mpddp.machine import gpus
+from mpddp.machine.cores import threads_per_rank
+from mpddp.machine.gpus import GpuQuery, busy_warnings, parse_visible_devices, resolve_gpus
+from mpddp.ranks import RankSlot, banner
 
 DATA = Path(__file__).parent / "data"
 

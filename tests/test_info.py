@@ -12,9 +12,9 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from mpddp import gpus, info
-from mpddp.cli import main
+from mpddp.cli import info, main
 from mpddp.errors import ConfigError
+from mpddp.machine import gpus
 
 DATA = Path(__file__).parent / "data"
 

@@ -8,8 +8,8 @@ import time
 import psutil
 import pytest
 
-from mpddp import netif
 from mpddp.errors import ConfigError
+from mpddp.machine import netif
 
 pytestmark = pytest.mark.timeout(30)
 

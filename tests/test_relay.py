@@ -4,7 +4,7 @@ import io
 import os
 import sys
 
-from mpddp.relay import Relay
+from mpddp.core.relay import Relay
 
 
 def relay_bytes(chunks_by_rank: dict[int, list[bytes]], monkeypatch, **kwargs) -> tuple[str, str, Relay]:

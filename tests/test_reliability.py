@@ -218,9 +218,9 @@ def wait_forever(ctx):
 
 def test_ctrl_c_while_ranks_start_stops_those_already_started(monkeypatch):
     """Ctrl-C between two ranks' starts (a notebook's stop button) leaves no rank behind."""
-    from mpddp import launcher
+    from mpddp.core import api as launcher
 
-    real = launcher._start_context
+    real = launcher.start_context
     started = []
 
     def ctrl_c_once_rank_0_runs():
@@ -241,7 +241,7 @@ def test_ctrl_c_while_ranks_start_stops_those_already_started(monkeypatch):
                 process.start = ctrl_c_once_rank_0_runs
             return process
 
-    monkeypatch.setattr(launcher, "_start_context", lambda method: CtrlCOnSecondStart(real(method)))
+    monkeypatch.setattr(launcher, "start_context", lambda method: CtrlCOnSecondStart(real(method)))
     with pytest.raises(KeyboardInterrupt):
         mpddp.launch(wait_forever, nprocs=2, init_process_group=False)
     assert gone([started[0].pid], wait=1.0), "rank 0, started before the Ctrl-C, is still running"

@@ -7,9 +7,9 @@ from collections.abc import Callable
 import pytest
 from click.testing import CliRunner
 
-from mpddp import slurm
 from mpddp.cli import build_config, main
 from mpddp.errors import ConfigError
+from mpddp.machine import slurm
 
 pytestmark = pytest.mark.timeout(30)
 

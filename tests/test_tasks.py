@@ -8,7 +8,7 @@ import torch
 from tiny_task import TINY
 
 from mpddp.errors import ConfigError
-from mpddp.tasks import DigitsCNN, Task, build_task, digits_task, load_factory, synthetic_task, task_name
+from mpddp.trainer.tasks import DigitsCNN, Task, build_task, digits_task, load_factory, synthetic_task, task_name
 
 
 def test_digits_loads_from_scikit_learn_with_a_split_fixed_by_the_seed():
@@ -26,7 +26,7 @@ def test_digits_loads_from_scikit_learn_with_a_split_fixed_by_the_seed():
 def test_digits_are_scikit_learns_own():
     from sklearn.datasets import load_digits
 
-    from mpddp.tasks import load_digits_arrays
+    from mpddp.trainer.tasks import load_digits_arrays
 
     images, labels = load_digits_arrays()
     reference = load_digits()

@@ -14,9 +14,9 @@ import torch
 from tiny_task import TINY, TRAIN
 
 import mpddp
-from mpddp import checkpoint
-from mpddp.train_config import TrainConfig, resolve
-from mpddp.trainer import Trainer, train
+from mpddp.trainer import checkpoint
+from mpddp.trainer.config import TrainConfig, resolve
+from mpddp.trainer.loop import Trainer, train
 
 pytestmark = pytest.mark.usefixtures("no_leftovers")
 

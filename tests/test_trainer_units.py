@@ -8,11 +8,11 @@ import pytest
 import torch
 from tiny_task import TINY
 
-from mpddp import checkpoint
 from mpddp.errors import ConfigError
-from mpddp.faults import Fault, parse_fault
-from mpddp.train_config import TrainConfig, resolve
-from mpddp.trainer import Trainer
+from mpddp.trainer import checkpoint
+from mpddp.trainer.config import TrainConfig, resolve
+from mpddp.trainer.faults import Fault, parse_fault
+from mpddp.trainer.loop import Trainer
 
 TASK = TINY + ":make_task"
 DROPOUT = TINY + ":make_dropout_task"
@@ -147,7 +147,7 @@ def test_accumulation_equals_one_big_batch(tmp_path):
 def test_progress_bar_only_on_a_terminal_and_metrics_as_json_lines(tmp_path, monkeypatch, capsys):
     import json
 
-    import mpddp.train_output as output
+    import mpddp.trainer.output as output
 
     monkeypatch.setattr(output, "PROGRESS_INTERVAL", 0.0)  # redraw at every step
     monkeypatch.setenv("MPDDP_STDOUT_ISATTY", "1")

@@ -4,7 +4,8 @@ Owns: reading each rank's stdout and stderr pipes on one parent thread,
 cutting them into whole lines, prefixing ``[rank N] ``, writing them to the
 parent's *current* ``sys.stdout``/``sys.stderr`` (so a Jupyter cell shows
 them), per-rank log files, and the last lines of each rank for reports.
-Leaves what a worker writes, and when to stop, to others.
+Leaves what a worker writes to core/worker.py, and when to stop to
+core/supervisor.py.
 """
 
 from __future__ import annotations

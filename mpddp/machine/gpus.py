@@ -5,11 +5,12 @@ Owns: asking the driver about GPUs *without initializing CUDA* (NVML through
 ``CUDA_VISIBLE_DEVICES``, turning ``--gpus`` (ids, ``free``, ``free:N``,
 nothing) into physical ids, and warning about GPUs another process fills.
 Leaves to others: setting the children's ``CUDA_VISIBLE_DEVICES`` and the
-device of each rank (launcher.py, worker.py).
+device of each rank (core/plan.py, core/worker.py).
 
 Why no torch here: in the launcher's parent, ``torch.cuda.is_available()``
 or ``get_device_properties`` is enough to make every forked child fail with
-"Cannot re-initialize CUDA in forked subprocess" (see DESIGN.md). NVML and
+"Cannot re-initialize CUDA in forked subprocess" (measured on an H200 with
+torch 2.11, even while ``is_initialized()`` says False). NVML and
 ``nvidia-smi`` answer the same questions from the driver alone.
 
 A GPU id is the index NVML and ``nvidia-smi`` give it (PCI bus order), the
@@ -26,7 +27,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .errors import ConfigError
+from ..errors import ConfigError
 
 SMI_TIMEOUT = 15.0  # seconds; the first call can take a few on a node without persistence mode
 FREE_MEMORY_MIB = 1024  # a GPU using less than this, with no compute process, counts as free

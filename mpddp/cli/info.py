@@ -2,7 +2,7 @@
 
 Owns: the report itself (torch build, CUDA and NCCL, the GPUs with their
 memory and processes, the cores, the launch's choices). Leaves the facts to
-gpus.py and machine.py and the launch itself to launcher.py.
+machine/gpus.py and machine/cores.py and the choices to core/plan.py.
 
 It must never initialize CUDA, so that ``mpddp info`` in a notebook does not
 poison a later fork: torch is asked only ``cuda.device_count()`` (never
@@ -17,14 +17,13 @@ import socket
 
 import click
 
-from . import __version__, ranks
-from .cli import main
-from .config import LaunchConfig, parse_gpus
-from .gpus import GpuInfo, GpuQuery, busy_warnings, child_cuda_env, query_gpus, resolve_gpus
-from .machine import banner, physical_cores, threads_per_rank
+from .. import __version__, ranks
+from ..config import LaunchConfig, parse_gpus
+from ..machine.cores import physical_cores, threads_per_rank
+from ..machine.gpus import GpuInfo, GpuQuery, busy_warnings, child_cuda_env, query_gpus, resolve_gpus
 
 
-@main.command()
+@click.command()
 @click.option("--nprocs", type=int, default=None, help="Show the choices for this many workers.")
 @click.option("--gpus", default=None, help="Show the choices for these GPUs (0,3, free, free:N).")
 def info(nprocs: int | None, gpus: str | None) -> None:
@@ -91,7 +90,7 @@ def cpu_lines() -> list[str]:
 
 def choice_lines(config: LaunchConfig, query: GpuQuery) -> list[str]:
     """What a one-node launch with ``config`` would choose here, and why."""
-    from .group import choose
+    from ..core.plan import choose
 
     ids = resolve_gpus(config.gpus, config.nprocs, query)  # a ConfigError ends the report, exit code 2
     nprocs, chosen = choose(config, ids)  # what the launch itself decides (a ConfigError, too)
@@ -109,7 +108,7 @@ def choice_lines(config: LaunchConfig, query: GpuQuery) -> list[str]:
     ]
     if ids:
         lines.append("  children get  " + " ".join(f"{k}={v}" for k, v in child_cuda_env(ids).items()))
-    lines += [f"  [rank {s.rank}] {banner(s)}" for s in ranks.layout(1, nprocs, ids)]
+    lines += [f"  [rank {s.rank}] {ranks.banner(s)}" for s in ranks.layout(1, nprocs, ids)]
     return lines + busy_warnings(ids, query)
 
 

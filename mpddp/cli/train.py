@@ -1,9 +1,9 @@
 """``mpddp train``: the command line over :func:`mpddp.trainer.train`.
 
 Owns: the train flags and their help, nothing more. Parsing only; every
-check lives in :class:`~mpddp.train_config.TrainConfig` and
-:func:`~mpddp.train_config.resolve`, which raise ConfigError (one line, exit
-code 2). Attaches itself to :data:`mpddp.cli.main`.
+check lives in :class:`~mpddp.trainer.config.TrainConfig` and
+:func:`~mpddp.trainer.config.resolve`, which raise ConfigError (one line,
+exit code 2).
 """
 
 from __future__ import annotations
@@ -12,15 +12,13 @@ from typing import Any
 
 import click
 
-from .cli import build_config, launch_options, main
-
-_LAUNCH_KEYS = ("nprocs", "nnodes", "node_rank", "master_addr", "master_port", "backend", "start_method", "gpus",
-                "timeout", "max_restarts", "output_ranks", "log_dir", "verbose")
+from ..trainer.config import BUILTIN_TASKS
+from .options import build_config, launch_options, pop_launch_options
 
 
-@main.command()
+@click.command()
 @launch_options
-@click.option("--dataset", type=click.Choice(["digits", "synthetic"]), default=None,
+@click.option("--dataset", type=click.Choice(BUILTIN_TASKS), default=None,
               help="A built-in task [default: digits].")
 @click.option("--task", "task_spec", default=None, metavar="SPEC",
               help="Your task: package.module:factory or path/to/file.py[:factory] (default factory: make_task).")
@@ -52,14 +50,14 @@ def train(**options: Any) -> None:
     mpddp train --nprocs 2 --resume auto --epochs 15   continue the last run
     mpddp train --task scripts/example_task.py --nprocs 2
     """
-    from .errors import ConfigError
-    from .launcher import start_forkserver
+    from ..core.startup import start_forkserver
+    from ..errors import ConfigError
 
-    start_forkserver(options["start_method"])  # its torch import overlaps this process's, just below
-    from .train_config import TrainConfig
-    from .trainer import train as run_training
+    start_forkserver(options["start_method"] or "forkserver")  # its torch import overlaps this process's, below
+    from ..trainer.config import TrainConfig
+    from ..trainer.loop import train as run_training
 
-    launch = build_config(**{k: options.pop(k) for k in _LAUNCH_KEYS})
+    launch = build_config(**pop_launch_options(options))
     dataset, spec = options.pop("dataset"), options.pop("task_spec")
     if dataset and spec:
         raise ConfigError(f"--dataset {dataset} and --task {spec} both name the task: pass only one")

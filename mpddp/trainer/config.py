@@ -5,7 +5,9 @@ default and its validation, and :func:`resolve`, which runs in the launching
 process *before* any worker starts: it checks the task and the resume file
 (so bad input fails with one line and exit code 2, nothing written) and fixes
 the run directory and the checkpoint to resume from, so that every rank, and
-every restart of the group, agrees on them. Leaves training to trainer.py.
+every restart of the group, agrees on them. Leaves training to
+trainer/loop.py, building tasks to trainer/tasks.py and the checkpoint files
+to trainer/checkpoint.py. Imports no torch, so that the CLI stays light.
 """
 
 from __future__ import annotations
@@ -18,17 +20,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..config import check_int
+from ..errors import ConfigError
 from . import checkpoint
-from .errors import ConfigError
 from .faults import Fault, parse_fault
 
 PRECISIONS = ("auto", "bf16", "fp32")
 RUNS_ROOT = "runs"
+BUILTIN_TASKS = ("digits", "synthetic")  # built by trainer/tasks.py; --dataset offers these
 
 
 def _check_int(name: str, value: object, low: int, example: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ConfigError(f"{name}={value!r} is not allowed: it must be an integer >= {low}, e.g. {example}")
+    check_int(name, value, low, None, f", e.g. {example}", verdict="is not allowed")
 
 
 @dataclass(frozen=True)
@@ -100,7 +103,7 @@ class TrainConfig:
         if self.checkpoint_dir:
             return Path(self.checkpoint_dir)
         if self.run_dir is None:
-            raise ConfigError("run_dir is not set: call mpddp.train_config.resolve(config) first or pass run_dir=")
+            raise ConfigError("run_dir is not set: call mpddp.trainer.resolve(config) first or pass run_dir=")
         return Path(self.run_dir) / "checkpoints"
 
     @property
@@ -120,13 +123,13 @@ def resolve(config: TrainConfig) -> TrainConfig:
     from .tasks import build_task, load_factory, task_name
 
     task = config.task
-    if isinstance(task, str) and task not in ("digits", "synthetic"):
+    if isinstance(task, str) and task not in BUILTIN_TASKS:
         load_factory(task)
         target, colon, attr = task.rpartition(":")
         if target.endswith(".py") or task.endswith(".py"):  # workers may start elsewhere: make it absolute
             task = str(Path(target or task).resolve()) + (colon + attr if target else "")
     config = dataclasses.replace(config, task=task, run_dir=_run_dir(config, task_name(task)))
-    if config.resume is None and config.task in ("digits", "synthetic"):
+    if config.resume is None and config.task in BUILTIN_TASKS:
         return _check_fresh(config)  # built-in tasks keep their contract: skip building one here
     # Build the task once here: a factory that breaks the contract, or a checkpoint of another
     # model, is then one line before any worker starts, not a failure on every rank.

@@ -10,15 +10,16 @@ Owns the DDP delta over a single-process training loop, and nothing else:
 - rank-0 checkpoints of ``model.module``, a barrier, exact resume;
 - rank-0 progress, summary lines and a JSON-lines metrics file.
 
-Leaves the task to tasks.py, options to train_config.py, the file format to
-checkpoint.py and starting processes to the launcher (:func:`train` calls
-:func:`mpddp.launch` with :func:`train_worker`).
+Leaves the task to trainer/tasks.py, options to trainer/config.py, seeds
+and the checkpoint's content to trainer/state.py, the file format to
+trainer/checkpoint.py, what the user sees to trainer/output.py, and starting
+processes to the launcher: :func:`train` calls the public
+:func:`mpddp.launch` with :func:`train_worker`, as any user code would.
 """
 
 from __future__ import annotations
 
 import contextlib
-import random
 import sys
 import time
 from collections.abc import Iterator
@@ -32,11 +33,13 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler, Subset
 
-from . import checkpoint
-from .config import LaunchConfig
-from .context import WorkerContext
-from .train_config import TrainConfig, resolve
-from .train_output import Reporter
+import mpddp
+
+from ..config import LaunchConfig
+from ..context import WorkerContext
+from . import checkpoint, state
+from .config import TrainConfig, resolve
+from .output import Reporter
 
 
 @dataclass(frozen=True)
@@ -99,16 +102,11 @@ class Trainer:
         self.last_train_loss = float("nan")
         self.fault = config.fault  # parsed once, checked every step
         self.report = Reporter(self.rank, self.ctx.verbose, config.epochs, config.metrics_path)
-        self._seed_rank_rngs()
+        state.seed_rank(config.seed, self.rank)  # dropout etc. should differ between ranks
         self._resume()
         self.ddp = self._wrap(self.model)
         self._build_loaders()
         self.autocast = self._autocast()
-
-    def _seed_rank_rngs(self) -> None:
-        # Dropout etc. should differ between ranks: seed each rank's generators apart.
-        torch.manual_seed(self.config.seed * 10_007 + self.rank + 1)
-        random.seed(self.config.seed * 10_007 + self.rank + 1)
 
     def _wrap(self, model: nn.Module) -> nn.Module:
         if self.world == 1:
@@ -181,7 +179,7 @@ class Trainer:
         self.model.train()
         self.sampler.set_epoch(self.epoch)  # a new shuffle every epoch, the same permutation on every rank
         self.sampler.skip = self.batches_done * self.config.batch_size  # resumed mid-epoch: skip what was done
-        self.loader_rng.manual_seed(self.config.seed * 10_007 + self.epoch)
+        self.loader_rng.manual_seed(state.epoch_seed(self.config.seed, self.epoch))
         batches, samples, begin = iter(self.train_loader), 0, time.perf_counter()
         self.report.start_epoch(self.epoch, self.batches_per_epoch, self.batches_done)
         while self.batches_done < self.batches_per_epoch:
@@ -265,14 +263,16 @@ class Trainer:
 
     def save(self) -> Path | None:
         """Rank 0 writes a checkpoint; every rank must call this (RNG states are gathered)."""
-        from .train_state import gather_state
-
-        state = gather_state(self)  # a collective: every rank's RNG state and the global epoch loss
+        # collectives, so every rank takes part: each rank's generators, and this epoch's loss over all ranks
+        rngs = state.gather_rngs(self.device, self.world)
+        epoch_loss = self._all_reduce([float(self.loss_sum), float(self.loss_count)])
+        position = state.Position(self.epoch, self.batches_done, self.global_step)
+        content = state.payload(self.model, self.optimizer, position, self.config, self.world, rngs, epoch_loss)
         path = None
         if self.rank == 0:
             fault = self.fault
             dies = fault is not None and fault.kind == "kill-saving" and fault.due(0, self.global_step, self.ctx.restart)
-            path = checkpoint.save(state, self.config.checkpoint_path, self.global_step,
+            path = checkpoint.save(content, self.config.checkpoint_path, self.global_step,
                                    before_replace=(lambda tmp: fault.fire()) if dies and fault else None)
             checkpoint.prune(self.config.checkpoint_path, self.config.keep_checkpoints)
         self._barrier()  # nobody moves on (or exits) before the file is complete
@@ -280,8 +280,6 @@ class Trainer:
         return path
 
     def _resume(self) -> None:
-        from .train_state import restore_state
-
         path = self.config.resume
         if self.ctx.restart > 0:  # the group was restarted after a failure: continue from the newest
             found = checkpoint.newest(self.config.checkpoint_path) if self.rank == 0 else None
@@ -290,8 +288,15 @@ class Trainer:
                 dist.broadcast_object_list(box, src=0)  # rank 0 wrote them: every rank takes its choice
             path = box[0]
         if path is not None:
-            state = checkpoint.load(Path(path), checkpoint.signature(self.model))
-            restore_state(self, state)
+            saved = checkpoint.load(Path(path), checkpoint.signature(self.model))
+            back = state.restore(saved, self.model, self.optimizer, self.config, self.rank, self.world, self.device)
+            self.epoch, self.batches_done, self.global_step = (back.position.epoch, back.position.batches_done,
+                                                               back.position.global_step)
+            if back.note:
+                self.report.say(back.note)
+            if back.epoch_loss is not None and self.rank == 0:  # rank 0 carries the sum the others left behind
+                self.loss_sum.fill_(back.epoch_loss[0])
+                self.loss_count = back.epoch_loss[1]
             self.last_checkpoint = Path(path)
             self.report.say(f"resumed from {path}: epoch {self.epoch + 1}, step {self.global_step}")
 
@@ -328,9 +333,7 @@ def train(config: TrainConfig | None = None, *, launch_config: LaunchConfig | No
     ``launch_config`` and ``launch_options`` go to :func:`mpddp.launch`
     (e.g. ``nprocs=2, max_restarts=1``).
     """
-    from . import launch
-
     config = resolve(config or TrainConfig())
-    result: TrainResult = launch(train_worker, args=(config,), config=launch_config, **launch_options)[0]
+    result: TrainResult = mpddp.launch(train_worker, args=(config,), config=launch_config, **launch_options)[0]
     print(f"checkpoint: {result.checkpoint}  metrics: {result.metrics}", flush=True)
     return result

@@ -4,8 +4,10 @@ Owns: what happens inside each worker process, in order: own session and
 parent-death signal, stdout/stderr onto the relay pipes, environment and
 threads, ``set_device``, connecting to node 0's store, an explicit
 ``init_process_group(rank=..., world_size=...)``, calling ``fn``, sending
-the result or the error back, and always ``destroy_process_group``.
+the result or a typed failure back (core/protocol.py: its kind comes from
+the exception's type and frame), and always ``destroy_process_group``.
 The forkserver preloads this module, so importing torch here is paid once.
+Leaves running a script (``mpddp run``) to core/script.py.
 """
 
 from __future__ import annotations
@@ -29,10 +31,13 @@ import cloudpickle
 import torch
 import torch.distributed as dist
 
-from .context import WorkerContext
+from ..context import WorkerContext
+from ..errors import Outcome
+from ..log import logger
+from . import protocol
+from .startup import FORKSERVER_PARENT
 
 THREAD_GRACE = 5.0  # seconds a worker waits for threads fn left running
-MAIN_GUARD_EXIT = 97  # a worker re-ran the user's script and met launch() again
 _PR_SET_PDEATHSIG = 1
 _IOLBF = 1  # glibc's setvbuf mode for line buffering
 
@@ -65,7 +70,6 @@ def die_with_parent() -> None:
 # The launcher starts its forkserver with FORKSERVER_PARENT=<its pid>: the forkserver
 # (which imports this module first) then dies with the launcher at once, instead of
 # after noticing a closed pipe and finalizing an interpreter that holds torch.
-FORKSERVER_PARENT = "MPDDP_FORKSERVER_PARENT"
 if os.environ.pop(FORKSERVER_PARENT, None) == str(os.getppid()):
     die_with_parent()
 
@@ -122,25 +126,59 @@ def _to_cpu(value: Any) -> Any:
     return value
 
 
-_PLUMBING = (os.path.join("mpddp", "script.py"), "<frozen runpy>", "runpy.py")
+_PLUMBING = (os.path.join("mpddp", "core", "script.py"), "<frozen runpy>", "runpy.py")
+_DISTRIBUTED = os.path.join("torch", "distributed", "")
 
 
-def _error_report(ctx: WorkerContext, exc: BaseException) -> dict[str, Any]:
+def _user_traceback(exc: BaseException) -> BaseException:
+    """``exc`` with its traceback starting at the user's fn or script, not at entry or runpy."""
     tb = exc.__traceback__
-    # start the traceback at the user's fn or script: not at entry, run_script or runpy
     while tb is not None and tb.tb_next is not None and (
             tb.tb_frame.f_code is entry.__code__ or tb.tb_frame.f_code.co_filename.endswith(_PLUMBING)):
         tb = tb.tb_next
-    exc = exc.with_traceback(tb)
-    return {
-        "rank": ctx.rank,
-        "type": f"{type(exc).__module__}.{type(exc).__qualname__}".removeprefix("builtins."),
-        "message": str(exc),
-        "traceback": "".join(traceback.format_exception(exc)),
-        # CLOCK_MONOTONIC is machine-wide on Linux: the launcher orders reports by it
-        "time": time.monotonic(),
-        "exit_code": exc.code if isinstance(exc, SystemExit) and isinstance(exc.code, int) else None,
-    }
+    return exc.with_traceback(tb)
+
+
+def _collective_call(exc: BaseException) -> str | None:
+    """``"all_reduce at train.py:12"`` when ``exc`` came out of a torch.distributed call, else None.
+
+    Structure only: torch's own distributed error types (DistBackendError,
+    DistNetworkError, DistStoreError: a peer gone, a timeout, the store lost),
+    or a RuntimeError raised inside torch.distributed's code (older torch, C++
+    errors). A user's exception is never one, whatever its message says.
+    """
+    frames = list(traceback.walk_tb(exc.__traceback__))
+    inside = [i for i, (frame, _) in enumerate(frames) if _DISTRIBUTED in frame.f_code.co_filename]
+    raised_inside = bool(inside) and inside[-1] == len(frames) - 1
+    if not (isinstance(exc, dist.DistError) or (type(exc) is RuntimeError and raised_inside)):
+        return None
+    if not inside:
+        return type(exc).__name__
+    call = frames[inside[0]][0].f_code.co_name
+    if inside[0] == 0:
+        return call
+    caller, line = frames[inside[0] - 1]
+    return f"{call} at {os.path.basename(caller.f_code.co_filename)}:{line}"
+
+
+def _failure(ctx: WorkerContext, exc: BaseException) -> protocol.Failure:
+    exc = _user_traceback(exc)
+    if isinstance(exc, SystemExit):
+        kind, where, code = Outcome.EXITED, None, _exit_code(exc)
+    else:
+        where, code = _collective_call(exc), None
+        kind = Outcome.RAISED if where is None else Outcome.COLLECTIVE
+    return protocol.Failure(
+        rank=ctx.rank, kind=kind,
+        error_type=f"{type(exc).__module__}.{type(exc).__qualname__}".removeprefix("builtins."),
+        message=str(exc), traceback="".join(traceback.format_exception(exc)),
+        time=time.monotonic(),  # CLOCK_MONOTONIC is machine-wide on Linux: the launcher orders reports by it
+        exit_code=code, where=where,
+    )
+
+
+def _exit_code(exc: SystemExit) -> int:
+    return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
 
 
 def _init_group(spec: WorkerSpec) -> None:
@@ -148,7 +186,7 @@ def _init_group(spec: WorkerSpec) -> None:
     store = torch.distributed.PrefixStore(
         spec.store_prefix, _connect(spec.store_addr, spec.store_port, spec.timeout)
     )
-    store.set(f"arrived/{ctx.rank}", str(os.getpid()))
+    store.set(protocol.arrived_key(ctx.rank), str(os.getpid()))
     dist.init_process_group(
         ctx.backend,
         store=store,
@@ -159,9 +197,9 @@ def _init_group(spec: WorkerSpec) -> None:
     # Gloo's init returns on one rank while a peer still connects to it: a rank whose fn
     # returns at once would exit and fail that peer ("connectFullMesh failed ... closed by
     # peer"). Leave init only when every rank has.
-    if store.add("initialized", 1) == ctx.world_size:
-        store.set("all_initialized", "1")
-    store.wait(["all_initialized"])
+    if store.add(protocol.INITIALIZED, 1) == ctx.world_size:
+        store.set(protocol.ALL_INITIALIZED, "1")
+    store.wait([protocol.ALL_INITIALIZED])
 
 
 def _default_timeout(seconds: float) -> None:
@@ -197,12 +235,15 @@ def _join_threads(rank: int, code: int) -> None:
             thread.join(max(0.0, deadline - time.monotonic()))
     left = [t.name for t in threading.enumerate() if t is not threading.current_thread() and not t.daemon]
     if left:
-        print(f"mpddp: rank {rank}: fn returned but left thread(s) {', '.join(left)} running; "
-              f"stopped them after {THREAD_GRACE:.0f} s (make them daemon threads, or join them in fn)",
-              file=sys.stderr, flush=True)
+        logger.warning("mpddp: rank %d: fn returned but left thread(s) %s running; stopped them after %.0f s "
+                       "(make them daemon threads, or join them in fn)", rank, ", ".join(left), THREAD_GRACE)
         sys.stdout.flush()
         _c_stdio("fflush")
         os._exit(code)  # the normal exit would join them; the launcher reaps what they leave
+
+
+def _send(messages: Connection, message: protocol.Message) -> None:
+    messages.send_bytes(protocol.encode(message))
 
 
 def entry(spec: WorkerSpec, messages: Connection, out: Connection, err: Connection) -> None:
@@ -217,7 +258,7 @@ def entry(spec: WorkerSpec, messages: Connection, out: Connection, err: Connecti
     # platform's default start method, not the forkserver this worker came from
     multiprocessing.set_start_method(None, force=True)
     ctx = spec.ctx
-    messages.send(("started", os.getpid()))
+    _send(messages, protocol.Started(os.getpid()))
     if spec.banner:
         print(spec.banner, flush=True)
     code = 0
@@ -231,15 +272,12 @@ def entry(spec: WorkerSpec, messages: Connection, out: Connection, err: Connecti
         else:
             _default_timeout(spec.timeout)
         result = fn(ctx, *args, **kwargs)
-        messages.send_bytes(b"R" + cloudpickle.dumps(_to_cpu(result)))
+        _send(messages, protocol.Result(cloudpickle.dumps(_to_cpu(result))))
     except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-        if code:
-            messages.send(("error", _error_report(ctx, e)))
-        else:
-            messages.send_bytes(b"R" + cloudpickle.dumps(None))
+        code = _exit_code(e)
+        _send(messages, _failure(ctx, e) if code else protocol.Result(cloudpickle.dumps(None)))
     except BaseException as e:  # noqa: BLE001 - every failure goes back to the launcher
-        messages.send(("error", _error_report(ctx, e)))
+        _send(messages, _failure(ctx, e))
         code = 1
     finally:
         if dist.is_initialized():

@@ -5,7 +5,7 @@ local source address the kernel would use to reach it (a UDP ``connect``
 sends no packet), mapping that address to an interface name, and the
 ``GLOO_SOCKET_IFNAME`` / ``NCCL_SOCKET_IFNAME`` additions for the workers'
 environment. Leaves to others: writing the workers' environment
-(launcher.py) and the rendezvous (rendezvous.py).
+(core/plan.py) and the rendezvous (core/rendezvous.py).
 
 Why: without ``GLOO_SOCKET_IFNAME`` Gloo picks its address from the host
 name; where that resolves to 127.0.0.1 (common in /etc/hosts) the ranks on
@@ -24,7 +24,7 @@ from typing import Any
 
 import psutil
 
-from .errors import ConfigError
+from ..errors import ConfigError
 
 RESOLVE_TIMEOUT = 3.0  # seconds; a resolver with no reachable DNS server would wait 10 s or more
 IFNAME_VARIABLES = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")

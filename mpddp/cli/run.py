@@ -1,7 +1,7 @@
 """``mpddp run``: a torchrun-style script in N workers, with no torchrun.
 
-Owns: the ``run`` command's arguments. The worker side is script.py; the
-launch itself is the same as for every other command.
+Owns: the ``run`` command's arguments. The worker side is core/script.py;
+the launch itself is the same as for every other command.
 """
 
 from __future__ import annotations
@@ -12,11 +12,11 @@ from typing import Any
 
 import click
 
-from .cli import build_config, launch_options, main
-from .errors import ConfigError
+from ..errors import ConfigError
+from .options import build_config, launch_options
 
 
-@main.command(context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
+@click.command(context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
 @launch_options
 @click.option("-m", "is_module", is_flag=True, help="TARGET is a module, run as with `python -m`.")
 @click.argument("target")
@@ -33,8 +33,8 @@ def run(target: str, script_args: tuple[str, ...], is_module: bool, **options: A
     sys.argv, and __name__ == "__main__"; init_process_group("env://")
     joins the launcher's store. The exit code is the failing rank's.
     """
-    from .launcher import launch
-    from .script import run_script
+    from ..core.api import launch
+    from ..core.script import run_script
 
     if not is_module and not os.path.isfile(target):
         raise ConfigError(f"script {target!r} does not exist: pass a path to a .py file, or -m for a module")

@@ -13,7 +13,7 @@ Kinds:
   step STEP, after the temporary file is complete but before it is renamed
   (only rank 0 writes checkpoints, so use RANK 0).
 
-Leaves deciding *where* in the loop faults fire to trainer.py.
+Leaves deciding *where* in the loop faults fire to trainer/loop.py.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import signal
 import time
 from dataclasses import dataclass
 
-from .errors import ConfigError
+from ..errors import ConfigError
 
 KINDS = ("kill", "raise", "hang", "kill-saving")
 

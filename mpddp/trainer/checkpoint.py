@@ -6,7 +6,9 @@ Owns: the on-disk format (a dict of tensors, ints, strings and lists, so that
 file in the same directory + fsync + ``os.replace`` (a reader sees the old
 file or the new one, never half of one), the model signature that stops a
 resume from another model, and retention. Leaves *when* to save and what the
-state means to trainer.py; only rank 0 calls :func:`save`.
+state means to trainer/loop.py and trainer/state.py; only rank 0 calls
+:func:`save`. torch is imported where it is used, so that trainer/config.py
+can check checkpoint directories without it.
 """
 
 from __future__ import annotations
@@ -15,12 +17,12 @@ import os
 import re
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-from torch import nn
+from ..errors import ConfigError
 
-from .errors import ConfigError
+if TYPE_CHECKING:
+    from torch import nn
 
 FORMAT = "mpddp-checkpoint-1"
 _NAME = re.compile(r"^ckpt-(\d{9})\.pt$")
@@ -45,6 +47,8 @@ def save(state: dict[str, Any], directory: Path, global_step: int,
     ``before_replace(tmp)`` runs after the temporary file is complete and
     before it takes the final name (fault injection uses it).
     """
+    import torch
+
     directory.mkdir(parents=True, exist_ok=True)
     final = directory / checkpoint_name(global_step)
     tmp = directory / f".{final.name}.{os.getpid()}.tmp"  # same directory: os.replace stays one rename
@@ -80,6 +84,8 @@ def load(path: Path, expected: dict[str, Any] | None = None) -> dict[str, Any]:
 
 
 def _read(path: Path) -> Any:
+    import torch
+
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:

@@ -6,7 +6,8 @@ stopped, and the lines that say which nodes never arrived or went away. A
 launcher that is killed (or a machine that is lost) takes its workers with
 it; the other nodes then only see "Connection closed by peer" in their own
 ranks, which would blame a victim. Leaves the rest of the report to
-report.py and the watching to group.py.
+core/report.py, the watching to core/supervisor.py and the key names to
+core/protocol.py.
 """
 
 from __future__ import annotations
@@ -16,15 +17,17 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from . import ranks as rank_math
-from .config import LaunchConfig
+from .. import ranks as rank_math
+from ..config import LaunchConfig
+from ..errors import Outcome
+from . import protocol
 
 _INTERVAL = 0.5
 _CHECK_WAIT = 3 * _INTERVAL
 
 
 def _key(attempt: int, node: int) -> str:
-    return f"mpddp/attempt_{attempt}/beat/{node}"
+    return protocol.full_key(attempt, protocol.beat_key(node))
 
 
 class Heartbeat:
@@ -69,13 +72,13 @@ def stalled_nodes(addr: str, port: int, nnodes: int, me: int, attempt: int) -> l
 
 
 def remote_causes(
-    config: LaunchConfig, nprocs: int, root_kind: str, store: Any, port: int, attempt: int, init_group: bool,
+    config: LaunchConfig, nprocs: int, root: Outcome, store: Any, port: int, attempt: int, init_group: bool,
     stop_local: Callable[[], None],
 ) -> list[str]:
     """Lines that say what another node did (never arrived, went away); [] on one node.
 
-    ``root_kind`` is the kind of this node's first failure (report.py): only
-    a "peer" or "timeout" failure can be another node's doing.
+    ``root`` is the outcome of this node's first failure (core/report.py):
+    only an error inside a collective can be another node's doing.
     """
     if config.nnodes == 1:
         return []
@@ -83,7 +86,7 @@ def remote_causes(
         missing = _missing_ranks(store, config.nnodes * nprocs, attempt)
         if missing:
             return [_missing_message(missing, config, nprocs, port)]
-    if root_kind not in ("peer", "timeout"):
+    if root is not Outcome.COLLECTIVE:
         return []  # a rank here failed by itself: that is the story
     stop_local()  # our ranks stop now; this launcher keeps beating while it looks
     stalled = stalled_nodes(config.master_addr, port, config.nnodes, config.node_rank, attempt)
@@ -98,8 +101,8 @@ def remote_causes(
 
 
 def _missing_ranks(store: Any, world_size: int, attempt: int) -> list[int]:
-    """Ranks that never reached node 0's store (their node never arrived); see worker._init_group."""
-    return [r for r in range(world_size) if not store.check([f"mpddp/attempt_{attempt}/arrived/{r}"])]
+    """Ranks that never reached node 0's store (their node never arrived); see core/worker.py."""
+    return [r for r in range(world_size) if not store.check([protocol.full_key(attempt, protocol.arrived_key(r))])]
 
 
 def _missing_message(missing: list[int], config: LaunchConfig, nprocs: int, port: int) -> str:

@@ -5,7 +5,7 @@ bar per epoch (only when the launcher says the user's stdout is a terminal
 or notebook, ``MPDDP_STDOUT_ISATTY=1``), the per-epoch summary line and the
 JSON-lines metrics file. It reads losses at most every
 :data:`PROGRESS_INTERVAL` seconds, so the bar costs no GPU sync per step.
-Leaves computing the numbers to trainer.py.
+Leaves computing the numbers to trainer/loop.py.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Process-tree teardown: list the whole tree first, then TERM, grace, KILL.
 
 Owns: finding every process a worker started (DataLoader workers included)
-and making sure none survives. Leaves deciding *when* to stop to launcher.py.
+and making sure none survives. Leaves deciding *when* to stop to core/supervisor.py.
 Workers run in their own session, so their process group catches
 grandchildren that were re-parented before we could list them.
 """

@@ -5,7 +5,8 @@ stays bound, so no other job can take it between "probe" and "use"), handing
 it to ``torch.distributed.TCPStore`` through ``master_listen_fd``, and the
 client connection workers make. A single-node job listens on 127.0.0.1 only:
 ``TCPStore("127.0.0.1", 0, is_master=True)`` would listen on every address.
-Leaves starting workers and reading failures to launcher.py.
+Leaves resolving names to machine/netif.py and starting workers to
+core/supervisor.py.
 """
 
 from __future__ import annotations
@@ -15,8 +16,8 @@ import ipaddress
 import socket
 from datetime import timedelta
 
-from .errors import RendezvousError
-from .netif import resolve
+from ..errors import RendezvousError
+from ..machine.netif import resolve
 
 
 def listen(addr: str, port: int) -> socket.socket:

@@ -1,0 +1,104 @@
+"""The command line: thin click commands over the Python API, on top of everything.
+
+Owns: the ``mpddp`` group, registering each command (one module each:
+cli/ranks.py, cli/info.py, cli/run.py, cli/train.py, all plain click
+commands that import nothing back from here), and turning errors and signals
+into one line and an exit code. The shared launch options are in
+cli/options.py. Nothing in mpddp imports this package but ``__main__``.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from typing import NoReturn
+
+import click
+
+from .. import __version__
+from ..errors import ConfigError, MpddpError, WorkerFailed
+from . import info, ranks, run, train
+from .options import EXIT_BAD_INPUT, EXIT_SIGINT, EXIT_SIGTERM, build_config, launch_options
+
+__all__ = ["build_config", "launch_options", "main", "run_cli"]
+
+
+class Terminated(BaseException):
+    """SIGTERM reached the launcher; raised in the main thread to tear down."""
+
+
+def _raise_terminated(signum: int, frame: object) -> NoReturn:
+    raise Terminated()
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.version_option(__version__, prog_name="mpddp")
+def main() -> None:
+    """Launch PyTorch DistributedDataParallel jobs with no torchrun.
+
+    \b
+    mpddp train --nprocs 2          train a CNN on the digits set with DDP
+    mpddp ranks --nnodes 2 --nprocs 4   see how every worker's rank is computed
+    """
+
+
+def run_cli(args: list[str] | None = None) -> NoReturn:
+    """Entry point: run the group, turn errors into one line and an exit code.
+
+    ``args=None`` (the ``mpddp`` command, ``python -m mpddp``): this process
+    is the launcher's own, and it exits at once (see :func:`_exit_process`).
+    """
+    signal.signal(signal.SIGTERM, _raise_terminated)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        code = main.main(args=args, prog_name="mpddp", standalone_mode=False)
+    except click.exceptions.Exit as e:
+        code = e.exit_code
+    except click.UsageError as e:
+        where = f"mpddp {e.ctx.info_name} --help" if e.ctx is not None and e.ctx.parent is not None else "mpddp --help"
+        click.echo(f"mpddp: error: {e.format_message()} See `{where}`.", err=True)
+        code = EXIT_BAD_INPUT
+    except ConfigError as e:
+        click.echo(f"mpddp: error: {e}", err=True)
+        code = EXIT_BAD_INPUT
+    except WorkerFailed as e:
+        click.echo(str(e), err=True)
+        code = e.exit_code
+    except MpddpError as e:
+        click.echo(f"mpddp: error: {e}", err=True)
+        code = 1
+    except (KeyboardInterrupt, click.exceptions.Abort):
+        click.echo("mpddp: interrupted (SIGINT); every worker was stopped", err=True)
+        code = EXIT_SIGINT
+    except Terminated:
+        click.echo("mpddp: terminated (SIGTERM); every worker was stopped", err=True)
+        code = EXIT_SIGTERM
+    code = code if isinstance(code, int) else 0
+    if args is None:
+        _exit_process(code)
+    sys.exit(code)
+
+
+def _exit_process(code: int) -> NoReturn:
+    """Run the atexit handlers, then exit without the interpreter's module teardown.
+
+    By now the workers are gone, the store is closed and the relay flushed.
+    The teardown of the modules takes about a second once torch is imported
+    (measured on 2 busy cores), and the run is not over for the shell, or
+    for a scheduler, until the launcher has exited. The atexit handlers still
+    run (multiprocessing's removes its temporary directory).
+    """
+    import atexit
+
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed pipe (| head): nothing more to say
+            pass
+    os._exit(code)
+
+
+for _command in (train.train, run.run, ranks.ranks, info.info):  # each module's one click command
+    main.add_command(_command)

@@ -1,0 +1,52 @@
+"""What every command that starts workers shares: its launch options and exit codes.
+
+Owns: the click options made from :class:`~mpddp.config.LaunchConfig`'s
+fields (their help and type live in each field's ``metadata``, so a new
+launch option appears in every command at once and the two cannot drift
+apart), turning the parsed values into one validated config, and the exit
+codes. Leaves validation to config.py and the SLURM rule to core/api.py.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import Field, fields
+from typing import Any
+
+import click
+
+from ..config import LaunchConfig
+from ..core.api import make_config
+
+EXIT_BAD_INPUT = 2
+EXIT_SIGINT = 130
+EXIT_SIGTERM = 143
+
+LAUNCH_FIELDS = tuple(f.name for f in fields(LaunchConfig) if "cli" in f.metadata)
+
+
+def _option(f: Field[Any]) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """``--master-port`` for field ``master_port``; default None: unset, so LaunchConfig's (or SLURM's) applies."""
+    cli = f.metadata["cli"]
+    name, kind = "--" + f.name.replace("_", "-"), cli["type"]
+    if kind == "flag":
+        return click.option(name, *cli["decls"], f.name, is_flag=True, default=False, help=cli["help"])
+    click_type = click.Path(file_okay=False) if kind == "directory" else kind
+    return click.option(name, *cli["decls"], f.name, type=click_type, default=None, help=cli["help"])
+
+
+def launch_options(command: Callable[..., Any]) -> Callable[..., Any]:
+    """Add every launch option to ``command``, in LaunchConfig's field order."""
+    options = [_option(f) for f in fields(LaunchConfig) if "cli" in f.metadata]
+    return functools.reduce(lambda cmd, opt: opt(cmd), reversed(options), command)
+
+
+def pop_launch_options(options: dict[str, Any]) -> dict[str, Any]:
+    """Take the launch options out of a command's parsed options (the rest are the command's own)."""
+    return {name: options.pop(name) for name in LAUNCH_FIELDS}
+
+
+def build_config(**options: Any) -> LaunchConfig:
+    """The launch options as one validated config (under SLURM, its layout fills what is unset)."""
+    return make_config({name: options[name] for name in LAUNCH_FIELDS})

@@ -1,0 +1,78 @@
+"""``mpddp ranks``: how every worker's rank is computed, filled in.
+
+Owns: the teaching table (node, local rank, the formula, the device) and,
+inside a SLURM allocation, where each value came from. Leaves the formula to
+ranks.py and reading SLURM to machine/slurm.py.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import click
+
+from .. import ranks as rank_math
+from ..config import LaunchConfig, parse_gpus
+from ..errors import ConfigError
+from ..machine import slurm
+
+
+@click.command()
+@click.option("--nprocs", type=int, default=None, help="Workers per node [default: GPUs chosen, else 1].")
+@click.option("--nnodes", type=int, default=None, help="Number of machines [default: 1].")
+@click.option("--gpus", default=None, help="GPU ids used on every node, such as 0,1,2,5.")
+def ranks(nprocs: int | None, nnodes: int | None, gpus: str | None) -> None:
+    """Print every worker's node, local rank, global rank and device.
+
+    The formula is printed filled in, so you can see why, with 4 workers a
+    node, GPU 2 of node 1 is rank 1×4+2 = 6.
+    """
+    ids = parse_gpus(gpus)
+    if isinstance(ids, str):
+        raise ConfigError(f"gpus={ids!r}: `mpddp ranks` needs explicit ids such as 0,1,2,5")
+    allocation = slurm.read_layout(os.environ) if nnodes is None else None
+    if allocation is not None:  # inside a SLURM job: show that job's layout
+        click.echo(_slurm_header(allocation))
+        nnodes = allocation.nnodes
+        if nprocs is None and ids is None and allocation.gpus_on_node:
+            ids = allocation.gpu_ids if len(allocation.gpu_ids or ()) == allocation.gpus_on_node else None
+            nprocs = allocation.gpus_on_node
+    if nprocs is None:
+        nprocs = len(ids) if ids else 1
+    nnodes = 1 if nnodes is None else nnodes
+    config = LaunchConfig(nprocs=nprocs, nnodes=nnodes, gpus=ids, master_port=29500 if nnodes > 1 else 0)
+    click.echo(format_ranks(config.nnodes, config.nprocs or 1, ids))
+
+
+def _slurm_header(layout: slurm.SlurmLayout) -> str:
+    """Where the values came from, and why the layout would not work (if so)."""
+    try:
+        slurm.check_layout(layout, sys.argv)
+        problem = ""
+    except ConfigError as e:
+        problem = f"\nnote: {e}"
+    return f"{slurm.describe(layout)}{problem}\n"
+
+
+def format_ranks(nnodes: int, nprocs: int, gpus: tuple[int, ...] | None) -> str:
+    """The teaching table of ``mpddp ranks``."""
+    slots = rank_math.layout(nnodes, nprocs, gpus)
+    size = rank_math.world_size(nnodes, nprocs)
+    lines = [
+        f"world_size = nnodes × nprocs_per_node = {nnodes} × {nprocs} = {size}",
+        "rank       = node_rank × nprocs_per_node + local_rank",
+        "",
+        f"{'node':>4}  {'local_rank':>10}  {'rank (formula)':<16}  {'device':<7}  physical GPU",
+    ]
+    for s in slots:
+        gpu = "-" if s.gpu is None else str(s.gpu)
+        lines.append(f"{s.node_rank:>4}  {s.local_rank:>10}  {s.formula:<16}  {s.device:<7}  {gpu}")
+    if nnodes > 1:
+        last = slots[-1]
+        lines += [
+            "",
+            f"local_rank is not rank: node {last.node_rank}'s local rank {last.local_rank} is rank {last.rank}. "
+            f"Passing local_rank as rank would give {nnodes} workers rank 0 and the job would hang or fail.",
+        ]
+    return "\n".join(lines)

@@ -1,0 +1,105 @@
+"""The front door: ``launch()``, from options to every rank's return value.
+
+Owns: checking ``launch``'s own arguments, building the one validated
+:class:`~mpddp.config.LaunchConfig` from options, an optional config and
+SLURM's layout (:func:`make_config`, used by the CLI too: one rule for
+both), and the restart loop. Leaves start-up to core/startup.py, shipping
+``fn`` to core/ship.py, the plan to core/plan.py and each attempt to
+core/supervisor.py.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Callable, Mapping
+from dataclasses import fields, replace
+from typing import Any
+
+from ..config import LaunchConfig
+from ..errors import ConfigError, RestartsExhausted, WorkerFailed
+from ..log import logger
+from .ship import ship
+from .startup import interrupts_deferred, refuse_bootstrap, start_context
+
+LAYOUT_KEYS = ("nnodes", "node_rank", "master_addr", "master_port")
+
+
+def make_config(options: Mapping[str, Any], config: LaunchConfig | None = None) -> LaunchConfig:
+    """``config`` (or the defaults) with ``options`` over it; under SLURM, its layout fills what neither set.
+
+    Options that are None count as unset. SLURM is read only when no
+    ``config`` was passed: a config object already describes the job.
+    """
+    given = {k: v for k, v in options.items() if v is not None}
+    known = [f.name for f in fields(LaunchConfig)]
+    for name in sorted(given.keys() - set(known)):
+        close = difflib.get_close_matches(name, known, n=1)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        raise ConfigError(f"launch() got an unexpected keyword argument {name!r}: {hint}"
+                          "see help(mpddp.LaunchConfig) for the launch options")
+    if config is None:
+        from ..machine.slurm import apply_slurm
+
+        layout = apply_slurm({k: given.get(k) for k in LAYOUT_KEYS})  # unchanged outside SLURM
+        given |= {k: v for k, v in layout.items() if v is not None}
+    return replace(config, **given) if config is not None else LaunchConfig(**given)
+
+
+def launch(
+    fn: Callable[..., Any],
+    nprocs: int | None = None,
+    *,
+    args: tuple = (),
+    kwargs: dict[str, Any] | None = None,
+    config: LaunchConfig | None = None,
+    init_process_group: bool = True,
+    **options: Any,
+) -> list[Any]:
+    """Run ``fn(ctx, *args, **kwargs)`` on every local rank; return their values.
+
+    ``options`` are :class:`LaunchConfig` fields (``nnodes``, ``timeout``,
+    ``max_restarts``, ...). ``init_process_group=False`` leaves the process
+    group to ``fn`` (torchrun-style code calling ``init_process_group("env://")``).
+    The list is in local rank order. If a rank fails,
+    the whole group is stopped and :class:`WorkerFailed` names the rank that
+    failed first, with its traceback.
+    """
+    refuse_bootstrap()
+    if not callable(fn):
+        raise ConfigError(f"fn={fn!r} is not callable: pass a function such as `def train(ctx): ...`")
+    if not isinstance(args, (tuple, list)):
+        raise ConfigError(f"args={args!r} is not a tuple: pass fn's extra arguments as a tuple, e.g. args=({args!r},)")
+    if kwargs is not None and not isinstance(kwargs, dict):
+        raise ConfigError(f"kwargs={kwargs!r} is not a dict: pass fn's keyword arguments as a dict")
+    config = make_config({**options, "nprocs": nprocs}, config)
+    payload = ship(fn, tuple(args), dict(kwargs or {}))
+    if config.nnodes > 1:
+        from ..machine.netif import resolve
+
+        resolve(config.master_addr)  # a bad address: one line now, before any process or torch import
+    with interrupts_deferred():
+        mp_context = start_context(config.start_method)
+        from .plan import plan_launch
+        from .supervisor import run_group
+
+        plan = plan_launch(config)
+    for attempt in range(config.max_restarts + 1):
+        try:
+            return run_group(plan, mp_context, payload, attempt, init_process_group)
+        except KeyboardInterrupt:  # the teardown has already run, in run_group's finally
+            raise KeyboardInterrupt("mpddp: interrupted; every worker was stopped") from None
+        except WorkerFailed as failure:
+            if attempt == config.max_restarts:
+                if config.max_restarts:
+                    raise RestartsExhausted(
+                        f"{failure}\nmpddp: gave up after {config.max_restarts} restart(s) (max_restarts="
+                        f"{config.max_restarts}); raise --max-restarts or fix the failure above",
+                        failure.rank,
+                        failure.failures,
+                        exit_code=failure.exit_code,
+                    ) from failure
+                raise
+            # the cause's line, so that a run that recovers still says what went wrong
+            logger.warning("%s\nmpddp: restarting the group (%d of %d)", str(failure).splitlines()[0],
+                           attempt + 1, config.max_restarts)
+    raise AssertionError("unreachable")

@@ -1,0 +1,157 @@
+"""The plan of one node's group: GPUs, backend, threads, the ranks here, their environment.
+
+Owns: turning a :class:`~mpddp.config.LaunchConfig` into a :class:`Plan`
+without initializing CUDA in this process (GPUs from NVML or nvidia-smi,
+``torch.cuda.device_count()`` as the fallback, never ``is_available()``,
+which poisons a later fork), choosing nprocs and backend, refusing ``fork``
+where a forked child fails or hangs, and the environment every worker gets
+(torchrun's variables, threads, pinned interfaces and GPUs). Leaves the
+machine's facts to machine/, the rank formula to ranks.py and starting the
+processes to core/supervisor.py.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+from dataclasses import dataclass
+
+import psutil
+
+from .. import ranks as rank_math
+from ..config import LaunchConfig
+from ..errors import ConfigError
+from ..log import logger
+from ..machine.cores import physical_cores, threads_per_rank
+from ..machine.gpus import child_cuda_env
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A validated config plus what the machine decided: GPUs, backend, threads."""
+
+    config: LaunchConfig
+    nprocs: int
+    backend: str
+    gpus: tuple[int, ...] | None  # physical ids; local rank i drives gpus[i % len]
+    pin_visible: bool  # write CUDA_VISIBLE_DEVICES for the workers
+    threads: int | None
+    slots: tuple[rank_math.RankSlot, ...] = ()  # this node's ranks
+
+
+def _gpus(config: LaunchConfig) -> tuple[tuple[int, ...] | None, bool]:
+    """Physical GPU ids for local ranks 0, 1, ... (None: CPU), and whether to pin them.
+
+    nvidia-smi/NVML answer without a CUDA context; torch.cuda.device_count()
+    is the fallback (it creates no CUDA context), never is_available().
+    """
+    import torch
+
+    from ..machine.gpus import busy_warnings, query_gpus, resolve_gpus
+
+    query = query_gpus()
+    if config.gpus is None and not query.visible:
+        count = torch.cuda.device_count()
+        return (tuple(range(count)) or None), False
+    ids = resolve_gpus(config.gpus, config.nprocs, query)
+    for warning in busy_warnings(ids, query):
+        logger.warning(warning)
+    return ids, ids is not None
+
+
+def _check_fork(gpus: tuple[int, ...] | None) -> None:
+    """Refuse ``fork`` where a forked child fails or can hang (measured: after CUDA, after a threaded op)."""
+    import torch
+
+    if gpus or torch.cuda.is_initialized():
+        raise ConfigError(
+            "start_method='fork' is unsafe with CUDA GPUs visible: a forked child fails with 'Cannot re-initialize "
+            "CUDA in forked subprocess'; use start_method='forkserver' (the default, as fast) or 'spawn'"
+        )
+    if threading.active_count() > 1:
+        raise ConfigError(
+            f"start_method='fork' is unsafe here: this process runs {threading.active_count()} Python threads "
+            "(Jupyter does) and a forked child inherits any lock they hold, so it can hang without a word; "
+            "use start_method='forkserver' (the default, as fast after the first launch) or 'spawn'"
+        )
+
+
+def _fork_threads(threads: int) -> int:
+    """Forked children use one intra-op thread once this process has other OS threads.
+
+    A child forked after a multi-threaded torch op inherits a dead OpenMP pool
+    and hangs on its next parallel op, unless it stays on one thread. OS
+    threads cannot tell an OpenMP pool from BLAS's, so any extra one counts.
+    """
+    return 1 if psutil.Process().num_threads() > 1 else threads
+
+
+def choose(config: LaunchConfig, gpus: tuple[int, ...] | None) -> tuple[int, str]:
+    """nprocs and backend for ``config`` on these GPUs (pure; ``mpddp info`` shows the same)."""
+    nprocs = config.nprocs or (len(gpus) if gpus else 1)
+    backend = config.backend if config.backend != "auto" else ("nccl" if gpus else "gloo")
+    if backend == "nccl" and not gpus:
+        raise ConfigError("backend='nccl' needs CUDA GPUs but none is visible here; use --backend gloo (or auto)")
+    if backend == "nccl" and gpus and nprocs > len(gpus):
+        raise ConfigError(
+            f"nprocs={nprocs} with {len(gpus)} GPU(s): NCCL refuses two ranks on one GPU; "
+            f"pass --nprocs {len(gpus)} or --backend gloo"
+        )
+    return nprocs, backend
+
+
+def plan_launch(config: LaunchConfig) -> Plan:
+    """Decide GPUs, nprocs, backend and threads without initializing CUDA here."""
+    gpus, pin = _gpus(config)
+    nprocs, backend = choose(config, gpus)
+    # GPU ranks too: 8 ranks each running a thread per core would fight over the CPU
+    threads = threads_per_rank(nprocs, physical_cores(), os.environ.get("OMP_NUM_THREADS"))
+    if config.start_method == "fork":
+        _check_fork(gpus)
+        threads = _fork_threads(threads)
+    slots = rank_math.layout(config.nnodes, nprocs, gpus)
+    mine = tuple(s for s in slots if s.node_rank == config.node_rank)
+    return Plan(config, nprocs, backend, gpus, pin, threads, mine)
+
+
+def node_env(plan: Plan, port: int, attempt: int) -> dict[str, str]:
+    """The environment every worker of this node shares, computed once per group."""
+    config = plan.config
+    env = dict(os.environ)
+    env.update(
+        WORLD_SIZE=str(plan.slots[0].world_size),
+        LOCAL_WORLD_SIZE=str(plan.nprocs),
+        GROUP_RANK=str(config.node_rank),
+        NODE_RANK=str(config.node_rank),
+        ROLE_WORLD_SIZE=str(plan.slots[0].world_size),
+        MASTER_ADDR=config.master_addr,
+        MASTER_PORT=str(port),
+        TORCHELASTIC_RESTART_COUNT=str(attempt),
+        PYTHONUNBUFFERED="1",
+        MPDDP_STDOUT_ISATTY="1" if _interactive() else "0",
+    )
+    env.update(dict(config.env))
+    if plan.threads is not None:
+        env["OMP_NUM_THREADS"] = str(plan.threads)
+    if plan.pin_visible and plan.gpus:
+        env.update(child_cuda_env(tuple(dict.fromkeys(plan.gpus))))
+    if config.nnodes == 1:
+        # one node: every socket on loopback, none on the machine's public interfaces
+        env.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        env.setdefault("NCCL_SOCKET_IFNAME", "lo")
+    else:
+        from ..machine.netif import interface_env
+
+        for key, value in interface_env(config.master_addr, os.environ).items():
+            env.setdefault(key, value)
+    return env
+
+
+def rank_env(node_env: dict[str, str], slot: rank_math.RankSlot) -> dict[str, str]:
+    """One worker's environment: the node's plus its ranks, as torchrun sets them."""
+    return {**node_env, "RANK": str(slot.rank), "LOCAL_RANK": str(slot.local_rank), "ROLE_RANK": str(slot.rank)}
+
+
+def _interactive() -> bool:
+    return "ipykernel" in sys.modules or bool(getattr(sys.stdout, "isatty", lambda: False)())

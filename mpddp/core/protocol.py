@@ -1,0 +1,91 @@
+"""What crosses between a worker and its launcher: typed messages and store keys.
+
+Owns: the three messages a worker sends up its channel (:class:`Started`,
+:class:`Result`, :class:`Failure`, each pickled whole), how they are encoded
+and decoded, and every key mpddp writes in node 0's store (per attempt: who
+arrived, who finished init, each node's heartbeat). A failure's kind is an
+:class:`~mpddp.errors.Outcome` set in the worker, from the exception's type
+and the frame it was raised in, never recovered from its message. Leaves
+sending to core/worker.py, receiving to core/supervisor.py, the store to
+core/rendezvous.py.
+"""
+
+from __future__ import annotations
+
+import pickle
+from dataclasses import dataclass
+
+from ..errors import Outcome
+
+
+@dataclass(frozen=True)
+class Started:
+    """The worker runs (its session and pipes are set up) and is about to call ``fn``."""
+
+    pid: int
+
+
+@dataclass(frozen=True)
+class Result:
+    """``fn``'s return value, pickled apart (cloudpickle) so that the launcher can say which rank's
+    value it could not load, instead of failing on the whole message."""
+
+    payload: bytes
+
+
+@dataclass(frozen=True)
+class Failure:
+    """The worker's own report of how it failed."""
+
+    rank: int
+    kind: Outcome  # RAISED, EXITED or COLLECTIVE
+    error_type: str  # "ValueError", "torch.distributed.DistBackendError", ...
+    message: str
+    traceback: str
+    time: float  # CLOCK_MONOTONIC, machine-wide on Linux: the launcher orders reports by it
+    exit_code: int | None = None  # sys.exit's code (kind EXITED)
+    where: str | None = None  # for COLLECTIVE: the torch.distributed call, e.g. "all_reduce at train.py:12"
+
+
+Message = Started | Result | Failure
+
+MAIN_GUARD_EXIT = 97  # a worker's exit code: it re-ran the user's script and met launch() again
+
+
+def encode(message: Message) -> bytes:
+    return pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def decode(data: bytes) -> Message:
+    message = pickle.loads(data)
+    if not isinstance(message, (Started, Result, Failure)):
+        raise TypeError(f"not an mpddp message: {type(message).__name__}")
+    return message
+
+
+# ---- store keys ------------------------------------------------------------------------------
+# Workers see the store through a PrefixStore of their attempt; the launcher (and the
+# heartbeat) use the full names. Restarts get a fresh prefix, so old keys never interfere.
+
+
+def attempt_prefix(attempt: int) -> str:
+    return f"mpddp/attempt_{attempt}"
+
+
+def arrived_key(rank: int) -> str:
+    """Set by each rank when it reached the store (node 0 names the ranks that never did)."""
+    return f"arrived/{rank}"
+
+
+INITIALIZED = "initialized"  # a counter: ranks through init_process_group
+ALL_INITIALIZED = "all_initialized"  # set by the last of them
+
+
+def beat_key(node: int) -> str:
+    """One node launcher's heartbeat counter."""
+    return f"beat/{node}"
+
+
+def full_key(attempt: int, key: str) -> str:
+    """``key`` as seen without the attempt's PrefixStore."""
+    return f"{attempt_prefix(attempt)}/{key}"

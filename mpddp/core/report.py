@@ -1,0 +1,171 @@
+"""Failure reports: how each rank ended, which rank failed first, what the user is told.
+
+Owns: the launcher's view of each rank (:class:`RankState`), its
+:class:`~mpddp.errors.Outcome` (from the worker's typed
+:class:`~mpddp.core.protocol.Failure` and what the launcher saw: the exit
+code, whether it stopped the rank), picking the root cause and writing the
+report, down to the plain :class:`~mpddp.errors.RankFailure` records the
+error carries. When one rank raises, its peers blocked in a collective fail
+within milliseconds; reporting whichever error arrives first would blame a
+victim, so reports are ordered by outcome, then time. Never by words in a
+message: a user's exception that says "timeout" is still the user's.
+Leaves watching to core/supervisor.py and other nodes to core/heartbeat.py.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..errors import HangError, Outcome, RankFailure, WorkerFailed
+from ..ranks import RankSlot
+from . import procs
+from .protocol import Failure
+
+_TAIL_LINES = 10
+# The root cause is the first rank by this order, then by time.
+_CAUSE_ORDER = {Outcome.RAISED: 0, Outcome.EXITED: 0, Outcome.DIED: 1, Outcome.EARLY_EXIT: 2, Outcome.HUNG: 3,
+                Outcome.COLLECTIVE: 4}
+
+
+@dataclass
+class RankState:
+    """What the launcher knows of one local rank while it runs and after."""
+
+    slot: RankSlot
+    process: Any
+    messages: Any
+    started: bool = False
+    has_result: bool = False
+    payload: bytes | None = None  # fn's value, still pickled
+    failure: Failure | None = None  # the worker's own report
+    exitcode: int | None = None
+    failed_at: float | None = None  # monotonic time of the failure
+    stopped: bool = False  # the launcher stopped this rank
+    hung: bool = False  # the watchdog declared this rank hung
+    tail: list[str] = field(default_factory=list)
+
+    @property
+    def pid(self) -> int | None:
+        return self.process.pid
+
+    @property
+    def failed(self) -> bool:
+        return self.failed_at is not None
+
+    @property
+    def succeeded(self) -> bool:
+        return self.exitcode == 0 and self.has_result
+
+    @property
+    def outcome(self) -> Outcome:
+        if self.failure is not None:
+            return self.failure.kind
+        if self.hung:
+            return Outcome.HUNG
+        if self.stopped:
+            return Outcome.STOPPED
+        if self.failed:
+            return Outcome.DIED
+        return Outcome.OK
+
+    def record(self) -> RankFailure:
+        """This rank as plain data, for the error (no live process in it)."""
+        f = self.failure
+        return RankFailure(rank=self.slot.rank, node_rank=self.slot.node_rank, local_rank=self.slot.local_rank,
+                           outcome=self.outcome, pid=self.pid, exit_code=self.exitcode,
+                           error_type=f.error_type if f else None, message=f.message if f else None,
+                           traceback=f.traceback if f else None, where=f.where if f else None)
+
+
+def root_cause(states: list[RankState]) -> RankState:
+    """The rank whose failure started it all: outcome first, then time."""
+    failed = [s for s in states if s.outcome in _CAUSE_ORDER]
+    return min(failed, key=lambda s: (_CAUSE_ORDER[s.outcome], s.failed_at or 0.0))
+
+
+def _where(s: RankState) -> str:
+    return f"rank {s.slot.rank} (node {s.slot.node_rank}, local rank {s.slot.local_rank})"
+
+
+def _how(s: RankState) -> str:
+    f = s.failure
+    if f is not None and f.kind is Outcome.EXITED:
+        return f"exited with code {f.exit_code} (sys.exit)"
+    if f is not None:
+        return f"raised {f.error_type}: {f.message}"
+    code = s.exitcode
+    if code is not None and code < 0:
+        name = procs.signal_name(code)
+        hint = " — the kernel's out-of-memory killer is a common cause (see `dmesg`; lower the batch size)" \
+            if name == "SIGKILL" else ""
+        return f"was killed by {name}{hint}"
+    return f"exited with code {code} without returning a result"
+
+
+def _short(message: str, width: int = 160) -> str:
+    """The first sentence (or line) of a long error message."""
+    line = message.splitlines()[0] if message else ""
+    if len(line) <= width:
+        return line
+    cut = line.rfind(". ", 0, width)
+    return line[: cut + 1] if cut > 40 else line[:width] + "…"
+
+
+def _others(states: list[RankState], root: RankState) -> list[str]:
+    lines = []
+    for s in states:
+        if s is root:
+            continue
+        outcome = s.outcome
+        if outcome is Outcome.STOPPED:
+            lines.append(f"  rank {s.slot.rank}: stopped by mpddp after rank {root.slot.rank} failed")
+        elif outcome is Outcome.COLLECTIVE and s.failure is not None:
+            lines.append(f"  rank {s.slot.rank}: failed after rank {root.slot.rank} ({s.failure.error_type}: "
+                         f"{_short(s.failure.message)}) — a consequence, not the cause")
+        elif outcome in (Outcome.RAISED, Outcome.EXITED, Outcome.DIED):
+            lines.append(f"  rank {s.slot.rank}: also {_how(s)}")
+        else:
+            lines.append(f"  rank {s.slot.rank}: finished")
+    return lines
+
+
+def exit_code(s: RankState) -> int:
+    """What the CLI exits with for root cause ``s``: its own code, 128+signal when killed, else 1.
+
+    Never 0 for a failure: ``sys.exit(256)`` would wrap around to 0 in the shell, so it becomes 1.
+    """
+    code = s.failure.exit_code if s.failure is not None else s.exitcode
+    if s.failure is None and code is not None and code < 0:
+        return 128 - code  # a shell's convention: SIGKILL -> 137, what schedulers read as "killed"
+    return code if code is not None and 0 < code < 256 else 1
+
+
+def failure_error(states: list[RankState]) -> WorkerFailed:
+    """The exception the parent raises, with the whole report as its message."""
+    root = root_cause(states)
+    stuck = [s for s in states if s.outcome is Outcome.STOPPED] if root.outcome is Outcome.COLLECTIVE else []
+    if stuck:  # the others timed out in a collective, waiting for ranks that were still running
+        names = ", ".join(str(s.slot.rank) for s in stuck)
+        waiting = ", ".join(str(s.slot.rank) for s in states if s.outcome is Outcome.COLLECTIVE)
+        first = root.failure.message.splitlines()[0][:200] if root.failure and root.failure.message else ""
+        lines = [f"mpddp: rank {names} made no progress: rank {waiting} timed out waiting for it in a collective "
+                 f"({first}); every rank was stopped. Raise --timeout if a step legitimately takes longer."]
+        lines += _tail_block(stuck[0])
+        ordered = [*stuck, *[s for s in states if s not in stuck]]
+        return HangError("\n".join(lines), stuck[0].slot.rank, [s.record() for s in ordered])
+    lines = [f"mpddp: {_where(root)} failed first: it {_how(root)}"]
+    lines += _tail_block(root)
+    if root.failure is not None and root.failure.kind is not Outcome.EXITED:
+        lines += [f"mpddp: traceback of rank {root.slot.rank}:", root.failure.traceback.rstrip()]
+    others = _others(states, root)
+    if others:
+        lines += ["mpddp: the other ranks:", *others]
+    rest = sorted((s for s in states if s is not root and s.outcome is not Outcome.OK), key=lambda s: s.failed_at or 0.0)
+    return WorkerFailed("\n".join(lines), root.slot.rank, [s.record() for s in (root, *rest)], exit_code=exit_code(root))
+
+
+def _tail_block(s: RankState) -> list[str]:
+    if not s.tail:
+        return []
+    return [f"mpddp: last lines of rank {s.slot.rank}:", *(f"  {line}" for line in s.tail[-_TAIL_LINES:])]
