@@ -6,11 +6,13 @@ default: the bare message on the *current* ``sys.stderr`` (so a Jupyter
 cell shows it), exactly as a ``print`` would. Why ``logging`` and not
 ``warnings``: these are events of a run that the caller cannot fix in code
 (the ``warnings`` module is for that, and shows each message once only); an
-application routes or silences them as it does every library's
-(``logging.getLogger("mpddp").setLevel(logging.ERROR)``, or a handler of its
-own). Once the application configures logging (a handler on the root
-logger, or on ``mpddp``), the default handler steps aside, so nothing is
-printed twice. Leaves failure reports, which are exceptions, to errors.py.
+application routes or silences them as it does every library's. The logger
+does not propagate by default (a test runner's or a notebook's root handlers
+would otherwise swallow or double them); the default handler steps aside as
+soon as the application adds a handler of its own to ``mpddp``, or turns
+``propagate`` on while the root logger has handlers. Silence:
+``logging.getLogger("mpddp").setLevel(logging.ERROR)``. Leaves failure
+reports, which are exceptions, to errors.py.
 """
 
 from __future__ import annotations
@@ -44,5 +46,6 @@ _handler = _DefaultHandler()
 _handler.setFormatter(logging.Formatter("%(message)s"))
 if not any(isinstance(h, _DefaultHandler) for h in logger.handlers):
     logger.addHandler(_handler)
+    logger.propagate = False
 if logger.level == logging.NOTSET:
     logger.setLevel(logging.INFO)  # notices such as "restarting the group" are shown by default

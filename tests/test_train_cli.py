@@ -118,8 +118,9 @@ def test_bad_input_is_one_line_and_exit_2(in_process_cli, tmp_path):
 
 
 def test_resume_from_another_model_is_one_line(in_process_cli, tmp_path):
-    from mpddp.trainer.config import TrainConfig, resolve
+    from mpddp.trainer.config import TrainConfig
     from mpddp.trainer.loop import Trainer
+    from mpddp.trainer.prepare import resolve
 
     Trainer(resolve(TrainConfig(task="synthetic", samples=40, features=4, epochs=1, run_dir="syn"))).fit()
     ckpt = next((tmp_path / "syn" / "checkpoints").glob("ckpt-*.pt"))

@@ -15,8 +15,9 @@ from tiny_task import TINY, TRAIN
 
 import mpddp
 from mpddp.trainer import checkpoint
-from mpddp.trainer.config import TrainConfig, resolve
+from mpddp.trainer.config import TrainConfig
 from mpddp.trainer.loop import Trainer, train
+from mpddp.trainer.prepare import resolve
 
 pytestmark = pytest.mark.usefixtures("no_leftovers")
 

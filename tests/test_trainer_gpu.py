@@ -4,8 +4,9 @@ import pytest
 import torch
 
 import mpddp
-from mpddp.trainer.config import TrainConfig, resolve
+from mpddp.trainer.config import TrainConfig
 from mpddp.trainer.loop import Trainer
+from mpddp.trainer.prepare import resolve
 
 # device_count() only: is_available() in the parent would poison forked children (DESIGN.md).
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() == 0, reason="needs a CUDA GPU"),

@@ -10,9 +10,10 @@ from tiny_task import TINY
 
 from mpddp.errors import ConfigError
 from mpddp.trainer import checkpoint
-from mpddp.trainer.config import TrainConfig, resolve
+from mpddp.trainer.config import TrainConfig
 from mpddp.trainer.faults import Fault, parse_fault
 from mpddp.trainer.loop import Trainer
+from mpddp.trainer.prepare import resolve
 
 TASK = TINY + ":make_task"
 DROPOUT = TINY + ":make_dropout_task"

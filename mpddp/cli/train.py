@@ -2,7 +2,7 @@
 
 Owns: the train flags and their help, nothing more. Parsing only; every
 check lives in :class:`~mpddp.trainer.config.TrainConfig` and
-:func:`~mpddp.trainer.config.resolve`, which raise ConfigError (one line,
+:func:`~mpddp.trainer.prepare.resolve`, which raise ConfigError (one line,
 exit code 2).
 """
 

@@ -127,7 +127,13 @@ def _to_cpu(value: Any) -> Any:
 
 
 _PLUMBING = (os.path.join("mpddp", "core", "script.py"), "<frozen runpy>", "runpy.py")
-_DISTRIBUTED = os.path.join("torch", "distributed", "")
+# Where torch's communication surfaces in Python: its collectives and store, DDP, and the autograd
+# engine (DDP all-reduces gradients from C++ hooks during backward, so a peer lost mid-backward is
+# raised by the engine's call).
+_COMMUNICATION = tuple(os.path.join("torch", *part.split("/"), "") for part in
+                       ("distributed", "nn/parallel", "autograd"))
+_TORCH = os.path.join("", "torch", "")
+_DECORATORS = ("wrapper", "_wrapper", "inner")  # torch.distributed wraps its collectives for logging
 
 
 def _user_traceback(exc: BaseException) -> BaseException:
@@ -144,21 +150,21 @@ def _collective_call(exc: BaseException) -> str | None:
 
     Structure only: torch's own distributed error types (DistBackendError,
     DistNetworkError, DistStoreError: a peer gone, a timeout, the store lost),
-    or a RuntimeError raised inside torch.distributed's code (older torch, C++
-    errors). A user's exception is never one, whatever its message says.
+    or a RuntimeError (what C++ errors become) raised by torch's communication
+    code itself (gloo's "Connection reset by peer" inside DDP's backward is
+    one). A user's exception is never one, whatever its message says.
     """
     frames = list(traceback.walk_tb(exc.__traceback__))
-    inside = [i for i, (frame, _) in enumerate(frames) if _DISTRIBUTED in frame.f_code.co_filename]
-    raised_inside = bool(inside) and inside[-1] == len(frames) - 1
+    names = [frame.f_code.co_filename for frame, _ in frames]
+    raised_inside = bool(names) and any(part in names[-1] for part in _COMMUNICATION)
     if not (isinstance(exc, dist.DistError) or (type(exc) is RuntimeError and raised_inside)):
         return None
-    if not inside:
-        return type(exc).__name__
-    call = frames[inside[0]][0].f_code.co_name
-    if inside[0] == 0:
-        return call
-    caller, line = frames[inside[0] - 1]
-    return f"{call} at {os.path.basename(caller.f_code.co_filename)}:{line}"
+    # "all_reduce at train.py:12": the user's last frame, and the torch call it made (decorators skipped)
+    user = max((i for i, name in enumerate(names) if _TORCH not in name), default=None)
+    start = 0 if user is None else user + 1
+    calls = [frame.f_code.co_name for frame, _ in frames[start:] if frame.f_code.co_name not in _DECORATORS]
+    call = calls[0] if calls else type(exc).__name__
+    return call if user is None else f"{call} at {os.path.basename(names[user])}:{frames[user][1]}"
 
 
 def _failure(ctx: WorkerContext, exc: BaseException) -> protocol.Failure:

@@ -1,7 +1,7 @@
 """The example trainer: how mpddp trains a model with DDP, built on the public API only.
 
-Reading order: config (:class:`TrainConfig`, checked before any worker
-starts) -> tasks (what is trained: :class:`Task`, the built-in sets) -> loop
+Reading order: config (:class:`TrainConfig`) -> prepare (:func:`resolve`:
+checks before any worker starts) -> tasks (what is trained: :class:`Task`, the built-in sets) -> loop
 (the :class:`Trainer`: the DDP delta over a one-process loop) -> state and
 checkpoint (what a checkpoint holds, how it is written) -> output (what the
 user sees) -> faults (failing on purpose, for tests). It starts its workers
@@ -17,14 +17,14 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from .config import TrainConfig as TrainConfig
-    from .config import resolve as resolve
     from .loop import Trainer as Trainer
     from .loop import TrainResult as TrainResult
     from .loop import train as train
     from .loop import train_worker as train_worker
+    from .prepare import resolve as resolve
     from .tasks import Task as Task
 
-_WHERE = {"TrainConfig": "config", "resolve": "config", "Trainer": "loop", "TrainResult": "loop", "train": "loop",
+_WHERE = {"TrainConfig": "config", "resolve": "prepare", "Trainer": "loop", "TrainResult": "loop", "train": "loop",
           "train_worker": "loop", "Task": "tasks"}
 __all__ = sorted(_WHERE)
 

@@ -38,8 +38,9 @@ import mpddp
 from ..config import LaunchConfig
 from ..context import WorkerContext
 from . import checkpoint, state
-from .config import TrainConfig, resolve
+from .config import TrainConfig
 from .output import Reporter
+from .prepare import resolve
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,85 @@
+"""Before any worker starts: check the task and the resume file, fix the run directory.
+
+Owns: :func:`resolve`, which runs in the launching process: it checks the
+task and the resume file (so bad input fails with one line and exit code 2,
+nothing written) and fixes the run directory and the checkpoint to resume
+from, so that every rank, and every restart of the group, agrees on them.
+Leaves the options to trainer/config.py, building the task to
+trainer/tasks.py and reading checkpoints to trainer/checkpoint.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from pathlib import Path
+from typing import Any
+
+from ..errors import ConfigError
+from . import checkpoint
+from .config import BUILTIN_TASKS, RUNS_ROOT, TrainConfig
+
+
+def resolve(config: TrainConfig) -> TrainConfig:
+    """Check the task and the resume file; fix the run directory and checkpoint.
+
+    Runs before any worker starts and writes nothing; a user's factory is
+    called once here to check what it returns. A fresh run gets
+    ``runs/<task>/<date-time>``; ``resume="auto"`` without ``run_dir`` takes
+    the newest run of that task that has a checkpoint.
+    """
+    from .tasks import build_task, load_factory, task_name
+
+    task = config.task
+    if isinstance(task, str) and task not in BUILTIN_TASKS:
+        load_factory(task)
+        target, colon, attr = task.rpartition(":")
+        if target.endswith(".py") or task.endswith(".py"):  # workers may start elsewhere: make it absolute
+            task = str(Path(target or task).resolve()) + (colon + attr if target else "")
+    config = dataclasses.replace(config, task=task, run_dir=_run_dir(config, task_name(task)))
+    if config.resume is None and config.task in BUILTIN_TASKS:
+        return _check_fresh(config)  # built-in tasks keep their contract: skip building one here
+    # Build the task once here: a factory that breaks the contract, or a checkpoint of another
+    # model, is then one line before any worker starts, not a failure on every rank.
+    model = build_task(config.task, config.seed, config.task_options).model
+    if config.resume is None:
+        return _check_fresh(config)
+    return dataclasses.replace(config, resume=_resume_file(config, checkpoint.signature(model)))
+
+
+def _run_dir(config: TrainConfig, name: str) -> str:
+    if config.run_dir:
+        return config.run_dir
+    base = Path(RUNS_ROOT) / name
+    if config.resume == "auto" and not config.checkpoint_dir and base.is_dir():
+        runs = sorted((p for p in base.iterdir() if checkpoint.candidates(p / "checkpoints")), reverse=True)
+        if runs:
+            return str(runs[0])
+    stamp, n = time.strftime("%Y%m%d-%H%M%S"), 1
+    while (base / (stamp if n == 1 else f"{stamp}-{n}")).exists():
+        n += 1
+    return str(base / (stamp if n == 1 else f"{stamp}-{n}"))
+
+
+def _check_fresh(config: TrainConfig) -> TrainConfig:
+    found = checkpoint.candidates(config.checkpoint_path)
+    if found:
+        raise ConfigError(f"checkpoint_dir={str(config.checkpoint_path)!r} already holds checkpoints "
+                          f"(newest {found[0].name}): pass --resume auto to continue that run, "
+                          "or a new --run-dir / --checkpoint-dir to start fresh")
+    return config
+
+
+def _resume_file(config: TrainConfig, expected: dict[str, Any]) -> str | None:
+    if config.resume == "auto":
+        found = checkpoint.newest(config.checkpoint_path, expected)
+        return str(found[0]) if found else None  # nothing yet: start from scratch
+    path = Path(str(config.resume))
+    if path.is_dir():
+        found = checkpoint.newest(path, expected)
+        if found is None:
+            raise ConfigError(f"resume={str(path)!r} holds no complete checkpoint (ckpt-*.pt); "
+                              "pass a checkpoint file or the run's checkpoints directory")
+        return str(found[0])
+    checkpoint.load(path, expected)
+    return str(path)

@@ -1,0 +1,217 @@
+"""The layers hold: imports go one way, the CLI's options are LaunchConfig's fields, errors pickle."""
+
+from __future__ import annotations
+
+import ast
+import os
+import pickle
+import socket
+import subprocess
+import sys
+import textwrap
+import threading
+from dataclasses import fields
+from pathlib import Path
+
+import pytest
+
+import mpddp
+from mpddp.cli import main
+from mpddp.cli.options import LAUNCH_FIELDS, build_config
+
+PACKAGE = Path(mpddp.__file__).parent
+TOP = {"mpddp", "mpddp.errors", "mpddp.config", "mpddp.ranks", "mpddp.context", "mpddp.log"}
+SHIMS = {"mpddp.tasks", "mpddp.slurm"}  # re-exports of moved public names; nothing inside mpddp uses them
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
+
+
+def _resolve(module: str, node: ast.ImportFrom) -> str:
+    if not node.level:
+        return node.module or ""
+    is_package = MODULES[module].name == "__init__.py"
+    base = module.split(".")[: len(module.split(".")) - node.level + (1 if is_package else 0)]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
+def imports_of(module: str) -> set[str]:
+    """Every mpddp module ``module`` imports, at the top or inside functions."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(MODULES[module].read_text())):
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            target = _resolve(module, node)
+            subs = {f"{target}.{alias.name}" for alias in node.names} & MODULES.keys()
+            found |= subs or {target}  # `from . import procs` imports the module mpddp.core.procs
+    return {name for name in found if name in MODULES and name != module}
+
+
+GRAPH = {module: imports_of(module) for module in MODULES}
+
+
+def _cycle() -> list[str] | None:
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(module: str) -> list[str] | None:
+        state[module] = 1
+        path.append(module)
+        for target in sorted(GRAPH[module]):
+            if state.get(target) == 1:
+                return path[path.index(target):] + [target]
+            if target not in state and (found := visit(target)):
+                return found
+        state[module] = 2
+        path.pop()
+        return None
+
+    for module in sorted(GRAPH):
+        if module not in state and (found := visit(module)):
+            return found
+    return None
+
+
+def test_the_walk_sees_imports_inside_functions():
+    # mpddp's __getattr__ imports the core lazily; the trainer's resolve imports tasks inside a function
+    assert "mpddp.core.api" in GRAPH["mpddp"]
+    assert "mpddp.trainer.tasks" in GRAPH["mpddp.trainer.prepare"]
+    assert "mpddp.core.procs" in GRAPH["mpddp.core.report"]
+
+
+def test_no_import_circle():
+    assert _cycle() is None, " -> ".join(_cycle() or [])
+
+
+def test_a_circle_would_be_found(monkeypatch):
+    monkeypatch.setitem(GRAPH, "mpddp.errors", GRAPH["mpddp.errors"] | {"mpddp.core.api"})
+    assert _cycle() is not None
+
+
+@pytest.mark.parametrize("layer, allowed", [
+    ("mpddp.core", TOP | {"mpddp.core", "mpddp.machine"}),
+    ("mpddp.machine", TOP - {"mpddp"} | {"mpddp.machine"}),
+    ("mpddp.trainer", TOP | {"mpddp.trainer"}),
+])
+def test_layer_imports_only_what_it_may(layer, allowed):
+    wrong = {(m, t) for m, targets in GRAPH.items() if m == layer or m.startswith(layer + ".")
+             for t in targets if not any(t == a or t.startswith(a + ".") for a in allowed if a != "mpddp")
+             and t not in allowed}
+    assert not wrong, f"{layer} imports across the layers: {sorted(wrong)}"
+
+
+def test_top_level_imports_no_layer_but_the_lazy_front_door():
+    for module in TOP:
+        deeper = {t for t in GRAPH[module] if t not in TOP}
+        assert deeper <= ({"mpddp.core.api"} if module == "mpddp" else set()), (module, deeper)
+
+
+def test_nothing_imports_the_cli_and_nothing_inside_uses_the_shims():
+    for module, targets in GRAPH.items():
+        if not module.startswith("mpddp.cli") and module != "mpddp.__main__":
+            assert not {t for t in targets if t.startswith("mpddp.cli")}, module
+        assert not (targets & SHIMS), module
+
+
+def test_cli_launch_options_are_launchconfig_fields():
+    no_flag = {"env"}  # extra worker variables: an API-only field
+    assert set(LAUNCH_FIELDS) == {f.name for f in fields(mpddp.LaunchConfig)} - no_flag
+    for command in ("run", "train"):
+        params = {p.name for p in main.commands[command].params}
+        assert set(LAUNCH_FIELDS) <= params, command
+
+
+def test_every_launch_flag_reaches_the_config(monkeypatch):
+    for name in [n for n in list(os.environ) if n.startswith("SLURM_")]:
+        monkeypatch.delenv(name)
+    argv = ["--nprocs", "3", "--nnodes", "2", "--node-rank", "1", "--master-addr", "10.0.0.1", "--master-port",
+            "29501", "--backend", "gloo", "--start-method", "spawn", "--timeout", "60", "--gpus", "0,1",
+            "--max-restarts", "2", "--output-ranks", "0,2", "--log-dir", "logs", "-v", "x.py"]
+    ctx = main.commands["run"].make_context("run", argv)
+    config = build_config(**ctx.params)
+    assert config == mpddp.LaunchConfig(nprocs=3, nnodes=2, node_rank=1, master_addr="10.0.0.1", master_port=29501,
+                                        backend="gloo", start_method="spawn", timeout=60.0, gpus=(0, 1),
+                                        max_restarts=2, output_ranks=(0, 2), log_dir="logs", verbose=True)
+    defaults = build_config(**main.commands["run"].make_context("run", ["x.py"]).params)
+    assert defaults == mpddp.LaunchConfig()
+
+
+# ---- errors cross process boundaries -----------------------------------------------------------
+
+
+def _raises(ctx):
+    if ctx.rank == 1:
+        raise ValueError("bad value on rank 1")
+    import torch.distributed as dist
+
+    dist.barrier()
+
+
+def _exits(ctx):
+    raise SystemExit(3)
+
+
+def _round_trip(error: BaseException) -> BaseException:
+    back = pickle.loads(pickle.dumps(error))
+    assert type(back) is type(error)
+    assert str(back) == str(error)
+    for attribute in ("rank", "exit_code", "failures"):
+        assert getattr(back, attribute, None) == getattr(error, attribute, None), attribute
+    return back
+
+
+def _launch_error(**kwargs) -> BaseException:
+    with pytest.raises(mpddp.MpddpError) as info:
+        mpddp.launch(**kwargs)
+    return info.value
+
+
+@pytest.mark.timeout(120)
+def test_errors_from_real_failed_launches_pickle(no_leftovers, tmp_path):
+    failed = _round_trip(_launch_error(fn=_raises, nprocs=2))
+    assert isinstance(failed, mpddp.WorkerFailed) and failed.rank == 1
+    assert failed.failures[0].outcome is mpddp.Outcome.RAISED and failed.failures[0].error_type == "ValueError"
+    assert all(f.pid for f in failed.failures)
+    exhausted = _round_trip(_launch_error(fn=_exits, nprocs=1, max_restarts=1))
+    assert isinstance(exhausted, mpddp.RestartsExhausted) and exhausted.exit_code == 3
+    _round_trip(_launch_error(fn=_raises, nprocs=0))  # ConfigError
+    _round_trip(_launch_error(fn=lambda ctx, lock: None, args=(threading.Lock(),)))  # ShipError
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        busy = _round_trip(_launch_error(fn=_raises, nprocs=1, master_port=taken.getsockname()[1]))
+    assert isinstance(busy, mpddp.RendezvousError)
+
+
+@pytest.mark.timeout(120)
+def test_hang_and_main_guard_errors_pickle(no_leftovers, tmp_path):
+    """A HangError and a MainGuardError, each from a real launch in a fresh interpreter, pickled back here."""
+    script = tmp_path / "no_guard.py"
+    script.write_text(textwrap.dedent("""
+        import pickle, sys, time
+        import mpddp
+
+        def hang(ctx):
+            import torch.distributed as dist
+            if ctx.rank == 1:
+                time.sleep(60)
+            dist.barrier()
+
+        if __name__ == "__main__" or sys.argv[1] == "guard":  # "guard": the workers re-run this too
+            try:
+                mpddp.launch(hang if sys.argv[1] == "hang" else (lambda ctx: None), nprocs=2, timeout=2)
+            except mpddp.MpddpError as e:
+                open(sys.argv[2], "wb").write(pickle.dumps(e))
+    """))
+    for kind, expected in (("hang", mpddp.HangError), ("guard", mpddp.MainGuardError)):
+        out = tmp_path / f"{kind}.pickle"
+        subprocess.run([sys.executable, str(script), kind, str(out)], cwd=tmp_path, timeout=90, check=False)
+        error = pickle.loads(out.read_bytes())
+        assert type(error) is expected, error
+        _round_trip(error)
