@@ -217,3 +217,31 @@ def test_a_forgotten_non_daemon_thread_does_not_keep_the_launch_alive(capsys):
     assert time.monotonic() - start < THREAD_GRACE + 20
     err = capsys.readouterr().err
     assert "[rank 1] mpddp: rank 1: fn returned but left thread(s) forgotten running" in err
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_killed_while_its_dataloader_workers_run_leaves_no_leak_warning(tmp_path, no_leftovers):
+    """The resource tracker unlinks a killed rank's semaphores without a "leaked semaphore" line."""
+    script = tmp_path / "killed.py"
+    script.write_text(textwrap.dedent("""
+        import os, signal, time
+        import mpddp, torch
+        from torch.utils.data import DataLoader, TensorDataset
+
+        def fn(ctx):
+            data = TensorDataset(torch.arange(1000.0))
+            loader = DataLoader(data, batch_size=1, num_workers=2, multiprocessing_context="fork")
+            for i, _ in enumerate(loader):
+                if i == 5 and ctx.rank == 1:
+                    os.kill(os.getpid(), signal.SIGKILL)
+                time.sleep(0.01)
+
+        if __name__ == "__main__":
+            try:
+                mpddp.launch(fn, nprocs=2, init_process_group=False)
+            except mpddp.WorkerFailed as e:
+                print("failed:", e.rank, e.exit_code)
+    """))
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=100, cwd=tmp_path)
+    assert out.stdout.strip() == "failed: 1 137", out.stderr
+    assert "leaked" not in out.stderr and "Traceback" not in out.stderr, out.stderr
