@@ -17,6 +17,7 @@ from typing import NoReturn
 import click
 
 from .. import __version__
+from ..core import stacks
 from ..errors import ConfigError, MpddpError, WorkerFailed
 from . import info, ranks, run, train
 from .options import EXIT_BAD_INPUT, EXIT_SIGINT, EXIT_SIGTERM, build_config, launch_options
@@ -51,6 +52,7 @@ def run_cli(args: list[str] | None = None) -> NoReturn:
     """
     signal.signal(signal.SIGTERM, _raise_terminated)
     signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGUSR1, stacks.request)  # `kill -USR1`: where is every rank; never kills the launcher
     try:
         code = main.main(args=args, prog_name="mpddp", standalone_mode=False)
     except click.exceptions.Exit as e:

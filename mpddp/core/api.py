@@ -18,6 +18,7 @@ from typing import Any
 from ..config import LaunchConfig
 from ..errors import ConfigError, RestartsExhausted, WorkerFailed
 from ..log import logger
+from . import stacks
 from .ship import ship
 from .startup import interrupts_deferred, refuse_bootstrap, start_context
 
@@ -77,12 +78,19 @@ def launch(
         from ..machine.netif import resolve
 
         resolve(config.master_addr)  # a bad address: one line now, before any process or torch import
-    with interrupts_deferred():
+    with stacks.on_demand(), interrupts_deferred():  # SIGUSR1: where is every rank (from the first moment)
         mp_context = start_context(config.start_method)
         from .plan import plan_launch
-        from .supervisor import run_group
 
         plan = plan_launch(config)
+    with stacks.on_demand():
+        return _attempts(config, plan, mp_context, payload, init_process_group)
+
+
+def _attempts(config: LaunchConfig, plan: Any, mp_context: Any, payload: bytes, init_process_group: bool) -> list[Any]:
+    """Run the group, and again after a failure while restarts are left."""
+    from .supervisor import run_group
+
     for attempt in range(config.max_restarts + 1):
         try:
             return run_group(plan, mp_context, payload, attempt, init_process_group)

@@ -31,22 +31,38 @@ def _key(attempt: int, node: int) -> str:
 
 
 class Heartbeat:
-    """Bump this node's counter until :meth:`stop`, from a daemon thread."""
+    """Bump this node's counter until :meth:`stop`, from a daemon thread.
 
-    def __init__(self, addr: str, port: int, node: int, attempt: int, timeout: float) -> None:
+    It also carries the watchdog's progress between nodes (core/watchdog.py):
+    :meth:`progressed` marks that a local rank computed, and
+    :attr:`remote_progress` moves when a rank on another node did, so that no
+    node declares a hang while another node's ranks compute.
+    """
+
+    def __init__(self, addr: str, port: int, node: int, attempt: int, timeout: float, nnodes: int = 1) -> None:
         self._stop = threading.Event()
-        self._args = (addr, port, node, attempt, timeout)
+        self._progress = threading.Event()
+        self.remote_progress = 0  # the sum of the other nodes' progress counters, as last read
+        self._args = (addr, port, node, attempt, timeout, nnodes)
         self._thread = threading.Thread(target=self._run, name="mpddp-heartbeat", daemon=True)
         self._thread.start()
+
+    def progressed(self) -> None:
+        self._progress.set()
 
     def _run(self) -> None:
         from .rendezvous import connect
 
-        addr, port, node, attempt, timeout = self._args
+        addr, port, node, attempt, timeout, nnodes = self._args
+        others = [protocol.full_key(attempt, protocol.progress_key(n)) for n in range(nnodes) if n != node]
         try:
             store: Any = connect(addr, port, timeout)  # retries until node 0 is up
             while not self._stop.is_set():
                 store.add(_key(attempt, node), 1)
+                if self._progress.is_set():
+                    self._progress.clear()
+                    store.add(protocol.full_key(attempt, protocol.progress_key(node)), 1)
+                self.remote_progress = sum(store.add(key, 0) for key in others)
                 self._stop.wait(_INTERVAL)
         except Exception:  # noqa: BLE001 - node 0 gone: nothing left to tell
             return

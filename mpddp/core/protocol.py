@@ -23,6 +23,7 @@ class Started:
     """The worker runs (its session and pipes are set up) and is about to call ``fn``."""
 
     pid: int
+    main_thread: int  # its ident, to find the main thread in a stack dump (core/stacks.py)
 
 
 @dataclass(frozen=True)
@@ -84,6 +85,11 @@ ALL_INITIALIZED = "all_initialized"  # set by the last of them
 def beat_key(node: int) -> str:
     """One node launcher's heartbeat counter."""
     return f"beat/{node}"
+
+
+def progress_key(node: int) -> str:
+    """A counter one node's watchdog bumps while its ranks compute (core/watchdog.py)."""
+    return f"progress/{node}"
 
 
 def full_key(attempt: int, key: str) -> str:

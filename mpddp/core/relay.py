@@ -70,6 +70,12 @@ class Relay:
         with self._lock:
             return list(self._tails.get(rank, ()))
 
+    def note(self, rank: int, text: str) -> None:
+        """Append mpddp's own ``text`` (a full stack dump) to rank ``rank``'s log file, if there is one."""
+        if self._log_dir is not None:
+            with open(self._log_dir / f"rank{rank}.log", "a", encoding="utf-8") as log:
+                log.write(text.rstrip("\n") + "\n")
+
     def stop(self, timeout: float = 2.0) -> None:
         """Wait for every pipe's end of file (workers gone), then close all."""
         if self._thread is not None:

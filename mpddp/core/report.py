@@ -19,7 +19,7 @@ from typing import Any
 
 from ..errors import HangError, Outcome, RankFailure, WorkerFailed
 from ..ranks import RankSlot
-from . import procs
+from . import procs, stacks
 from .protocol import Failure
 
 _TAIL_LINES = 10
@@ -43,6 +43,11 @@ class RankState:
     failed_at: float | None = None  # monotonic time of the failure
     stopped: bool = False  # the launcher stopped this rank
     hung: bool = False  # the watchdog declared this rank hung
+    early_exit: bool = False  # it returned while its peers still waited for it
+    finished_at: float | None = None  # monotonic time its value arrived
+    stack_fd: int | None = None  # read end of its stack-dump pipe (core/stacks.py)
+    main_thread: int | None = None  # its main thread's ident, from Started
+    place: stacks.Place | None = None  # where it was when it was stopped
     tail: list[str] = field(default_factory=list)
 
     @property
@@ -61,6 +66,8 @@ class RankState:
     def outcome(self) -> Outcome:
         if self.failure is not None:
             return self.failure.kind
+        if self.early_exit:
+            return Outcome.EARLY_EXIT
         if self.hung:
             return Outcome.HUNG
         if self.stopped:
@@ -75,7 +82,8 @@ class RankState:
         return RankFailure(rank=self.slot.rank, node_rank=self.slot.node_rank, local_rank=self.slot.local_rank,
                            outcome=self.outcome, pid=self.pid, exit_code=self.exitcode,
                            error_type=f.error_type if f else None, message=f.message if f else None,
-                           traceback=f.traceback if f else None, where=f.where if f else None)
+                           traceback=f.traceback if f else None,
+                           where=self.place.text if self.place else (f.where if f else None))
 
 
 def root_cause(states: list[RankState]) -> RankState:
@@ -119,7 +127,8 @@ def _others(states: list[RankState], root: RankState) -> list[str]:
             continue
         outcome = s.outcome
         if outcome is Outcome.STOPPED:
-            lines.append(f"  rank {s.slot.rank}: stopped by mpddp after rank {root.slot.rank} failed")
+            where = f", in {s.place.text}" if s.place is not None else ""
+            lines.append(f"  rank {s.slot.rank}: stopped by mpddp after rank {root.slot.rank} failed{where}")
         elif outcome is Outcome.COLLECTIVE and s.failure is not None:
             lines.append(f"  rank {s.slot.rank}: failed after rank {root.slot.rank} ({s.failure.error_type}: "
                          f"{_short(s.failure.message)}) — a consequence, not the cause")
@@ -144,6 +153,10 @@ def exit_code(s: RankState) -> int:
 def failure_error(states: list[RankState]) -> WorkerFailed:
     """The exception the parent raises, with the whole report as its message."""
     root = root_cause(states)
+    early = [s for s in states if s.succeeded and root.failed_at is not None and (s.finished_at or 0) < root.failed_at]
+    if root.outcome is Outcome.COLLECTIVE and early:  # its peers' collectives broke when it left
+        return _early_exit_error(states, early, {s.slot.rank: s.failure.where if s.failure else None
+                                                 for s in states if s.outcome is Outcome.COLLECTIVE})
     stuck = [s for s in states if s.outcome is Outcome.STOPPED] if root.outcome is Outcome.COLLECTIVE else []
     if stuck:  # the others timed out in a collective, waiting for ranks that were still running
         names = ", ".join(str(s.slot.rank) for s in stuck)
@@ -169,3 +182,63 @@ def _tail_block(s: RankState) -> list[str]:
     if not s.tail:
         return []
     return [f"mpddp: last lines of rank {s.slot.rank}:", *(f"  {line}" for line in s.tail[-_TAIL_LINES:])]
+
+
+def _early_exit_error(states: list[RankState], early: list[RankState], waits: dict[int, str | None]) -> WorkerFailed:
+    """A rank returned (or exited 0) while its peers still waited for it in a collective: it is the cause."""
+    for s in early:
+        s.early_exit = True
+    code = ", ".join(f"code {s.exitcode or 0}" for s in early[:1])
+    where = "; ".join(f"rank {rank} still waited in {text}" if text else f"rank {rank} still waited for it"
+                      for rank, text in waits.items())
+    lines = [f"mpddp: {_where(early[0])} exited ({code}) while {where or 'its peers still waited for it'}; "
+             "every rank was stopped. Every rank must reach the same collectives: look for a return, "
+             "break or sys.exit that only some ranks take."]
+    lines += _tail_block(early[0])
+    others = _others(states, early[0])
+    if others:
+        lines += ["mpddp: the other ranks:", *others]
+    ordered = [*early, *[s for s in states if s not in early and s.outcome is not Outcome.OK]]
+    return WorkerFailed("\n".join(lines), early[0].slot.rank, [s.record() for s in ordered], exit_code=1)
+
+
+def hang_error(states: list[RankState], seconds_idle: float, places: dict[int, stacks.Place | None],
+               finished: tuple[int, ...]) -> HangError:
+    """No rank made progress for ``seconds_idle`` (core/watchdog.py): who, and where every rank was."""
+    waiting = [r for r, p in places.items() if p is not None and p.waiting]
+    idle = [r for r in places if r not in waiting]
+    by_rank = {s.slot.rank: s for s in states}
+    seconds = f"{seconds_idle:.0f} s"
+    wait_text = next((p.text for r in waiting if (p := places[r]) is not None), "a collective")
+    if finished and not idle:
+        culprits = list(finished)
+        first = (f"mpddp: {_ranks(culprits)} exited (code 0) while {_ranks(waiting)} still waited in "
+                 f"{wait_text}; every rank was stopped after {seconds} with no progress")
+        outcome = Outcome.EARLY_EXIT
+    elif waiting and idle:
+        culprits = idle
+        first = (f"mpddp: {_ranks(idle)} made no progress for {seconds} while {_ranks(waiting)} waited for it in "
+                 f"{wait_text}; every rank was stopped")
+        outcome = Outcome.HUNG
+    else:
+        culprits = idle or waiting
+        what = ("every rank waits in a collective that its peers do not reach" if waiting
+                else "no rank uses the CPU and none waits in a collective")
+        first = f"mpddp: no rank made progress for {seconds}: {what}; every rank was stopped"
+        outcome = Outcome.HUNG
+    for rank in culprits:
+        if rank in by_rank:
+            by_rank[rank].hung = outcome is Outcome.HUNG
+            by_rank[rank].early_exit = outcome is Outcome.EARLY_EXIT
+    lines = [first + ". The watchdog (--timeout) saw no CPU use outside a collective; raise --timeout if a rank "
+             "legitimately waits this long (slow storage, a lock).", "mpddp: where each rank was:"]
+    lines += [f"  {row}" for row in stacks.grouped(places, finished=finished)]
+    if culprits[0] in by_rank:
+        lines += _tail_block(by_rank[culprits[0]])
+    ordered = [by_rank[r] for r in culprits if r in by_rank]
+    ordered += [s for s in states if s not in ordered and s.outcome is not Outcome.OK]
+    return HangError("\n".join(lines), culprits[0], [s.record() for s in ordered], exit_code=1)
+
+
+def _ranks(ranks: list[int] | tuple[int, ...]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))

@@ -1,12 +1,14 @@
 """One attempt of one node's worker group: start, watch, stop.
 
-Owns: starting this node's processes (each with a message channel and two
-output pipes), the watch loop that drains typed messages while waiting
-(reading only after join deadlocks past the 64 KiB pipe buffer), the
-teardown that always runs, and loading the ranks' return values. Leaves the
-plan to core/plan.py, the restart loop to core/api.py, the report to
-core/report.py, other nodes to core/heartbeat.py, killing to core/procs.py
-and lines to core/relay.py.
+Owns: starting this node's processes (each with a message channel, two
+output pipes and a pipe for stack dumps), the watch loop that drains typed
+messages while waiting (reading only after join deadlocks past the 64 KiB
+pipe buffer) and asks the watchdog each turn, SIGUSR1's "where is every
+rank", noting where each rank was before it is stopped, the teardown that
+always runs, and loading the ranks' return values. Leaves the plan to
+core/plan.py, the restart loop to core/api.py, hangs to core/watchdog.py,
+stacks to core/stacks.py, the report to core/report.py, other nodes to
+core/heartbeat.py, killing to core/procs.py and lines to core/relay.py.
 """
 
 from __future__ import annotations
@@ -16,19 +18,22 @@ import os
 import sys
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
 import cloudpickle
 
 from ..context import WorkerContext
-from ..errors import MainGuardError, WorkerFailed
+from ..errors import MainGuardError, Outcome, WorkerFailed
+from ..log import logger
 from ..ranks import banner
-from . import procs, protocol
+from . import procs, protocol, stacks
 from .heartbeat import Heartbeat, remote_causes
 from .plan import Plan, node_env, rank_env
 from .relay import Relay
-from .report import RankState, failure_error, root_cause
+from .report import RankState, failure_error, hang_error, root_cause
+from .watchdog import Hang, Watchdog
 
 _FAILURE_WINDOW = 0.3  # seconds to collect other ranks' reports after the first failure
 _TEARDOWN_GRACE = 0.5
@@ -54,9 +59,28 @@ def _main_file_checked() -> Iterator[None]:
 
 
 def _pipe() -> tuple[int, Connection]:
-    """An output pipe: the parent's raw read end, the worker's write end."""
+    """A pipe: the parent's raw read end, the worker's write end."""
     read_fd, write_fd = os.pipe()
     return read_fd, Connection(write_fd, readable=False)
+
+
+@dataclass
+class _Channels:
+    """One rank's four pipes: typed messages (core/protocol.py), stdout, stderr and stack dumps."""
+
+    messages: tuple[Connection, Connection]
+    out: tuple[int, Connection]
+    err: tuple[int, Connection]
+    stack: tuple[int, Connection]
+
+    @property
+    def worker_ends(self) -> tuple[Connection, ...]:
+        return self.messages[1], self.out[1], self.err[1], self.stack[1]
+
+    @property
+    def fds(self) -> set[int]:
+        return {self.messages[0].fileno(), self.out[0], self.err[0], self.stack[0]} | {
+            c.fileno() for c in self.worker_ends}
 
 
 def _start(
@@ -69,27 +93,27 @@ def _start(
 
     config = plan.config
     shared_env = node_env(plan, port, attempt)
-    channels = [(mp_context.Pipe(duplex=False), _pipe(), _pipe()) for _ in plan.slots]
-    all_fds = {fd for (m_r, m_w), (o_r, o_w), (e_r, e_w) in channels
-               for fd in (m_r.fileno(), m_w.fileno(), o_r, o_w.fileno(), e_r, e_w.fileno())}
-    for slot, ((msg_r, msg_w), (out_r, out_w), (err_r, err_w)) in zip(plan.slots, channels):
+    channels = [_Channels(mp_context.Pipe(duplex=False), _pipe(), _pipe(), _pipe()) for _ in plan.slots]
+    all_fds = set().union(*(c.fds for c in channels))
+    for slot, ch in zip(plan.slots, channels):
         ctx = WorkerContext.at(slot, nnodes=config.nnodes, backend=plan.backend, restart=attempt,
                                verbose=config.verbose)
-        own = {msg_w.fileno(), out_w.fileno(), err_w.fileno()}
         spec = WorkerSpec(
             ctx=ctx, store_addr=config.master_addr, store_port=port, store_prefix=protocol.attempt_prefix(attempt),
             timeout=config.timeout, env=rank_env(shared_env, slot), threads=plan.threads,
             payload=payload, banner=banner(ctx) if config.verbose else None, init_group=init_group,
             # a forked child inherits every pipe: it must close the ends that are not its own
-            close_fds=tuple(sorted(all_fds - own)) if config.start_method == "fork" else (),
+            close_fds=tuple(sorted(all_fds - {c.fileno() for c in ch.worker_ends}))
+            if config.start_method == "fork" else (),
         )
-        process = mp_context.Process(target=entry, args=(spec, msg_w, out_w, err_w), name=f"mpddp-rank-{slot.rank}")
+        process = mp_context.Process(target=entry, args=(spec, *ch.worker_ends), name=f"mpddp-rank-{slot.rank}")
         with _main_file_checked():
             process.start()
-        states.append(RankState(slot=slot, process=process, messages=msg_r))
-        relay.add(slot.rank, out_r, err_r)
-    for (_, msg_w), (_, out_w), (_, err_w) in channels:
-        for conn in (msg_w, out_w, err_w):
+        os.set_blocking(ch.stack[0], False)
+        states.append(RankState(slot=slot, process=process, messages=ch.messages[0], stack_fd=ch.stack[0]))
+        relay.add(slot.rank, ch.out[0], ch.err[0])
+    for ch in channels:
+        for conn in ch.worker_ends:
             conn.close()  # the parent keeps only read ends: EOF when a worker is gone
 
 
@@ -105,15 +129,15 @@ def _receive(state: RankState) -> None:
             conn.close()
             return
         if isinstance(message, protocol.Started):
-            state.started = True
+            state.started, state.main_thread = True, message.main_thread
         elif isinstance(message, protocol.Result):
-            state.payload, state.has_result = message.payload, True
+            state.payload, state.has_result, state.finished_at = message.payload, True, time.monotonic()
         else:
             state.failure, state.failed_at = message, message.time
 
 
-def _watch(states: list[RankState]) -> None:
-    """Wait until every rank succeeded, or a failure window has closed."""
+def _watch(states: list[RankState], watchdog: Watchdog) -> Hang | None:
+    """Wait until every rank succeeded, a failure window has closed, or the watchdog found a hang."""
     first_failure: float | None = None
     while True:
         waitables: list[Any] = [s.messages for s in states if not s.messages.closed]
@@ -132,10 +156,26 @@ def _watch(states: list[RankState]) -> None:
         if first_failure is None and any(s.failed_at is not None for s in states):
             first_failure = now
         if all(s.succeeded for s in states):
-            return
+            return None
         if first_failure is not None and (now - first_failure > _FAILURE_WINDOW or all(
                 s.exitcode is not None for s in states)):
-            return
+            return None
+        if stacks.ASKED.is_set():  # SIGUSR1 (core/stacks.py)
+            stacks.ASKED.clear()
+            _show_where(states, watchdog)
+        if first_failure is None and (hang := watchdog.check(states, now)) is not None:
+            return hang
+
+
+def _show_where(states: list[RankState], watchdog: Watchdog) -> None:
+    """SIGUSR1: every rank's place, grouped, on stderr; the job goes on."""
+    running = [s for s in states if s.exitcode is None]
+    places = watchdog.where(running)
+    rows = stacks.grouped(places, finished=[s.slot.rank for s in states if s.succeeded])
+    logger.warning("mpddp: where every rank is (SIGUSR1; the job goes on):\n%s", "\n".join(f"  {r}" for r in rows))
+    for s in running:
+        if (where := places.get(s.slot.rank)) is not None:
+            s.place = where
 
 
 def _teardown(states: list[RankState]) -> None:
@@ -148,6 +188,9 @@ def _teardown(states: list[RankState]) -> None:
         s.process.join(2.0)
         if s.exitcode is None:
             s.exitcode = s.process.exitcode
+        if s.stack_fd is not None:
+            os.close(s.stack_fd)
+            s.stack_fd = None
 
 
 def run_group(plan: Plan, mp_context: Any, payload: bytes, attempt: int, init_group: bool = True) -> list[Any]:
@@ -159,7 +202,7 @@ def run_group(plan: Plan, mp_context: Any, payload: bytes, attempt: int, init_gr
     port = sock.getsockname()[1] if sock is not None else config.master_port
     relay = Relay(config.output_ranks, config.log_dir)
     states: list[RankState] = []
-    store = beat = None
+    store = beat = hang = None
     notes: list[str] = []
     try:
         _start(plan, mp_context, payload, port, attempt, relay, init_group, states)
@@ -167,10 +210,13 @@ def run_group(plan: Plan, mp_context: Any, payload: bytes, attempt: int, init_gr
         if sock is not None:
             store = rendezvous.host_store(sock, config.timeout)
         if config.nnodes > 1:
-            beat = Heartbeat(config.master_addr, port, config.node_rank, attempt, config.timeout)
-        _watch(states)
+            beat = Heartbeat(config.master_addr, port, config.node_rank, attempt, config.timeout, config.nnodes)
+        watchdog = Watchdog(config.timeout, beat)
+        hang = _watch(states, watchdog)
         if not all(s.succeeded for s in states):
-            notes = remote_causes(config, plan.nprocs, root_cause(states).outcome, store, port, attempt,
+            _locate(states, watchdog, hang)
+            root = Outcome.COLLECTIVE if hang is not None else root_cause(states).outcome
+            notes = remote_causes(config, plan.nprocs, root, store, port, attempt,
                                   init_group, stop_local=lambda: _teardown(states))
     finally:
         if beat is not None:
@@ -186,10 +232,23 @@ def run_group(plan: Plan, mp_context: Any, payload: bytes, attempt: int, init_gr
         return [_value(s) for s in states]
     for s in states:
         s.tail = relay.tail(s.slot.rank)
-    error = failure_error(states)
+        if s.place is not None:
+            relay.note(s.slot.rank, f"mpddp: rank {s.slot.rank}'s stacks when it was stopped:\n{s.place.dump}")
+    error = hang_error(states, hang.seconds, hang.places, hang.finished) if hang is not None else failure_error(states)
     if notes:
         error.args = ("\n".join([*notes, str(error)]),)
     raise error
+
+
+def _locate(states: list[RankState], watchdog: Watchdog, hang: Hang | None) -> None:
+    """Before the teardown: where each rank that is about to be stopped is, for the report."""
+    if hang is not None:
+        for s in states:
+            s.place = hang.places.get(s.slot.rank)
+        return
+    by_rank = {s.slot.rank: s for s in states}
+    for rank, where in watchdog.where([s for s in states if s.exitcode is None and s.process.is_alive()]).items():
+        by_rank[rank].place = where
 
 
 def _value(state: RankState) -> Any:

@@ -23,7 +23,6 @@ import threading
 import time
 import traceback
 from dataclasses import dataclass
-from datetime import timedelta
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -34,10 +33,10 @@ import torch.distributed as dist
 from ..context import WorkerContext
 from ..errors import Outcome
 from ..log import logger
-from . import protocol
+from . import procs, protocol, stacks
 from .startup import FORKSERVER_PARENT
 
-THREAD_GRACE = 5.0  # seconds a worker waits for threads fn left running
+THREAD_GRACE = 5.0  # seconds a worker waits for threads and child processes fn left running
 _PR_SET_PDEATHSIG = 1
 _IOLBF = 1  # glibc's setvbuf mode for line buffering
 
@@ -50,7 +49,7 @@ class WorkerSpec:
     store_addr: str
     store_port: int
     store_prefix: str
-    timeout: float
+    timeout: float  # for reaching node 0's store; collectives keep torch's default (core/watchdog.py finds hangs)
     env: dict[str, str]
     threads: int | None
     payload: bytes  # cloudpickle of (fn, args, kwargs, notebook cells' linecache entries)
@@ -198,7 +197,8 @@ def _init_group(spec: WorkerSpec) -> None:
         store=store,
         rank=ctx.rank,  # the global rank, never local_rank
         world_size=ctx.world_size,
-        timeout=timedelta(seconds=spec.timeout),
+        # torch's default timeout, as under torchrun: the launcher's watchdog finds hangs, and a
+        # short collective timeout would kill a long rank-0-only phase (evaluation, a checkpoint)
     )
     # Gloo's init returns on one rank while a peer still connects to it: a rank whose fn
     # returns at once would exit and fail that peer ("connectFullMesh failed ... closed by
@@ -208,54 +208,52 @@ def _init_group(spec: WorkerSpec) -> None:
     store.wait([protocol.ALL_INITIALIZED])
 
 
-def _default_timeout(seconds: float) -> None:
-    """Make ``--timeout`` the default of a script's own ``init_process_group``.
-
-    Without it a torchrun-style script waits gloo's 30 minutes (NCCL's 10)
-    for a hung peer; a timeout the script passes itself still wins.
-    """
-    from torch.distributed import distributed_c10d as c10d
-
-    limit = timedelta(seconds=seconds)
-    c10d.default_pg_timeout = limit
-    if isinstance(getattr(c10d, "default_pg_nccl_timeout", None), timedelta):
-        c10d.default_pg_nccl_timeout = limit
-
-
 def _connect(addr: str, port: int, timeout: float) -> Any:
     from .rendezvous import connect
 
     return connect(addr, port, timeout)
 
 
-def _join_threads(rank: int, code: int) -> None:
-    """Give threads fn left running a moment, then end the worker anyway.
+def _wait_for_leftovers(rank: int, code: int, threads_too: bool) -> None:
+    """Give the threads and child processes fn left running a moment, then end the worker anyway.
 
-    multiprocessing joins every non-daemon thread before a worker exits, so
-    one that fn forgot (a logger, a prefetcher) would keep the worker, and
-    the whole launch, alive forever after fn returned.
+    multiprocessing joins every non-daemon thread and child process before a
+    worker exits, so one that fn forgot (a logger, a prefetcher, a
+    ``multiprocessing.Process``) would keep the worker, and the whole launch,
+    alive forever after fn returned. A script (``mpddp run``) waits for its
+    threads, as ``python script.py`` does; its forgotten processes get the grace.
     """
     deadline = time.monotonic() + THREAD_GRACE
-    for thread in threading.enumerate():
-        if thread is not threading.current_thread() and not thread.daemon:
-            thread.join(max(0.0, deadline - time.monotonic()))
-    left = [t.name for t in threading.enumerate() if t is not threading.current_thread() and not t.daemon]
-    if left:
-        logger.warning("mpddp: rank %d: fn returned but left thread(s) %s running; stopped them after %.0f s "
-                       "(make them daemon threads, or join them in fn)", rank, ", ".join(left), THREAD_GRACE)
-        sys.stdout.flush()
-        _c_stdio("fflush")
-        os._exit(code)  # the normal exit would join them; the launcher reaps what they leave
+    threads = [t for t in threading.enumerate() if t is not threading.current_thread() and not t.daemon]
+    for thread in threads if threads_too else ():
+        thread.join(max(0.0, deadline - time.monotonic()))
+    children = [p for p in multiprocessing.active_children() if not p.daemon]
+    for child in children:
+        child.join(max(0.0, deadline - time.monotonic()))
+    left_threads = [t.name for t in threads if t.is_alive()] if threads_too else []
+    left_children = [f"{p.name} (pid {p.pid})" for p in children if p.is_alive()]
+    if not left_threads and not left_children:
+        return
+    what = [f"thread(s) {', '.join(left_threads)}"] * bool(left_threads)
+    what += [f"process(es) {', '.join(left_children)}"] * bool(left_children)
+    logger.warning("mpddp: rank %d: fn returned but left %s running; stopped them after %.0f s (join them in fn, "
+                   "or make them daemon)", rank, " and ".join(what), THREAD_GRACE)
+    procs.kill_tree([p.pid for p in children if p.is_alive() and p.pid], grace=0.5)
+    sys.stdout.flush()
+    _c_stdio("fflush")
+    os._exit(code)  # the normal exit would join them; the launcher reaps what they leave
 
 
 def _send(messages: Connection, message: protocol.Message) -> None:
     messages.send_bytes(protocol.encode(message))
 
 
-def entry(spec: WorkerSpec, messages: Connection, out: Connection, err: Connection) -> None:
+def entry(spec: WorkerSpec, messages: Connection, out: Connection, err: Connection, stack: Connection) -> None:
     """The target of every worker process."""
     _detach(spec.close_fds)
     _redirect(out, err)
+    stacks.install(os.dup(stack.fileno()))  # the launcher can ask where this rank is, even when it blocks in C
+    stack.close()
     os.environ.clear()
     os.environ.update(spec.env)
     if spec.threads is not None:
@@ -264,7 +262,7 @@ def entry(spec: WorkerSpec, messages: Connection, out: Connection, err: Connecti
     # platform's default start method, not the forkserver this worker came from
     multiprocessing.set_start_method(None, force=True)
     ctx = spec.ctx
-    _send(messages, protocol.Started(os.getpid()))
+    _send(messages, protocol.Started(os.getpid(), threading.get_ident()))
     if spec.banner:
         print(spec.banner, flush=True)
     code = 0
@@ -275,8 +273,6 @@ def entry(spec: WorkerSpec, messages: Connection, out: Connection, err: Connecti
             torch.cuda.set_device(ctx.device)  # before init: else every rank lands on cuda:0
         if spec.init_group:
             _init_group(spec)
-        else:
-            _default_timeout(spec.timeout)
         result = fn(ctx, *args, **kwargs)
         _send(messages, protocol.Result(cloudpickle.dumps(_to_cpu(result))))
     except SystemExit as e:
@@ -288,8 +284,7 @@ def entry(spec: WorkerSpec, messages: Connection, out: Connection, err: Connecti
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
-        if spec.init_group:  # a script (mpddp run) waits for its threads, as `python script.py` does
-            _join_threads(ctx.rank, code)
+        _wait_for_leftovers(ctx.rank, code, threads_too=spec.init_group)
         sys.stdout.flush()
         sys.stderr.flush()
         _c_stdio("fflush")

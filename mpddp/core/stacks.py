@@ -1,0 +1,195 @@
+"""Where every rank is: each rank's Python stack on demand, grouped by the frame it is stopped at.
+
+Owns: the signal that makes a worker dump its stacks (``faulthandler``,
+registered in the worker on a pipe of its own), asking running ranks for
+their stacks and reading the dumps, turning a dump into the main thread's
+frames, trimming them to the user's code, and the grouped report:
+
+    ranks 0, 2, 3 wait together in barrier at train.py:40
+    rank 1 is elsewhere: wait_for_nfs at data.py:77 (time.sleep(3600))  <- look here
+
+Why faulthandler: its handler is C code that runs in the signal handler
+itself, so it dumps the stack while the main thread is blocked in C (a
+collective, a sleep, a lock), where a Python-level handler would wait for
+the call to return; it needs nothing installed, unlike py-spy (which also
+needs ptrace rights that containers often withhold). A real-time signal is
+used, not SIGUSR1, which frameworks (Lightning's SLURM requeue) take for
+themselves. Leaves deciding *when* to look to core/watchdog.py and
+core/supervisor.py.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import faulthandler
+import linecache
+import os
+import re
+import signal
+import sysconfig
+import threading
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+
+STACK_SIGNAL = signal.SIGRTMIN + 4  # glibc keeps the first real-time signals for itself; SIGRTMIN counts them
+_WAIT = 0.5  # seconds to wait for the dumps of every rank asked
+_THREAD = re.compile(r"^(?:Current thread|Thread) (0x[0-9a-f]+)")
+_FRAME = re.compile(r'^\s+File "(.*)", line (\d+) in (.*)$')
+_DECORATORS = ("wrapper", "_wrapper", "inner")  # torch.distributed wraps its collectives for logging
+_LIBRARY = tuple(dict.fromkeys(
+    os.path.join(p, "") for p in (sysconfig.get_paths()["stdlib"], sysconfig.get_paths()["purelib"],
+                                  sysconfig.get_paths()["platlib"], os.path.dirname(__file__))))  # not the trainer
+_DISTRIBUTED = os.path.join("torch", "distributed", "")
+
+
+ASKED = threading.Event()  # set by SIGUSR1 (the user asks where every rank is); core/supervisor.py answers
+
+
+def request(signum: int = 0, frame: object = None) -> None:
+    """SIGUSR1's handler: ask the watch loop for every rank's stack (the job goes on)."""
+    ASKED.set()
+
+
+@contextlib.contextmanager
+def on_demand() -> Iterator[None]:
+    """Answer SIGUSR1 to this process while a launch runs (main thread only: signals land there)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGUSR1, request)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+        ASKED.clear()
+
+
+def install(fd: int) -> None:
+    """In the worker: dump every thread's stack to ``fd`` whenever :data:`STACK_SIGNAL` arrives."""
+    faulthandler.register(STACK_SIGNAL, file=fd, all_threads=True, chain=False)
+
+
+@dataclass(frozen=True)
+class Frame:
+    file: str
+    line: int
+    func: str
+
+    @property
+    def short(self) -> str:
+        return f"{os.path.basename(self.file)}:{self.line}"
+
+
+@dataclass(frozen=True)
+class Place:
+    """Where one rank's main thread is: ``text`` such as ``barrier at train.py:40``."""
+
+    text: str
+    waiting: bool  # inside torch.distributed: a collective, or the store
+    dump: str  # the whole faulthandler dump, every thread, for the logs
+
+
+def main_frames(dump: str, main_thread: int | None) -> list[Frame]:
+    """The main thread's frames in ``dump``, innermost first (faulthandler's order)."""
+    threads: dict[int, list[Frame]] = {}
+    current: list[Frame] | None = None
+    for line in dump.splitlines():
+        if match := _THREAD.match(line):
+            current = threads.setdefault(int(match.group(1), 16), [])
+        elif current is not None and (match := _FRAME.match(line)):
+            current.append(Frame(match.group(1), int(match.group(2)), match.group(3)))
+    if main_thread in threads:
+        return threads[main_thread]
+    return next(iter(threads.values()), [])
+
+
+def _is_user(frame: Frame) -> bool:
+    return not frame.file.startswith(_LIBRARY) and not frame.file.startswith("<")
+
+
+def place(dump: str, main_thread: int | None) -> Place | None:
+    """Where the main thread is, told by the user's innermost frame and the call it is in."""
+    frames = main_frames(dump, main_thread)
+    if not frames:
+        return None
+    waiting = any(_DISTRIBUTED in f.file for f in frames)
+    users = [i for i, f in enumerate(frames) if _is_user(f)]
+    if not users:
+        top = frames[0]
+        return Place(f"{top.func} at {top.short}", waiting, dump)
+    user = frames[users[0]]
+    calls = [f.func for f in reversed(frames[: users[0]]) if f.func not in _DECORATORS]
+    if calls:  # inside a library call: name the call, e.g. barrier at train.py:40
+        return Place(f"{calls[0]} at {user.short}", waiting, dump)
+    source = linecache.getline(user.file, user.line).strip()  # a C call such as time.sleep has no frame
+    return Place(f"{user.func} at {user.short}" + (f" ({source})" if source else ""), waiting, dump)
+
+
+def ask(pids: dict[int, int], fds: dict[int, int]) -> dict[int, str]:
+    """Signal each rank (rank -> pid) and read its dump from its stack pipe (rank -> fd)."""
+    for fd in fds.values():
+        _drain(fd)  # an old dump, from a signal sent by hand
+    asked = []
+    for rank, pid in pids.items():
+        try:
+            os.kill(pid, STACK_SIGNAL)
+            asked.append(rank)
+        except ProcessLookupError:
+            continue
+    dumps = {rank: "" for rank in asked}
+    deadline = time.monotonic() + _WAIT
+    while time.monotonic() < deadline:
+        time.sleep(0.05)
+        for rank in asked:
+            dumps[rank] += _drain(fds[rank])
+        if all(dumps.values()):
+            time.sleep(0.05)  # the handler writes line by line: let the last lines land
+            for rank in asked:
+                dumps[rank] += _drain(fds[rank])
+            break
+    return {rank: text for rank, text in dumps.items() if text}
+
+
+def _drain(fd: int) -> str:
+    chunks = []
+    while True:
+        try:
+            data = os.read(fd, 1 << 16)
+        except (BlockingIOError, OSError):
+            break
+        if not data:
+            break
+        chunks.append(data)
+    return b"".join(chunks).decode("utf-8", "replace")
+
+
+def grouped(places: dict[int, Place | None], finished: Iterable[int] = ()) -> list[str]:
+    """One row per frame: ranks stopped at the same place together; the odd ones out marked."""
+    groups: dict[tuple[str, bool], list[int]] = {}
+    unknown = []
+    for rank, where in sorted(places.items()):
+        if where is None:
+            unknown.append(rank)
+        else:
+            groups.setdefault((where.text, where.waiting), []).append(rank)
+    waiting_somewhere = any(w for _, w in groups)
+    largest = max(groups.items(), key=lambda item: (item[0][1], len(item[1])), default=None)
+    rows = []
+    for (text, waiting), ranks in sorted(groups.items(), key=lambda item: item[1][0]):
+        who = _ranks(ranks)
+        many = len(ranks) > 1
+        if len(groups) == 1:
+            verb = ("wait together in" if many else "waits in") if waiting else ("are all at" if many else "is at")
+            rows.append(f"{who} {verb} {text}")
+            continue
+        odd = (not waiting) if waiting_somewhere else (largest is not None and ranks is not largest[1])
+        verb = ("wait together in" if many else "waits in") if waiting else ("are elsewhere:" if many else "is elsewhere:")
+        rows.append(f"{who} {verb} {text}" + ("  <- look here" if odd else ""))
+    rows += [f"{_ranks([r])} did not answer (it may be stopped or out of the interpreter)" for r in unknown]
+    rows += [f"{_ranks([r])} has already exited" for r in finished]
+    return rows
+
+
+def _ranks(ranks: list[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))

@@ -1,0 +1,153 @@
+"""The hang watchdog: no rank made progress for ``timeout`` seconds, told by the launcher itself.
+
+Owns: deciding that a group hangs, without relying on any collective's
+timeout (frameworks pass their own, and a rank stuck outside a collective
+never trips one). Every ``interval`` it reads each rank's CPU time (its
+whole process tree, DataLoader workers included): a rank that used more
+than :data:`BUSY` of a core made progress, unless its stack was last seen
+inside torch.distributed (a GPU rank spinning at a sync point is waiting,
+not computing). Other nodes' progress arrives through the heartbeat. When no
+rank has progressed for ``timeout`` seconds (every rank waits in a
+collective or is idle), it asks every rank for its stack and declares a
+:class:`Hang`. A rank that computes is never a hang, however long the others
+wait; it is told once, with where the others wait. Leaves the stacks to
+core/stacks.py, acting on a hang to core/supervisor.py and the report to
+core/report.py.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import psutil
+
+from ..log import logger
+from . import stacks
+
+if TYPE_CHECKING:
+    from .report import RankState
+
+BUSY = 0.1  # fraction of one core over a sample: more is computing
+
+
+@dataclass(frozen=True)
+class Hang:
+    """No progress for ``seconds``: where each running rank was, and which ranks had already exited."""
+
+    seconds: float
+    places: dict[int, stacks.Place | None]
+    finished: tuple[int, ...]
+
+
+@dataclass
+class _Rank:
+    proc: Any
+    cpu: float
+    busy_since: float | None = None
+    spinning: bool = False  # busy, but its stack was inside torch.distributed
+    told: bool = False
+
+
+@dataclass
+class Watchdog:
+    """Call :meth:`check` often (the supervisor's watch loop does); it samples every ``interval``."""
+
+    timeout: float
+    heartbeat: Any = None  # core/heartbeat.py's Heartbeat on several nodes: progress travels between nodes
+    interval: float = 0.0
+    _ranks: dict[int, _Rank] = field(default_factory=dict)
+    _last_sample: float = 0.0
+    _last_progress: float = field(default_factory=time.monotonic)
+    _remote: int = 0
+
+    def __post_init__(self) -> None:
+        self.interval = self.interval or min(max(self.timeout / 5, 0.2), 2.0)
+
+    def check(self, states: list[RankState], now: float) -> Hang | None:
+        if now - self._last_sample < self.interval:
+            return None
+        dt, self._last_sample = now - (self._last_sample or now), now
+        running = [s for s in states if s.exitcode is None and s.process.pid]
+        busy = [s for s in running if self._busy(s, dt, now)]
+        if any(not self._ranks[s.slot.rank].spinning for s in busy):
+            self._progressed(now)
+            self._tell_long_compute(running, busy, now)
+            return None
+        if self._remote_moved():
+            self._last_progress = now
+        if not running or now - self._last_progress < self.timeout:
+            return None
+        places = self.where(running)
+        if any((p := places.get(s.slot.rank)) is not None and not p.waiting for s in busy):
+            self._progressed(now)  # a busy rank seen spinning earlier computes after all
+            return None
+        finished = tuple(s.slot.rank for s in states if s.succeeded)
+        return Hang(now - self._last_progress, places, finished)
+
+    def where(self, running: list[RankState]) -> dict[int, stacks.Place | None]:
+        """Every running rank's place, asked now (rank -> Place, None if it did not answer)."""
+        fds = {s.slot.rank: s.stack_fd for s in running if s.stack_fd is not None and s.started}
+        dumps = stacks.ask({s.slot.rank: s.process.pid for s in running if s.slot.rank in fds}, fds)
+        return {s.slot.rank: stacks.place(dumps.get(s.slot.rank, ""), s.main_thread) for s in running}
+
+    def _busy(self, state: RankState, dt: float, now: float) -> bool:
+        rank = self._ranks.get(state.slot.rank)
+        cpu = _tree_cpu(rank.proc if rank else None, state.process.pid)
+        if rank is None:
+            self._ranks[state.slot.rank] = _Rank(psutil.Process(state.process.pid), cpu)
+            return True  # a rank just started is busy starting
+        used, rank.cpu = cpu - rank.cpu, cpu
+        busy = dt > 0 and used > BUSY * dt
+        rank.busy_since = (rank.busy_since or now) if busy else None
+        if not busy:
+            rank.spinning = False
+        return busy
+
+    def _progressed(self, now: float) -> None:
+        self._last_progress = now
+        if self.heartbeat is not None:
+            self.heartbeat.progressed()
+
+    def _remote_moved(self) -> bool:
+        if self.heartbeat is None:
+            return False
+        value = self.heartbeat.remote_progress
+        moved, self._remote = value != self._remote, value
+        return moved
+
+    def _tell_long_compute(self, running: list[RankState], busy: list[RankState], now: float) -> None:
+        """Once per rank: "rank 0 has computed for 300 s while rank 1 waits in barrier at train.py:40"."""
+        idle = [s for s in running if s not in busy]
+        due = [s for s in busy if not self._ranks[s.slot.rank].told
+               and now - (self._ranks[s.slot.rank].busy_since or now) >= self.timeout]
+        if not idle or not due:
+            return
+        places = self.where(due + idle)
+        for s in due:
+            rank = self._ranks[s.slot.rank]
+            here = places.get(s.slot.rank)
+            if here is not None and here.waiting:
+                rank.spinning = True  # busy inside a collective: waiting, not computing
+                continue
+            rank.told = True
+            others = "; ".join(stacks.grouped({i.slot.rank: places.get(i.slot.rank) for i in idle}))
+            logger.warning("mpddp: rank %d has computed for %.0f s while the others wait (%s); not a hang: the job "
+                           "goes on", s.slot.rank, now - (rank.busy_since or now), others)
+
+
+def _tree_cpu(proc: Any, pid: int) -> float:
+    """CPU seconds of a process and all its descendants (children that exited are in its own counts)."""
+    try:
+        proc = proc or psutil.Process(pid)
+        total = 0.0
+        for p in [proc, *proc.children(recursive=True)]:
+            try:
+                times = p.cpu_times()
+                total += times.user + times.system + times.children_user + times.children_system
+            except psutil.NoSuchProcess:
+                continue
+        return total
+    except psutil.NoSuchProcess:
+        return 0.0
