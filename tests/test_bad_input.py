@@ -43,6 +43,7 @@ class Case:
     error: type[Exception] = mpddp.ConfigError
     files: dict[str, str] = field(default_factory=dict)  # prepared in the case's directory
     seconds: float | None = None  # the CLI answers within this (checked before any torch import)
+    nofile: int | None = None  # the CLI runs under `ulimit -n NOFILE`
 
 
 OTHER_MODEL = "other-model.pt"  # a well-formed checkpoint of a model that is not the digits CNN
@@ -72,6 +73,16 @@ CASES = [
          {"nnodes": 2, "node_rank": 1, "master_port": 29500, "master_addr": "no-such-host.invalid"}, seconds=2.5),
     Case("log-dir-is-a-file", "'afile' is a file", ("run", "--log-dir", "afile", "x.py"), {"log_dir": "afile"},
          files={"afile": "not a directory\n"}),
+    Case("log-dir-under-a-file", "log_dir='afile/logs' cannot be created: 'afile' is a file",
+         ("run", "--log-dir", "afile/logs", "x.py"), {"log_dir": "afile/logs"}, files={"afile": "a file\n"}),
+    Case("log-dir-on-proc", "log_dir='/proc/nope/x' cannot be created: '/proc' is not writable (on the proc",
+         ("run", "--log-dir", "/proc/nope/x", "x.py"), {"log_dir": "/proc/nope/x"}),
+    Case("nprocs-over-open-files", "nprocs=200 needs about 1664 open files in the launcher (8 per rank + 64) but the "
+         "limit here is 256 (ulimit -n): pass --nprocs 24 or fewer", ("run", "--nprocs", "200", "x.py"), nofile=256),
+    Case("nprocs-absurd", "nprocs=99999999999999999999 needs about 800000000000000000056 open files",
+         ("run", "--nprocs", "99999999999999999999", "x.py"), {"nprocs": 99999999999999999999}, seconds=5.0),
+    Case("output-ranks-beyond-the-world", "output_ranks=7 names rank 7, but the world has 2 ranks",
+         ("run", "--nprocs", "2", "--output-ranks", "7", "x.py"), {"nprocs": 2, "output_ranks": 7}),
     Case("script-missing", "script 'nosuch.py' does not exist", ("run", "nosuch.py")),
     Case("unknown-option", "unexpected keyword argument 'nproc'", api={"nproc": 2}),
     Case("fn-not-callable", "fn=42 is not callable", api={"fn": 42}),
@@ -128,9 +139,11 @@ def run_cli_case(case: Case, base: Path) -> CliResult:
     env = dict(os.environ, MPDDP_TEST_RUN=marker, TMPDIR=str(tmpdir))
     for name in [k for k in env if k.startswith("SLURM_")]:
         del env[name]
+    command = [sys.executable, "-m", "mpddp", *case.cli]
+    if case.nofile is not None:
+        command = ["bash", "-c", f'ulimit -Sn {case.nofile} && exec "$@"', "bash", *command]
     start = time.monotonic()
-    out = subprocess.run([sys.executable, "-m", "mpddp", *case.cli], capture_output=True, text=True, timeout=120,
-                         cwd=directory, env=env)
+    out = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=directory, env=env)
     seconds = time.monotonic() - start
     deadline = time.monotonic() + 3.0
     while (left := marked(marker)) and time.monotonic() < deadline:
@@ -167,6 +180,27 @@ PARAMS += [pytest.param(c, "api", id=f"api-{c.id}") for c in CASES if c.api is n
 
 def test_the_table_is_big_enough():
     assert len([c for c in CASES if c.cli]) >= 15 and len([c for c in CASES if c.api]) >= 15
+
+
+@pytest.mark.usefixtures("no_leftovers")
+def test_the_most_ranks_the_open_file_check_allows_do_start(tmp_path):
+    from mpddp.config import FD_HEADROOM, FDS_PER_RANK
+
+    limit = 128
+    most = (limit - FD_HEADROOM) // FDS_PER_RANK
+    (tmp_path / "x.py").write_text("print('ran')\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+
+    def under_the_limit(nprocs: int) -> subprocess.CompletedProcess:
+        return subprocess.run(["bash", "-c", f'ulimit -Sn {limit} && exec "$@"', "bash", sys.executable, "-m", "mpddp",
+                               "run", "--nprocs", str(nprocs), "x.py"], capture_output=True, text=True, timeout=120,
+                              cwd=tmp_path, env=env)
+
+    started = under_the_limit(most)
+    assert started.returncode == 0, started.stderr  # the estimate is not too low: these all had their pipes
+    assert started.stdout.count("] ran") == most
+    refused = under_the_limit(most + 1)
+    assert refused.returncode == 2 and f"limit here is {limit} (ulimit -n): pass --nprocs {most} or fewer" in refused.stderr
 
 
 @pytest.mark.usefixtures("no_leftovers")
