@@ -94,10 +94,14 @@ class Watchdog:
 
     def _busy(self, state: RankState, dt: float, now: float) -> bool:
         rank = self._ranks.get(state.slot.rank)
-        cpu = _tree_cpu(rank.proc if rank else None, state.process.pid)
         if rank is None:
-            self._ranks[state.slot.rank] = _Rank(psutil.Process(state.process.pid), cpu)
+            try:
+                proc = psutil.Process(state.process.pid)
+            except psutil.NoSuchProcess:  # it exited just now: the watch loop sees to it
+                return False
+            self._ranks[state.slot.rank] = _Rank(proc, _tree_cpu(proc))
             return True  # a rank just started is busy starting
+        cpu = _tree_cpu(rank.proc)
         used, rank.cpu = cpu - rank.cpu, cpu
         busy = dt > 0 and used > BUSY * dt
         rank.busy_since = (rank.busy_since or now) if busy else None
@@ -137,17 +141,17 @@ class Watchdog:
                            "goes on", s.slot.rank, now - (rank.busy_since or now), others)
 
 
-def _tree_cpu(proc: Any, pid: int) -> float:
+def _tree_cpu(proc: Any) -> float:
     """CPU seconds of a process and all its descendants (children that exited are in its own counts)."""
     try:
-        proc = proc or psutil.Process(pid)
-        total = 0.0
-        for p in [proc, *proc.children(recursive=True)]:
-            try:
-                times = p.cpu_times()
-                total += times.user + times.system + times.children_user + times.children_system
-            except psutil.NoSuchProcess:
-                continue
-        return total
+        tree = [proc, *proc.children(recursive=True)]
     except psutil.NoSuchProcess:
         return 0.0
+    total = 0.0
+    for p in tree:
+        try:
+            times = p.cpu_times()
+            total += times.user + times.system + times.children_user + times.children_system
+        except psutil.NoSuchProcess:
+            continue
+    return total
