@@ -158,7 +158,8 @@ class LaunchConfig:
     start_method: str = field(default="forkserver", metadata=_cli(
         "forkserver, spawn or fork [default: forkserver]."))
     timeout: float = field(default=DEFAULT_TIMEOUT, metadata=_cli(
-        f"Seconds a rank may wait in a collective [default: {DEFAULT_TIMEOUT:g}].", float))
+        f"Seconds with no rank making progress before the job is declared hung; also how long "
+        f"nodes wait to meet [default: {DEFAULT_TIMEOUT:g}].", float))
     gpus: tuple[int, ...] | str | None = field(default=None, metadata=_cli(
         "GPU ids such as 0,3, or free / free:N [default: all visible]."))
     max_restarts: int = field(default=0, metadata=_cli("Restart the group after a failure [default: 0].", int))
@@ -223,8 +224,8 @@ class LaunchConfig:
         world = None if self.nprocs is None else self.nnodes * self.nprocs
         if world is not None and max(ranks) >= world:
             raise ConfigError(f"output_ranks={','.join(map(str, ranks))} names rank {max(ranks)}, but the world has "
-                              f"{world} ranks (nnodes={self.nnodes} × nprocs={self.nprocs}): pass ranks from 0 to "
-                              f"{world - 1}, or all")
+                              f"{world} rank{'s' if world > 1 else ''} (nnodes={self.nnodes} × nprocs={self.nprocs}): "
+                              f"pass ranks from 0 to {world - 1}, or all")
 
 
 def parse_output_ranks(spec: str | Sequence[int] | int | None) -> tuple[int, ...] | None:
