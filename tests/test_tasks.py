@@ -8,7 +8,16 @@ import torch
 from tiny_task import TINY
 
 from mpddp.errors import ConfigError
-from mpddp.trainer.tasks import DigitsCNN, Task, build_task, digits_task, load_factory, synthetic_task, task_name
+from mpddp.trainer.tasks import (
+    DigitsCNN,
+    Task,
+    build_task,
+    build_task_before_launch,
+    digits_task,
+    load_factory,
+    synthetic_task,
+    task_name,
+)
 
 
 def test_digits_loads_from_scikit_learn_with_a_split_fixed_by_the_seed():
@@ -98,3 +107,66 @@ def test_a_factory_that_returns_the_wrong_thing(tmp_path):
     """))
     with pytest.raises(ConfigError, match="the factory's Task is wrong: model must be a torch.nn.Module"):
         build_task(str(bad), seed=0)
+
+
+def test_a_task_file_that_does_not_load_is_one_line_naming_the_file_and_line(tmp_path, monkeypatch):
+    monkeypatch.setattr(sys, "dont_write_bytecode", False)  # as outside this environment: a loader would write .pyc
+    broken = tmp_path / "broken.py"
+    broken.write_text("import torch\n\ndef make_task(seed:\n")
+    raises = tmp_path / "raises.py"
+    raises.write_text("x = 1\nraise ValueError('no data here')\n")
+    cases = [
+        (broken, f"task='{broken}': loading {broken} raised SyntaxError: '(' was never closed ({broken}, line 3); "
+                 f"fix the file (`python {broken}` shows the whole traceback)"),
+        (raises, f"task='{raises}': loading {raises} raised ValueError: no data here ({raises}, line 2); fix the file"),
+    ]
+    for path, message in cases:
+        with pytest.raises(ConfigError) as e:
+            load_factory(str(path))
+        assert str(e.value).startswith(message), str(e.value)
+        assert "\n" not in str(e.value) and "mpddp_task_" + path.stem not in sys.modules
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["broken.py", "raises.py"]  # no __pycache__
+
+
+def test_a_module_that_raises_on_import_is_one_line(tmp_path, monkeypatch):
+    (tmp_path / "badmod.py").write_text("import os\nos.environ['MPDDP_NO_SUCH_VARIABLE']\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ConfigError) as e:
+        load_factory("badmod:make_task")
+    sys.modules.pop("badmod", None)
+    assert str(e.value).startswith("task='badmod:make_task': importing badmod raised KeyError: "
+                                   "'MPDDP_NO_SUCH_VARIABLE' (")
+    assert ", line " in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_callable_that_is_not_a_task_factory_is_one_line():
+    with pytest.raises(ConfigError) as e:
+        build_task("os:getcwd", seed=0)
+    assert str(e.value) == ("task='os:getcwd': getcwd is not a task factory: getcwd(seed=0) fails (posix.getcwd() takes "
+                            "no keyword arguments); point --task at a function `def make_task(seed: int) -> "
+                            "mpddp.tasks.Task`")
+
+    def no_seed() -> Task:
+        raise AssertionError("never called")
+
+    with pytest.raises(ConfigError, match="task='no_seed': no_seed is not a task factory: no_seed\\(seed=0\\) fails"):
+        build_task(no_seed, seed=0)
+    with pytest.raises(ConfigError, match="task='builtins:dict': the factory returned dict, not mpddp.tasks.Task"):
+        build_task("builtins:dict", seed=0)  # takes seed=, returns something else
+
+
+def test_a_factory_that_raises_is_one_line_before_launch_and_its_own_error_on_a_rank(tmp_path):
+    task = tmp_path / "raising.py"
+    task.write_text("def make_task(seed):\n    return {}['train_set']\n")
+    with pytest.raises(ConfigError) as e:
+        build_task_before_launch(str(task), seed=0)
+    assert str(e.value) == (f"task='{task}': the factory raised KeyError: 'train_set' ({task}, line 2); fix it "
+                            "(it is called once here, before any worker starts)")
+    with pytest.raises(KeyError):  # on a rank the user's own exception, with its traceback
+        build_task(str(task), seed=0)
+
+    def wrong_type(seed):
+        raise TypeError("a TypeError of the factory's own")
+
+    with pytest.raises(ConfigError, match="task='wrong_type': the factory raised TypeError: a TypeError of the "):
+        build_task_before_launch(wrong_type, seed=0)

@@ -28,9 +28,9 @@ def resolve(config: TrainConfig) -> TrainConfig:
     ``runs/<task>/<date-time>``; ``resume="auto"`` without ``run_dir`` takes
     the newest run of that task that has a checkpoint.
     """
-    from .tasks import build_task, load_factory, task_name
+    from .tasks import build_task_before_launch, load_factory, task_name
 
-    task = config.task
+    given = task = config.task
     if isinstance(task, str) and task not in BUILTIN_TASKS:
         load_factory(task)
         target, colon, attr = task.rpartition(":")
@@ -39,9 +39,9 @@ def resolve(config: TrainConfig) -> TrainConfig:
     config = dataclasses.replace(config, task=task, run_dir=_run_dir(config, task_name(task)))
     if config.resume is None and config.task in BUILTIN_TASKS:
         return _check_fresh(config)  # built-in tasks keep their contract: skip building one here
-    # Build the task once here: a factory that breaks the contract, or a checkpoint of another
-    # model, is then one line before any worker starts, not a failure on every rank.
-    model = build_task(config.task, config.seed, config.task_options).model
+    # Build the task once here: a factory that breaks the contract or raises, or a checkpoint of
+    # another model, is then one line before any worker starts, not a failure on every rank.
+    model = build_task_before_launch(given, config.seed, config.task_options).model
     if config.resume is None:
         return _check_fresh(config)
     return dataclasses.replace(config, resume=_resume_file(config, checkpoint.signature(model)))

@@ -4,8 +4,9 @@ Owns: the :class:`Task` value a factory returns (model, datasets, loss), the
 built-in ``digits`` task (scikit-learn's 8×8 handwritten digits, a small CNN,
 no download) and the deterministic ``synthetic`` task for benchmarks, and
 turning ``--task package.module:factory`` or ``--task path/to/file.py[:factory]``
-into a factory with one-line errors. Leaves *how* a task is trained (DDP,
-sampling, checkpoints) to trainer/loop.py.
+into a factory with one-line errors (a file that does not load, a callable
+that is not a factory, a factory that raises in the launching process).
+Leaves *how* a task is trained (DDP, sampling, checkpoints) to trainer/loop.py.
 
 A factory is called as ``factory(seed=seed)`` on every rank after
 ``torch.manual_seed(seed)``, so every rank builds the same initial weights and
@@ -17,6 +18,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import sys
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -152,7 +154,13 @@ def _load_file(path: Path, spec: str) -> Any:
         raise ConfigError(f"task={spec!r}: {path} is not a Python file; pass path/to/file.py[:factory]")
     module = importlib.util.module_from_spec(module_spec)
     sys.modules[name] = module  # so pickle (e.g. DataLoader workers) finds classes defined there
-    module_spec.loader.exec_module(module)
+    try:
+        # compiled here, not by the loader: checking a file leaves no __pycache__ beside it
+        exec(compile(path.read_bytes(), str(path), "exec"), module.__dict__)
+    except Exception as e:
+        del sys.modules[name]
+        raise ConfigError(f"task={spec!r}: loading {path} raised {_one_line(e)}; fix the file "
+                          f"(`python {path}` shows the whole traceback)") from e
     return module
 
 
@@ -168,6 +176,9 @@ def load_factory(spec: str) -> Callable[..., Any]:
         except ImportError as e:
             raise ConfigError(f"task={spec!r}: cannot import module {target!r} ({e}); "
                               "install it or add its folder to PYTHONPATH") from e
+        except Exception as e:  # it was found, and its code failed
+            raise ConfigError(f"task={spec!r}: importing {target} raised {_one_line(e)}; fix the module "
+                              f"(`python -c 'import {target}'` shows the whole traceback)") from e
     else:
         raise ConfigError(f"task={spec!r} is unknown: use {_TASK_FORMS}")
     factory = getattr(module, attr, None)
@@ -183,9 +194,52 @@ def build_task(spec: str | Callable[..., Any], seed: int, options: dict[str, Any
         task: Any = _BUILTIN[spec](seed, **(options or {}))
     else:
         factory = spec if callable(spec) else load_factory(spec)
-        task = factory(seed=seed)
+        task = _call(factory, spec, seed)
     _check_task(task, spec)
     return task
+
+
+def build_task_before_launch(spec: str | Callable[..., Any], seed: int,
+                             options: dict[str, Any] | None = None) -> Task:
+    """:func:`build_task` in the launching process: whatever the factory raises is one ConfigError line.
+
+    On a rank the same exception is that rank's failure, with its traceback;
+    here, before any worker starts, it is a bad task (exit code 2).
+    """
+    try:
+        return build_task(spec, seed, options)
+    except ConfigError:
+        raise
+    except Exception as e:
+        raise ConfigError(f"task={_label(spec)!r}: the factory raised {_one_line(e)}; fix it "
+                          "(it is called once here, before any worker starts)") from e
+
+
+def _call(factory: Callable[..., Any], spec: object, seed: int) -> Any:
+    try:
+        return factory(seed=seed)
+    except TypeError as e:
+        if e.__traceback__ is not None and e.__traceback__.tb_next is None:  # the call itself failed: no seed=
+            name = getattr(factory, "__name__", repr(factory))
+            raise ConfigError(f"task={_label(spec)!r}: {name} is not a task factory: {name}(seed={seed}) fails "
+                              f"({e}); point --task at a function `def make_task(seed: int) -> mpddp.tasks.Task`"
+                              ) from e
+        raise
+
+
+def _label(spec: object) -> str:
+    return spec if isinstance(spec, str) else getattr(spec, "__name__", repr(spec))
+
+
+def _one_line(e: BaseException) -> str:
+    """``ValueError: boom (/path/file.py, line 3)``: the exception and where it was raised."""
+    if isinstance(e, SyntaxError):
+        text, where = e.msg, f"{e.filename}, line {e.lineno}"
+    else:
+        frames = traceback.extract_tb(e.__traceback__)
+        text, where = str(e), f"{frames[-1].filename}, line {frames[-1].lineno}" if frames else "no traceback"
+    lines = text.strip().splitlines()
+    return f"{type(e).__name__}: {lines[0]} ({where})" if lines else f"{type(e).__name__} ({where})"
 
 
 def task_name(spec: str | Callable[..., Any]) -> str:
@@ -199,7 +253,7 @@ def task_name(spec: str | Callable[..., Any]) -> str:
 
 
 def _check_task(task: Any, spec: object) -> None:
-    where = spec if isinstance(spec, str) else getattr(spec, "__name__", repr(spec))
+    where = _label(spec)
     if not isinstance(task, Task):
         raise ConfigError(f"task={where!r}: the factory returned {type(task).__name__}, not mpddp.tasks.Task; "
                           "return Task(model, train_set, test_set, loss_fn)")
