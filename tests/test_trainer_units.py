@@ -59,6 +59,22 @@ def test_fault_parsing_and_only_on_the_first_attempt():
         Fault("raise", 0, 3).fire()
 
 
+def test_a_fault_must_name_a_rank_of_the_world(tmp_path):
+    from mpddp import LaunchConfig
+    from mpddp.trainer.loop import _check_fault_rank, train
+
+    config = TrainConfig(task=TASK, epochs=1, batch_size=8, inject_fault="kill:3:1", run_dir=str(tmp_path / "run"))
+    _check_fault_rank(config, LaunchConfig(nprocs=2, nnodes=2, master_port=29500), {})  # rank 3 of 4: fine
+    _check_fault_rank(config, None, {"nprocs": None})  # one rank per GPU: counted at launch, checked on each rank
+    with pytest.raises(ConfigError, match=r"^inject_fault='kill:3:1' names rank 3, but the world has 2 ranks "
+                                          r"\(nnodes=1 × nprocs=2\): pass a RANK from 0 to 1$"):
+        train(config, launch_config=LaunchConfig(nprocs=4), nprocs=2)  # the option wins, as in mpddp.launch
+    with pytest.raises(ConfigError, match=r"^inject_fault='kill:3:1' names rank 3, but the world has 1 rank "
+                                          r"\(world_size=1\): pass a RANK from 0 to 0$"):
+        Trainer(resolve(config))  # where the launch chose nprocs: every rank refuses it
+    assert not (tmp_path / "run").exists()
+
+
 def test_checkpoint_write_is_atomic(tmp_path):
     state = {"signature": {}, "model": {}, "optimizer": {}, "epoch": 0, "batches_done": 0, "global_step": 7, "rng": []}
     path = checkpoint.save(state, tmp_path, 7)
@@ -83,6 +99,38 @@ def test_newest_skips_temporary_and_damaged_files(tmp_path):
     assert found is not None and found[0] == good
     checkpoint.prune(ckpts, keep=1)
     assert not list(ckpts.glob("*.tmp"))
+
+
+def test_prune_keeps_what_was_just_written_and_counts_only_whole_files(tmp_path):
+    state = {"signature": {}, "model": {}, "optimizer": {}, "epoch": 0, "batches_done": 0, "global_step": 0, "rng": []}
+    for step in (3, 5, 10):
+        checkpoint.save(state, tmp_path, step)
+    (tmp_path / "ckpt-000000999.pt").write_text("not a checkpoint\n")  # named newer than anything this run writes
+    (tmp_path / "ckpt-000000007.pt").write_bytes((tmp_path / "ckpt-000000010.pt").read_bytes()[:-200])  # cut short
+    checkpoint.prune(tmp_path, keep=2, written=tmp_path / "ckpt-000000010.pt")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt-000000005.pt", "ckpt-000000010.pt", "ckpt-000000999.pt"]
+    checkpoint.prune(tmp_path, keep=1)  # nothing just written: the damaged file is not kept for a whole one
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt-000000010.pt"]
+
+
+def test_a_damaged_newer_checkpoint_costs_no_checkpoint_of_this_run(tmp_path):
+    base = TrainConfig(task="synthetic", samples=64, features=4, epochs=1, batch_size=16, keep_checkpoints=1,
+                       run_dir=str(tmp_path))
+    first = fit(base)
+    ckpts = tmp_path / "checkpoints"
+    (ckpts / "ckpt-000000999.pt").write_text("not a checkpoint\n")
+    auto = resolve(replace(base, epochs=2, resume="auto"))
+    assert auto.resume == str(ckpts / "ckpt-000000004.pt") == str(first.last_checkpoint)  # the newest that loads
+    second = Trainer(auto).fit()
+    assert second.checkpoint == str(ckpts / "ckpt-000000008.pt") and Path(second.checkpoint).is_file()
+    assert sorted(p.name for p in ckpts.iterdir()) == ["ckpt-000000008.pt", "ckpt-000000999.pt"]  # keep 1
+    assert resolve(replace(base, epochs=3, resume="auto")).resume == second.checkpoint
+    Path(second.checkpoint).unlink()
+    with pytest.raises(ConfigError) as e:  # only the damaged one left: not a silent start from scratch
+        resolve(replace(base, epochs=3, resume="auto"))
+    assert str(e.value) == (f"resume='auto': no checkpoint in '{ckpts}' loads (the newest, ckpt-000000999.pt, is "
+                            "damaged or not an mpddp checkpoint): move the damaged files away, or pass a new "
+                            "--checkpoint-dir to start fresh")
 
 
 def test_resume_errors_name_the_file_and_the_fix(tmp_path):

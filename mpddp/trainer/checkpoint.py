@@ -5,10 +5,11 @@ Owns: the on-disk format (a dict of tensors, ints, strings and lists, so that
 (``ckpt-<global step, 9 digits>.pt``, sortable), writing through a temporary
 file in the same directory + fsync + ``os.replace`` (a reader sees the old
 file or the new one, never half of one), the model signature that stops a
-resume from another model, and retention. Leaves *when* to save and what the
-state means to trainer/loop.py and trainer/state.py; only rank 0 calls
-:func:`save`. torch is imported where it is used, so that trainer/config.py
-can check checkpoint directories without it.
+resume from another model, and retention (which never deletes the file just
+written). Leaves *when* to save and what the state means to trainer/loop.py
+and trainer/state.py; only rank 0 calls :func:`save`. torch is imported
+where it is used, so that trainer/config.py can check checkpoint directories
+without it.
 """
 
 from __future__ import annotations
@@ -139,10 +140,33 @@ def newest(directory: Path, expected: dict[str, Any] | None = None) -> tuple[Pat
     return None
 
 
-def prune(directory: Path, keep: int) -> None:
-    """Keep the ``keep`` newest checkpoints (0: keep all) and drop stale temporary files."""
+def prune(directory: Path, keep: int, written: Path | None = None) -> None:
+    """Keep the ``keep`` newest whole checkpoints (0: keep all) and drop stale temporary files.
+
+    ``written``, the file this run has just saved, is always kept, and files
+    named newer than it are left alone: counted, a damaged ``ckpt-000000999.pt``
+    would have every checkpoint this run writes deleted right after writing.
+    A file that is not whole is not counted as kept.
+    """
     for stale in directory.glob(".ckpt-*.tmp"):
         stale.unlink(missing_ok=True)
-    if keep > 0:
-        for old in candidates(directory)[keep:]:
-            old.unlink(missing_ok=True)
+    if keep <= 0:
+        return
+    found = [p for p in candidates(directory) if written is None or p.name <= written.name]
+    kept = 0
+    for path in found:
+        if kept < keep and ((written is not None and path.name == written.name) or _whole(path)):
+            kept += 1
+        else:
+            path.unlink(missing_ok=True)
+
+
+def _whole(path: Path) -> bool:
+    """Whether ``path`` is a complete zip archive, as torch.save writes: cheap, it reads only the index at the end."""
+    import zipfile
+
+    try:
+        with zipfile.ZipFile(path) as archive:
+            return bool(archive.namelist())
+    except (OSError, zipfile.BadZipFile):
+        return False

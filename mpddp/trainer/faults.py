@@ -13,7 +13,8 @@ Kinds:
   step STEP, after the temporary file is complete but before it is renamed
   (only rank 0 writes checkpoints, so use RANK 0).
 
-Leaves deciding *where* in the loop faults fire to trainer/loop.py.
+Leaves deciding *where* in the loop faults fire, and checking RANK against
+the world's size once it is known, to trainer/loop.py.
 """
 
 from __future__ import annotations
@@ -60,3 +61,11 @@ def parse_fault(spec: str | None) -> Fault | None:
         raise ConfigError(f"inject_fault={spec!r} is not KIND:RANK:STEP: KIND is one of {', '.join(KINDS)}, "
                           "RANK and STEP are integers >= 0, e.g. --inject-fault kill:1:20")
     return Fault(parts[0], int(parts[1]), int(parts[2]))
+
+
+def check_fault_rank(spec: str | None, world_size: int, layout: str) -> None:
+    """Refuse a fault on a rank the world does not have: it would never fire, and the test would pass."""
+    fault = parse_fault(spec)
+    if fault is not None and fault.rank >= world_size:
+        raise ConfigError(f"inject_fault={spec!r} names rank {fault.rank}, but the world has {world_size} "
+                          f"rank{'s' if world_size > 1 else ''} ({layout}): pass a RANK from 0 to {world_size - 1}")

@@ -39,6 +39,7 @@ from ..config import LaunchConfig
 from ..context import WorkerContext
 from . import checkpoint, state
 from .config import TrainConfig
+from .faults import check_fault_rank
 from .output import Reporter
 from .prepare import resolve
 
@@ -102,6 +103,7 @@ class Trainer:
         self.last_checkpoint: Path | None = None
         self.last_train_loss = float("nan")
         self.fault = config.fault  # parsed once, checked every step
+        check_fault_rank(config.inject_fault, self.world, f"world_size={self.world}")  # nprocs chosen at launch
         self.report = Reporter(self.rank, self.ctx.verbose, config.epochs, config.metrics_path)
         state.seed_rank(config.seed, self.rank)  # dropout etc. should differ between ranks
         self._resume()
@@ -275,7 +277,7 @@ class Trainer:
             dies = fault is not None and fault.kind == "kill-saving" and fault.due(0, self.global_step, self.ctx.restart)
             path = checkpoint.save(content, self.config.checkpoint_path, self.global_step,
                                    before_replace=(lambda tmp: fault.fire()) if dies and fault else None)
-            checkpoint.prune(self.config.checkpoint_path, self.config.keep_checkpoints)
+            checkpoint.prune(self.config.checkpoint_path, self.config.keep_checkpoints, written=path)
         self._barrier()  # nobody moves on (or exits) before the file is complete
         self.last_checkpoint = self.config.checkpoint_path / checkpoint.checkpoint_name(self.global_step)
         return path
@@ -334,7 +336,22 @@ def train(config: TrainConfig | None = None, *, launch_config: LaunchConfig | No
     ``launch_config`` and ``launch_options`` go to :func:`mpddp.launch`
     (e.g. ``nprocs=2, max_restarts=1``).
     """
-    config = resolve(config or TrainConfig())
+    config = config or TrainConfig()
+    _check_fault_rank(config, launch_config, launch_options)
+    config = resolve(config)
     result: TrainResult = mpddp.launch(train_worker, args=(config,), config=launch_config, **launch_options)[0]
     print(f"checkpoint: {result.checkpoint}  metrics: {result.metrics}", flush=True)
     return result
+
+
+def _check_fault_rank(config: TrainConfig, launch_config: LaunchConfig | None, options: dict[str, Any]) -> None:
+    """``inject_fault``'s RANK against nnodes × nprocs, before launching, where the launch options fix both.
+
+    Options override the config, as in :func:`mpddp.launch`. Without nprocs
+    (one rank per GPU, counted at launch) each rank checks it in Trainer.
+    """
+    given = {k: v for k, v in options.items() if v is not None}
+    nprocs = given.get("nprocs", launch_config.nprocs if launch_config else None)
+    nnodes = given.get("nnodes", launch_config.nnodes if launch_config else 1)
+    if type(nprocs) is int and type(nnodes) is int:  # a bad value: LaunchConfig says so
+        check_fault_rank(config.inject_fault, nnodes * nprocs, f"nnodes={nnodes} × nprocs={nprocs}")

@@ -1,8 +1,9 @@
 """Before any worker starts: check the task and the resume file, fix the run directory.
 
 Owns: :func:`resolve`, which runs in the launching process: it checks the
-task and the resume file (so bad input fails with one line and exit code 2,
-nothing written) and fixes the run directory and the checkpoint to resume
+task, the resume file and that the run and checkpoint directories can be
+made and written (so bad input fails with one line and exit code 2, nothing
+written) and fixes the run directory and the checkpoint to resume
 from, so that every rank, and every restart of the group, agrees on them.
 Leaves the options to trainer/config.py, building the task to
 trainer/tasks.py and reading checkpoints to trainer/checkpoint.py.
@@ -15,6 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ..config import check_dir_creatable
 from ..errors import ConfigError
 from . import checkpoint
 from .config import BUILTIN_TASKS, RUNS_ROOT, TrainConfig
@@ -37,6 +39,9 @@ def resolve(config: TrainConfig) -> TrainConfig:
         if target.endswith(".py") or task.endswith(".py"):  # workers may start elsewhere: make it absolute
             task = str(Path(target or task).resolve()) + (colon + attr if target else "")
     config = dataclasses.replace(config, task=task, run_dir=_run_dir(config, task_name(task)))
+    # rank 0 writes there only after its first epoch: a path it cannot make is one line now
+    check_dir_creatable("run_dir", str(config.run_dir), "runs/mine")
+    check_dir_creatable("checkpoint_dir", config.checkpoint_path, "checkpoints")
     if config.resume is None and config.task in BUILTIN_TASKS:
         return _check_fresh(config)  # built-in tasks keep their contract: skip building one here
     # Build the task once here: a factory that breaks the contract or raises, or a checkpoint of
@@ -73,6 +78,11 @@ def _check_fresh(config: TrainConfig) -> TrainConfig:
 def _resume_file(config: TrainConfig, expected: dict[str, Any]) -> str | None:
     if config.resume == "auto":
         found = checkpoint.newest(config.checkpoint_path, expected)
+        files = checkpoint.candidates(config.checkpoint_path)
+        if found is None and files:  # starting from scratch would hide them, and prune them later
+            raise ConfigError(f"resume='auto': no checkpoint in {str(config.checkpoint_path)!r} loads (the newest, "
+                              f"{files[0].name}, is damaged or not an mpddp checkpoint): move the damaged files "
+                              "away, or pass a new --checkpoint-dir to start fresh")
         return str(found[0]) if found else None  # nothing yet: start from scratch
     path = Path(str(config.resume))
     if path.is_dir():
