@@ -67,3 +67,29 @@ def test_missing_module_is_one_line(tmp_path):
         "the directory that holds its package, or install it (pip install -e .)"
     )
     assert list(tmp_path.iterdir()) == []
+
+
+def test_an_unknown_option_is_called_one(tmp_path):
+    (tmp_path / "x.py").write_text("print('never runs')\n")
+    out = run("-m", "mpddp", "run", "--nprocs", "2", "--nproc", "2", "x.py", cwd=tmp_path)
+    assert out.returncode == 2 and out.stdout == ""
+    assert out.stderr == ("mpddp: error: No such option: --nproc. Did you mean --nprocs? A script whose name starts "
+                          "with '-' goes after --, as in `mpddp run -- --nproc`. See `mpddp run --help`.\n")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["x.py"]
+
+
+def test_after_the_script_and_after_dashes_everything_is_the_scripts():
+    from mpddp.cli import main
+
+    command = main.commands["run"]
+    params = command.make_context("run", ["--nprocs", "2", "train.py", "--epochs", "3", "--bogus"]).params
+    assert (params["target"], params["script_args"], params["nprocs"]) == ("train.py", ("--epochs", "3", "--bogus"), 2)
+    params = command.make_context("run", ["--", "-odd.py", "--lr", "1"]).params
+    assert (params["target"], params["script_args"]) == ("-odd.py", ("--lr", "1"))
+
+
+def test_a_script_whose_name_starts_with_a_dash_runs_after_dashes(tmp_path):
+    (tmp_path / "-odd.py").write_text("import sys\nprint('ran with', sys.argv[1:])\n")
+    out = run("-m", "mpddp", "run", "--nprocs", "1", "--", "-odd.py", "--lr", "1", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert "[rank 0] ran with ['--lr', '1']" in out.stdout

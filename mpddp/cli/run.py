@@ -36,6 +36,8 @@ def run(target: str, script_args: tuple[str, ...], is_module: bool, **options: A
     from ..core.api import launch
     from ..core.script import run_script
 
+    if target.startswith("-") and (is_module or not os.path.isfile(target)):
+        raise _no_such_option(target)
     if not is_module and not os.path.isfile(target):
         raise ConfigError(f"script {target!r} does not exist: pass a path to a .py file, or -m for a module")
     if is_module and not _importable(target):
@@ -48,6 +50,19 @@ def run(target: str, script_args: tuple[str, ...], is_module: bool, **options: A
     # the value with str(True), so "1" would make rank 0 try to bind the port itself
     config = replace(config, env=(*config.env, ("TORCHELASTIC_USE_AGENT_STORE", "True")))
     launch(run_script, config=config, args=(target, script_args, is_module), init_process_group=False)
+
+
+def _no_such_option(target: str) -> click.UsageError:
+    """An unknown option lands in TARGET (everything after the script is the script's): call it what it is."""
+    import difflib
+
+    ctx = click.get_current_context()
+    known = [name for param in ctx.command.params for name in getattr(param, "opts", []) if name.startswith("--")]
+    name = target.partition("=")[0]
+    close = difflib.get_close_matches(name, known, n=1)
+    hint = f" Did you mean {close[0]}?" if close else ""
+    return click.UsageError(f"No such option: {name}.{hint} A script whose name starts with '-' goes after --, "
+                            f"as in `mpddp run -- {target}`.", ctx=ctx)
 
 
 def _importable(module: str) -> bool:
