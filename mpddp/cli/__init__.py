@@ -20,17 +20,24 @@ from .. import __version__
 from ..core import stacks
 from ..errors import ConfigError, MpddpError, WorkerFailed
 from . import info, ranks, run, train
-from .options import EXIT_BAD_INPUT, EXIT_SIGINT, EXIT_SIGTERM, build_config, launch_options
+from .options import EXIT_BAD_INPUT, EXIT_SIGINT, build_config, launch_options
 
 __all__ = ["build_config", "launch_options", "main", "run_cli"]
 
 
 class Terminated(BaseException):
-    """SIGTERM reached the launcher; raised in the main thread to tear down."""
+    """SIGTERM or SIGHUP reached the launcher; raised in the main thread to tear down."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
 
 
 def _raise_terminated(signum: int, frame: object) -> NoReturn:
-    raise Terminated()
+    raise Terminated(signum)
+
+
+_STOPPED: dict[int, str] = {signal.SIGTERM: "terminated (SIGTERM)", signal.SIGHUP: "hung up (SIGHUP: the terminal or SSH session closed)"}
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
@@ -51,6 +58,7 @@ def run_cli(args: list[str] | None = None) -> NoReturn:
     is the launcher's own, and it exits at once (see :func:`_exit_process`).
     """
     signal.signal(signal.SIGTERM, _raise_terminated)
+    signal.signal(signal.SIGHUP, _raise_terminated)  # default: die at once, leaving the ranks' children
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGUSR1, stacks.request)  # `kill -USR1`: where is every rank; never kills the launcher
     try:
@@ -73,9 +81,9 @@ def run_cli(args: list[str] | None = None) -> NoReturn:
     except (KeyboardInterrupt, click.exceptions.Abort):
         click.echo("mpddp: interrupted (SIGINT); every worker was stopped", err=True)
         code = EXIT_SIGINT
-    except Terminated:
-        click.echo("mpddp: terminated (SIGTERM); every worker was stopped", err=True)
-        code = EXIT_SIGTERM
+    except Terminated as e:
+        _say(f"mpddp: {_STOPPED[e.signum]}; every worker was stopped")
+        code = 128 + e.signum  # 143 for SIGTERM, 129 for SIGHUP
     code = code if isinstance(code, int) else 0
     if args is None:
         _exit_process(code)
@@ -93,6 +101,9 @@ def _exit_process(code: int) -> NoReturn:
     """
     import atexit
 
+    from ..core.startup import stop_helpers
+
+    stop_helpers()  # the forkserver and the resource tracker are gone too when the shell goes on
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
         try:
@@ -100,6 +111,13 @@ def _exit_process(code: int) -> NoReturn:
         except (OSError, ValueError):  # a closed pipe (| head): nothing more to say
             pass
     os._exit(code)
+
+
+def _say(line: str) -> None:
+    try:
+        click.echo(line, err=True)
+    except OSError:  # the terminal is gone (SIGHUP): nobody to tell
+        pass
 
 
 for _command in (train.train, run.run, ranks.ranks, info.info):  # each module's one click command

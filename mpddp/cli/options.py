@@ -21,7 +21,6 @@ from ..core.api import make_config
 
 EXIT_BAD_INPUT = 2
 EXIT_SIGINT = 130
-EXIT_SIGTERM = 143
 
 LAUNCH_FIELDS = tuple(f.name for f in fields(LaunchConfig) if "cli" in f.metadata)
 

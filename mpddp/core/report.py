@@ -48,6 +48,7 @@ class RankState:
     stack_fd: int | None = None  # read end of its stack-dump pipe (core/stacks.py)
     main_thread: int | None = None  # its main thread's ident, from Started
     place: stacks.Place | None = None  # where it was when it was stopped
+    lost_with: int | None = None  # the pid of the forkserver it was lost with (killed under it)
     tail: list[str] = field(default_factory=list)
 
     @property
@@ -102,6 +103,10 @@ def _how(s: RankState) -> str:
         return f"exited with code {f.exit_code} (sys.exit)"
     if f is not None:
         return f"raised {f.error_type}: {f.message}"
+    if s.lost_with is not None:
+        return (f"was lost with mpddp's forkserver (pid {s.lost_with}), which starts every rank and reports its "
+                "exit: it was killed from outside (a signal sent to it, or the out-of-memory killer); "
+                "no rank of the job is left, and the next launch starts a new one")
     code = s.exitcode
     if code is not None and code < 0:
         name = procs.signal_name(code)
@@ -144,6 +149,8 @@ def exit_code(s: RankState) -> int:
 
     Never 0 for a failure: ``sys.exit(256)`` would wrap around to 0 in the shell, so it becomes 1.
     """
+    if s.lost_with is not None:
+        return 1  # its 255 is multiprocessing's "no status", not the rank's
     code = s.failure.exit_code if s.failure is not None else s.exitcode
     if s.failure is None and code is not None and code < 0:
         return 128 - code  # a shell's convention: SIGKILL -> 137, what schedulers read as "killed"

@@ -40,7 +40,11 @@ _DECORATORS = ("wrapper", "_wrapper", "inner")  # torch.distributed wraps its co
 _LIBRARY = tuple(dict.fromkeys(
     os.path.join(p, "") for p in (sysconfig.get_paths()["stdlib"], sysconfig.get_paths()["purelib"],
                                   sysconfig.get_paths()["platlib"], os.path.dirname(__file__))))  # not the trainer
-_DISTRIBUTED = os.path.join("torch", "distributed", "")
+# Where a rank that uses no CPU waits for its peers: a collective or the store, DDP's reducer, or the
+# autograd engine (DDP all-reduces gradients from C++ hooks during backward).
+_WAITS = tuple(os.path.join("torch", *part.split("/"), "") for part in ("distributed", "nn/parallel", "autograd"))
+# Where a rank that *uses* a CPU may still only wait: a collective, or a CUDA sync (a GPU rank spins there).
+_SPINS = tuple(os.path.join("torch", part, "") for part in ("distributed", "cuda"))
 
 
 ASKED = threading.Event()  # set by SIGUSR1 (the user asks where every rank is); core/supervisor.py answers
@@ -86,8 +90,9 @@ class Place:
     """Where one rank's main thread is: ``text`` such as ``barrier at train.py:40``."""
 
     text: str
-    waiting: bool  # inside torch.distributed: a collective, or the store
+    waiting: bool  # inside torch's communication: a collective, the store, DDP's gradient sync
     dump: str  # the whole faulthandler dump, every thread, for the logs
+    spinning: bool = False  # inside a collective or a CUDA sync: busy there is still waiting
 
 
 def main_frames(dump: str, main_thread: int | None) -> list[Frame]:
@@ -113,17 +118,18 @@ def place(dump: str, main_thread: int | None) -> Place | None:
     frames = main_frames(dump, main_thread)
     if not frames:
         return None
-    waiting = any(_DISTRIBUTED in f.file for f in frames)
+    waiting = any(part in f.file for f in frames for part in _WAITS)
+    spinning = any(part in frames[0].file for part in _SPINS)
     users = [i for i, f in enumerate(frames) if _is_user(f)]
     if not users:
         top = frames[0]
-        return Place(f"{top.func} at {top.short}", waiting, dump)
+        return Place(f"{top.func} at {top.short}", waiting, dump, spinning)
     user = frames[users[0]]
     calls = [f.func for f in reversed(frames[: users[0]]) if f.func not in _DECORATORS]
     if calls:  # inside a library call: name the call, e.g. barrier at train.py:40
-        return Place(f"{calls[0]} at {user.short}", waiting, dump)
+        return Place(f"{calls[0]} at {user.short}", waiting, dump, spinning)
     source = linecache.getline(user.file, user.line).strip()  # a C call such as time.sleep has no frame
-    return Place(f"{user.func} at {user.short}" + (f" ({source})" if source else ""), waiting, dump)
+    return Place(f"{user.func} at {user.short}" + (f" ({source})" if source else ""), waiting, dump, spinning)
 
 
 def ask(pids: dict[int, int], fds: dict[int, int]) -> dict[int, str]:

@@ -3,8 +3,10 @@
 Owns: starting multiprocessing's forkserver with mpddp's worker module
 preloaded (torch imported once, no CUDA touched, no torch op run), the
 ``torch.multiprocessing`` context of the chosen start method, holding a
-Ctrl-C back while torch is imported, and refusing a launch that a worker
-reached by re-importing a script with no main guard. Leaves the launch
+Ctrl-C back while torch is imported, refusing a launch that a worker
+reached by re-importing a script with no main guard, and stopping the
+helpers (forkserver, resource tracker) before the launcher exits. Leaves
+what the forkserver does besides forking to core/guardian.py, the launch
 itself to core/api.py and the worker's side to core/worker.py.
 """
 
@@ -18,8 +20,10 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
+from .guardian import FORKSERVER_PARENT, FORKSERVER_TEMP
+
 FORKSERVER_PRELOAD = ["mpddp.core.worker"]
-FORKSERVER_PARENT = "MPDDP_FORKSERVER_PARENT"  # read by core/worker.py when the forkserver imports it
+_START_LOCK = threading.Lock()  # launches from several threads: one forkserver, started once, with our variables
 
 
 def refuse_bootstrap() -> None:
@@ -43,15 +47,45 @@ def start_forkserver(method: str = "forkserver") -> None:
         return
     # the stdlib's context: importing torch.multiprocessing would import all of torch first
     multiprocessing.get_context(method).set_forkserver_preload(FORKSERVER_PRELOAD)
+    from multiprocessing import forkserver, util
+
+    with _START_LOCK:
+        # read by core/guardian.py when the forkserver imports the worker module: it cleans up after us
+        os.environ[FORKSERVER_PARENT] = str(os.getpid())
+        os.environ[FORKSERVER_TEMP] = util.get_temp_dir()
+        try:
+            forkserver.ensure_running()
+        finally:
+            os.environ.pop(FORKSERVER_PARENT, None)
+            os.environ.pop(FORKSERVER_TEMP, None)
+
+
+def forkserver_pid() -> int | None:
+    """The running forkserver's pid (every rank's parent under the default start method), or None."""
     from multiprocessing import forkserver
 
-    # read by core/worker.py when the forkserver imports it (see there)
-    os.environ[FORKSERVER_PARENT] = str(os.getpid())
-    try:
-        forkserver.ensure_running()
-    finally:
-        os.environ.pop(FORKSERVER_PARENT, None)
+    return getattr(forkserver._forkserver, "_forkserver_pid", None)
 
+
+def stop_helpers(timeout: float = 3.0) -> None:
+    """Stop the forkserver and the resource tracker and wait until both have exited.
+
+    A command that follows ``mpddp`` at once must not see them: without this
+    they would linger a few milliseconds after the launcher, until they
+    noticed its pipes close. Each stop closes the helper's pipe and reaps it.
+    """
+    from multiprocessing import forkserver, resource_tracker
+
+    def stop() -> None:
+        for helper in (forkserver._forkserver, resource_tracker._resource_tracker):
+            stop_helper = getattr(helper, "_stop", None)  # the stdlib's own (used by its tests)
+            with contextlib.suppress(OSError, ChildProcessError):
+                if stop_helper is not None:
+                    stop_helper()
+
+    worker = threading.Thread(target=stop, name="mpddp-stop-helpers", daemon=True)
+    worker.start()
+    worker.join(timeout)  # a helper that does not exit must not hold the launcher
 
 def start_context(method: str) -> Any:
     """The multiprocessing context, from ``torch.multiprocessing`` (the stdlib's

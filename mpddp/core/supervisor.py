@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -23,6 +24,7 @@ from multiprocessing.connection import Connection, wait
 from typing import Any
 
 import cloudpickle
+import psutil
 
 from ..context import WorkerContext
 from ..errors import MainGuardError, Outcome, WorkerFailed
@@ -33,10 +35,16 @@ from .heartbeat import Heartbeat, remote_causes
 from .plan import Plan, node_env, rank_env
 from .relay import Relay
 from .report import RankState, failure_error, hang_error, root_cause
+from .startup import forkserver_pid
 from .watchdog import Hang, Watchdog
 
 _FAILURE_WINDOW = 0.3  # seconds to collect other ranks' reports after the first failure
 _TEARDOWN_GRACE = 0.5
+# The ranks of every launch running in this process: launches may run in several threads at once, and
+# all share one forkserver, whose children are either such ranks or orphans it adopted (core/guardian.py).
+_LIVE_LOCK = threading.Lock()
+_LIVE: set[int] = set()
+_NO_STATUS = 255  # the exit code multiprocessing gives a forkserver child whose status never came
 
 
 @contextlib.contextmanager
@@ -107,8 +115,9 @@ def _start(
             if config.start_method == "fork" else (),
         )
         process = mp_context.Process(target=entry, args=(spec, *ch.worker_ends), name=f"mpddp-rank-{slot.rank}")
-        with _main_file_checked():
+        with _LIVE_LOCK, _main_file_checked():
             process.start()
+            _LIVE.add(process.pid)
         os.set_blocking(ch.stack[0], False)
         states.append(RankState(slot=slot, process=process, messages=ch.messages[0], stack_fd=ch.stack[0]))
         relay.add(slot.rank, ch.out[0], ch.err[0])
@@ -178,12 +187,15 @@ def _show_where(states: list[RankState], watchdog: Watchdog) -> None:
             s.place = where
 
 
-def _teardown(states: list[RankState]) -> None:
+def _teardown(states: list[RankState], urgent: threading.Event | None = None) -> None:
     alive = [s for s in states if s.exitcode is None and s.process.is_alive()]
     for s in alive:
         s.stopped = True
     pids = [s.process.pid for s in states if s.process.pid]
-    procs.kill_tree([s.process.pid for s in alive], _TEARDOWN_GRACE, groups=pids)
+    procs.kill_tree([s.process.pid for s in alive], _TEARDOWN_GRACE, groups=pids, urgent=urgent)
+    with _LIVE_LOCK:
+        _LIVE.difference_update(pids)
+        _sweep_orphans()
     for s in states:
         s.process.join(2.0)
         if s.exitcode is None:
@@ -191,6 +203,34 @@ def _teardown(states: list[RankState]) -> None:
         if s.stack_fd is not None:
             os.close(s.stack_fd)
             s.stack_fd = None
+
+
+def _sweep_orphans() -> None:
+    """Stop what the forkserver adopted that is no running rank: a dead rank's children (call under _LIVE_LOCK).
+
+    A rank killed by a signal cannot take its children along (core/worker.py
+    does on any other exit); one started with ``start_new_session=True`` is in
+    no process group the teardown stops, and is re-parented to the forkserver.
+    """
+    server = forkserver_pid()
+    if server is None:
+        return
+    try:
+        orphans = [p.pid for p in psutil.Process(server).children() if p.pid not in _LIVE]
+    except psutil.Error:
+        return
+    if orphans:
+        procs.kill_tree(orphans, grace=0.2)
+
+
+def _forkserver_lost(states: list[RankState]) -> None:
+    """Ranks that ended with the forkserver's "no status" code while it is gone were lost with it."""
+    server = forkserver_pid()
+    if server is None or procs.alive(server):
+        return
+    for s in states:
+        if s.exitcode == _NO_STATUS and s.failure is None:
+            s.lost_with = server
 
 
 def run_group(plan: Plan, mp_context: Any, payload: bytes, attempt: int, init_group: bool = True) -> list[Any]:
@@ -219,17 +259,19 @@ def run_group(plan: Plan, mp_context: Any, payload: bytes, attempt: int, init_gr
             notes = remote_causes(config, plan.nprocs, root, store, port, attempt,
                                   init_group, stop_local=lambda: _teardown(states))
     finally:
-        if beat is not None:
-            beat.stop()
-        _teardown(states)
-        relay.stop()
-        del store
-        if sock is not None:
-            sock.close()
+        with procs.shielded() as urgent:  # a second Ctrl-C must not leave the ranks running
+            if beat is not None:
+                beat.stop()
+            _teardown(states, urgent)
+            relay.stop()
+            del store
+            if sock is not None:
+                sock.close()
     if any(s.exitcode == protocol.MAIN_GUARD_EXIT and not s.started for s in states):
         raise MainGuardError(_MAIN_GUARD_MESSAGE)
     if all(s.succeeded for s in states):
         return [_value(s) for s in states]
+    _forkserver_lost(states)
     for s in states:
         s.tail = relay.tail(s.slot.rank)
         if s.place is not None:

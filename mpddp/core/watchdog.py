@@ -5,8 +5,8 @@ timeout (frameworks pass their own, and a rank stuck outside a collective
 never trips one). Every ``interval`` it reads each rank's CPU time (its
 whole process tree, DataLoader workers included): a rank that used more
 than :data:`BUSY` of a core made progress, unless its stack was last seen
-inside torch.distributed (a GPU rank spinning at a sync point is waiting,
-not computing). Other nodes' progress arrives through the heartbeat. When no
+inside a collective or a CUDA sync (a GPU rank spinning at a sync point is
+waiting, not computing). Other nodes' progress arrives through the heartbeat. When no
 rank has progressed for ``timeout`` seconds (every rank waits in a
 collective or is idle), it asks every rank for its stack and declares a
 :class:`Hang`. A rank that computes is never a hang, however long the others
@@ -80,7 +80,7 @@ class Watchdog:
         if not running or now - self._last_progress < self.timeout:
             return None
         places = self.where(running)
-        if any((p := places.get(s.slot.rank)) is not None and not p.waiting for s in busy):
+        if any((p := places.get(s.slot.rank)) is not None and not p.spinning for s in busy):
             self._progressed(now)  # a busy rank seen spinning earlier computes after all
             return None
         finished = tuple(s.slot.rank for s in states if s.succeeded)
@@ -132,8 +132,8 @@ class Watchdog:
         for s in due:
             rank = self._ranks[s.slot.rank]
             here = places.get(s.slot.rank)
-            if here is not None and here.waiting:
-                rank.spinning = True  # busy inside a collective: waiting, not computing
+            if here is not None and here.spinning:
+                rank.spinning = True  # busy inside a collective or a CUDA sync: waiting, not computing
                 continue
             rank.told = True
             others = "; ".join(stacks.grouped({i.slot.rank: places.get(i.slot.rank) for i in idle}))

@@ -27,6 +27,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 import cloudpickle
+import psutil
 import torch
 import torch.distributed as dist
 
@@ -34,7 +35,7 @@ from ..context import WorkerContext
 from ..errors import Outcome
 from ..log import logger
 from . import procs, protocol, stacks
-from .startup import FORKSERVER_PARENT
+from .guardian import LAUNCHER_GONE, serve_if_forkserver
 
 THREAD_GRACE = 5.0  # seconds a worker waits for threads and child processes fn left running
 _PR_SET_PDEATHSIG = 1
@@ -66,17 +67,16 @@ def die_with_parent() -> None:
         pass
 
 
-# The launcher starts its forkserver with FORKSERVER_PARENT=<its pid>: the forkserver
-# (which imports this module first) then dies with the launcher at once, instead of
-# after noticing a closed pipe and finalizing an interpreter that holds torch.
-if os.environ.pop(FORKSERVER_PARENT, None) == str(os.getppid()):
-    die_with_parent()
+# The forkserver imports this module first: there it also adopts orphans and cleans up
+# after the launcher, even one killed by SIGKILL (core/guardian.py).
+serve_if_forkserver()
 
 
 def _detach(close_fds: tuple[int, ...]) -> None:
     """Own session (the terminal's Ctrl-C goes to the launcher only) and die with the parent."""
     os.setsid()
     die_with_parent()
+    signal.signal(LAUNCHER_GONE, signal.SIG_DFL)  # the forkserver's handler, inherited by the fork
     for fd in close_fds:
         try:
             os.close(fd)
@@ -214,8 +214,8 @@ def _connect(addr: str, port: int, timeout: float) -> Any:
     return connect(addr, port, timeout)
 
 
-def _wait_for_leftovers(rank: int, code: int, threads_too: bool) -> None:
-    """Give the threads and child processes fn left running a moment, then end the worker anyway.
+def _wait_for_leftovers(rank: int, threads_too: bool) -> bool:
+    """Give the threads and child processes fn left running a moment; True if some are still running.
 
     multiprocessing joins every non-daemon thread and child process before a
     worker exits, so one that fn forgot (a logger, a prefetcher, a
@@ -233,15 +233,27 @@ def _wait_for_leftovers(rank: int, code: int, threads_too: bool) -> None:
     left_threads = [t.name for t in threads if t.is_alive()] if threads_too else []
     left_children = [f"{p.name} (pid {p.pid})" for p in children if p.is_alive()]
     if not left_threads and not left_children:
-        return
+        return False
     what = [f"thread(s) {', '.join(left_threads)}"] * bool(left_threads)
     what += [f"process(es) {', '.join(left_children)}"] * bool(left_children)
     logger.warning("mpddp: rank %d: fn returned but left %s running; stopped them after %.0f s (join them in fn, "
                    "or make them daemon)", rank, " and ".join(what), THREAD_GRACE)
-    procs.kill_tree([p.pid for p in children if p.is_alive() and p.pid], grace=0.5)
-    sys.stdout.flush()
-    _c_stdio("fflush")
-    os._exit(code)  # the normal exit would join them; the launcher reaps what they leave
+    return True
+
+
+def _stop_descendants() -> None:
+    """Stop every process this worker started, also those in a session of their own.
+
+    The launcher stops a rank's process group; a child started with
+    ``start_new_session=True`` is not in it, and once this worker has exited it
+    would be re-parented and lost. So a worker takes its whole tree along.
+    """
+    try:
+        below = [p.pid for p in psutil.Process().children(recursive=True)]
+    except psutil.Error:
+        return
+    if below:
+        procs.kill_tree(below, grace=0.2)
 
 
 def _send(messages: Connection, message: protocol.Message) -> None:
@@ -284,9 +296,12 @@ def entry(spec: WorkerSpec, messages: Connection, out: Connection, err: Connecti
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
-        _wait_for_leftovers(ctx.rank, code, threads_too=spec.init_group)
+        left = _wait_for_leftovers(ctx.rank, threads_too=spec.init_group)
+        _stop_descendants()
         sys.stdout.flush()
         sys.stderr.flush()
         _c_stdio("fflush")
+    if left:
+        os._exit(code)  # the normal exit would join the threads left; the launcher reaps what they leave
     if code:
         sys.exit(code)

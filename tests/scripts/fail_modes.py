@@ -9,6 +9,9 @@
 - block: every rank prints READY and sleeps forever (for signals to the launcher)
 - loader: like block, inside a DataLoader loop with num_workers=2; rank 1 may
   SIGKILL itself once its loader workers are up (``loader kill``)
+- stubborn: every rank ignores SIGTERM and starts two ``sleep`` children, one
+  in a session of its own, then blocks; ``stubborn raise`` / ``stubborn kill``:
+  rank 1 then raises / SIGKILLs itself once the test says go
 
 Every rank prints its pid and MASTER_PORT first, so the test can find them.
 With ``FAIL_GO=<path>`` set, rank 1 waits for that file before it fails (the
@@ -17,6 +20,7 @@ test lists the process tree first) and prints ``FAIL_AT <monotonic time>``.
 
 import os
 import signal
+import subprocess
 import sys
 import time
 
@@ -66,6 +70,17 @@ def main(mode: str, extra: str) -> None:
             time.sleep(3600)
     if mode == "block":
         print(f"READY rank={rank}", flush=True)
+        while True:
+            time.sleep(3600)
+    if mode == "stubborn":
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        kids = [subprocess.Popen(["sleep", "1000"]), subprocess.Popen(["sleep", "1001"], start_new_session=True)]
+        print(f"READY rank={rank} children={','.join(str(k.pid) for k in kids)}", flush=True)
+        if extra and rank == 1:
+            go()
+            if extra == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            raise RuntimeError("rank 1 gives up")
         while True:
             time.sleep(3600)
     if mode == "loader":

@@ -1,0 +1,109 @@
+"""The forkserver's second job: nothing of a launch outlives its launcher, even one killed by SIGKILL.
+
+Owns: what the forkserver does besides forking (it imports core/worker.py
+first, which calls :func:`serve_if_forkserver`). The forkserver starts every
+worker, so it is every rank's parent. It becomes a *child subreaper*: the
+orphans of a rank that died (a child started with
+``start_new_session=True``, a DataLoader worker) are re-parented to it
+instead of to init, where core/supervisor.py finds and stops them. When its
+launcher process is gone (even killed by SIGKILL, which no handler of the
+launcher ever sees), it kills every process below it, removes the launcher's
+multiprocessing temporary directory, and leaves at once (``os._exit``: no
+slow interpreter teardown with torch loaded).
+
+Why here: a process killed by SIGKILL cannot clean up, so whatever cleans up
+must exist before and outlive it, and the forkserver does. It learns of the
+launcher's death from a parent-death signal that it *handles* (the stdlib's
+"alive" pipe does not tell: every rank holds its write end). That signal
+follows the *thread* that started the forkserver, so it also arrives when a
+launch in a worker thread started it and that thread ends; the handler then
+sees that its parent process is still there and carries on (the kernel
+re-arms the signal for the next parent thread). When the pipe does close (a
+normal exit, every rank gone), the stdlib raises SystemExit and the same
+clean-up runs from atexit. No thread is started here: the forkserver forks,
+and a thread could hold a lock at the moment of a fork. Leaves the ranks'
+own parent-death signal to core/worker.py.
+"""
+
+from __future__ import annotations
+
+import atexit
+import ctypes
+import os
+import shutil
+import signal
+import time
+import warnings
+
+FORKSERVER_PARENT = "MPDDP_FORKSERVER_PARENT"  # set by core/startup.py while it starts the forkserver
+FORKSERVER_TEMP = "MPDDP_FORKSERVER_TEMP"  # the launcher's multiprocessing temporary directory
+_PR_SET_PDEATHSIG = 1
+_PR_SET_CHILD_SUBREAPER = 36
+LAUNCHER_GONE = signal.SIGRTMIN + 5  # the forkserver's parent-death signal (core/stacks.py uses SIGRTMIN + 4)
+
+
+def serve_if_forkserver() -> None:
+    """In the forkserver (and only there): adopt orphans, and clean up after the launcher at exit."""
+    launcher = os.environ.pop(FORKSERVER_PARENT, None)
+    temp = os.environ.pop(FORKSERVER_TEMP, None)
+    if launcher != str(os.getppid()):
+        return  # a worker, or an interpreter that merely imports mpddp
+    me, parent = os.getpid(), int(launcher)
+
+    def launcher_gone(signum: int, frame: object) -> None:
+        if os.getpid() == me and os.getppid() != parent:  # not merely the starting thread that ended
+            _clean_up(me, parent, temp)
+
+    signal.signal(LAUNCHER_GONE, launcher_gone)
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_CHILD_SUBREAPER, 1)
+        libc.prctl(_PR_SET_PDEATHSIG, LAUNCHER_GONE)
+    except (OSError, AttributeError):
+        pass
+    if os.getppid() != parent:  # the launcher died before the signal was armed
+        _clean_up(me, parent, temp)
+    # the standard library's forkserver reaps adopted orphans too, and warns about each one
+    warnings.filterwarnings("ignore", message="forkserver: waitpid returned unexpected pid")
+    atexit.register(_clean_up, me, parent, temp)
+
+
+def _clean_up(me: int, launcher: int, temp: str | None) -> None:
+    """Kill everything below this forkserver, remove the temp dir if the launcher died, exit now."""
+    if os.getpid() != me:
+        return  # a forked child that inherited the hook
+    import psutil
+
+    try:
+        below = psutil.Process().children(recursive=True)
+    except psutil.Error:
+        below = []
+    for proc in below:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # a rank's process group: its children too
+        except (ProcessLookupError, PermissionError):
+            pass
+        try:
+            proc.kill()
+        except psutil.Error:
+            pass
+    deadline = time.monotonic() + 2.0
+    while time.monotonic() < deadline:
+        try:
+            if os.waitpid(-1, os.WNOHANG)[0] == 0 and not any(_alive(p) for p in below):
+                break
+        except ChildProcessError:
+            break
+        time.sleep(0.01)
+    if temp and os.getppid() != launcher:  # re-parented: the launcher died without removing it
+        shutil.rmtree(temp, ignore_errors=True)
+    os._exit(0)
+
+
+def _alive(proc: object) -> bool:
+    import psutil
+
+    try:
+        return proc.status() != psutil.STATUS_ZOMBIE  # type: ignore[attr-defined]
+    except psutil.Error:
+        return False
