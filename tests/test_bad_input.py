@@ -84,11 +84,32 @@ CASES = [
     Case("output-ranks-beyond-the-world", "output_ranks=7 names rank 7, but the world has 2 ranks",
          ("run", "--nprocs", "2", "--output-ranks", "7", "x.py"), {"nprocs": 2, "output_ranks": 7}),
     Case("script-missing", "script 'nosuch.py' does not exist", ("run", "nosuch.py")),
+    Case("run-unknown-option", "No such option: --bogus-option. A script whose name starts with '-' goes after --",
+         ("run", "--bogus-option", "x.py")),
     Case("unknown-option", "unexpected keyword argument 'nproc'", api={"nproc": 2}),
     Case("fn-not-callable", "fn=42 is not callable", api={"fn": 42}),
     Case("fn-arg-unshippable", "cannot send args[0]=<unlocked _thread.lock", api={"args": "lock"},
          error=mpddp.ShipError),
     Case("task-unknown", "task='nosuch'", ("train", "--task", "nosuch"), {"train": {"task": "nosuch"}}),
+    Case("task-syntax-error", "broken.py raised SyntaxError: '(' was never closed", ("train", "--task", "broken.py"),
+         {"train": {"task": "broken.py"}}, files={"broken.py": "def make_task(seed:\n"}),
+    Case("task-raises-on-import", "raises.py raised ValueError: no data here", ("train", "--task", "raises.py"),
+         {"train": {"task": "raises.py"}}, files={"raises.py": "raise ValueError('no data here')\n"}),
+    Case("task-factory-raises", "task='factory.py': the factory raised ValueError: no data here",
+         ("train", "--task", "factory.py"), {"train": {"task": "factory.py"}},
+         files={"factory.py": "def make_task(seed):\n    raise ValueError('no data here')\n"}),
+    Case("task-not-a-factory", "task='os:getcwd': getcwd is not a task factory", ("train", "--task", "os:getcwd"),
+         {"train": {"task": "os:getcwd"}}),
+    Case("checkpoint-dir-on-sys", "checkpoint_dir='/sys/x' cannot be created: '/sys' is not writable (on the sysfs",
+         ("train", "--checkpoint-dir", "/sys/x"), {"train": {"checkpoint_dir": "/sys/x"}}),
+    Case("checkpoint-dir-under-a-file", "checkpoint_dir='afile/ck' cannot be created: 'afile' is a file",
+         ("train", "--checkpoint-dir", "afile/ck"), {"train": {"checkpoint_dir": "afile/ck"}},
+         files={"afile": "a file\n"}),
+    Case("run-dir-on-proc", "run_dir='/proc/x' cannot be created: '/proc' is not writable (on the proc file system)",
+         ("train", "--run-dir", "/proc/x"), {"train": {"run_dir": "/proc/x"}}),
+    Case("resume-auto-all-damaged", "resume='auto': no checkpoint in 'ck' loads (the newest, ckpt-000000999.pt, is "
+         "damaged", ("train", "--checkpoint-dir", "ck", "--resume", "auto"),
+         {"train": {"checkpoint_dir": "ck", "resume": "auto"}}, files={"ck/ckpt-000000999.pt": "not a checkpoint\n"}),
     Case("resume-missing", "resume='missing.pt': no such checkpoint file", ("train", "--resume", "missing.pt"),
          {"train": {"resume": "missing.pt"}}),
     Case("resume-corrupt", "resume='corrupt.pt' is not a readable checkpoint", ("train", "--resume", "corrupt.pt"),
@@ -97,6 +118,8 @@ CASES = [
          ("train", "--resume", OTHER_MODEL), {"train": {"resume": OTHER_MODEL}}, files={OTHER_MODEL: ""}),
     Case("inject-fault", "inject_fault='boom:1:2'", ("train", "--inject-fault", "boom:1:2"),
          {"train": {"inject_fault": "boom:1:2"}}),
+    Case("inject-fault-beyond-the-world", "inject_fault='kill:5:1' names rank 5, but the world has",
+         ("train", "--nprocs", "2", "--inject-fault", "kill:5:1"), {"train": {"inject_fault": "kill:5:1"}}),
     Case("epochs-zero", "epochs=0", ("train", "--epochs", "0"), {"train": {"epochs": 0}}),
 ]
 
@@ -111,6 +134,7 @@ def prepare(directory: Path, case: Case) -> set[str]:
                         "optimizer": {}, "epoch": 0, "batches_done": 0, "global_step": 1, "rng": {}},
                        directory / name)
         else:
+            (directory / name).parent.mkdir(parents=True, exist_ok=True)
             (directory / name).write_text(text)
     return listing(directory)
 
@@ -178,8 +202,10 @@ PARAMS = [pytest.param(c, "cli", id=f"cli-{c.id}") for c in CASES if c.cli is no
 PARAMS += [pytest.param(c, "api", id=f"api-{c.id}") for c in CASES if c.api is not None]
 
 
-def test_the_table_is_big_enough():
+def test_the_table_is_big_enough_and_the_readme_counts_it():
     assert len([c for c in CASES if c.cli]) >= 15 and len([c for c in CASES if c.api]) >= 15
+    readme = (Path(__file__).parent.parent / "README.rst").read_text(encoding="utf-8")
+    assert f"``tests/test_bad_input.py`` holds the whole table ({len(CASES)} cases)" in readme
 
 
 @pytest.mark.usefixtures("no_leftovers")
