@@ -11,13 +11,34 @@ own start-up are fast; torch is imported where it is used.
 
 from __future__ import annotations
 
+import sys
 from typing import TYPE_CHECKING, Any
+
+
+def _interrupted_early(signum: int, frame: object) -> None:
+    # A Ctrl-C while the command line's modules load: nothing has started yet, so leave quietly.
+    sys.stderr.write("mpddp: interrupted (SIGINT) before any worker started\n")
+    sys.exit(130)
+
+
+def _started_as_command() -> bool:
+    """``python -m mpddp`` (runpy imports this package first, with sys.argv[0] "-m") or the console script."""
+    argv = getattr(sys, "orig_argv", [])
+    as_module = "-m" in argv and argv[argv.index("-m") + 1:][:1] == ["mpddp"] and sys.argv[:1] == ["-m"]
+    return as_module or sys.argv[0].endswith(("/mpddp", "/mpddp-script.py"))
+
+
+if _started_as_command():  # the CLI's run_cli takes over SIGINT once it runs
+    import signal
+
+    signal.signal(signal.SIGINT, _interrupted_early)
 
 __version__ = "0.1.0"
 
-from .config import LaunchConfig
-from .context import WorkerContext
-from .errors import (
+# (below the handler on purpose: a Ctrl-C while these load is answered quietly too)
+from .config import LaunchConfig  # noqa: E402
+from .context import WorkerContext  # noqa: E402
+from .errors import (  # noqa: E402
     ConfigError,
     HangError,
     MainGuardError,

@@ -1,17 +1,11 @@
-"""``python -m mpddp``: the same as the ``mpddp`` console script."""
+"""``python -m mpddp``: the same as the ``mpddp`` console script.
 
-import signal
-import sys
-
-
-def _interrupted_early(signum: int, frame: object) -> None:
-    # A Ctrl-C while the CLI's modules load: nothing has started yet, so leave quietly.
-    sys.stderr.write("mpddp: interrupted (SIGINT) before any worker started\n")
-    sys.exit(130)
-
+A Ctrl-C while the modules load is answered quietly from the start: the
+package's ``__init__`` installs that handler before anything else loads,
+and ``run_cli`` takes SIGINT over once it runs.
+"""
 
 if __name__ == "__main__":
-    signal.signal(signal.SIGINT, _interrupted_early)  # run_cli puts KeyboardInterrupt back
     from mpddp.cli import run_cli
 
     run_cli()

@@ -38,8 +38,9 @@ class Run:
         full_env.pop("PYTEST_CURRENT_TEST", None)
         full_env.update(env or {})
         with open(self.out_path, "wb") as out, open(self.err_path, "wb") as err:
-            self.proc = subprocess.Popen([sys.executable, *argv], stdout=out, stderr=err,
-                                         env=full_env, cwd=tmp_path)
+            # its own session, SIGINT at its default action: as a launcher started from a terminal
+            self.proc = subprocess.Popen([sys.executable, *argv], stdout=out, stderr=err, env=full_env, cwd=tmp_path,
+                                         start_new_session=True, restore_signals=True)
         self.pids: set[int] = set()
         self.exited_at: float | None = None
 

@@ -286,10 +286,10 @@ def entry(spec: WorkerSpec, messages: Connection, out: Connection, err: Connecti
         if spec.init_group:
             _init_group(spec)
         result = fn(ctx, *args, **kwargs)
-        _send(messages, protocol.Result(cloudpickle.dumps(_to_cpu(result))))
+        _send(messages, protocol.Result(cloudpickle.dumps(_to_cpu(result)), time.monotonic()))
     except SystemExit as e:
         code = _exit_code(e)
-        _send(messages, _failure(ctx, e) if code else protocol.Result(cloudpickle.dumps(None)))
+        _send(messages, _failure(ctx, e) if code else protocol.Result(cloudpickle.dumps(None), time.monotonic()))
     except BaseException as e:  # noqa: BLE001 - every failure goes back to the launcher
         _send(messages, _failure(ctx, e))
         code = 1
