@@ -111,6 +111,45 @@ def _cli(help: str, kind: Any = str, *decls: str) -> dict[str, Any]:
     return {"cli": {"help": help, "type": kind, "decls": decls}}
 
 
+def parse_nprocs(spec: str | int | None) -> int | None:
+    """``--nprocs``: a number, or torchrun's words: ``gpu`` and ``auto`` are mpddp's default (None: one
+    per GPU, else 1), ``cpu`` is one per CPU this process may run on, as torchrun counts them."""
+    if spec is None or isinstance(spec, int):
+        return spec
+    text = spec.strip().lower()
+    if text in ("gpu", "auto"):
+        return None
+    if text == "cpu":
+        return len(os.sched_getaffinity(0))
+    try:
+        return int(text)  # LaunchConfig says what is out of range
+    except ValueError:
+        pass
+    raise ConfigError(f"nprocs={spec!r} is not a number of workers: pass an integer such as 2, or gpu or auto "
+                      "(one per CUDA GPU, else 1) or cpu (one per CPU); mpddp drives CUDA GPUs and CPUs only.")
+
+
+def parse_nnodes(spec: str | int) -> int:
+    """``--nnodes``: a number, or torchrun's ``N:N`` (a fixed size written as a range)."""
+    if isinstance(spec, int):
+        return spec
+    low, colon, high = spec.strip().partition(":")
+    if not colon or high == low or (low.isdigit() and high.isdigit() and int(high) == int(low)):
+        try:
+            return int(low)  # LaunchConfig says what is out of range
+        except ValueError:
+            pass
+    if low.isdigit() and high.isdigit():
+        raise ConfigError(f"nnodes={spec!r} asks for an elastic job (from {int(low)} to {int(high)} nodes, joining "
+                          "and leaving as it runs): mpddp starts a fixed number of nodes; pass --nnodes N, "
+                          "the same on every node.")
+    raise ConfigError(f"nnodes={spec!r} is not a number of machines: pass an integer such as 2 (or torchrun's 2:2).")
+
+
+# click names a type function's metavar after it: these read as the integers they return
+parse_nprocs.__name__ = parse_nnodes.__name__ = "integer"
+
+
 def parse_gpus(spec: str | Sequence[int] | None) -> tuple[int, ...] | str | None:
     """``"0,3"`` / ``[0, 3]`` -> ``(0, 3)``; ``"free"`` / ``"free:2"`` stay strings."""
     if spec is None or spec == "":
@@ -148,25 +187,35 @@ class LaunchConfig:
     ``master_port=0`` lets the OS pick a free port (single node only).
     """
 
+    # The extra spellings are torchrun's (README.rst, "torchrun next to self-spawning")
     nprocs: int | None = field(default=None, metadata=_cli(
-        "Workers on this node [default: one per GPU, else 1].", int))
-    nnodes: int = field(default=1, metadata=_cli("Number of machines [default: 1, or SLURM's].", int))
-    node_rank: int = field(default=0, metadata=_cli("This machine's index, 0..nnodes-1.", int))
-    master_addr: str = field(default="127.0.0.1", metadata=_cli("Node 0's address [default: 127.0.0.1]."))
-    master_port: int = field(default=0, metadata=_cli("Node 0's port [default: a free one on one node].", int))
+        "Workers on this node: N, or gpu/auto (one per GPU, else 1), cpu (one per CPU) [default: one per GPU, "
+        "else 1].", parse_nprocs, "--nproc-per-node", "--nproc_per_node"))
+    nnodes: int = field(default=1, metadata=_cli(
+        "Number of machines (N, or N:N) [default: 1, or SLURM's].", parse_nnodes))
+    node_rank: int = field(default=0, metadata=_cli("This machine's index, 0..nnodes-1.", int, "--node_rank"))
+    master_addr: str = field(default="127.0.0.1", metadata=_cli(
+        "Node 0's address [default: 127.0.0.1].", str, "--master_addr"))
+    master_port: int = field(default=0, metadata=_cli(
+        "Node 0's port [default: a free one on one node].", int, "--master_port"))
     backend: str = field(default="auto", metadata=_cli("auto (nccl on GPUs, else gloo), nccl or gloo [default: auto]."))
     start_method: str = field(default="forkserver", metadata=_cli(
-        "forkserver, spawn or fork [default: forkserver]."))
+        "forkserver, spawn or fork [default: forkserver].", str, "--start_method"))
     timeout: float = field(default=DEFAULT_TIMEOUT, metadata=_cli(
         f"Seconds with no rank making progress before the job is declared hung; also how long "
         f"nodes wait to meet [default: {DEFAULT_TIMEOUT:g}].", float))
     gpus: tuple[int, ...] | str | None = field(default=None, metadata=_cli(
         "GPU ids such as 0,3, or free / free:N [default: all visible]."))
-    max_restarts: int = field(default=0, metadata=_cli("Restart the group after a failure [default: 0].", int))
+    max_restarts: int = field(default=0, metadata=_cli(
+        "Restart the group after a failure [default: 0].", int, "--max_restarts"))
     output_ranks: tuple[int, ...] | None = field(default=None, metadata=_cli(  # None: every rank; "0,1" parsed
         "Ranks whose stdout is shown (0, 0,1, all) [default: all]."))
-    log_dir: str | None = field(default=None, metadata=_cli("Also write one log file per rank.", "directory"))
+    log_dir: str | None = field(default=None, metadata=_cli(
+        "Also write one log file per rank.", "directory", "--log_dir"))
     verbose: bool = field(default=False, metadata=_cli("A banner per worker; every rank's progress.", "flag", "-v"))
+    no_prefix: bool = field(default=False, metadata=_cli(
+        "Print the workers' lines as they wrote them, without the [rank N] prefix (still whole lines, "
+        "never two ranks' glued), e.g. for a pipeline.", "flag"))
     env: tuple[tuple[str, str], ...] = field(default=())  # extra worker variables (no flag)
 
     def __post_init__(self) -> None:

@@ -3,6 +3,7 @@
 import io
 import os
 import sys
+import time
 
 from mpddp.core.relay import Relay
 
@@ -11,7 +12,7 @@ def relay_bytes(chunks_by_rank: dict[int, list[bytes]], monkeypatch, **kwargs) -
     out, err = io.StringIO(), io.StringIO()
     monkeypatch.setattr(sys, "stdout", out)
     monkeypatch.setattr(sys, "stderr", err)
-    relay = Relay(kwargs.get("output_ranks"), kwargs.get("log_dir"))
+    relay = Relay(kwargs.get("output_ranks"), kwargs.get("log_dir"), prefix=kwargs.get("prefix", True))
     writers = {}
     for rank in chunks_by_rank:
         out_r, out_w = os.pipe()
@@ -70,3 +71,30 @@ def test_output_filter_hides_stdout_but_never_stderr(monkeypatch, tmp_path):
     assert buf_err.getvalue() == "[rank 1] Traceback: boom\n"
     # one unprefixed log per rank, stdout and stderr together (their order across two pipes is not fixed)
     assert sorted((tmp_path / "rank1.log").read_text().splitlines()) == ["Traceback: boom", "chatty"]
+
+
+def test_no_prefix_prints_lines_as_written_and_whole(monkeypatch):
+    out, err, relay = relay_bytes({0: [b"{\"a\": ", b"1}\n", b"tail"], 1: [b"x\r\n"]}, monkeypatch, prefix=False)
+    assert sorted(out.splitlines()) == ["tail", "x", '{"a": 1}']
+    assert out.endswith("\n") and relay.tail(0) == ['{"a": 1}', "tail"]
+
+
+def test_a_progress_bar_interrupted_by_another_rank_is_ended_first(monkeypatch):
+    out = io.StringIO()
+    monkeypatch.setattr(sys, "stdout", out)
+    relay = Relay(None, None)
+    pipes = {rank: (os.pipe(), os.pipe()) for rank in (0, 1)}
+    for rank, ((out_r, _), (err_r, _)) in pipes.items():
+        relay.add(rank, out_r, err_r)
+    relay.start()
+    os.write(pipes[0][0][1], b"50%|##  \r")
+    deadline = time.monotonic() + 5
+    while "50%" not in out.getvalue() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    os.write(pipes[1][0][1], b"loss 0.3\n")
+    for (_, out_w), (_, err_w) in pipes.values():
+        os.close(out_w)
+        os.close(err_w)
+    relay.stop(5)
+    # never "[rank 0] 50%|##[rank 1] loss 0.3" on one line
+    assert out.getvalue() == "\r[rank 0] 50%|##  \n[rank 1] loss 0.3\n"

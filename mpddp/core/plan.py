@@ -4,9 +4,11 @@ Owns: turning a :class:`~mpddp.config.LaunchConfig` into a :class:`Plan`
 without initializing CUDA in this process (GPUs from NVML or nvidia-smi,
 ``torch.cuda.device_count()`` as the fallback, never ``is_available()``,
 which poisons a later fork), choosing nprocs and backend, refusing ``fork``
-where a forked child fails or hangs, and the environment every worker gets
-(torchrun's variables, threads, pinned interfaces and GPUs). Leaves the
-machine's facts to machine/, the rank formula to ranks.py and starting the
+where a forked child fails or hangs, and the environment every worker gets:
+every variable torchrun's elastic agent sets (compared with a real torchrun
+in tests/test_torchrun_flags.py), plus mpddp's own (threads, pinned
+interfaces and GPUs). Leaves the machine's facts to machine/, the rank
+formula to ranks.py, the error file to core/errorfile.py and starting the
 processes to core/supervisor.py.
 """
 
@@ -15,6 +17,7 @@ from __future__ import annotations
 import os
 import sys
 import threading
+import uuid
 from dataclasses import dataclass
 
 import psutil
@@ -25,6 +28,10 @@ from ..errors import ConfigError
 from ..log import logger
 from ..machine.cores import physical_cores, threads_per_rank
 from ..machine.gpus import child_cuda_env
+from . import errorfile
+
+# What the launcher does on these signals (stop every worker), as torchrun's TORCHELASTIC_SIGNALS_TO_HANDLE says it
+SIGNALS_HANDLED = "SIGTERM,SIGINT,SIGHUP"
 
 
 @dataclass(frozen=True)
@@ -38,6 +45,7 @@ class Plan:
     pin_visible: bool  # write CUDA_VISIBLE_DEVICES for the workers
     threads: int | None
     slots: tuple[rank_math.RankSlot, ...] = ()  # this node's ranks
+    run_id: str = "none"  # TORCHELASTIC_RUN_ID, the same for every attempt
 
 
 def _gpus(config: LaunchConfig) -> tuple[tuple[int, ...] | None, bool]:
@@ -112,22 +120,33 @@ def plan_launch(config: LaunchConfig) -> Plan:
         threads = _fork_threads(threads)
     slots = rank_math.layout(config.nnodes, nprocs, gpus)
     mine = tuple(s for s in slots if s.node_rank == config.node_rank)
-    return Plan(config, nprocs, backend, gpus, pin, threads, mine)
+    # torchrun's ids: a fresh one on one node (--standalone's), "none" on several (its static
+    # rendezvous'); a node cannot make up an id that the other nodes would share
+    run_id = str(uuid.uuid4()) if config.nnodes == 1 else "none"
+    return Plan(config, nprocs, backend, gpus, pin, threads, mine, run_id)
 
 
 def node_env(plan: Plan, port: int, attempt: int) -> dict[str, str]:
     """The environment every worker of this node shares, computed once per group."""
     config = plan.config
     env = dict(os.environ)
-    env.update(
+    env.update(  # torchrun's elastic agent sets the same (TORCHELASTIC_RUN_ID: is_torchelastic_launched())
         WORLD_SIZE=str(plan.slots[0].world_size),
         LOCAL_WORLD_SIZE=str(plan.nprocs),
         GROUP_RANK=str(config.node_rank),
-        NODE_RANK=str(config.node_rank),
+        GROUP_WORLD_SIZE=str(config.nnodes),
+        ROLE_NAME="default",
         ROLE_WORLD_SIZE=str(plan.slots[0].world_size),
         MASTER_ADDR=config.master_addr,
         MASTER_PORT=str(port),
         TORCHELASTIC_RESTART_COUNT=str(attempt),
+        TORCHELASTIC_MAX_RESTARTS=str(config.max_restarts),
+        TORCHELASTIC_RUN_ID=plan.run_id,
+        TORCHELASTIC_SIGNALS_TO_HANDLE=SIGNALS_HANDLED,
+        TORCH_NCCL_ASYNC_ERROR_HANDLING=os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
+    )
+    env.update(  # mpddp's own
+        NODE_RANK=str(config.node_rank),
         PYTHONUNBUFFERED="1",
         MPDDP_STDOUT_ISATTY="1" if _interactive() else "0",
     )
@@ -148,9 +167,10 @@ def node_env(plan: Plan, port: int, attempt: int) -> dict[str, str]:
     return env
 
 
-def rank_env(node_env: dict[str, str], slot: rank_math.RankSlot) -> dict[str, str]:
-    """One worker's environment: the node's plus its ranks, as torchrun sets them."""
-    return {**node_env, "RANK": str(slot.rank), "LOCAL_RANK": str(slot.local_rank), "ROLE_RANK": str(slot.rank)}
+def rank_env(node_env: dict[str, str], slot: rank_math.RankSlot, error_dir: str) -> dict[str, str]:
+    """One worker's environment: the node's plus its ranks and its own error file, as torchrun sets them."""
+    return {**node_env, "RANK": str(slot.rank), "LOCAL_RANK": str(slot.local_rank), "ROLE_RANK": str(slot.rank),
+            "TORCHELASTIC_ERROR_FILE": errorfile.path(error_dir, slot.rank)}
 
 
 def _interactive() -> bool:

@@ -1,9 +1,13 @@
 """The output relay: every worker line reaches the parent's own streams.
 
 Owns: reading each rank's stdout and stderr pipes on one parent thread,
-cutting them into whole lines, prefixing ``[rank N] ``, writing them to the
-parent's *current* ``sys.stdout``/``sys.stderr`` (so a Jupyter cell shows
-them), per-rank log files, and the last lines of each rank for reports.
+cutting them into whole lines, prefixing ``[rank N] `` (or not: ``--no-prefix``
+prints them as written), writing them to the parent's *current*
+``sys.stdout``/``sys.stderr`` (so a Jupyter cell shows them), per-rank log
+files, and the last lines of each rank for reports. One thread writes every
+line, so two ranks' lines never glue (under torchrun, ranks share one
+stream and a partial write of one lands inside another's line); a progress
+bar that another rank interrupts is ended first.
 Leaves what a worker writes to core/worker.py, and when to stop to
 core/supervisor.py.
 """
@@ -37,8 +41,11 @@ class _Stream:
 class Relay:
     """Relay lines from many ranks' pipes until each pipe reaches end of file."""
 
-    def __init__(self, output_ranks: tuple[int, ...] | None, log_dir: str | None, tail: int = 30) -> None:
+    def __init__(self, output_ranks: tuple[int, ...] | None, log_dir: str | None, tail: int = 30,
+                 prefix: bool = True) -> None:
         self._output_ranks = output_ranks
+        self._prefix = prefix
+        self._bar: _Stream | None = None  # the stream whose progress line is drawn last, not ended yet
         self._log_dir = Path(log_dir) if log_dir else None
         self._selector = selectors.DefaultSelector()
         self._tails: dict[int, collections.deque[str]] = {}
@@ -82,6 +89,7 @@ class Relay:
             self._thread.join(timeout)
         for key in list(self._selector.get_map().values()):
             self._close(key.fd, key.data)
+        self._end_bar(None)  # the launcher's own next line starts a line of its own
         self._selector.close()
         for log in self._logs:
             log.close()
@@ -140,7 +148,9 @@ class Relay:
         if not stream.shown:
             return
         out = sys.stderr if stream.is_err else sys.stdout
-        text = f"[rank {stream.rank}] {line}"
+        self._end_bar(stream)
+        text = f"[rank {stream.rank}] {line}" if self._prefix else line
+        self._bar = stream if end == "\r" else None
         if end == "\r":  # a progress bar redraws in place, in terminals and notebooks alike
             text, stream.drawn = "\r" + text.ljust(stream.drawn), len(text)
         elif stream.drawn:  # a whole line after a bar: overwrite the bar, then go on
@@ -152,3 +162,16 @@ class Relay:
             out.flush()
         except (ValueError, OSError):
             pass  # the parent's stream was closed: keep draining the pipes
+
+    def _end_bar(self, stream: _Stream | None) -> None:
+        """Another stream's progress line is still open: end it, so that ``stream``'s text starts a line."""
+        bar = self._bar
+        if bar is None or bar is stream:
+            return
+        bar.drawn, self._bar = 0, None
+        try:
+            out = sys.stderr if bar.is_err else sys.stdout
+            out.write("\n")
+            out.flush()
+        except (ValueError, OSError):
+            pass

@@ -9,17 +9,22 @@ error carries. When one rank raises, its peers blocked in a collective fail
 within milliseconds; reporting whichever error arrives first would blame a
 victim, so reports are ordered by outcome, then time. Never by words in a
 message: a user's exception that says "timeout" is still the user's.
+A rank's ``@record`` error file (core/errorfile.py) adds the exception as
+the rank saw it: its traceback where the worker's own report has none (the
+script caught it and called ``sys.exit``), else its line and time.
 Leaves watching to core/supervisor.py and other nodes to core/heartbeat.py.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import HangError, Outcome, RankFailure, WorkerFailed
 from ..ranks import RankSlot
 from . import procs, stacks
+from .errorfile import ErrorRecord
 from .protocol import Failure
 
 _TAIL_LINES = 10
@@ -48,6 +53,7 @@ class RankState:
     stack_fd: int | None = None  # read end of its stack-dump pipe (core/stacks.py)
     main_thread: int | None = None  # its main thread's ident, from Started
     place: stacks.Place | None = None  # where it was when it was stopped
+    error_file: ErrorRecord | None = None  # what its TORCHELASTIC_ERROR_FILE said (@record), read after it ended
     lost_with: int | None = None  # the pid of the forkserver it was lost with (killed under it)
     tail: list[str] = field(default_factory=list)
 
@@ -79,12 +85,31 @@ class RankState:
 
     def record(self) -> RankFailure:
         """This rank as plain data, for the error (no live process in it)."""
-        f = self.failure
+        f, recorded = self.failure, self.error_file
+        traceback = recorded.traceback if recorded is not None and not _has_traceback(self) else None
         return RankFailure(rank=self.slot.rank, node_rank=self.slot.node_rank, local_rank=self.slot.local_rank,
                            outcome=self.outcome, pid=self.pid, exit_code=self.exitcode,
-                           error_type=f.error_type if f else None, message=f.message if f else None,
-                           traceback=f.traceback if f else None,
+                           error_type=f.error_type if f else None,
+                           message=f.message if f else (recorded.message if recorded else None),
+                           traceback=traceback or (f.traceback if f else None),
                            where=self.place.text if self.place else (f.where if f else None))
+
+
+def _has_traceback(s: RankState) -> bool:
+    """The worker reported the exception itself (a sys.exit's traceback says nothing)."""
+    return s.failure is not None and s.failure.kind is not Outcome.EXITED
+
+
+def _recorded(s: RankState) -> list[str]:
+    """What rank ``s``'s @record error file adds: its traceback where the worker had none, else its line."""
+    rec = s.error_file
+    if rec is None:
+        return []
+    when = f", written {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(rec.timestamp))}" if rec.timestamp else ""
+    source = f"its error file (torchelastic's @record{when})"
+    if rec.traceback and not _has_traceback(s):
+        return [f"mpddp: traceback of rank {s.slot.rank}, from {source}:", rec.traceback.rstrip()]
+    return [f"mpddp: rank {s.slot.rank}'s error file (torchelastic's @record{when}): {_short(rec.message)}"]
 
 
 def root_cause(states: list[RankState]) -> RankState:
@@ -138,7 +163,8 @@ def _others(states: list[RankState], root: RankState) -> list[str]:
             lines.append(f"  rank {s.slot.rank}: failed after rank {root.slot.rank} ({s.failure.error_type}: "
                          f"{_short(s.failure.message)}) — a consequence, not the cause")
         elif outcome in (Outcome.RAISED, Outcome.EXITED, Outcome.DIED):
-            lines.append(f"  rank {s.slot.rank}: also {_how(s)}")
+            said = f" (its error file: {_short(s.error_file.message)})" if s.error_file and not _has_traceback(s) else ""
+            lines.append(f"  rank {s.slot.rank}: also {_how(s)}{said}")
         else:
             lines.append(f"  rank {s.slot.rank}: finished")
     return lines
@@ -178,6 +204,7 @@ def failure_error(states: list[RankState]) -> WorkerFailed:
     lines += _tail_block(root)
     if root.failure is not None and root.failure.kind is not Outcome.EXITED:
         lines += [f"mpddp: traceback of rank {root.slot.rank}:", root.failure.traceback.rstrip()]
+    lines += _recorded(root)
     others = _others(states, root)
     if others:
         lines += ["mpddp: the other ranks:", *others]

@@ -8,7 +8,9 @@ rank", noting where each rank was before it is stopped, the teardown that
 always runs, and loading the ranks' return values. Leaves the plan to
 core/plan.py, the restart loop to core/api.py, hangs to core/watchdog.py,
 stacks to core/stacks.py, the report to core/report.py, other nodes to
-core/heartbeat.py, killing to core/procs.py and lines to core/relay.py.
+core/heartbeat.py, killing to core/procs.py, lines to core/relay.py and
+reading the ranks' ``@record`` error files (in a directory of this attempt's,
+removed when it ends) to core/errorfile.py.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -30,7 +33,7 @@ from ..context import WorkerContext
 from ..errors import MainGuardError, Outcome, WorkerFailed
 from ..log import logger
 from ..ranks import banner
-from . import procs, protocol, stacks
+from . import errorfile, procs, protocol, stacks
 from .heartbeat import Heartbeat, remote_causes
 from .plan import Plan, node_env, rank_env
 from .relay import Relay
@@ -93,7 +96,7 @@ class _Channels:
 
 def _start(
     plan: Plan, mp_context: Any, payload: bytes, port: int, attempt: int, relay: Relay, init_group: bool,
-    states: list[RankState],
+    states: list[RankState], error_dir: str,
 ) -> None:
     """Start every rank, adding each to ``states`` at once: a Ctrl-C between two starts
     must still find the ones already running (the caller tears ``states`` down)."""
@@ -108,7 +111,7 @@ def _start(
                                verbose=config.verbose)
         spec = WorkerSpec(
             ctx=ctx, store_addr=config.master_addr, store_port=port, store_prefix=protocol.attempt_prefix(attempt),
-            timeout=config.timeout, env=rank_env(shared_env, slot), threads=plan.threads,
+            timeout=config.timeout, env=rank_env(shared_env, slot, error_dir), threads=plan.threads,
             payload=payload, banner=banner(ctx) if config.verbose else None, init_group=init_group,
             # a forked child inherits every pipe: it must close the ends that are not its own
             close_fds=tuple(sorted(all_fds - {c.fileno() for c in ch.worker_ends}))
@@ -240,12 +243,13 @@ def run_group(plan: Plan, mp_context: Any, payload: bytes, attempt: int, init_gr
     config = plan.config
     sock = rendezvous.listen(config.master_addr, config.master_port) if config.node_rank == 0 else None
     port = sock.getsockname()[1] if sock is not None else config.master_port
-    relay = Relay(config.output_ranks, config.log_dir)
+    relay = Relay(config.output_ranks, config.log_dir, prefix=not config.no_prefix)
+    error_dir = tempfile.TemporaryDirectory(prefix="mpddp-errors-", ignore_cleanup_errors=True)
     states: list[RankState] = []
     store = beat = hang = None
     notes: list[str] = []
     try:
-        _start(plan, mp_context, payload, port, attempt, relay, init_group, states)
+        _start(plan, mp_context, payload, port, attempt, relay, init_group, states, error_dir.name)
         relay.start()
         if sock is not None:
             store = rendezvous.host_store(sock, config.timeout)
@@ -264,6 +268,9 @@ def run_group(plan: Plan, mp_context: Any, payload: bytes, attempt: int, init_gr
                 beat.stop()
             _teardown(states, urgent)
             relay.stop()
+            for s in states:  # every rank is gone: its file is complete, or was never written
+                s.error_file = errorfile.read(errorfile.path(error_dir.name, s.slot.rank))
+            error_dir.cleanup()
             del store
             if sock is not None:
                 sock.close()
