@@ -1,7 +1,12 @@
 """``mpddp run``: a torchrun-style script in N workers, with no torchrun.
 
-Owns: the ``run`` command's arguments. The worker side is core/script.py;
-the launch itself is the same as for every other command.
+Owns: the ``run`` command's arguments, and torchrun's flags that are no
+launch option's spelling (torchrun's names of launch options, such as
+``--nproc-per-node``, are aliases in config.py's field metadata, so every
+command has them): each becomes a launch option or a worker variable, is
+accepted as what mpddp always does, or is refused in one line that says
+what to use instead, before anything starts. The worker side is
+core/script.py; the launch itself is the same as for every other command.
 """
 
 from __future__ import annotations
@@ -12,13 +17,67 @@ from typing import Any
 
 import click
 
+from ..config import LaunchConfig
 from ..errors import ConfigError
+from ..ranks import global_rank
 from .options import build_config, launch_options
+
+C10D_PORT = 29400  # torchrun's port for an --rdzv-endpoint without one
+# torchrun's flags that mpddp takes but that name no launch option (README.rst, "torchrun next to self-spawning")
+TORCHRUN_OPTIONS = (
+    click.option("--standalone", is_flag=True, help="torchrun: one node on a free port, which is mpddp's default."),
+    click.option("--rdzv-endpoint", "--rdzv_endpoint", "rdzv_endpoint", metavar="HOST[:PORT]",
+                 help=f"torchrun: node 0's address, as --master-addr and --master-port [port: {C10D_PORT}]."),
+    click.option("--rdzv-backend", "--rdzv_backend", "rdzv_backend", metavar="c10d|static",
+                 help="torchrun: c10d or static; either way node 0's launcher hosts the store."),
+    click.option("--rdzv-id", "--rdzv_id", "--run-id", "--run_id", "run_id", metavar="ID",
+                 help="torchrun: the job's TORCHELASTIC_RUN_ID [default: a new one on one node, none on several]."),
+    click.option("--local-ranks-filter", "--local_ranks_filter", "local_ranks_filter", metavar="0,1",
+                 help="torchrun: this node's local ranks whose stdout is shown (--output-ranks, in local ranks)."),
+    click.option("-r", "--redirects", "redirects", metavar="SPEC",
+                 help="torchrun: accepted; every line still reaches this terminal, and --log-dir keeps a copy."),
+    click.option("-t", "--tee", "tee", metavar="SPEC",
+                 help="torchrun: accepted; lines always reach this terminal, and --log-dir writes rank<N>.log."),
+    click.option("--role", metavar="NAME", help="torchrun: the workers' ROLE_NAME [default: default]."),
+    click.option("--monitor-interval", "--monitor_interval", "monitor_interval", type=float, metavar="SECONDS",
+                 help="torchrun: accepted; mpddp wakes on every worker's exit instead of polling."),
+    click.option("--run-path", "--run_path", "run_path", is_flag=True,
+                 help="torchrun: accepted; the worker always runs the script with runpy."),
+)
+_ACCEPTED = ("redirects", "tee", "monitor_interval", "run_path")  # what they ask for, mpddp does anyway
+# torchrun's flags with no counterpart here (underscores read as dashes), and what to do instead
+REFUSED = {
+    "--no-python": "mpddp run starts a Python script or module (-m) in every worker; start any other program "
+                   "with torchrun --no-python",
+    "--rdzv-conf": "the rendezvous has no settings, --timeout is how long the nodes wait to meet "
+                   "(join_timeout); drop --rdzv-conf",
+    "--local-addr": "every node reaches node 0 at --master-addr, and GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME pick "
+                    "this node's interface; drop --local-addr",
+    "--logs-specs": "--log-dir writes one rank<N>.log per rank, and nothing else plugs in; drop --logs-specs",
+    "--numa-binding": "mpddp binds no CPUs: start the launcher under numactl (its ranks inherit the binding); "
+                      "drop --numa-binding",
+    "--signals-to-handle": "mpddp stops every worker on SIGTERM, SIGINT and SIGHUP, and prints where every rank "
+                           "is on SIGUSR1; drop --signals-to-handle",
+    "--shutdown-timeout": "mpddp gives workers 0.5 s after SIGTERM, then SIGKILL; drop --shutdown-timeout",
+    "--virtual-local-rank": "each rank sees every GPU chosen with --gpus and drives cuda:LOCAL_RANK; drop "
+                            "--virtual-local-rank",
+    "--event-log-handler": "mpddp records no events; drop --event-log-handler",
+    "--duplicate-stdout-filters": "--log-dir keeps every line of every rank: grep its rank<N>.log files",
+    "--duplicate-stderr-filters": "--log-dir keeps every line of every rank: grep its rank<N>.log files",
+}
+
+
+def torchrun_options(command: Any) -> Any:
+    """Add :data:`TORCHRUN_OPTIONS` to ``command``, after the launch options."""
+    for option in reversed(TORCHRUN_OPTIONS):
+        command = option(command)
+    return command
 
 
 @click.command(context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
 @launch_options
-@click.option("-m", "is_module", is_flag=True, help="TARGET is a module, run as with `python -m`.")
+@torchrun_options
+@click.option("-m", "--module", "is_module", is_flag=True, help="TARGET is a module, run as with `python -m`.")
 @click.argument("target")
 @click.argument("script_args", nargs=-1, type=click.UNPROCESSED)
 def run(target: str, script_args: tuple[str, ...], is_module: bool, **options: Any) -> None:
@@ -27,11 +86,15 @@ def run(target: str, script_args: tuple[str, ...], is_module: bool, **options: A
     \b
     mpddp run --nprocs 2 train.py --epochs 3
     mpddp run --nprocs 2 -m mypkg.train --epochs 3
+    mpddp run --standalone --nproc-per-node 2 train.py   (torchrun's words)
 
-    Each worker sees RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE,
-    GROUP_RANK, MASTER_ADDR and MASTER_PORT as under torchrun, its own
-    sys.argv, and __name__ == "__main__"; init_process_group("env://")
-    joins the launcher's store. The exit code is the failing rank's.
+    Each worker sees the variables torchrun sets (RANK, LOCAL_RANK,
+    WORLD_SIZE, MASTER_ADDR, MASTER_PORT, TORCHELASTIC_RUN_ID,
+    TORCHELASTIC_ERROR_FILE, ...), its own sys.argv, and __name__ ==
+    "__main__"; init_process_group("env://") joins the launcher's store.
+    torchrun's flags work as written (its _ spellings too, and those marked
+    torchrun: below); any other is refused with what to use instead. The
+    exit code is the failing rank's (torchrun's is 1).
     """
     from ..core.api import launch
     from ..core.script import run_script
@@ -45,20 +108,94 @@ def run(target: str, script_args: tuple[str, ...], is_module: bool, **options: A
             f"module {target!r} cannot be found from {os.getcwd()}: check its name, run from the directory "
             "that holds its package, or install it (pip install -e .)"
         )
+    local_ranks = options.pop("local_ranks_filter")
+    env = _from_torchrun(options)
     config = build_config(**options)
+    if local_ranks is not None:
+        config = replace(config, output_ranks=_local_ranks(local_ranks, config, options["output_ranks"]))
     # rank 0's env:// rendezvous connects to the launcher's store as a client; torch compares
     # the value with str(True), so "1" would make rank 0 try to bind the port itself
-    config = replace(config, env=(*config.env, ("TORCHELASTIC_USE_AGENT_STORE", "True")))
+    env["TORCHELASTIC_USE_AGENT_STORE"] = "True"
+    config = replace(config, env=(*config.env, *env.items()))
     launch(run_script, config=config, args=(target, script_args, is_module), init_process_group=False)
+
+
+def _from_torchrun(options: dict[str, Any]) -> dict[str, str]:
+    """Fold torchrun's flags into the launch ``options`` (in place); return the worker variables they set."""
+    standalone, endpoint = options.pop("standalone"), options.pop("rdzv_endpoint")
+    backend, run_id, role = options.pop("rdzv_backend"), options.pop("run_id"), options.pop("role")
+    for name in _ACCEPTED:
+        options.pop(name)
+    if backend is not None and backend not in ("c10d", "static"):
+        raise ConfigError(f"--rdzv-backend {backend} is not used here: node 0's launcher hosts the job's store "
+                          "itself; pass node 0's --rdzv-endpoint HOST:PORT (with --rdzv-backend c10d, or none) "
+                          "and each node's --node-rank")
+    if standalone:
+        if options["nnodes"] not in (None, 1):
+            raise ConfigError(f"--standalone is one node, but --nnodes is {options['nnodes']}: drop --standalone, "
+                              "and pass node 0's --master-addr and --master-port")
+        endpoint = backend = run_id = None  # torchrun ignores them under --standalone, and so does mpddp
+    if endpoint is not None:
+        for name, value in zip(("master_addr", "master_port"), _endpoint(endpoint)):
+            if options[name] is not None and options[name] != value:
+                flag = "--" + name.replace("_", "-")
+                raise ConfigError(f"--rdzv-endpoint {endpoint} and {flag} {options[name]} both say where node 0 "
+                                  "is, and disagree: pass one of them")
+            options[name] = value
+    if backend == "c10d" and (options["nnodes"] or 1) > 1 and options["node_rank"] is None and not _in_slurm():
+        raise ConfigError(f"--rdzv-backend c10d with --nnodes {options['nnodes']}: torchrun numbers the nodes as "
+                          "they join, mpddp needs each node's number: pass --node-rank 0 on the node at "
+                          "--rdzv-endpoint and 1, 2, ... on the others")
+    return {name: value for name, value in (("TORCHELASTIC_RUN_ID", run_id), ("ROLE_NAME", role)) if value is not None}
+
+
+def _endpoint(text: str) -> tuple[str, int]:
+    """``host:port``, ``host`` (torchrun's c10d port) or ``[::1]:port`` as (host, port)."""
+    host, colon, port = text.strip().rpartition(":")
+    if not colon or "]" in port or (host.count(":") and not host.startswith("[")):  # no port, or a bare IPv6
+        host, port = text.strip(), str(C10D_PORT)
+    host = host.removeprefix("[").removesuffix("]")
+    if not host or not port.isdigit():
+        raise ConfigError(f"--rdzv-endpoint {text!r} is not HOST:PORT: pass node 0's address, e.g. node0:29400")
+    return host, int(port)
+
+
+def _in_slurm() -> bool:
+    """SLURM numbers the nodes itself (machine/slurm.py reads it)."""
+    from ..machine.slurm import read_layout
+
+    return read_layout(os.environ) is not None
+
+
+def _local_ranks(spec: str, config: LaunchConfig, output_ranks: str | None) -> tuple[int, ...]:
+    """torchrun's ``--local-ranks-filter`` as global ranks: ``node_rank × nprocs + local_rank`` on this node."""
+    if output_ranks is not None:
+        raise ConfigError(f"--local-ranks-filter {spec} and --output-ranks {output_ranks} both pick the ranks "
+                          "shown: pass one")
+    parts = [part.strip() for part in spec.split(",")]
+    if not all(part.isdigit() for part in parts):
+        raise ConfigError(f"--local-ranks-filter {spec!r} is not a list of local ranks: use e.g. 0 or 0,1")
+    local = tuple(int(part) for part in parts)
+    if config.nprocs is None:
+        if config.nnodes == 1:
+            return local  # on one node a local rank is the global one
+        raise ConfigError(f"--local-ranks-filter {spec} on {config.nnodes} nodes needs --nproc-per-node N: "
+                          "a local rank's global rank is node_rank × N + local_rank")
+    if max(local) >= config.nprocs:
+        raise ConfigError(f"--local-ranks-filter {spec} names local rank {max(local)}, but this node has "
+                          f"{config.nprocs}: pass local ranks from 0 to {config.nprocs - 1}")
+    return tuple(global_rank(config.node_rank, rank, config.nprocs) for rank in local)
 
 
 def _no_such_option(target: str) -> click.UsageError:
     """An unknown option lands in TARGET (everything after the script is the script's): call it what it is."""
     import difflib
 
+    name = target.partition("=")[0]
+    if (instead := REFUSED.get(name.replace("_", "-"))) is not None:
+        return click.UsageError(f"{name} is torchrun's, with no counterpart in mpddp: {instead}.")
     ctx = click.get_current_context()
     known = [name for param in ctx.command.params for name in getattr(param, "opts", []) if name.startswith("--")]
-    name = target.partition("=")[0]
     close = difflib.get_close_matches(name, known, n=1)
     hint = f" Did you mean {close[0]}?" if close else ""
     return click.UsageError(f"No such option: {name}.{hint} A script whose name starts with '-' goes after --, "
