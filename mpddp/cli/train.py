@@ -50,10 +50,12 @@ def train(**options: Any) -> None:
     mpddp train --nprocs 2 --resume auto --epochs 15   continue the last run
     mpddp train --task scripts/example_task.py --nprocs 2
     """
-    from ..core.startup import start_forkserver
+    from ..core.startup import TRAINING_PRELOAD, start_forkserver
     from ..errors import ConfigError
 
-    start_forkserver(options["start_method"] or "forkserver")  # its torch import overlaps this process's, below
+    # every rank builds an optimizer and DDP, which import torch._dynamo, and runs the trainer:
+    # imported once in the forkserver, overlapping this process's torch import below
+    start_forkserver(options["start_method"] or "forkserver", preload=(*TRAINING_PRELOAD, "mpddp.trainer.loop"))
     from ..trainer.config import TrainConfig
     from ..trainer.loop import train as run_training
 

@@ -54,6 +54,7 @@ def launch(
     kwargs: dict[str, Any] | None = None,
     config: LaunchConfig | None = None,
     init_process_group: bool = True,
+    preload: tuple[str, ...] | list[str] = (),
     **options: Any,
 ) -> list[Any]:
     """Run ``fn(ctx, *args, **kwargs)`` on every local rank; return their values.
@@ -61,6 +62,10 @@ def launch(
     ``options`` are :class:`LaunchConfig` fields (``nnodes``, ``timeout``,
     ``max_restarts``, ...). ``init_process_group=False`` leaves the process
     group to ``fn`` (torchrun-style code calling ``init_process_group("env://")``).
+    ``preload``: modules every rank imports anyway, imported once in the
+    forkserver instead (``mpddp.core.startup.TRAINING_PRELOAD`` when ``fn``
+    builds an optimizer or DDP); it counts when the forkserver starts, at
+    the interpreter's first launch.
     The list is in local rank order. If a rank fails,
     the whole group is stopped and :class:`WorkerFailed` names the rank that
     failed first, with its traceback.
@@ -72,6 +77,8 @@ def launch(
         raise ConfigError(f"args={args!r} is not a tuple: pass fn's extra arguments as a tuple, e.g. args=({args!r},)")
     if kwargs is not None and not isinstance(kwargs, dict):
         raise ConfigError(f"kwargs={kwargs!r} is not a dict: pass fn's keyword arguments as a dict")
+    if not isinstance(preload, (tuple, list)) or not all(isinstance(m, str) for m in preload):
+        raise ConfigError(f"preload={preload!r} is not a list of module names: pass e.g. preload=['torch._dynamo']")
     config = make_config({**options, "nprocs": nprocs}, config)
     payload = ship(fn, tuple(args), dict(kwargs or {}))
     if config.nnodes > 1:
@@ -79,7 +86,7 @@ def launch(
 
         resolve(config.master_addr)  # a bad address: one line now, before any process or torch import
     with stacks.on_demand(), interrupts_deferred():  # SIGUSR1: where is every rank (from the first moment)
-        mp_context = start_context(config.start_method)
+        mp_context = start_context(config.start_method, tuple(preload))
         from .plan import plan_launch
 
         plan = plan_launch(config)

@@ -1,7 +1,10 @@
 """Start-up: the forkserver, the start method's context, and Ctrl-C while torch loads.
 
 Owns: starting multiprocessing's forkserver with mpddp's worker module
-preloaded (torch imported once, no CUDA touched, no torch op run), the
+preloaded (torch imported once, no CUDA touched, no torch op run) and what
+the command asks for besides (``mpddp train``: ``torch._dynamo``, which every
+optimizer and DDP constructor imports), the forkserver's garbage collector
+(paused while it imports, its objects frozen for the workers), the
 ``torch.multiprocessing`` context of the chosen start method, holding a
 Ctrl-C back while torch is imported, refusing a launch that a worker
 reached by re-importing a script with no main guard, and stopping the
@@ -13,16 +16,23 @@ itself to core/api.py and the worker's side to core/worker.py.
 from __future__ import annotations
 
 import contextlib
+import gc
 import multiprocessing
 import os
 import signal
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from .guardian import FORKSERVER_PARENT, FORKSERVER_TEMP
 
-FORKSERVER_PRELOAD = ["mpddp.core.worker"]
+# In this order: this module first (it pauses the forkserver's collector, below), then the worker (torch).
+FORKSERVER_PRELOAD = ("mpddp.core.startup", "mpddp.core.worker")
+# What a training step imports besides: torch.optim's Optimizer and DDP's constructor import
+# torch._dynamo, which costs as much as torch itself. A command whose every rank trains preloads
+# it; a launch() whose fn never builds one would pay it for nothing (README, Performance).
+TRAINING_PRELOAD = ("torch._dynamo",)
+_in_forkserver = False  # True in the forkserver only; each child it forks sets it back at once
 _START_LOCK = threading.Lock()  # launches from several threads: one forkserver, started once, with our variables
 
 
@@ -34,19 +44,56 @@ def refuse_bootstrap() -> None:
         os._exit(MAIN_GUARD_EXIT)
 
 
-def start_forkserver(method: str = "forkserver") -> None:
+def _pause_gc_while_preloading() -> None:
+    """In the forkserver: no garbage collection during its imports, its objects frozen for the workers.
+
+    Importing torch and torch._dynamo creates about a million objects, and
+    the collector's passes over them are a quarter of the import time
+    (measured). The forkserver never collects (it only forks), each worker
+    collects again from its first moment, and the objects the forkserver
+    made stay out of the workers' collections (``gc.freeze``): no worker
+    pays to walk them, or copies their pages by touching them. The recipe
+    of ``gc.freeze``'s documentation.
+    """
+    global _in_forkserver
+    _in_forkserver = True
+    gc.disable()
+    os.register_at_fork(before=_freeze_in_forkserver, after_in_child=_collect_in_child)
+
+
+def _freeze_in_forkserver() -> None:
+    if _in_forkserver:
+        gc.freeze()
+
+
+def _collect_in_child() -> None:
+    global _in_forkserver
+    if _in_forkserver:  # a worker: the hooks stay registered, so its own forks pass through here
+        _in_forkserver = False
+        gc.enable()
+
+
+# core/api.py's process leaves the variable unset; only a forkserver it starts sees its own parent's pid
+if os.environ.get(FORKSERVER_PARENT) == str(os.getppid()):
+    _pause_gc_while_preloading()
+
+
+def start_forkserver(method: str = "forkserver", preload: Sequence[str] = ()) -> None:
     """Start the forkserver now, in parallel with whatever this process imports next.
 
     The forkserver imports torch once, touches no CUDA and runs no torch op,
     so every worker forked from it is as clean as a spawned one, but starts
     in milliseconds. Started before this process imports torch, the two
     imports overlap; commands that import torch themselves before launching
-    (``mpddp train``) call this first. Idempotent; a no-op for other methods.
+    (``mpddp train``) call this first. ``preload``: modules every worker of
+    this command imports anyway (:data:`TRAINING_PRELOAD`), imported once in
+    the forkserver instead of once per rank. Idempotent: the first call of a
+    process decides the forkserver's modules; a no-op for other methods.
     """
     if method != "forkserver":
         return
     # the stdlib's context: importing torch.multiprocessing would import all of torch first
-    multiprocessing.get_context(method).set_forkserver_preload(FORKSERVER_PRELOAD)
+    multiprocessing.get_context(method).set_forkserver_preload([*FORKSERVER_PRELOAD, *preload])
     from multiprocessing import forkserver, util
 
     with _START_LOCK:
@@ -87,10 +134,10 @@ def stop_helpers(timeout: float = 3.0) -> None:
     worker.start()
     worker.join(timeout)  # a helper that does not exit must not hold the launcher
 
-def start_context(method: str) -> Any:
+def start_context(method: str, preload: Sequence[str] = ()) -> Any:
     """The multiprocessing context, from ``torch.multiprocessing`` (the stdlib's
     object plus torch's tensor reductions), once the forkserver is running."""
-    start_forkserver(method)
+    start_forkserver(method, preload)
     import torch.multiprocessing
 
     return torch.multiprocessing.get_context(method)
