@@ -33,7 +33,7 @@ if _started_as_command():  # the CLI's run_cli takes over SIGINT once it runs
 
     signal.signal(signal.SIGINT, _interrupted_early)
 
-__version__ = "0.1.0"
+from ._version import __version__ as __version__  # noqa: E402  (re-exported)
 
 # (below the handler on purpose: a Ctrl-C while these load is answered quietly too)
 from .config import LaunchConfig  # noqa: E402

@@ -216,9 +216,18 @@ class LaunchConfig:
     no_prefix: bool = field(default=False, metadata=_cli(
         "Print the workers' lines as they wrote them, without the [rank N] prefix (still whole lines, "
         "never two ranks' glued), e.g. for a pipeline.", "flag"))
+    hosts: tuple[str, ...] | None = field(default=None, metadata=_cli(
+        "Machines to start one launcher on each, over ssh, e.g. a,b: node rank by position, master on the "
+        "first [default: this machine only]."))
+    hostfile: str | None = field(default=None, metadata=_cli(
+        "A file of hosts, one a line, optional slots=N (DeepSpeed's format), instead of --hosts."))
+    ssh: str = field(default="ssh", metadata=_cli(
+        "The ssh command for --hosts, with its options, e.g. 'ssh -F ~/.ssh/cluster' [default: ssh]."))
     env: tuple[tuple[str, str], ...] = field(default=())  # extra worker variables (no flag)
 
     def __post_init__(self) -> None:
+        if self.hosts is not None or self.hostfile is not None:
+            self._take_hosts()
         if self.nprocs is not None:
             check_int("nprocs", self.nprocs, 1, None, "; pass the number of workers for this node, e.g. --nprocs 2")
             check_local_ranks(self.nprocs)
@@ -230,7 +239,7 @@ class LaunchConfig:
                 f"{self.nnodes - 1}; pass --node-rank {self.nnodes - 1} or raise --nnodes to {self.node_rank + 1}"
             )
         check_int("master_port", self.master_port, 0, 65535, "; pick a TCP port such as 29500 (0: let the OS choose)")
-        if self.nnodes > 1 and self.master_port == 0:
+        if self.nnodes > 1 and self.master_port == 0 and self.hosts is None:  # --hosts: node 0 picks and tells
             raise ConfigError(
                 "master_port=0 with nnodes>1: every node must know the port in advance; "
                 "pass the same --master-port (e.g. 29500) to every node"
@@ -275,6 +284,59 @@ class LaunchConfig:
             raise ConfigError(f"output_ranks={','.join(map(str, ranks))} names rank {max(ranks)}, but the world has "
                               f"{world} rank{'s' if world > 1 else ''} (nnodes={self.nnodes} × nprocs={self.nprocs}): "
                               f"pass ranks from 0 to {world - 1}, or all")
+
+    def _take_hosts(self) -> None:
+        """``hosts``/``hostfile`` -> nnodes, master address and (from slots) nprocs; node 0 is this launch."""
+        if self.hosts is not None and self.hostfile is not None:
+            raise ConfigError("hosts and hostfile both name the machines: pass only one of --hosts and --hostfile")
+        slots = None
+        if self.hostfile is not None:
+            hosts, slots = parse_hostfile(self.hostfile)
+        elif isinstance(self.hosts, str):
+            hosts = tuple(h.strip() for h in self.hosts.split(",") if h.strip())
+        else:
+            hosts = tuple(self.hosts or ())
+        if not hosts or not all(isinstance(h, str) and h and not h.startswith("-") for h in hosts):
+            raise ConfigError(f"hosts={self.hosts or self.hostfile!r} names no host: pass host names such as a,b")
+        twice = sorted({h for h in hosts if hosts.count(h) > 1})
+        if twice:
+            raise ConfigError(f"hosts lists {twice[0]} twice: one launcher per machine starts all its ranks; "
+                              "list each host once and pass --nprocs for the ranks on each")
+        if slots and self.nprocs is None and len(set(slots)) > 1:
+            raise ConfigError(f"hostfile={self.hostfile!r} gives different slots ({', '.join(map(str, slots))}): every "
+                              "node runs the same number of ranks; make them equal or pass --nprocs N")
+        if self.nnodes not in (1, len(hosts)) or self.node_rank != 0:
+            raise ConfigError(f"hosts names {len(hosts)} machine(s): the node count and node ranks come from it; "
+                              "drop --nnodes and --node-rank")
+        object.__setattr__(self, "hosts", hosts)
+        object.__setattr__(self, "hostfile", None)
+        object.__setattr__(self, "nnodes", len(hosts))
+        if self.master_addr == "127.0.0.1":
+            object.__setattr__(self, "master_addr", hosts[0])
+        if slots and self.nprocs is None:
+            object.__setattr__(self, "nprocs", slots[0])
+
+
+def parse_hostfile(path: str) -> tuple[tuple[str, ...], tuple[int, ...] | None]:
+    """DeepSpeed's hostfile: ``host [slots=N]`` a line, ``#`` comments -> (hosts, slots or None)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = [line.split("#")[0].split() for line in f]
+    except OSError as e:
+        raise ConfigError(f"hostfile={path!r} cannot be read ({e.strerror}): pass a file of host names, one a line") \
+            from e
+    hosts, slots = [], []
+    for n, parts in enumerate(lines, 1):
+        if not parts:
+            continue
+        extra = [p for p in parts[1:] if not re.fullmatch(r"slots=[1-9][0-9]*", p)]
+        if extra:
+            raise ConfigError(f"hostfile={path!r} line {n}: {' '.join(parts)!r} is not 'host' or 'host slots=N'")
+        hosts.append(parts[0])
+        slots += [int(p.split("=")[1]) for p in parts[1:]]
+    if slots and len(slots) != len(hosts):
+        raise ConfigError(f"hostfile={path!r} gives slots=N for some hosts only: give it for every host, or none")
+    return tuple(hosts), (tuple(slots) if slots else None)
 
 
 def parse_output_ranks(spec: str | Sequence[int] | int | None) -> tuple[int, ...] | None:

@@ -11,6 +11,7 @@ core/supervisor.py.
 from __future__ import annotations
 
 import difflib
+import socket
 from collections.abc import Callable, Mapping
 from dataclasses import fields, replace
 from typing import Any
@@ -38,7 +39,7 @@ def make_config(options: Mapping[str, Any], config: LaunchConfig | None = None) 
         hint = f"did you mean {close[0]!r}? " if close else ""
         raise ConfigError(f"launch() got an unexpected keyword argument {name!r}: {hint}"
                           "see help(mpddp.LaunchConfig) for the launch options")
-    if config is None:
+    if config is None and given.get("hosts") is None and given.get("hostfile") is None:  # --hosts: the layout
         from ..machine.slurm import apply_slurm
 
         layout = apply_slurm({k: given.get(k) for k in LAYOUT_KEYS})  # unchanged outside SLURM
@@ -81,26 +82,40 @@ def launch(
         raise ConfigError(f"preload={preload!r} is not a list of module names: pass e.g. preload=['torch._dynamo']")
     config = make_config({**options, "nprocs": nprocs}, config)
     payload = ship(fn, tuple(args), dict(kwargs or {}))
+    if config.hosts is not None:  # a launcher on every host, over ssh (core/remote.py)
+        from .remote import launch_hosts
+
+        return launch_hosts(config, payload, init_process_group, tuple(preload))
     if config.nnodes > 1:
         from ..machine.netif import resolve
 
         resolve(config.master_addr)  # a bad address: one line now, before any process or torch import
+    return run_node(config, payload, init_process_group, tuple(preload))
+
+
+def run_node(config: LaunchConfig, payload: bytes, init_process_group: bool, preload: tuple[str, ...],
+             held: socket.socket | None = None) -> list[Any]:
+    """This node's ranks, from a checked config and a shipped ``fn``: the forkserver, the plan, the attempts.
+
+    ``held``: node 0's rendezvous socket, already listening (a ``--hosts`` node, core/node.py).
+    """
     with stacks.on_demand(), interrupts_deferred():  # SIGUSR1: where is every rank (from the first moment)
-        mp_context = start_context(config.start_method, tuple(preload))
+        mp_context = start_context(config.start_method, preload)
         from .plan import plan_launch
 
         plan = plan_launch(config)
     with stacks.on_demand():
-        return _attempts(config, plan, mp_context, payload, init_process_group)
+        return _attempts(config, plan, mp_context, payload, init_process_group, held)
 
 
-def _attempts(config: LaunchConfig, plan: Any, mp_context: Any, payload: bytes, init_process_group: bool) -> list[Any]:
+def _attempts(config: LaunchConfig, plan: Any, mp_context: Any, payload: bytes, init_process_group: bool,
+              held: socket.socket | None = None) -> list[Any]:
     """Run the group, and again after a failure while restarts are left."""
     from .supervisor import run_group
 
     for attempt in range(config.max_restarts + 1):
         try:
-            return run_group(plan, mp_context, payload, attempt, init_process_group)
+            return run_group(plan, mp_context, payload, attempt, init_process_group, held if attempt == 0 else None)
         except KeyboardInterrupt:  # the teardown has already run, in run_group's finally
             raise KeyboardInterrupt("mpddp: interrupted; every worker was stopped") from None
         except WorkerFailed as failure:

@@ -5,15 +5,19 @@ Owns: the three messages a worker sends up its channel (:class:`Started`,
 and decoded, and every key mpddp writes in node 0's store (per attempt: who
 arrived, who finished init, each node's heartbeat). A failure's kind is an
 :class:`~mpddp.errors.Outcome` set in the worker, from the exception's type
-and the frame it was raised in, never recovered from its message. Leaves
-sending to core/worker.py, receiving to core/supervisor.py, the store to
-core/rendezvous.py.
+and the frame it was raised in, never recovered from its message. Also the
+few messages between the head of a ``--hosts`` launch and each node's
+launcher. Leaves sending to core/worker.py and core/node.py, receiving to
+core/supervisor.py and core/remote.py, the store to core/rendezvous.py.
 """
 
 from __future__ import annotations
 
+import base64
 import pickle
+import struct
 from dataclasses import dataclass
+from typing import Any
 
 from ..errors import Outcome
 
@@ -96,3 +100,39 @@ def progress_key(node: int) -> str:
 def full_key(attempt: int, key: str) -> str:
     """``key`` as seen without the attempt's PrefixStore."""
     return f"{attempt_prefix(attempt)}/{key}"
+
+
+# ---- between the head of a --hosts launch and each node's launcher (core/remote.py, core/node.py) ----
+# The head writes one request on the node's stdin (length, then a pickle); the node answers on stdout
+# with lines that start with NODE_MARK (kind and value, pickled, base64), between its ranks' lines.
+
+NODE_MARK = "\x1empddp-node "  # an ASCII record separator, then a word: no rank's line starts so
+_LENGTH = struct.Struct("!Q")
+
+
+def encode_request(request: dict[str, Any]) -> bytes:
+    data = pickle.dumps(request)
+    return _LENGTH.pack(len(data)) + data
+
+
+def read_request(stream: Any) -> dict[str, Any] | None:
+    """The head's request from ``stream``; None if it closed first."""
+    head = stream.read(_LENGTH.size)
+    if len(head) < _LENGTH.size:
+        return None
+    (size,) = _LENGTH.unpack(head)
+    data = stream.read(size)
+    if len(data) < size:
+        return None
+    request: dict[str, Any] = pickle.loads(data)
+    return request
+
+
+def node_line(kind: str, value: Any) -> str:
+    """A node's message as one line: ``port``, ``result`` or ``failed``, with a picklable value."""
+    return f"{NODE_MARK}{base64.b64encode(pickle.dumps((kind, value))).decode('ascii')}\n"
+
+
+def read_node_line(line: str) -> tuple[str, Any]:
+    kind, value = pickle.loads(base64.b64decode(line[len(NODE_MARK):]))
+    return str(kind), value

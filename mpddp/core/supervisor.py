@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import socket
 import sys
 import tempfile
 import threading
@@ -143,7 +144,7 @@ def _receive(state: RankState) -> None:
         if isinstance(message, protocol.Started):
             state.started, state.main_thread = True, message.main_thread
         elif isinstance(message, protocol.Result):
-            state.payload, state.has_result, state.finished_at = message.payload, True, time.monotonic()
+            state.payload, state.has_result, state.finished_at = message.payload, True, message.time
         else:
             state.failure, state.failed_at = message, message.time
 
@@ -236,12 +237,16 @@ def _forkserver_lost(states: list[RankState]) -> None:
             s.lost_with = server
 
 
-def run_group(plan: Plan, mp_context: Any, payload: bytes, attempt: int, init_group: bool = True) -> list[Any]:
-    """Start this node's ranks, watch them, and stop them all, whatever happens."""
+def run_group(plan: Plan, mp_context: Any, payload: bytes, attempt: int, init_group: bool = True,
+              held: socket.socket | None = None) -> list[Any]:
+    """Start this node's ranks, watch them, and stop them all, whatever happens.
+
+    ``held``: node 0's rendezvous socket, already listening (core/node.py binds it to tell the head its port).
+    """
     from . import rendezvous
 
     config = plan.config
-    sock = rendezvous.listen(config.master_addr, config.master_port) if config.node_rank == 0 else None
+    sock = held or (rendezvous.listen(config.master_addr, config.master_port) if config.node_rank == 0 else None)
     port = sock.getsockname()[1] if sock is not None else config.master_port
     relay = Relay(config.output_ranks, config.log_dir, prefix=not config.no_prefix)
     error_dir = tempfile.TemporaryDirectory(prefix="mpddp-errors-", ignore_cleanup_errors=True)
