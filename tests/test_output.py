@@ -117,3 +117,25 @@ def test_cli_output_ranks_and_log_dir(tmp_path, ranks):
     assert "[rank 0] err of rank 0" in out.stderr and "[rank 1] err of rank 1" in out.stderr
     assert sorted(p.name for p in logs.iterdir()) == ["rank0.log", "rank1.log"]
     assert sorted((logs / "rank1.log").read_text().splitlines()) == ["err of rank 1", "out of rank 1"]
+
+
+PARTIAL_WRITES = textwrap.dedent("""
+    import os
+    rank = int(os.environ["RANK"])
+    for i in range(200):  # each line in two writes, both ranks at once
+        os.write(1, f"line {i} ".encode())
+        os.write(1, f"of rank {rank}\\n".encode())
+""")
+
+
+def test_no_prefix_prints_whole_lines_for_a_pipeline(tmp_path):
+    script = tmp_path / "job.py"
+    script.write_text(PARTIAL_WRITES)
+    out = subprocess.run([sys.executable, "-m", "mpddp", "run", "--no-prefix", "--nprocs", "2", str(script)],
+                         capture_output=True, text=True, timeout=90)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    for rank in (0, 1):  # as the script wrote them: no prefix, none glued to another rank's
+        assert [line for line in lines if line.endswith(f"of rank {rank}")] == [
+            f"line {i} of rank {rank}" for i in range(200)]
+    assert len(lines) == 400

@@ -245,3 +245,40 @@ def test_the_environment_is_torchruns_plus_documented_additions(tmp_path, argv):
         # init_process_group), an error file's directory that exists while the rank runs
         assert a[rank] == b[rank] and a[rank]["elastic"] and a[rank]["timeout"] == a[rank]["default_timeout"]
         assert a[rank]["error_dir_exists"] and not a[rank]["error_file_exists"]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.usefixtures("no_leftovers")
+def test_two_nodes_by_hand_see_what_torchrun_gives_them(tmp_path):
+    """``--nnodes 2 --node-rank R --master-addr --master-port``, both nodes on loopback: the same for every rank."""
+    from multinode import free_port
+
+    own = set(SAME + OWN_VALUES + MPDDP_ADDS)
+    env = {k: v for k, v in os.environ.items() if k not in own and not k.startswith(("TORCHELASTIC", "SLURM_"))}
+    seen, ports = {}, {}
+    for launcher in (["torch.distributed.run"], ["mpddp", "run"]):
+        port, tmp = free_port(), tmp_path / launcher[0]
+        ports[launcher[0]] = str(port)
+        tmp.mkdir()
+        nodes = [subprocess.Popen(
+            [sys.executable, "-m", *launcher, "--nnodes", "2", "--node-rank", str(node), "--master-addr",
+             "127.0.0.1", "--master-port", str(port), "--nproc-per-node", "1", ENV_SCRIPT],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**env, "TMPDIR": str(tmp)})
+            for node in (0, 1)]
+        outs = [node.communicate(timeout=90) for node in nodes]
+        assert [node.returncode for node in nodes] == [0, 0], outs
+        seen[launcher[0]] = {**_reports(outs[0][0]), **_reports(outs[1][0])}
+        if launcher[0] == "mpddp":
+            assert list(tmp.iterdir()) == []  # the error files' directories are gone on both nodes
+    a, b = seen["torch.distributed.run"], seen["mpddp"]
+    assert sorted(a) == sorted(b) == [0, 1]
+    for rank in (0, 1):
+        t = {k: v for k, v in a[rank].pop("env").items() if k not in env and k != "TMPDIR"}
+        m = {k: v for k, v in b[rank].pop("env").items() if k not in env and k != "TMPDIR"}
+        assert set(m) == set(t) | set(MPDDP_ADDS) | {"OMP_NUM_THREADS"}  # torchrun sets it for 2 ranks or more
+        assert (t["MASTER_PORT"], m["MASTER_PORT"]) == (ports["torch.distributed.run"], ports["mpddp"])
+        everything_but = {"TORCHELASTIC_ERROR_FILE", "TORCHELASTIC_SIGNALS_TO_HANDLE", "OMP_NUM_THREADS", "MASTER_PORT"}
+        assert {k: m[k] for k in t if k not in everything_but} == {k: t[k] for k in t if k not in everything_but}
+        assert (m["RANK"], m["GROUP_RANK"], m["GROUP_WORLD_SIZE"], m["TORCHELASTIC_RUN_ID"]) == (
+            str(rank), str(rank), "2", "none")
+        assert a[rank] == b[rank]
