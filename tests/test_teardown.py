@@ -8,6 +8,7 @@ of its own), and no temporary directory.
 
 from __future__ import annotations
 
+import os
 import re
 import signal
 import subprocess
@@ -166,3 +167,16 @@ def test_launches_from_threads_one_after_another_and_at_once(tmp_path):
     out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=100, cwd=tmp_path)
     assert out.returncode == 0, out.stderr
     assert out.stdout.splitlines() == ["after thread [0, 1] [0, 1]", "concurrent [0, 1] [0, 1]"], out.stderr
+
+
+def test_a_tmpdir_too_long_for_the_forkservers_socket_is_one_line(tmp_path):
+    long = tmp_path / ("t" * (110 - len(str(tmp_path))))
+    long.mkdir()
+    script = tmp_path / "ok.py"
+    script.write_text("print('ran')\n")
+    out = subprocess.run([sys.executable, "-m", "mpddp", "run", "--nprocs", "1", str(script)], capture_output=True,
+                         text=True, timeout=60, env={**os.environ, "TMPDIR": str(long)})
+    assert out.returncode == 2, out.stderr
+    assert out.stderr.startswith(f"mpddp: error: TMPDIR={str(long)!r} is too long for the forkserver's socket")
+    assert len(out.stderr.strip().splitlines()) == 1 and "ran" not in out.stdout
+    assert not list(long.iterdir())

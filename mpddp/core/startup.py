@@ -92,6 +92,7 @@ def start_forkserver(method: str = "forkserver", preload: Sequence[str] = ()) ->
     """
     if method != "forkserver":
         return
+    _check_socket_room()
     # the stdlib's context: importing torch.multiprocessing would import all of torch first
     multiprocessing.get_context(method).set_forkserver_preload([*FORKSERVER_PRELOAD, *preload])
     from multiprocessing import forkserver, util
@@ -105,6 +106,25 @@ def start_forkserver(method: str = "forkserver", preload: Sequence[str] = ()) ->
         finally:
             os.environ.pop(FORKSERVER_PARENT, None)
             os.environ.pop(FORKSERVER_TEMP, None)
+
+
+_SOCKET_PATH_MAX = 107  # bytes in an AF_UNIX socket path (sun_path, less its NUL)
+_SOCKET_NAME = len("/pymp-12345678/listener-12345678")  # what multiprocessing adds to the temp dir
+
+
+def _check_socket_room() -> None:
+    """The forkserver listens on a socket in TMPDIR: a TMPDIR too long for one is one line, not a crash."""
+    import tempfile
+
+    from ..errors import ConfigError
+
+    base = tempfile.gettempdir()
+    if len(os.fsencode(base)) + _SOCKET_NAME > _SOCKET_PATH_MAX:
+        raise ConfigError(
+            f"TMPDIR={base!r} is too long for the forkserver's socket ({len(os.fsencode(base))} bytes; a socket "
+            f"path holds {_SOCKET_PATH_MAX} in all): set a shorter TMPDIR, e.g. TMPDIR=/tmp, or pass "
+            "--start-method spawn"
+        )
 
 
 def forkserver_pid() -> int | None:
