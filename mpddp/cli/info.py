@@ -1,8 +1,9 @@
 """``mpddp info``: what this machine has, and what a launch here would choose.
 
 Owns: the report itself (torch build, CUDA and NCCL, the GPUs with their
-memory and processes, the cores, the launch's choices). Leaves the facts to
-machine/gpus.py and machine/cores.py and the choices to core/plan.py.
+memory and processes, the cores, the cluster environment found, the
+launch's choices). Leaves the facts to machine/gpus.py, machine/cores.py and
+machine/cluster.py and the choices to core/plan.py.
 
 It must never initialize CUDA, so that ``mpddp info`` in a notebook does not
 poison a later fork: torch is asked only ``cuda.device_count()`` (never
@@ -19,6 +20,8 @@ import click
 
 from .. import __version__, ranks
 from ..config import LaunchConfig, parse_gpus
+from ..errors import ConfigError
+from ..machine import cluster
 from ..machine.cores import physical_cores, threads_per_rank
 from ..machine.gpus import GpuInfo, GpuQuery, busy_warnings, child_cuda_env, query_gpus, resolve_gpus
 
@@ -28,13 +31,14 @@ from ..machine.gpus import GpuInfo, GpuQuery, busy_warnings, child_cuda_env, que
 @click.option("--gpus", default=None, help="Show the choices for these GPUs (0,3, free, free:N).")
 def info(nprocs: int | None, gpus: str | None) -> None:
     """Show torch, CUDA, NCCL, the GPUs and who uses them, the CPU cores,
-    and what a launch here would choose (backend, nprocs, threads, devices).
+    the cluster environment found (SLURM, MPI, PBS, LSF, Kubeflow), and what
+    a launch here would choose (backend, nprocs, threads, devices).
 
     Never initializes CUDA: GPUs are read through NVML or nvidia-smi.
     """
     config = LaunchConfig(nprocs=nprocs, gpus=parse_gpus(gpus))
     query = query_gpus()
-    click.echo("\n".join(torch_lines() + [""] + gpu_lines(query) + [""] + cpu_lines() + [""]))
+    click.echo("\n".join(torch_lines() + [""] + gpu_lines(query) + [""] + cpu_lines() + [""] + cluster_lines() + [""]))
     click.echo("\n".join(choice_lines(config, query)))
 
 
@@ -86,6 +90,20 @@ def cpu_lines() -> list[str]:
     import psutil
 
     return [f"CPU cores     {physical_cores()} physical, {psutil.cpu_count(logical=True)} logical"]
+
+
+def cluster_lines() -> list[str]:
+    """Which cluster environment a launch here would take its layout from, and where each value comes from."""
+    try:
+        found = cluster.detect(os.environ)
+    except ConfigError as e:  # a job whose files cannot be read: say so, the rest of the report still helps
+        return [f"cluster       unreadable: {e}"]
+    if found is None:
+        return [f"cluster       none found (looked for {', '.join(cluster.PRECEDENCE)})"]
+    lines = [f"cluster       {found.name}: a launch here takes this layout (explicit flags win)"]
+    lines += ["  " + line for line in cluster.describe(found).splitlines()]
+    why = cluster.note(found)
+    return lines + ([f"  note: {why}"] if why else [])
 
 
 def choice_lines(config: LaunchConfig, query: GpuQuery) -> list[str]:

@@ -1,8 +1,9 @@
 """``mpddp ranks``: how every worker's rank is computed, filled in.
 
 Owns: the teaching table (node, local rank, the formula, the device) and,
-inside a SLURM allocation, where each value came from. Leaves the formula to
-ranks.py and reading SLURM to machine/slurm.py.
+inside a job (SLURM, MPI, PBS, LSF, Kubeflow), which environment was found
+and where each value came from. Leaves the formula to ranks.py and reading
+the job to machine/cluster.py (SLURM's GPUs to machine/slurm.py).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import click
 from .. import ranks as rank_math
 from ..config import LaunchConfig, parse_gpus
 from ..errors import ConfigError
-from ..machine import slurm
+from ..machine import cluster, slurm
 
 
 @click.command()
@@ -31,13 +32,17 @@ def ranks(nprocs: int | None, nnodes: int | None, gpus: str | None) -> None:
     ids = parse_gpus(gpus)
     if isinstance(ids, str):
         raise ConfigError(f"gpus={ids!r}: `mpddp ranks` needs explicit ids such as 0,1,2,5")
-    allocation = slurm.read_layout(os.environ) if nnodes is None else None
-    if allocation is not None:  # inside a SLURM job: show that job's layout
-        click.echo(_slurm_header(allocation))
-        nnodes = allocation.nnodes
-        if nprocs is None and ids is None and allocation.gpus_on_node:
-            ids = allocation.gpu_ids if len(allocation.gpu_ids or ()) == allocation.gpus_on_node else None
-            nprocs = allocation.gpus_on_node
+    found = cluster.detect(os.environ) if nnodes is None else None
+    if found is not None:  # inside a job: show that job's layout
+        click.echo(_header(found))
+        nnodes = found.nnodes
+        allocation = found.layout
+        if isinstance(allocation, slurm.SlurmLayout):
+            if nprocs is None and ids is None and allocation.gpus_on_node:
+                ids = allocation.gpu_ids if len(allocation.gpu_ids or ()) == allocation.gpus_on_node else None
+                nprocs = allocation.gpus_on_node
+        elif nprocs is None:
+            nprocs = allocation.nprocs
     if nprocs is None:
         nprocs = len(ids) if ids else 1
     nnodes = 1 if nnodes is None else nnodes
@@ -45,14 +50,11 @@ def ranks(nprocs: int | None, nnodes: int | None, gpus: str | None) -> None:
     click.echo(format_ranks(config.nnodes, config.nprocs or 1, ids))
 
 
-def _slurm_header(layout: slurm.SlurmLayout) -> str:
+def _header(found: cluster.Detected) -> str:
     """Where the values came from, and why the layout would not work (if so)."""
-    try:
-        slurm.check_layout(layout, sys.argv)
-        problem = ""
-    except ConfigError as e:
-        problem = f"\nnote: {e}"
-    return f"{slurm.describe(layout)}{problem}\n"
+    problem = cluster.note(found, sys.argv)
+    note = f"\nnote: {problem}" if problem else ""
+    return f"{cluster.describe(found)}{note}\n"
 
 
 def format_ranks(nnodes: int, nprocs: int, gpus: tuple[int, ...] | None) -> str:

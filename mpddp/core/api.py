@@ -2,10 +2,10 @@
 
 Owns: checking ``launch``'s own arguments, building the one validated
 :class:`~mpddp.config.LaunchConfig` from options, an optional config and
-SLURM's layout (:func:`make_config`, used by the CLI too: one rule for
-both), and the restart loop. Leaves start-up to core/startup.py, shipping
-``fn`` to core/ship.py, the plan to core/plan.py and each attempt to
-core/supervisor.py.
+the job's layout (SLURM, MPI, PBS, LSF, Kubeflow; :func:`make_config`, used
+by the CLI too: one rule for both), and the restart loop. Leaves start-up to
+core/startup.py, shipping ``fn`` to core/ship.py, the plan to core/plan.py
+and each attempt to core/supervisor.py.
 """
 
 from __future__ import annotations
@@ -27,10 +27,10 @@ LAYOUT_KEYS = ("nnodes", "node_rank", "master_addr", "master_port")
 
 
 def make_config(options: Mapping[str, Any], config: LaunchConfig | None = None) -> LaunchConfig:
-    """``config`` (or the defaults) with ``options`` over it; under SLURM, its layout fills what neither set.
+    """``config`` (or the defaults) with ``options`` over it; a job's layout (SLURM, MPI, ...) fills what neither set.
 
-    Options that are None count as unset. SLURM is read only when no
-    ``config`` was passed: a config object already describes the job.
+    Options that are None count as unset. The job's environment is read only
+    when no ``config`` was passed: a config object already describes the job.
     """
     given = {k: v for k, v in options.items() if v is not None}
     known = [f.name for f in fields(LaunchConfig)]
@@ -40,9 +40,10 @@ def make_config(options: Mapping[str, Any], config: LaunchConfig | None = None) 
         raise ConfigError(f"launch() got an unexpected keyword argument {name!r}: {hint}"
                           "see help(mpddp.LaunchConfig) for the launch options")
     if config is None and given.get("hosts") is None and given.get("hostfile") is None:  # --hosts: the layout
-        from ..machine.slurm import apply_slurm
+        from ..machine.cluster import apply_cluster
 
-        layout = apply_slurm({k: given.get(k) for k in LAYOUT_KEYS})  # unchanged outside SLURM
+        # SLURM, MPI, PBS, LSF or Kubeflow (machine/cluster.py); unchanged outside them
+        layout = apply_cluster({k: given.get(k) for k in (*LAYOUT_KEYS, "nprocs")})
         given |= {k: v for k, v in layout.items() if v is not None}
     return replace(config, **given) if config is not None else LaunchConfig(**given)
 
