@@ -8,6 +8,7 @@ import pytest
 from click.testing import CliRunner
 
 from mpddp.cli import build_config, main
+from mpddp.cli.options import LAUNCH_FIELDS
 from mpddp.errors import ConfigError
 from mpddp.machine import slurm
 
@@ -250,10 +251,9 @@ def slurm_env(monkeypatch: pytest.MonkeyPatch) -> Callable[[dict[str, str]], Non
     return set_env
 
 
-LAUNCH_DEFAULTS = {
-    "nprocs": None, "nnodes": None, "node_rank": None, "master_addr": None, "master_port": None,
-    "backend": "gloo", "start_method": "spawn", "gpus": None, "timeout": None, "max_restarts": 0,
-    "output_ranks": "all", "log_dir": None, "verbose": False,
+# what the CLI passes with no flag (None: unset), for every launch option it has
+LAUNCH_DEFAULTS = {name: None for name in LAUNCH_FIELDS} | {
+    "backend": "gloo", "start_method": "spawn", "max_restarts": 0, "output_ranks": "all", "verbose": False,
 }
 
 
