@@ -247,7 +247,7 @@ def test_ctrl_c_while_ranks_start_stops_those_already_started(monkeypatch):
                 process.start = ctrl_c_once_rank_0_runs
             return process
 
-    monkeypatch.setattr(launcher, "start_context", lambda method: CtrlCOnSecondStart(real(method)))
+    monkeypatch.setattr(launcher, "start_context", lambda method, *rest: CtrlCOnSecondStart(real(method, *rest)))
     with pytest.raises(KeyboardInterrupt):
         mpddp.launch(wait_forever, nprocs=2, init_process_group=False)
     assert gone([started[0].pid], wait=1.0), "rank 0, started before the Ctrl-C, is still running"

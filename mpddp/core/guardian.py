@@ -28,8 +28,10 @@ own parent-death signal to core/worker.py.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import ctypes
 import os
+import re
 import shutil
 import signal
 import time
@@ -49,10 +51,11 @@ def serve_if_forkserver() -> None:
     if launcher != str(os.getppid()):
         return  # a worker, or an interpreter that merely imports mpddp
     me, parent = os.getpid(), int(launcher)
+    cache = _new_inductor_cache()
 
     def launcher_gone(signum: int, frame: object) -> None:
         if os.getpid() == me and os.getppid() != parent:  # not merely the starting thread that ended
-            _clean_up(me, parent, temp)
+            _clean_up(me, parent, temp, cache)
 
     signal.signal(LAUNCHER_GONE, launcher_gone)
     try:
@@ -62,13 +65,32 @@ def serve_if_forkserver() -> None:
     except (OSError, AttributeError):
         pass
     if os.getppid() != parent:  # the launcher died before the signal was armed
-        _clean_up(me, parent, temp)
+        _clean_up(me, parent, temp, cache)
     # the standard library's forkserver reaps adopted orphans too, and warns about each one
     warnings.filterwarnings("ignore", message="forkserver: waitpid returned unexpected pid")
-    atexit.register(_clean_up, me, parent, temp)
+    atexit.register(_clean_up, me, parent, temp, cache)
 
 
-def _clean_up(me: int, launcher: int, temp: str | None) -> None:
+def _new_inductor_cache() -> str | None:
+    """torch's compile cache directory if importing torch._dynamo (a preload) is about to create it.
+
+    ``import torch._dynamo`` makes ``$TMPDIR/torchinductor_<user>`` at once, empty. A launch that
+    stopped at a bad option, or whose ranks never compiled anything, must not leave it behind.
+    """
+    if os.environ.get("TORCHINDUCTOR_CACHE_DIR"):
+        return None  # the user's own choice
+    import getpass
+    import tempfile
+
+    try:
+        user = getpass.getuser()
+    except (KeyError, OSError):
+        return None
+    path = os.path.join(tempfile.gettempdir(), "torchinductor_" + re.sub(r'[\\/:*?"<>|]', "_", user))  # torch's name
+    return None if os.path.exists(path) else path
+
+
+def _clean_up(me: int, launcher: int, temp: str | None, cache: str | None) -> None:
     """Kill everything below this forkserver, remove the temp dir if the launcher died, exit now."""
     if os.getpid() != me:
         return  # a forked child that inherited the hook
@@ -97,6 +119,9 @@ def _clean_up(me: int, launcher: int, temp: str | None) -> None:
         time.sleep(0.01)
     if temp and os.getppid() != launcher:  # re-parented: the launcher died without removing it
         shutil.rmtree(temp, ignore_errors=True)
+    if cache is not None:
+        with contextlib.suppress(OSError):
+            os.rmdir(cache)  # only if still empty: a cache that holds something stays
     os._exit(0)
 
 

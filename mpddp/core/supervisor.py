@@ -24,6 +24,7 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from multiprocessing import util
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
@@ -249,7 +250,8 @@ def run_group(plan: Plan, mp_context: Any, payload: bytes, attempt: int, init_gr
     sock = held or (rendezvous.listen(config.master_addr, config.master_port) if config.node_rank == 0 else None)
     port = sock.getsockname()[1] if sock is not None else config.master_port
     relay = Relay(config.output_ranks, config.log_dir, prefix=not config.no_prefix)
-    error_dir = tempfile.TemporaryDirectory(prefix="mpddp-errors-", ignore_cleanup_errors=True)
+    # inside multiprocessing's temp dir, which the forkserver removes even after a SIGKILL of this process
+    error_dir = tempfile.TemporaryDirectory(prefix="mpddp-errors-", dir=util.get_temp_dir(), ignore_cleanup_errors=True)
     states: list[RankState] = []
     store = beat = hang = None
     notes: list[str] = []
