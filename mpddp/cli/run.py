@@ -142,7 +142,7 @@ def _from_torchrun(options: dict[str, Any]) -> dict[str, str]:
                 raise ConfigError(f"--rdzv-endpoint {endpoint} and {flag} {options[name]} both say where node 0 "
                                   "is, and disagree: pass one of them")
             options[name] = value
-    if backend == "c10d" and (options["nnodes"] or 1) > 1 and options["node_rank"] is None and not _in_slurm():
+    if backend == "c10d" and (options["nnodes"] or 1) > 1 and options["node_rank"] is None and not _in_a_job():
         raise ConfigError(f"--rdzv-backend c10d with --nnodes {options['nnodes']}: torchrun numbers the nodes as "
                           "they join, mpddp needs each node's number: pass --node-rank 0 on the node at "
                           "--rdzv-endpoint and 1, 2, ... on the others")
@@ -160,11 +160,11 @@ def _endpoint(text: str) -> tuple[str, int]:
     return host, int(port)
 
 
-def _in_slurm() -> bool:
-    """SLURM numbers the nodes itself (machine/slurm.py reads it)."""
-    from ..machine.slurm import read_layout
+def _in_a_job() -> bool:
+    """A scheduler numbers the nodes itself (SLURM, MPI, PBS, LSF, Kubeflow: machine/cluster.py reads it)."""
+    from ..machine.cluster import present
 
-    return read_layout(os.environ) is not None
+    return bool(present(os.environ))
 
 
 def _local_ranks(spec: str, config: LaunchConfig, output_ranks: str | None) -> tuple[int, ...]:
