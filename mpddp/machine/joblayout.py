@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import ConfigError
-from .slurm import PORT_BASE, PORT_SPAN, port_for_job
+from .slurm import PORT_BASE, PORT_SPAN, port_for_job, refuse_conflicts, under_flags
 
 
 @dataclass(frozen=True)
@@ -132,21 +132,16 @@ def read_hostfile(path: str, variable: str, scheduler: str) -> list[str]:
 
 
 def check_conflicts(explicit: Mapping[str, Any], layout: JobLayout) -> None:
-    """Explicit flags win, except where one command line on every node cannot work."""
-    nnodes, node_rank = explicit.get("nnodes"), explicit.get("node_rank")
-    if nnodes not in (None, 1, layout.nnodes) and node_rank is None:
-        raise ConfigError(
-            f"--nnodes {nnodes} but {layout.launcher} runs this job on {layout.nnodes} node(s) "
-            f"({layout.source('nnodes')}): node ranks from {layout.source('node_rank')} cannot number {nnodes} "
-            f"nodes; drop --nnodes, or start the job on {nnodes} nodes, or pass --node-rank on every node"
-        )
-    if node_rank is not None and node_rank != layout.node_rank and nnodes in (None, layout.nnodes) \
-            and layout.nnodes > 1:
-        raise ConfigError(
-            f"--node-rank {node_rank} on {layout.scheduler} node {layout.node_rank} of {layout.nnodes} "
-            f"({layout.source('node_rank')}): {layout.launcher} runs the same command on every node, so every "
-            f"node would claim node rank {node_rank}; drop --node-rank"
-        )
+    """:func:`refuse_conflicts` in the words of ``layout``'s scheduler."""
+    refuse_conflicts(
+        explicit, layout.nnodes, layout.node_rank, True,
+        lambda n: (f"--nnodes {n} but {layout.launcher} runs this job on {layout.nnodes} node(s) "
+                   f"({layout.source('nnodes')}): node ranks from {layout.source('node_rank')} cannot number {n} "
+                   f"nodes; drop --nnodes, or start the job on {n} nodes, or pass --node-rank on every node"),
+        lambda r: (f"--node-rank {r} on {layout.scheduler} node {layout.node_rank} of {layout.nnodes} "
+                   f"({layout.source('node_rank')}): {layout.launcher} runs the same command on every node, so every "
+                   f"node would claim node rank {r}; drop --node-rank"),
+    )
 
 
 def merge(explicit: Mapping[str, Any], layout: JobLayout) -> dict[str, Any]:
@@ -158,16 +153,10 @@ def merge(explicit: Mapping[str, Any], layout: JobLayout) -> dict[str, Any]:
     flags: refused with ``layout.missing``, naming what to pass.
     """
     check_conflicts(explicit, layout)
-    if explicit.get("nnodes") not in (None, layout.nnodes):
-        found: dict[str, Any] = {"nnodes": explicit["nnodes"], "node_rank": 0}
-    else:
-        found = {"nnodes": layout.nnodes, "node_rank": layout.node_rank}
-        if layout.nnodes > 1:  # one node keeps the loopback default and an OS-chosen port
-            found |= {"master_addr": layout.master_addr, "master_port": layout.master_port}
+    merged = under_flags(explicit, layout.nnodes, layout.node_rank, layout.master_addr, layout.master_port)
     if layout.nprocs is not None:
-        found["nprocs"] = layout.nprocs
-    merged = {name: explicit[name] if explicit.get(name) is not None else value for name, value in found.items()}
-    if "master_addr" in found:
+        merged["nprocs"] = explicit["nprocs"] if explicit.get("nprocs") is not None else layout.nprocs
+    if "master_addr" in merged:
         need = [f"--{name.replace('_', '-')}" for name in ("master_addr", "master_port") if merged[name] is None]
         if need:
             remedy = f"pass {' and '.join(need)}"

@@ -69,6 +69,18 @@ def _one_per_node(local: tuple[int, str] | None, launcher: str, command: str) ->
             f"per node and starts one worker per GPU itself; start it with: {command}")
 
 
+def _layout(scheduler: str, job: str, launcher: str, command: str, size: tuple[int, str], rank: tuple[int, str],
+            local: tuple[int, str] | None, master: str | None, port: int | None, missing: str,
+            master_from: str, port_from: str) -> JobLayout:
+    """The layout of an MPI job with one MPI process a node: node rank = MPI rank."""
+    return JobLayout(
+        scheduler=scheduler, job=job, nnodes=size[0], node_rank=rank[0], master_addr=master, master_port=port,
+        launcher=launcher, command=command, problem=_one_per_node(local, launcher, command), missing=missing,
+        sources=(("nnodes", f"{size[1]}, one MPI process a node"), ("node_rank", rank[1]),
+                 ("master_addr", master_from), ("master_port", port_from)),
+    )
+
+
 def read_open_mpi(environ: Mapping[str, str], argv: Sequence[str], hostname: str | None = None) -> JobLayout | None:
     """The layout Open MPI's mpirun gave this process, or None outside Open MPI.
 
@@ -97,24 +109,11 @@ def read_open_mpi(environ: Mapping[str, str], argv: Sequence[str], hostname: str
     if job is None:
         missing = (f"{OPEN_MPI}'s mpirun set no job id (OMPI_MCA_ess_base_jobid, PMIX_NAMESPACE) to derive "
                    "a port from: {pass} on every node")
-    return JobLayout(
-        scheduler=OPEN_MPI,
-        job=f"{OPEN_MPI} job {job[1] if job else '(no id)'} (mpirun)",
-        nnodes=size[0],
-        node_rank=rank[0],
-        master_addr=master,
-        master_port=port_for(job[1]) if job else None,
-        launcher="mpirun",
-        command=command,
-        problem=_one_per_node(int_var(environ, OPEN_MPI, "OMPI_COMM_WORLD_LOCAL_SIZE"), "mpirun", command),
-        missing=missing,
-        sources=(
-            ("nnodes", f"{size[1]}, one MPI process a node"),
-            ("node_rank", rank[1]),
-            ("master_addr", f"mpirun's host, first address of {hnp[0]}" if master and hnp else "not in the environment"),
-            ("master_port", port_source(*job) if job else "not in the environment"),
-        ),
-    )
+    return _layout(OPEN_MPI, f"{OPEN_MPI} job {job[1] if job else '(no id)'} (mpirun)", "mpirun", command, size, rank,
+                   int_var(environ, OPEN_MPI, "OMPI_COMM_WORLD_LOCAL_SIZE"), master,
+                   port_for(job[1]) if job else None, missing,
+                   f"mpirun's host, first address of {hnp[0]}" if master and hnp else "not in the environment",
+                   port_source(*job) if job else "not in the environment")
 
 
 def read_hydra(environ: Mapping[str, str], argv: Sequence[str], hostname: str | None = None) -> JobLayout | None:
@@ -129,22 +128,8 @@ def read_hydra(environ: Mapping[str, str], argv: Sequence[str], hostname: str | 
     size = int_var(environ, HYDRA, "PMI_SIZE") or (1, "default 1")
     rank = int_var(environ, HYDRA, "PMI_RANK") or (0, "default 0")
     command = f"mpiexec -ppn 1 {user_command(argv)}"
-    return JobLayout(
-        scheduler=HYDRA,
-        job=f"{HYDRA} job (mpiexec, Hydra)",
-        nnodes=size[0],
-        node_rank=rank[0],
-        master_addr=None,
-        master_port=None,
-        launcher="mpiexec",
-        command=command,
-        problem=_one_per_node(int_var(environ, HYDRA, "MPI_LOCALNRANKS"), "mpiexec", command),
-        missing=(f"{HYDRA}'s mpiexec (Hydra) tells no process where MPI rank 0 runs, nor a port the whole job "
-                 "shares: {pass} on every node (node 0 is MPI rank 0, on the first host of mpiexec's -hosts)"),
-        sources=(
-            ("nnodes", f"{size[1]}, one MPI process a node"),
-            ("node_rank", rank[1]),
-            ("master_addr", "not in the environment"),
-            ("master_port", "not in the environment"),
-        ),
-    )
+    missing = (f"{HYDRA}'s mpiexec (Hydra) tells no process where MPI rank 0 runs, nor a port the whole job "
+               "shares: {pass} on every node (node 0 is MPI rank 0, on the first host of mpiexec's -hosts)")
+    return _layout(HYDRA, f"{HYDRA} job (mpiexec, Hydra)", "mpiexec", command, size, rank,
+                   int_var(environ, HYDRA, "MPI_LOCALNRANKS"), None, None, missing, "not in the environment",
+                   "not in the environment")

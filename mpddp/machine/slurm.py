@@ -273,22 +273,33 @@ def check_layout(layout: SlurmLayout, argv: Sequence[str]) -> None:
         )
 
 
+def refuse_conflicts(explicit: Mapping[str, Any], nnodes: int, node_rank: int, numbered: bool,
+                     too_many: Callable[[int], str], claimed: Callable[[int], str]) -> None:
+    """Explicit flags win, except where one command line on every node cannot work (every scheduler's: machine/joblayout.py).
+
+    ``--nnodes`` other than the job's with no ``--node-rank``: the job's node
+    ranks cannot number them (``too_many``). ``--node-rank`` on a job that
+    runs the same command on every node (``numbered``): every node would
+    claim it (``claimed``).
+    """
+    want_nodes, want_rank = explicit.get("nnodes"), explicit.get("node_rank")
+    if want_nodes not in (None, 1, nnodes) and want_rank is None:
+        raise ConfigError(too_many(want_nodes))
+    if want_rank is not None and want_rank != node_rank and want_nodes in (None, nnodes) and numbered and nnodes > 1:
+        raise ConfigError(claimed(want_rank))
+
+
 def _check_conflicts(explicit: Mapping[str, Any], layout: SlurmLayout) -> None:
     """Explicit flags win, except where srun's one command line on every node cannot work."""
-    nnodes, node_rank = explicit.get("nnodes"), explicit.get("node_rank")
-    if nnodes not in (None, 1, layout.nnodes) and node_rank is None:
-        raise ConfigError(
-            f"--nnodes {nnodes} but SLURM runs this step on {layout.nnodes} node(s) (SLURM_NNODES): "
-            f"node ranks from SLURM_NODEID cannot number {nnodes} nodes; drop --nnodes, or ask srun for "
-            f"--nodes={nnodes}, or pass --node-rank on every node"
-        )
-    if node_rank is not None and node_rank != layout.node_rank and nnodes in (None, layout.nnodes) \
-            and layout.in_step and layout.nnodes > 1:
-        raise ConfigError(
-            f"--node-rank {node_rank} on SLURM node {layout.node_rank} of {layout.nnodes}: srun runs the same "
-            "command on every node, so every node would claim node rank "
-            f"{node_rank}; drop --node-rank (SLURM_NODEID numbers the nodes)"
-        )
+    refuse_conflicts(
+        explicit, layout.nnodes, layout.node_rank, layout.in_step,
+        lambda n: (f"--nnodes {n} but SLURM runs this step on {layout.nnodes} node(s) (SLURM_NNODES): node ranks "
+                   f"from SLURM_NODEID cannot number {n} nodes; drop --nnodes, or ask srun for --nodes={n}, or pass "
+                   "--node-rank on every node"),
+        lambda r: (f"--node-rank {r} on SLURM node {layout.node_rank} of {layout.nnodes}: srun runs the same command "
+                   f"on every node, so every node would claim node rank {r}; drop --node-rank (SLURM_NODEID numbers "
+                   "the nodes)"),
+    )
 
 
 def merge(explicit: Mapping[str, Any], layout: SlurmLayout) -> dict[str, Any]:
@@ -298,13 +309,24 @@ def merge(explicit: Mapping[str, Any], layout: SlurmLayout) -> dict[str, Any]:
     job by hand, so SLURM's node rank and master stay out of it.
     """
     _check_conflicts(explicit, layout)
-    if explicit.get("nnodes") not in (None, layout.nnodes):
-        slurm: dict[str, Any] = {"nnodes": explicit["nnodes"], "node_rank": 0}
+    return under_flags(explicit, layout.nnodes, layout.node_rank, layout.master_addr, layout.master_port)
+
+
+def under_flags(explicit: Mapping[str, Any], nnodes: int, node_rank: int, master_addr: str | None,
+                master_port: int | None) -> dict[str, Any]:
+    """A job's layout with the explicit values (not None) over it (every scheduler's: machine/joblayout.py).
+
+    A node count of the user's other than the job's means the job is
+    described by hand: the job's node rank and master stay out of it. One
+    node keeps the loopback default and an OS-chosen port.
+    """
+    if explicit.get("nnodes") not in (None, nnodes):
+        job: dict[str, Any] = {"nnodes": explicit["nnodes"], "node_rank": 0}
     else:
-        slurm = {"nnodes": layout.nnodes, "node_rank": layout.node_rank}
-        if layout.nnodes > 1:  # one node keeps the loopback default and an OS-chosen port
-            slurm |= {"master_addr": layout.master_addr, "master_port": layout.master_port}
-    return {name: explicit[name] if explicit.get(name) is not None else value for name, value in slurm.items()}
+        job = {"nnodes": nnodes, "node_rank": node_rank}
+        if nnodes > 1:
+            job |= {"master_addr": master_addr, "master_port": master_port}
+    return {name: explicit[name] if explicit.get(name) is not None else value for name, value in job.items()}
 
 
 def apply_slurm(options: Mapping[str, Any], environ: Mapping[str, str] | None = None,
