@@ -32,6 +32,28 @@ def machine() -> str:
     return f"{model}, {os.cpu_count()} logical CPUs"
 
 
+def load() -> float:
+    """The 1-minute load average: a figure taken above the core count was measured on a busy machine."""
+    import os
+
+    return os.getloadavg()[0]
+
+
+def wait_for_quiet(busy_percent: float, patience: float) -> float:
+    """Wait until the machine's CPUs are at most ``busy_percent`` busy (over one second), at most
+    ``patience`` seconds; return the busy share last seen. Between repetitions nothing of the
+    benchmark runs, so what is busy then is someone else. ``busy_percent`` >= 100: no wait."""
+    import time
+
+    import psutil
+
+    deadline = time.monotonic() + patience
+    while True:
+        busy = psutil.cpu_percent(interval=1.0)
+        if busy <= busy_percent or busy_percent >= 100 or time.monotonic() > deadline:
+            return busy
+
+
 def paired_ratios(values: Sequence[float], reference: Sequence[float]) -> list[float]:
     """value / reference within each repetition."""
     return [v / r for v, r in zip(values, reference) if r > 0]
