@@ -124,8 +124,8 @@ class Watchdog:
     def _tell_long_compute(self, running: list[RankState], busy: list[RankState], now: float) -> None:
         """Once per rank: "rank 0 has computed for 300 s while rank 1 waits in barrier at train.py:40"."""
         idle = [s for s in running if s not in busy]
-        due = [s for s in busy if not self._ranks[s.slot.rank].told
-               and now - (self._ranks[s.slot.rank].busy_since or now) >= self.timeout]
+        due = [s for s in busy if not (rank := self._ranks[s.slot.rank]).told and not rank.spinning
+               and now - (rank.busy_since or now) >= self.timeout]
         if not idle or not due:
             return
         places = self.where(due + idle)
