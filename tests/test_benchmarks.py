@@ -87,8 +87,26 @@ def test_bench_train_gpu_mode_needs_a_gpu(tmp_path):
     assert "bench_train: --gpu needs a CUDA GPU, but torch.cuda.device_count() is 0 here" in out.stderr
 
 
+def _free_port_base(count: int = 8) -> int:
+    """A first port whose next ``count`` are free now: the textbook spawn peer binds hard-coded ports,
+    and another run on this machine (a second suite, a real job) may hold 29800."""
+    import random
+    import socket
+
+    for _ in range(100):
+        base = random.randrange(20000, 30000 - count)
+        try:
+            for port in range(base, base + count):
+                with socket.socket() as sock:
+                    sock.bind(("127.0.0.1", port))
+            return base
+        except OSError:
+            continue
+    raise AssertionError("no free run of ports")
+
+
 def test_bench_teardown(tmp_path):
-    stdout, data = tiny("bench_teardown.py", tmp_path)
+    stdout, data = tiny("bench_teardown.py", tmp_path, "--port-base", str(_free_port_base()))
     assert "x spawn" in stdout and "python -m mpddp run" in stdout
     for mode in ("kill", "raise"):
         assert data["results"][mode]["spawn"]["ratio"] == 1.0
