@@ -30,7 +30,8 @@ def tiny(script: str, tmp_path: Path, *args: str) -> tuple[str, dict]:
 
 def test_bench_launch(tmp_path):
     # one peer (accelerate, when installed) keeps the run short; every peer's row has the same code path
-    stdout, data = tiny("bench_launch.py", tmp_path, "--only", "mpddp,launch,spawn,accelerate", "--hang-limit", "30")
+    stdout, data = tiny("bench_launch.py", tmp_path, "--only", "mpddp,launch,spawn,accelerate", "--hang-limit", "30",
+                        "--port-base", str(_free_port_base(16)))
     header = stdout.split("\n\n")[-1]
     for column in ("x torchrun", "after threads", "returns"):
         assert column in header
