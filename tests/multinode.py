@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -124,3 +127,26 @@ class Cluster:
             time.sleep(0.1)
         outputs = "\n".join(f"node {i}:\n{n.stdout}\n{n.stderr}" for i, n in enumerate(self.nodes))
         raise AssertionError(f"{text!r} did not appear {count} times:\n{outputs}")
+
+
+NETNS = REPO / "scripts" / "netns_hosts.sh"
+
+
+@contextlib.contextmanager
+def namespace_hosts(work: Path) -> Iterator[Path]:
+    """Hosts n1 (10.99.0.1) and n2 (10.99.0.2) in network namespaces (scripts/netns_hosts.sh), deleted after.
+
+    Skips (with the reason) where they cannot be made: not root, no iproute2, or another run holds them.
+    """
+    import pytest
+
+    if os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("nsenter") is None:
+        pytest.skip("network namespaces need root, iproute2 and nsenter")
+    up = subprocess.run([str(NETNS), "up", str(work)], capture_output=True, text=True, timeout=30)
+    if up.returncode == 3:
+        pytest.skip(f"cannot make network namespaces here: {up.stderr.strip()}")
+    try:
+        assert up.returncode == 0, up.stderr
+        yield work
+    finally:
+        subprocess.run([str(NETNS), "down"], timeout=30, check=False)

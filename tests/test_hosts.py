@@ -10,6 +10,7 @@ reason elsewhere.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
@@ -23,10 +24,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from multinode import NETNS, namespace_hosts
 
-from runs import REPO, marked
+from runs import marked
 
-NETNS = REPO / "scripts" / "netns_hosts.sh"
 SSHD = shutil.which("sshd") or "/usr/sbin/sshd"
 pytestmark = [pytest.mark.netns, pytest.mark.timeout(240)]
 
@@ -63,17 +64,16 @@ API = textwrap.dedent("""
 @pytest.fixture(scope="module")
 def hosts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     """n1 and n2, each running sshd with a key made for the test; -> the directory with ssh_config."""
-    if os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("nsenter") is None:
-        pytest.skip("network namespaces need root, iproute2 and nsenter")
     if not os.path.exists(SSHD) or shutil.which("ssh") is None or shutil.which("ssh-keygen") is None:
         pytest.skip("needs OpenSSH (Debian's openssh-server and openssh-client)")
-    work = tmp_path_factory.mktemp("hosts")
-    up = subprocess.run([str(NETNS), "up", str(work)], capture_output=True, text=True, timeout=30)
-    if up.returncode == 3:
-        pytest.skip(f"cannot make network namespaces here: {up.stderr.strip()}")
+    with namespace_hosts(tmp_path_factory.mktemp("hosts")) as work, _sshd_on_each(work):
+        yield work
+
+
+@contextlib.contextmanager
+def _sshd_on_each(work: Path) -> Iterator[None]:
     daemons: list[subprocess.Popen] = []
     try:
-        assert up.returncode == 0, up.stderr
         for name in ("key", "hostkey"):
             subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(work / name)], check=True)
         shutil.copy(work / "key.pub", work / "authorized_keys")
@@ -101,12 +101,11 @@ def hosts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
                                             stderr=open(work / f"sshd{i}.log", "w")))
         for i in (1, 2):
             _wait_for_ssh(work, f"n{i}")
-        yield work
+        yield
     finally:
         for daemon in daemons:
             daemon.terminate()
             daemon.wait(10)
-        subprocess.run([str(NETNS), "down"], timeout=30, check=False)
 
 
 def _wait_for_ssh(work: Path, host: str) -> None:

@@ -23,9 +23,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from multinode import REPO, Cluster
+from multinode import NETNS, REPO, Cluster, namespace_hosts
 
-NETNS = REPO / "scripts" / "netns_hosts.sh"
 AGENT = REPO / "scripts" / "netns_agent.sh"
 TRAIN = [sys.executable, "-m", "mpddp", "train", "--nprocs", "2", "--dataset", "synthetic", "--samples", "256",
          "--epochs", "1", "--backend", "gloo", "--verbose"]
@@ -67,17 +66,8 @@ def cluster(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Cluster
 @pytest.fixture(scope="module")
 def netns_hosts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     """Hosts n1 (10.99.0.1) and n2 (10.99.0.2) in network namespaces; deleted at the end."""
-    if os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("nsenter") is None:
-        pytest.skip("network namespaces need root, iproute2 and nsenter")
-    work = tmp_path_factory.mktemp("netns")
-    up = subprocess.run([str(NETNS), "up", str(work)], capture_output=True, text=True, timeout=30)
-    if up.returncode == 3:
-        pytest.skip(f"cannot make network namespaces here: {up.stderr.strip()}")
-    try:
-        assert up.returncode == 0, up.stderr
+    with namespace_hosts(tmp_path_factory.mktemp("netns")) as work:
         yield work
-    finally:
-        subprocess.run([str(NETNS), "down"], timeout=30, check=False)
 
 
 def output(cluster: Cluster) -> str:

@@ -9,20 +9,16 @@ tag in its environment, so that whatever a launch leaves behind is found
 
 from __future__ import annotations
 
-import os
 import re
-import shutil
 import signal
-import subprocess
 import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from multinode import REPO, Cluster, Node, free_port
+from multinode import NETNS, Cluster, Node, free_port, namespace_hosts
 
-NETNS = REPO / "scripts" / "netns_hosts.sh"
 NODE_1 = re.compile(r"\bnode(\(s\))? 1\b")  # "node 1 ..." or "node(s) 1 never arrived"
 SLACK = 15.0  # seconds beyond --timeout for starting workers and tearing down, on 2 busy cores
 
@@ -105,17 +101,8 @@ def test_unreachable_master_is_named(cluster: Cluster) -> None:
 @pytest.fixture(scope="module")
 def netns_hosts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     """Hosts n1 (10.99.0.1) and n2 (10.99.0.2) in network namespaces; deleted at the end."""
-    if os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("nsenter") is None:
-        pytest.skip("network namespaces need root, iproute2 and nsenter")
-    work = tmp_path_factory.mktemp("netns")
-    up = subprocess.run([str(NETNS), "up", str(work)], capture_output=True, text=True, timeout=30)
-    if up.returncode == 3:
-        pytest.skip(f"cannot make network namespaces here: {up.stderr.strip()}")
-    try:
-        assert up.returncode == 0, up.stderr
+    with namespace_hosts(tmp_path_factory.mktemp("netns")) as work:
         yield work
-    finally:
-        subprocess.run([str(NETNS), "down"], timeout=30, check=False)
 
 
 @pytest.mark.netns
