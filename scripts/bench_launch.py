@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import itertools
 import json
 import os
 import re
@@ -44,7 +45,8 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -213,9 +215,9 @@ class Failed(Exception):
     pass
 
 
-def _run(cmd: list[str], timeout: float, limit: float | None = None) -> tuple[float, str]:
-    """Seconds and stdout. With a ``limit`` (after threads): Hung past it (the whole process group
-    killed) and Failed on an error; without: SystemExit on either."""
+def _run(cmd: list[str], timeout: float, limit: float | None, tolerate: bool) -> tuple[float, str]:
+    """Seconds and stdout. Past ``limit`` (after threads) Hung, the whole process group killed; an
+    error is Failed where ``tolerate`` (a peer's), else SystemExit (mpddp's or the reference's)."""
     start = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
@@ -232,7 +234,7 @@ def _run(cmd: list[str], timeout: float, limit: float | None = None) -> tuple[fl
     except ProcessLookupError:
         pass
     if proc.returncode != 0:
-        if limit:
+        if tolerate:
             signal_name = re.search(r"signal (SIG[A-Z]+)", err)
             raise Failed(f"fails ({signal_name.group(1) if signal_name else f'exit {proc.returncode}'})")
         raise SystemExit(f"bench_launch: {' '.join(cmd)} failed ({proc.returncode}):\n{err[-3000:]}")
@@ -268,64 +270,103 @@ def available() -> tuple[list[Launcher], list[str]]:
     return present, skipped
 
 
+@dataclass
+class Measured:
+    """One rank count's runs: seconds by key and repetition, and what did not finish."""
+
+    times: dict[str, dict[int, float]] = field(default_factory=dict)
+    returned: dict[str, str] = field(default_factory=dict)
+    stopped: dict[str, str] = field(default_factory=dict)  # after threads: "hangs (...)" or "fails (...)"
+    failures: dict[str, list[str]] = field(default_factory=dict)  # a peer's plain runs that failed
+    attempts: dict[str, int] = field(default_factory=dict)
+    busy: list[float] = field(default_factory=list)  # the CPUs' busy share just before each run: others' load
+
+
+def _one(m: Measured, rep: int, launcher: Launcher, threads: bool, cmd: list[str], timeout: float,
+         hang_limit: float) -> None:
+    key = launcher.key + ("@threads" if threads else "")
+    m.attempts[key] = m.attempts.get(key, 0) + 1
+    try:
+        seconds, out = _run(cmd, timeout, hang_limit if threads else None, tolerate=threads or bool(launcher.needs))
+    except Hung:
+        m.stopped[key] = f"hangs (> {hang_limit:.0f} s)"
+        return
+    except Failed as failure:
+        if threads:
+            m.stopped[key] = str(failure)
+        else:
+            m.failures.setdefault(key, []).append(str(failure))
+        return
+    if rep < 0:
+        return  # rep -1 warms the page cache, not counted
+    m.times.setdefault(key, {})[rep] = seconds
+    m.returned.setdefault(launcher.key, _returned(out))
+    if key == "launch":
+        m.times.setdefault("launch2", {})[rep] = json.loads(out.split("TIMES ", 1)[1])[1]
+
+
+def measure(n: int, reps: int, warmup: bool, launchers: list[Launcher], files: dict[str, str], ports: Iterator[int],
+            timeout: float, hang_limit: float, quiet: tuple[float, float]) -> Measured:
+    m = Measured()
+    runs = [(lau, False) for lau in launchers] + [(lau, True) for lau in launchers if lau.function]
+    for rep in range(-1 if warmup else 0, reps):
+        shift = rep % len(runs)
+        for launcher, threads in runs[shift:] + runs[:shift]:
+            if launcher.key + ("@threads" if threads else "") in m.stopped:
+                continue  # a hang is not timed twice
+            m.busy.append(wait_for_quiet(*quiet))
+            _one(m, rep, launcher, threads, command(launcher, n, files, next(ports), threads), timeout, hang_limit)
+        if rep >= 0:
+            print(f"  ranks {n} rep {rep + 1}/{reps} (load {load():.1f}, busy before runs at most "
+                  f"{max(m.busy[-len(runs):]):.0f}%): "
+                  + "  ".join(f"{k} {v[rep]:.2f}s" for k, v in m.times.items() if rep in v)
+                  + "".join(f"  {k} {v}" for k, v in sorted(m.stopped.items())), flush=True)
+    return m
+
+
+def _paired(values: dict[int, float], reference: dict[int, float]) -> dict[str, Any]:
+    """summary() over the repetitions where both ran."""
+    reps = sorted(values.keys() & reference.keys())
+    return summary([values[r] for r in reps], [reference[r] for r in reps])
+
+
+def rows_of(m: Measured, launchers: list[Launcher]) -> dict[str, Any]:
+    reference = m.times["torchrun"]
+    by_key: dict[str, Any] = {}
+    for launcher in launchers:
+        failed = m.failures.get(launcher.key, [])
+        returns = RETURNS.get(launcher.key, m.returned.get(launcher.key, "?"))
+        if failed:
+            returns += f"; {failed[0]} in {len(failed)} of {m.attempts[launcher.key]} runs"
+        if launcher.key not in m.times:
+            by_key[launcher.key] = {"label": launcher.label, "returns": returns, "failed": True}
+            continue
+        row = {"label": launcher.label, **_paired(m.times[launcher.key], reference), "returns": returns}
+        threaded = f"{launcher.key}@threads"
+        if threaded in m.stopped:
+            row["after_threads"] = m.stopped[threaded]
+        elif threaded in m.times:
+            row["after_threads"] = _paired(m.times[threaded], reference)
+        by_key[launcher.key] = row
+    if "launch2" in m.times:
+        by_key["launch2"] = {"label": "mpddp.launch, 2nd in the same interpreter (timed inside)",
+                             **_paired(m.times["launch2"], reference), "returns": by_key["launch"]["returns"]}
+    return by_key
+
+
 def bench(ranks: list[int], reps: int, warmup: bool, port_base: int, timeout: float, hang_limit: float,
           launchers: list[Launcher], quiet: tuple[float, float]) -> dict[str, Any]:
     results: dict[str, Any] = {}
-    port = port_base
-    runs = [(lau, False) for lau in launchers] + [(lau, True) for lau in launchers if lau.function]
+    ports = itertools.count(port_base + 1)
     with tempfile.TemporaryDirectory(prefix="mpddp-bench-") as tmp:
         files = {}
         for name, text in SCRIPTS.items():
             files[name] = os.path.join(tmp, f"bench_{name}.py")  # not torchrunx.py: it would shadow the package
             Path(files[name]).write_text(text)
         for n in ranks:
-            times: dict[str, list[float]] = {}
-            returned: dict[str, str] = {}
-            hung: dict[str, str] = {}  # key -> "hangs" or "fails (...)": not run again
-            busy: list[float] = []  # the machine's busy share just before each run: someone else's load
-            for rep in range(-1 if warmup else 0, reps):
-                shift = rep % len(runs)
-                for launcher, threads in runs[shift:] + runs[:shift]:
-                    key = launcher.key + ("@threads" if threads else "")
-                    if key in hung:
-                        continue  # a hang is not timed twice
-                    port += 1
-                    busy.append(wait_for_quiet(*quiet))
-                    try:
-                        seconds, out = _run(command(launcher, n, files, port, threads), timeout,
-                                            hang_limit if threads else None)
-                    except Hung:
-                        hung[key] = f"hangs (> {hang_limit:.0f} s)"
-                        continue
-                    except Failed as failure:
-                        hung[key] = str(failure)
-                        continue
-                    if rep < 0:
-                        continue  # rep -1 warms the page cache, not counted
-                    times.setdefault(key, []).append(seconds)
-                    returned.setdefault(launcher.key, _returned(out))
-                    if launcher.key == "launch" and not threads:
-                        times.setdefault("launch2", []).append(json.loads(out.split("TIMES ", 1)[1])[1])
-                if rep >= 0:
-                    print(f"  ranks {n} rep {rep + 1}/{reps} (load {load():.1f}, busy before runs at most "
-                          f"{max(busy[-len(runs):]):.0f}%): "
-                          + "  ".join(f"{k} {v[-1]:.2f}s" for k, v in times.items() if len(v) == rep + 1)
-                          + "".join(f"  {k} {v}" for k, v in sorted(hung.items())), flush=True)
-            reference = times["torchrun"]
-            by_key: dict[str, Any] = {}
-            for launcher in launchers:
-                row = {"label": launcher.label, **summary(times[launcher.key], reference),
-                       "returns": RETURNS.get(launcher.key, returned.get(launcher.key, "?"))}
-                threaded = f"{launcher.key}@threads"
-                if threaded in hung:
-                    row["after_threads"] = hung[threaded]
-                elif threaded in times:
-                    row["after_threads"] = summary(times[threaded], reference)
-                by_key[launcher.key] = row
-            by_key["launch2"] = {"label": "mpddp.launch, 2nd in the same interpreter (timed inside)",
-                                 **summary(times["launch2"], reference), "returns": by_key["launch"]["returns"]}
-            results[str(n)] = by_key
-            results[f"busy_before_runs_{n}"] = summary(busy)
+            m = measure(n, reps, warmup, launchers, files, ports, timeout, hang_limit, quiet)
+            results[str(n)] = rows_of(m, launchers)
+            results[f"busy_before_runs_{n}"] = summary(m.busy)
     return results
 
 
@@ -340,6 +381,9 @@ def report(results: dict[str, Any]) -> str:
                 after_cell = f"{after['ratio']:.2f}"
             else:
                 after_cell = "n/a" if key != "launch2" else ""
+            if r.get("failed"):
+                rows.append([n, r["label"], "-", "-", "-", after_cell, r["returns"]])
+                continue
             rows.append([n, r["label"], f"{r['median']:.2f}", f"{r['ratio']:.2f}",
                          f"{r['ratio_min']:.2f}-{r['ratio_max']:.2f}", after_cell, r["returns"]])
     return table(["ranks", "launcher", "median s", "x torchrun", "range", "after threads", "returns"], rows)
