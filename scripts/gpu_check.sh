@@ -72,7 +72,7 @@ if __name__ == "__main__":
 PYEOF
 step fork_refused 40 $PY "$WORK/fork_check.py"
 step bench_train_gpu 100 $PY scripts/bench_train.py --gpu --reps 3 --json "$OUT/bench_train_gpu.json"
-step bench_launch_1rank 100 $PY scripts/bench_launch.py --ranks 1 --reps 2 --json "$OUT/bench_launch_1rank.json"
+step bench_launch_1rank 100 $PY scripts/bench_launch.py --ranks 1 --reps 2 --only mpddp,launch,spawn --hang-limit 20 --json "$OUT/bench_launch_1rank.json"
 
 echo
 echo "== gpu_check summary ($(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)); logs in $OUT"
