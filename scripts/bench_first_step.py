@@ -17,6 +17,9 @@ against the reference run of the same repetition.
   launch ddp  a script: import mpddp; mpddp.launch(fn, nprocs=2,
               preload=TRAINING_PRELOAD); fn wraps a Linear in DDP, one backward
   launch ddp, default   the same without preload= (launch()'s default)
+  launch ddp, torch first   the same with preload=, in a script that imports
+              torch before mpddp: the launcher's import then comes before
+              the forkserver's, in series (no goal: what such a script costs)
   launch all_reduce     fn builds no DDP (one all_reduce), with and without
               preload=: what the preload costs a launch that does not need it
 
@@ -58,6 +61,9 @@ CHAIN = "import gc, os; gc.disable(); import torch.distributed, torch._dynamo; o
 LAUNCH = """\
 import inspect
 import sys
+
+if sys.argv[4:] == ["torch-first"]:
+    import torch  # noqa: F401 - the common script: torch at the top, before the launch
 
 import mpddp
 
@@ -105,10 +111,11 @@ def rows(ranks: list[int], baseline: bool) -> dict[str, tuple[str, list[str] | N
         out[f"train{n}"] = (f"mpddp train --nprocs {n}", None)
     out["launch_ddp"] = ("launch(), DDP step, preload=TRAINING_PRELOAD", None)
     out["launch_ddp_default"] = ("launch(), DDP step, default", None)
+    out["launch_ddp_torch"] = ("launch(), DDP step, preload=, script imports torch first", None)
     out["launch_ar"] = ("launch(), all_reduce only, default", None)
     out["launch_ar_preload"] = ("launch(), all_reduce only, preload=", None)
     if baseline:
-        for key in [k for k in out if k.startswith(("train", "launch_ddp_default"))]:
+        for key in [k for k in out if k.startswith("train") or k in ("launch_ddp", "launch_ddp_default")]:
             out[f"base_{key}"] = (f"{out[key][0]} [baseline]", None)
     return out
 
@@ -124,9 +131,10 @@ def command(key: str, files: dict[str, str], ranks_of_launch: int) -> tuple[list
         run_dir = tempfile.mkdtemp(prefix="run-", dir=files["tmp"])
         return [py, "-m", "mpddp", "train", "--nprocs", key.removeprefix("train"), "--dataset", "synthetic",
                 "--samples", "256", "--epochs", "1", "--run-dir", run_dir], env
-    kind, pre = {"launch_ddp": ("ddp", "preload"), "launch_ddp_default": ("ddp", "default"),
-                 "launch_ar": ("ar", "default"), "launch_ar_preload": ("ar", "preload")}[key]
-    return [py, files["launch"], kind, str(ranks_of_launch), pre], env
+    kind, pre, *first = {"launch_ddp": ("ddp", "preload"), "launch_ddp_default": ("ddp", "default"),
+                         "launch_ddp_torch": ("ddp", "preload", "torch-first"),
+                         "launch_ar": ("ar", "default"), "launch_ar_preload": ("ar", "preload")}[key]
+    return [py, files["launch"], kind, str(ranks_of_launch), pre, *first], env
 
 
 def timed(argv: list[str], env: dict[str, str], timeout: float) -> float:

@@ -13,15 +13,18 @@ def leftovers(wait: float = 3.0) -> list[psutil.Process]:
     """Descendants of this process other than multiprocessing's helpers.
 
     The forkserver itself stays (it holds no CUDA and no memory beyond torch's
-    import, and exits with this process); its children, the workers, must not.
+    import, and exits with this process); its children, the workers and the
+    store's keeper, must not. They carry the forkserver's command line (it
+    forks them without exec), so a helper is told by being this process's child.
     """
+    me = psutil.Process()
     deadline = time.monotonic() + wait
     while True:
         left = []
-        for proc in psutil.Process().children(recursive=True):
+        for proc in me.children(recursive=True):
             try:
-                cmd = " ".join(proc.cmdline())
-                if any(h in cmd for h in _HELPERS) or proc.status() == psutil.STATUS_ZOMBIE:
+                helper = proc.ppid() == me.pid and any(h in " ".join(proc.cmdline()) for h in _HELPERS)
+                if helper or proc.status() == psutil.STATUS_ZOMBIE:
                     continue
                 left.append(proc)
             except psutil.NoSuchProcess:

@@ -66,7 +66,8 @@ def test_bench_first_step(tmp_path):
         assert column in header
     results = data["results"]
     assert results["ref"]["ratio"] == 1.0
-    for key in ("floor", "chain", "train2", "launch_ddp", "launch_ddp_default", "launch_ar", "launch_ar_preload"):
+    for key in ("floor", "chain", "train2", "launch_ddp", "launch_ddp_default", "launch_ddp_torch", "launch_ar",
+                "launch_ar_preload"):
         assert results[key]["median"] > 0 and len(results[key]["values"]) == 1
     assert "<= 1.60: " in stdout  # the goal's verdict is printed, whatever it is
 

@@ -88,18 +88,19 @@ def stalled_nodes(addr: str, port: int, nnodes: int, me: int, attempt: int) -> l
 
 
 def remote_causes(
-    config: LaunchConfig, nprocs: int, root: Outcome, store: Any, port: int, attempt: int, init_group: bool,
+    config: LaunchConfig, nprocs: int, root: Outcome, hosting: bool, port: int, attempt: int, init_group: bool,
     stop_local: Callable[[], None],
 ) -> list[str]:
     """Lines that say what another node did (never arrived, went away); [] on one node.
 
     ``root`` is the outcome of this node's first failure (core/report.py):
     only an error inside a collective can be another node's doing.
+    ``hosting``: this node's keeper serves the store (node 0), which knows who arrived.
     """
     if config.nnodes == 1:
         return []
-    if store is not None and init_group:
-        missing = _missing_ranks(store, config.nnodes * nprocs, attempt)
+    if hosting and init_group:
+        missing = _missing_ranks(config.master_addr, port, config.nnodes * nprocs, attempt)
         if missing:
             return [_missing_message(missing, config, nprocs, port)]
     if root is not Outcome.COLLECTIVE:
@@ -116,9 +117,15 @@ def remote_causes(
             f"preempted or lost), taking rank(s) {', '.join(map(str, ranks))}; the failures below are consequences"]
 
 
-def _missing_ranks(store: Any, world_size: int, attempt: int) -> list[int]:
+def _missing_ranks(addr: str, port: int, world_size: int, attempt: int) -> list[int]:
     """Ranks that never reached node 0's store (their node never arrived); see core/worker.py."""
-    return [r for r in range(world_size) if not store.check([protocol.full_key(attempt, protocol.arrived_key(r))])]
+    from .rendezvous import connect
+
+    try:
+        store: Any = connect(addr, port, 2.0)
+        return [r for r in range(world_size) if not store.check([protocol.full_key(attempt, protocol.arrived_key(r))])]
+    except Exception:  # noqa: BLE001 - the store is gone too: nothing to say about who arrived
+        return []
 
 
 def _missing_message(missing: list[int], config: LaunchConfig, nprocs: int, port: int) -> str:

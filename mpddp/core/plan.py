@@ -52,14 +52,17 @@ def _gpus(config: LaunchConfig) -> tuple[tuple[int, ...] | None, bool]:
     """Physical GPU ids for local ranks 0, 1, ... (None: CPU), and whether to pin them.
 
     nvidia-smi/NVML answer without a CUDA context; torch.cuda.device_count()
-    is the fallback (it creates no CUDA context), never is_available().
+    is the fallback (it creates no CUDA context), never is_available(), and
+    only for a torch built for GPUs: on a CPU build the launcher imports no torch.
     """
-    import torch
-
-    from ..machine.gpus import busy_warnings, query_gpus, resolve_gpus
+    from ..machine.gpus import busy_warnings, query_gpus, resolve_gpus, torch_builds_for_gpus
 
     query = query_gpus()
     if config.gpus is None and not query.visible:
+        if not torch_builds_for_gpus():
+            return None, False
+        import torch
+
         count = torch.cuda.device_count()
         return (tuple(range(count)) or None), False
     ids = resolve_gpus(config.gpus, config.nprocs, query)
@@ -70,9 +73,8 @@ def _gpus(config: LaunchConfig) -> tuple[tuple[int, ...] | None, bool]:
 
 def _check_fork(gpus: tuple[int, ...] | None) -> None:
     """Refuse ``fork`` where a forked child fails or can hang (measured: after CUDA, after a threaded op)."""
-    import torch
-
-    if gpus or torch.cuda.is_initialized():
+    torch = sys.modules.get("torch")  # CUDA is initialized only where torch was imported
+    if gpus or (torch is not None and torch.cuda.is_initialized()):
         raise ConfigError(
             "start_method='fork' is unsafe with CUDA GPUs visible: a forked child fails with 'Cannot re-initialize "
             "CUDA in forked subprocess'; use start_method='forkserver' (the default, as fast) or 'spawn'"

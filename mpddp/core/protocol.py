@@ -1,6 +1,7 @@
 """What crosses between a worker and its launcher: typed messages and store keys.
 
-Owns: the three messages a worker sends up its channel (:class:`Started`,
+Owns: what the launcher sends each worker (:class:`WorkerSpec`), the
+three messages a worker sends up its channel (:class:`Started`,
 :class:`Result`, :class:`Failure`, each pickled whole), how they are encoded
 and decoded, and every key mpddp writes in node 0's store (per attempt: who
 arrived, who finished init, each node's heartbeat). A failure's kind is an
@@ -19,7 +20,25 @@ import struct
 from dataclasses import dataclass
 from typing import Any
 
+from ..context import WorkerContext
 from ..errors import Outcome
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """Plain data the launcher sends to one worker (pickled at start)."""
+
+    ctx: WorkerContext
+    store_addr: str
+    store_port: int
+    store_prefix: str
+    timeout: float  # for reaching node 0's store; collectives keep torch's default (core/watchdog.py finds hangs)
+    env: dict[str, str]
+    threads: int | None
+    payload: bytes  # cloudpickle of (fn, args, kwargs, notebook cells' linecache entries)
+    close_fds: tuple[int, ...] = ()  # parent fds a forked child inherited
+    banner: str | None = None
+    init_group: bool = True
 
 
 @dataclass(frozen=True)

@@ -1,12 +1,12 @@
-"""Rendezvous: node 0 hosts the TCPStore on a socket it already holds.
+"""Rendezvous: node 0's TCPStore, on a socket the launcher already holds.
 
 Owns: binding the listening socket (port 0 -> the OS picks a free port that
 stays bound, so no other job can take it between "probe" and "use"), handing
 it to ``torch.distributed.TCPStore`` through ``master_listen_fd``, and the
 client connection workers make. A single-node job listens on 127.0.0.1 only:
 ``TCPStore("127.0.0.1", 0, is_master=True)`` would listen on every address.
-Leaves resolving names to machine/netif.py and starting workers to
-core/supervisor.py.
+Leaves resolving names to machine/netif.py, the process that serves the
+store to core/keeper.py and starting workers to core/supervisor.py.
 """
 
 from __future__ import annotations

@@ -155,12 +155,15 @@ def stop_helpers(timeout: float = 3.0) -> None:
     worker.join(timeout)  # a helper that does not exit must not hold the launcher
 
 def start_context(method: str, preload: Sequence[str] = ()) -> Any:
-    """The multiprocessing context, from ``torch.multiprocessing`` (the stdlib's
-    object plus torch's tensor reductions), once the forkserver is running."""
-    start_forkserver(method, preload)
-    import torch.multiprocessing
+    """The multiprocessing context, once the forkserver is running.
 
-    return torch.multiprocessing.get_context(method)
+    The stdlib's, not ``torch.multiprocessing``'s: they are the same object,
+    and torch's tensor reductions are registered by any ``import torch``, so
+    a launcher whose caller sends tensors has them. This process imports no
+    torch for the launch (the store is served by core/keeper.py).
+    """
+    start_forkserver(method, preload)
+    return multiprocessing.get_context(method)
 
 
 @contextlib.contextmanager

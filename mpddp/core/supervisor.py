@@ -1,13 +1,14 @@
 """One attempt of one node's worker group: start, watch, stop.
 
-Owns: starting this node's processes (each with a message channel, two
-output pipes and a pipe for stack dumps), the watch loop that drains typed
-messages while waiting (reading only after join deadlocks past the 64 KiB
-pipe buffer) and asks the watchdog each turn, SIGUSR1's "where is every
+Owns: starting this node's processes (on node 0 the store's keeper first,
+then each rank with a message channel, two output pipes and a pipe for
+stack dumps), the watch loop that drains typed messages while waiting
+(reading only after join deadlocks past the 64 KiB pipe buffer), notices a
+keeper that died and asks the watchdog each turn, SIGUSR1's "where is every
 rank", noting where each rank was before it is stopped, the teardown that
 always runs, and loading the ranks' return values. Leaves the plan to
-core/plan.py, the restart loop to core/api.py, hangs to core/watchdog.py,
-stacks to core/stacks.py, the report to core/report.py, other nodes to
+core/plan.py, the keeper's process to core/keeper.py, the restart loop to
+core/api.py, hangs to core/watchdog.py, stacks to core/stacks.py, the report to core/report.py, other nodes to
 core/heartbeat.py, killing to core/procs.py, lines to core/relay.py and
 reading the ranks' ``@record`` error files (in a directory of this attempt's,
 removed when it ends) to core/errorfile.py.
@@ -32,11 +33,12 @@ import cloudpickle
 import psutil
 
 from ..context import WorkerContext
-from ..errors import MainGuardError, Outcome, WorkerFailed
+from ..errors import MainGuardError, Outcome, RendezvousError, WorkerFailed
 from ..log import logger
 from ..ranks import banner
-from . import errorfile, procs, protocol, stacks
+from . import entry, errorfile, keeper, procs, protocol, stacks
 from .heartbeat import Heartbeat, remote_causes
+from .keeper import Keeper
 from .plan import Plan, node_env, rank_env
 from .relay import Relay
 from .report import RankState, failure_error, hang_error, root_cause
@@ -102,8 +104,6 @@ def _start(
 ) -> None:
     """Start every rank, adding each to ``states`` at once: a Ctrl-C between two starts
     must still find the ones already running (the caller tears ``states`` down)."""
-    from .worker import WorkerSpec, entry
-
     config = plan.config
     shared_env = node_env(plan, port, attempt)
     channels = [_Channels(mp_context.Pipe(duplex=False), _pipe(), _pipe(), _pipe()) for _ in plan.slots]
@@ -111,7 +111,7 @@ def _start(
     for slot, ch in zip(plan.slots, channels):
         ctx = WorkerContext.at(slot, nnodes=config.nnodes, backend=plan.backend, restart=attempt,
                                verbose=config.verbose)
-        spec = WorkerSpec(
+        spec = protocol.WorkerSpec(
             ctx=ctx, store_addr=config.master_addr, store_port=port, store_prefix=protocol.attempt_prefix(attempt),
             timeout=config.timeout, env=rank_env(shared_env, slot, error_dir), threads=plan.threads,
             payload=payload, banner=banner(ctx) if config.verbose else None, init_group=init_group,
@@ -119,7 +119,7 @@ def _start(
             close_fds=tuple(sorted(all_fds - {c.fileno() for c in ch.worker_ends}))
             if config.start_method == "fork" else (),
         )
-        process = mp_context.Process(target=entry, args=(spec, *ch.worker_ends), name=f"mpddp-rank-{slot.rank}")
+        process = mp_context.Process(target=entry.rank, args=(spec, *ch.worker_ends), name=f"mpddp-rank-{slot.rank}")
         with _LIVE_LOCK, _main_file_checked():
             process.start()
             _LIVE.add(process.pid)
@@ -150,12 +150,15 @@ def _receive(state: RankState) -> None:
             state.failure, state.failed_at = message, message.time
 
 
-def _watch(states: list[RankState], watchdog: Watchdog) -> Hang | None:
-    """Wait until every rank succeeded, a failure window has closed, or the watchdog found a hang."""
+def _watch(states: list[RankState], watchdog: Watchdog, store: Keeper | None = None) -> Hang | None:
+    """Wait until every rank succeeded, a failure window has closed, the store's keeper is gone,
+    or the watchdog found a hang."""
     first_failure: float | None = None
     while True:
         waitables: list[Any] = [s.messages for s in states if not s.messages.closed]
         waitables += [s.process.sentinel for s in states if s.exitcode is None]
+        if store is not None:
+            waitables.append(store.process.sentinel)
         ready = wait(waitables, timeout=0.2) if waitables else []
         for s in states:
             if s.messages in ready or s.process.sentinel in ready or s.exitcode is None:
@@ -171,6 +174,8 @@ def _watch(states: list[RankState], watchdog: Watchdog) -> Hang | None:
             first_failure = now
         if all(s.succeeded for s in states):
             return None
+        if store is not None and store.lost:
+            return None  # the ranks' errors, if any yet, are its consequences
         if first_failure is not None and (now - first_failure > _FAILURE_WINDOW or all(
                 s.exitcode is not None for s in states)):
             return None
@@ -210,6 +215,20 @@ def _teardown(states: list[RankState], urgent: threading.Event | None = None) ->
             s.stack_fd = None
 
 
+def _keep_store(mp_context: Any, sock: socket.socket, config: Any) -> Keeper:
+    """Node 0's store, in its own process (core/keeper.py), counted among this process's live children."""
+    with _LIVE_LOCK:
+        store = keeper.start(mp_context, sock, config.timeout, forked=config.start_method == "fork")
+        _LIVE.add(store.pid)
+    return store
+
+
+def _stop_store(store: Keeper) -> None:
+    store.stop()
+    with _LIVE_LOCK:
+        _LIVE.discard(store.pid)
+
+
 def _sweep_orphans() -> None:
     """Stop what the forkserver adopted that is no running rank: a dead rank's children (call under _LIVE_LOCK).
 
@@ -228,10 +247,16 @@ def _sweep_orphans() -> None:
         procs.kill_tree(orphans, grace=0.2)
 
 
+def _forkserver_gone() -> int | None:
+    """The pid of a forkserver that was killed from outside (every rank and the keeper go with it), or None."""
+    server = forkserver_pid()
+    return server if server is not None and not procs.alive(server) else None
+
+
 def _forkserver_lost(states: list[RankState]) -> None:
     """Ranks that ended with the forkserver's "no status" code while it is gone were lost with it."""
-    server = forkserver_pid()
-    if server is None or procs.alive(server):
+    server = _forkserver_gone()
+    if server is None:
         return
     for s in states:
         if s.exitcode == _NO_STATUS and s.failure is None:
@@ -256,18 +281,19 @@ def run_group(plan: Plan, mp_context: Any, payload: bytes, attempt: int, init_gr
     store = beat = hang = None
     notes: list[str] = []
     try:
+        if sock is not None:  # the store exists before any rank, and outlives them all
+            store = _keep_store(mp_context, sock, config)
+            sock.close()  # the keeper's copy listens; were it to die, clients are refused, not left waiting
         _start(plan, mp_context, payload, port, attempt, relay, init_group, states, error_dir.name)
         relay.start()
-        if sock is not None:
-            store = rendezvous.host_store(sock, config.timeout)
         if config.nnodes > 1:
             beat = Heartbeat(config.master_addr, port, config.node_rank, attempt, config.timeout, config.nnodes)
         watchdog = Watchdog(config.timeout, beat)
-        hang = _watch(states, watchdog)
-        if not all(s.succeeded for s in states):
+        hang = _watch(states, watchdog, store)
+        if not all(s.succeeded for s in states) and not (store is not None and store.lost):
             _locate(states, watchdog, hang)
             root = Outcome.COLLECTIVE if hang is not None else root_cause(states).outcome
-            notes = remote_causes(config, plan.nprocs, root, store, port, attempt,
+            notes = remote_causes(config, plan.nprocs, root, store is not None, port, attempt,
                                   init_group, stop_local=lambda: _teardown(states))
     finally:
         with procs.shielded() as urgent:  # a second Ctrl-C must not leave the ranks running
@@ -278,13 +304,18 @@ def run_group(plan: Plan, mp_context: Any, payload: bytes, attempt: int, init_gr
             for s in states:  # every rank is gone: its file is complete, or was never written
                 s.error_file = errorfile.read(errorfile.path(error_dir.name, s.slot.rank))
             error_dir.cleanup()
-            del store
+            # a keeper lost with the forkserver is not the cause: the ranks' report names the forkserver
+            lost = store if store is not None and store.lost and _forkserver_gone() is None else None
+            if store is not None:
+                _stop_store(store)
             if sock is not None:
                 sock.close()
     if any(s.exitcode == protocol.MAIN_GUARD_EXIT and not s.started for s in states):
         raise MainGuardError(_MAIN_GUARD_MESSAGE)
     if all(s.succeeded for s in states):
         return [_value(s) for s in states]
+    if lost is not None:
+        raise RendezvousError(lost.loss())
     _forkserver_lost(states)
     for s in states:
         s.tail = relay.tail(s.slot.rank)

@@ -22,7 +22,6 @@ import sys
 import threading
 import time
 import traceback
-from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -36,27 +35,11 @@ from ..errors import Outcome
 from ..log import logger
 from . import procs, protocol, stacks
 from .guardian import LAUNCHER_GONE, serve_if_forkserver
+from .protocol import WorkerSpec
 
 THREAD_GRACE = 5.0  # seconds a worker waits for threads and child processes fn left running
 _PR_SET_PDEATHSIG = 1
 _IOLBF = 1  # glibc's setvbuf mode for line buffering
-
-
-@dataclass(frozen=True)
-class WorkerSpec:
-    """Plain data the launcher sends to one worker (pickled at start)."""
-
-    ctx: WorkerContext
-    store_addr: str
-    store_port: int
-    store_prefix: str
-    timeout: float  # for reaching node 0's store; collectives keep torch's default (core/watchdog.py finds hangs)
-    env: dict[str, str]
-    threads: int | None
-    payload: bytes  # cloudpickle of (fn, args, kwargs, notebook cells' linecache entries)
-    close_fds: tuple[int, ...] = ()  # parent fds a forked child inherited
-    banner: str | None = None
-    init_group: bool = True
 
 
 def die_with_parent() -> None:
@@ -72,7 +55,7 @@ def die_with_parent() -> None:
 serve_if_forkserver()
 
 
-def _detach(close_fds: tuple[int, ...]) -> None:
+def detach(close_fds: tuple[int, ...]) -> None:
     """Own session (the terminal's Ctrl-C goes to the launcher only) and die with the parent."""
     os.setsid()
     die_with_parent()
@@ -262,7 +245,7 @@ def _send(messages: Connection, message: protocol.Message) -> None:
 
 def entry(spec: WorkerSpec, messages: Connection, out: Connection, err: Connection, stack: Connection) -> None:
     """The target of every worker process."""
-    _detach(spec.close_fds)
+    detach(spec.close_fds)
     _redirect(out, err)
     stacks.install(os.dup(stack.fileno()))  # the launcher can ask where this rank is, even when it blocks in C
     stack.close()

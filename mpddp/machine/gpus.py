@@ -279,6 +279,32 @@ def visible_gpu_ids(environ: Mapping[str, str] | None = None) -> tuple[int, ...]
     return query_gpus(environ).visible
 
 
+def torch_builds_for_gpus() -> bool:
+    """Whether the installed torch is a CUDA or ROCm build, read without importing torch.
+
+    torch's ``version.py`` declares its build (``cuda``, ``hip``: None on a
+    CPU wheel) and imports nothing but ``typing``: running it costs a
+    millisecond where ``import torch`` costs a second. Unknown: True (the
+    caller then asks torch itself).
+    """
+    import importlib.util
+    import runpy
+    import sys
+
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        return bool(torch.version.cuda or torch.version.hip)
+    try:
+        spec = importlib.util.find_spec("torch")
+        where = spec.submodule_search_locations if spec is not None else None
+        if not where:
+            return spec is not None
+        build = runpy.run_path(os.path.join(list(where)[0], "version.py"))
+    except Exception:  # noqa: BLE001 - an unusual install: let torch answer
+        return True
+    return bool(build.get("cuda") or build.get("hip"))
+
+
 # --- choosing GPUs for a launch -----------------------------------------------------------------------------
 
 def resolve_gpus(spec: tuple[int, ...] | str | None, nprocs: int | None,

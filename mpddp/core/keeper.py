@@ -1,0 +1,116 @@
+"""The store keeper: node 0's TCPStore, served by a process of its own.
+
+Owns: starting the keeper (forked from the torch-loaded forkserver in
+milliseconds, under the other start methods a process like the ranks),
+handing it the rendezvous socket that core/rendezvous.py bound, what the
+keeper does (serve the store until the launcher closes its pipe or dies),
+and stopping it. Why a process of its own: the store is the only thing on
+a single node that needed torch in the launcher, and a launcher that never
+imports torch neither competes with the forkserver's import nor pays
+torch's interpreter teardown when a ``launch()`` script exits (about 0.45 s
+on 2 cores, measured: scripts/bench_first_step.py). The store still
+outlives every rank, so a rank that exits early never takes the store from
+its peers. Leaves the socket and the store's construction to
+core/rendezvous.py, watching the keeper to core/supervisor.py.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from typing import Any
+
+from . import procs
+
+_STOP_GRACE = 1.0  # seconds the keeper has to exit once its pipe is closed
+
+
+@dataclass
+class Keeper:
+    """The launcher's handle: the process, and the pipe whose closing stops it."""
+
+    process: Any
+    stop_end: Connection
+    stopped: bool = False  # the launcher stopped it (else an exit is a loss)
+
+    @property
+    def pid(self) -> int:
+        return int(self.process.pid)
+
+    @property
+    def lost(self) -> bool:
+        """It has ended by itself: only the launcher's :meth:`stop` may end it."""
+        return not self.stopped and self.process.exitcode is not None
+
+    def loss(self) -> str:
+        """What the launcher says of a lost keeper."""
+        code = self.process.exitcode
+        how = f"was killed by {procs.signal_name(code)}" if code is not None and code < 0 else f"exited with code {code}"
+        return (f"mpddp: the store keeper (pid {self.pid}), the process that serves this job's rendezvous store, {how} "
+                "while the ranks ran: it was stopped from outside (a signal, or the out-of-memory killer); every rank "
+                "was stopped, and their errors were its consequences")
+
+    def stop(self) -> None:
+        """Close the pipe (the keeper exits), then make sure: join, and kill what did not exit."""
+        self.stopped = True
+        self.stop_end.close()
+        self.process.join(_STOP_GRACE)
+        if self.process.exitcode is None:
+            procs.kill_tree([self.pid], grace=0.2)
+            self.process.join(1.0)
+
+
+def start(mp_context: Any, sock: socket.socket, timeout: float, forked: bool) -> Keeper:
+    """Start the keeper with the listening ``sock`` (the caller may close its own copy once this returns).
+
+    ``forked``: the ``fork`` start method, whose child inherits the launcher's end of the pipe.
+    """
+    wait_end, stop_end = mp_context.Pipe(duplex=False)
+    inherited = (stop_end.fileno(),) if forked else ()
+    process = mp_context.Process(target=serve, args=(sock, timeout, wait_end, inherited), name="mpddp-store",
+                                 daemon=True)
+    with _main_hidden():
+        process.start()
+    wait_end.close()
+    return Keeper(process, stop_end)
+
+
+@contextlib.contextmanager
+def _main_hidden() -> Iterator[None]:
+    """The keeper runs none of the user's code: multiprocessing must not re-import ``__main__`` in it
+    (a script's top level can import, print or take seconds). Call under supervisor's start lock."""
+    main = sys.modules.get("__main__")
+    if main is None:
+        yield
+        return
+    saved: dict[str, Any] = {name: main.__dict__[name] for name in ("__file__", "__spec__") if name in main.__dict__}
+    main.__dict__.pop("__file__", None)
+    main.__spec__ = None  # multiprocessing reads it; None: no module name to import
+    try:
+        yield
+    finally:
+        main.__dict__.pop("__spec__", None)
+        main.__dict__.update(saved)
+
+
+def serve(sock: socket.socket, timeout: float, wait_end: Connection, inherited: tuple[int, ...]) -> None:
+    """In the keeper: serve the store until the launcher closes its end of the pipe, or dies."""
+    from .rendezvous import host_store
+    from .worker import detach
+
+    detach(inherited)  # own session (Ctrl-C is the launcher's), and gone with its parent
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    store = host_store(sock, timeout)
+    try:
+        wait_end.recv_bytes()  # nothing is ever sent: EOF when the launcher closes its end or exits
+    except (EOFError, OSError):
+        pass
+    del store
+    sys.stderr.flush()
+    os._exit(0)  # torch's interpreter teardown would only delay the launcher's join

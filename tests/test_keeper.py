@@ -1,0 +1,140 @@
+"""The store keeper (core/keeper.py): node 0's store in a process of its own, the launcher without torch."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import psutil
+import pytest
+import torch
+import torch.distributed as dist
+
+import mpddp
+
+from helpers import gone, leftovers
+
+pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("no_leftovers")]
+
+
+def _store_pid() -> int:
+    """In a rank: the process listening on the rendezvous port, found by its socket (a sibling under the
+    forkserver, a child of the launcher under spawn)."""
+    port = int(os.environ["MASTER_PORT"])
+    for proc in psutil.Process(os.getppid()).children():
+        try:
+            if any(c.status == psutil.CONN_LISTEN and c.laddr.port == port for c in proc.net_connections("tcp")):
+                return proc.pid
+        except psutil.NoSuchProcess:
+            continue
+    raise AssertionError(f"nobody listens on port {port}")
+
+
+def test_a_launch_script_never_imports_torch_in_the_launcher(tmp_path):
+    script = tmp_path / "job.py"
+    script.write_text(textwrap.dedent("""\
+        import json, sys
+        import mpddp
+
+        def ddp_step(ctx):
+            import torch
+            from torch.nn.parallel import DistributedDataParallel as DDP
+            model = DDP(torch.nn.Linear(4, 4))
+            model(torch.ones(2, 4)).sum().backward()
+            return [p.grad.sum().item() for p in model.parameters()]
+
+        def a_tensor(ctx):
+            import torch
+            return torch.full((2,), float(ctx.rank))
+
+        if __name__ == "__main__":
+            grads = mpddp.launch(ddp_step, nprocs=2)
+            torch_after_ddp = "torch" in sys.modules
+            tensors = mpddp.launch(a_tensor, nprocs=2)  # loading a tensor imports torch, as pickle does
+            print(json.dumps({"grads": grads, "torch_after_ddp": torch_after_ddp,
+                              "tensors": [t.tolist() for t in tensors], "type": type(tensors[0]).__name__}))
+    """))
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=90, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["torch_after_ddp"] is False
+    # the same step in this process, without DDP: one input, so the averaged gradients equal the local ones
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 4)
+    model(torch.ones(2, 4)).sum().backward()
+    expected = [p.grad.sum().item() for p in model.parameters()]
+    assert got["grads"] == [pytest.approx(expected)] * 2
+    assert got["tensors"] == [[0.0, 0.0], [1.0, 1.0]] and got["type"] == "Tensor"
+
+
+def outlive(ctx):
+    store = dist.distributed_c10d._get_default_store()
+    if ctx.rank == 0:
+        store.set("rank0", str(os.getpid()))
+        return "left"
+    rank0 = int(store.get("rank0"))
+    deadline = time.monotonic() + 30
+    while psutil.pid_exists(rank0) and psutil.Process(rank0).status() != psutil.STATUS_ZOMBIE:
+        assert time.monotonic() < deadline, "rank 0 never exited"
+        time.sleep(0.02)
+    store.set("after", "yes")  # rank 0, and with it torch's default store owner, is gone
+    return store.get("after").decode()
+
+
+def test_the_store_outlives_a_rank_that_returned_first():
+    assert mpddp.launch(outlive, nprocs=2) == ["left", "yes"]
+
+
+def kill_the_store(ctx, tmp):
+    if ctx.rank == 0:
+        pid = _store_pid()
+        with open(os.path.join(tmp, "store.pid"), "w") as f:
+            f.write(str(pid))
+        os.kill(pid, signal.SIGKILL)
+    with open(os.path.join(tmp, f"rank{ctx.rank}.pid"), "w") as f:
+        f.write(str(os.getpid()))
+    time.sleep(60)
+
+
+@pytest.mark.parametrize("method", ["forkserver", "spawn"])
+def test_a_killed_store_keeper_is_the_named_cause_and_every_rank_stops(tmp_path, method):
+    start = time.monotonic()
+    with pytest.raises(mpddp.RendezvousError) as caught:
+        mpddp.launch(kill_the_store, nprocs=2, args=(str(tmp_path),), start_method=method)
+    elapsed = time.monotonic() - start
+    store = int((tmp_path / "store.pid").read_text())
+    message = str(caught.value)
+    assert f"the store keeper (pid {store})" in message and "was killed by SIGKILL" in message, message
+    assert elapsed < 30  # the keeper's exit is watched, not found by a timeout (the ranks sleep for 60 s)
+    ranks = [int(p.read_text()) for p in tmp_path.glob("rank*.pid")]
+    assert gone([store, *ranks])
+
+
+def test_the_keeper_runs_none_of_the_scripts_top_level(tmp_path):
+    script = tmp_path / "top.py"
+    script.write_text(textwrap.dedent("""\
+        import os
+        import mpddp
+
+        print("TOP", os.getpid(), flush=True)
+
+        if __name__ == "__main__":
+            print("RESULT", mpddp.launch(lambda ctx: ctx.rank, nprocs=2), flush=True)
+    """))
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=90, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert "RESULT [0, 1]" in out.stdout
+    # the launcher and each rank import the script (multiprocessing's rule for workers); the keeper does not
+    assert out.stdout.count("TOP") == 3, out.stdout
+
+
+def test_keeper_stops_with_the_launch_under_fork(tmp_path):
+    code = ("import mpddp, psutil; print(mpddp.launch(lambda c: c.rank, nprocs=2, start_method='fork')); "
+            "print('CHILDREN', [p.pid for p in psutil.Process().children()])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert "[0, 1]" in out.stdout and "CHILDREN []" in out.stdout, out.stdout
+    assert not leftovers(wait=0)
