@@ -276,8 +276,8 @@ class Measured:
 
     times: dict[str, dict[int, float]] = field(default_factory=dict)
     returned: dict[str, str] = field(default_factory=dict)
-    stopped: dict[str, str] = field(default_factory=dict)  # after threads: "hangs (...)" or "fails (...)"
-    failures: dict[str, list[str]] = field(default_factory=dict)  # a peer's plain runs that failed
+    stopped: dict[str, str] = field(default_factory=dict)  # after threads: "hangs (...)", not run again
+    failures: dict[str, list[str]] = field(default_factory=dict)  # a peer's runs that failed, by key
     attempts: dict[str, int] = field(default_factory=dict)
     busy: list[float] = field(default_factory=list)  # the CPUs' busy share just before each run: others' load
 
@@ -291,11 +291,8 @@ def _one(m: Measured, rep: int, launcher: Launcher, threads: bool, cmd: list[str
     except Hung:
         m.stopped[key] = f"hangs (> {hang_limit:.0f} s)"
         return
-    except Failed as failure:
-        if threads:
-            m.stopped[key] = str(failure)
-        else:
-            m.failures.setdefault(key, []).append(str(failure))
+    except Failed as failure:  # counted, and tried again next repetition: one failure is not a verdict
+        m.failures.setdefault(key, []).append(str(failure))
         return
     if rep < 0:
         return  # rep -1 warms the page cache, not counted
@@ -343,10 +340,15 @@ def rows_of(m: Measured, launchers: list[Launcher]) -> dict[str, Any]:
             continue
         row = {"label": launcher.label, **_paired(m.times[launcher.key], reference), "returns": returns}
         threaded = f"{launcher.key}@threads"
+        failed_threaded = m.failures.get(threaded, [])
         if threaded in m.stopped:
             row["after_threads"] = m.stopped[threaded]
         elif threaded in m.times:
             row["after_threads"] = _paired(m.times[threaded], reference)
+            if failed_threaded:
+                row["after_threads_failed"] = f"{failed_threaded[0]} in {len(failed_threaded)} of {m.attempts[threaded]}"
+        elif failed_threaded:
+            row["after_threads"] = f"{failed_threaded[0]}, {len(failed_threaded)} of {m.attempts[threaded]}"
         by_key[launcher.key] = row
     if "launch2" in m.times:
         by_key["launch2"] = {"label": "mpddp.launch, 2nd in the same interpreter (timed inside)",
@@ -378,7 +380,8 @@ def report(results: dict[str, Any]) -> str:
             if isinstance(after, str):
                 after_cell = after
             elif isinstance(after, dict):
-                after_cell = f"{after['ratio']:.2f}"
+                after_cell = f"{after['ratio']:.2f}" + (f"; {r['after_threads_failed']}" if "after_threads_failed" in r
+                                                        else "")
             else:
                 after_cell = "n/a" if key != "launch2" else ""
             if r.get("failed"):

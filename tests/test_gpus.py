@@ -281,3 +281,26 @@ def test_banner_gpu_and_cpu() -> None:
     assert banner(cpu) == "node 0 · local rank 1 · rank 0×2+1 = 1 of 2 · cpu"
     slot = RankSlot(node_rank=1, local_rank=1, rank=5, world_size=8, nprocs_per_node=4, gpu=None)
     assert banner(slot) == "node 1 · local rank 1 · rank 1×4+1 = 5 of 8 · cpu"
+
+
+def test_torch_build_is_read_without_importing_torch(tmp_path):
+    import json
+    import sys
+
+    import torch
+
+    code = ("import json, sys; from mpddp.machine.gpus import torch_builds_for_gpus as f; "
+            "print(json.dumps([f(), 'torch' in sys.modules]))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    built_for_gpus = bool(torch.version.cuda or torch.version.hip)  # torch's own answer, in this process
+    assert json.loads(out.stdout) == [built_for_gpus, False]
+    assert gpus.torch_builds_for_gpus() is built_for_gpus  # torch already imported: asked directly
+
+
+def test_an_unreadable_torch_build_lets_torch_answer(monkeypatch):
+    import importlib.util
+    import sys
+
+    monkeypatch.delitem(sys.modules, "torch")
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: SimpleNamespace(submodule_search_locations=["/nowhere"]))
+    assert gpus.torch_builds_for_gpus() is True

@@ -138,3 +138,28 @@ def test_keeper_stops_with_the_launch_under_fork(tmp_path):
     assert out.returncode == 0, out.stderr
     assert "[0, 1]" in out.stdout and "CHILDREN []" in out.stdout, out.stdout
     assert not leftovers(wait=0)
+
+
+
+def test_a_jobwide_sigterm_is_reported_as_the_launchers_not_the_keepers(tmp_path):
+    """scancel, or ``kill -TERM`` to every process of the job: the keeper dies too, and is no cause."""
+    from runs import SCRIPTS, Run
+
+    run = Run(["-m", "mpddp", "run", "--nprocs", "2", str(SCRIPTS / "fail_modes.py"), "block"], tmp_path)
+    try:
+        run.wait_for(r"READY rank=\d", count=2)
+        pids = run.list_tree()
+        assert len(pids) >= 1 + 1 + 2 + 1, pids  # launcher, forkserver, 2 ranks, the keeper
+        for pid in [run.proc.pid, *sorted(pids - {run.proc.pid})]:  # as a job system does: the launcher first
+            try:
+                os.kill(pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+        rc = run.finish(timeout=30)
+        run.all_gone_at(pids)
+        run.assert_nothing_left()
+    finally:
+        run.kill()
+    assert rc == 143, run.stderr
+    assert run.stderr.strip().splitlines()[-1] == "mpddp: terminated (SIGTERM); every worker was stopped"
+    assert "store keeper" not in run.stderr and "Traceback" not in run.stderr

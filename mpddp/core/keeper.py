@@ -105,6 +105,8 @@ def serve(sock: socket.socket, timeout: float, wait_end: Connection, inherited: 
     from .worker import detach
 
     detach(inherited)  # own session (Ctrl-C is the launcher's), and gone with its parent
+    # SIGTERM keeps its default: multiprocessing's exit handler terminates a daemon child it still
+    # finds, then joins it, and a keeper that outlived the launch must not hang the launcher's exit
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     store = host_store(sock, timeout)
     try:
