@@ -48,6 +48,7 @@ from .errors import (  # noqa: E402
     RendezvousError,
     RestartsExhausted,
     ShipError,
+    StoreLost,
     WorkerFailed,
 )
 
@@ -65,6 +66,7 @@ __all__ = [
     "RendezvousError",
     "RestartsExhausted",
     "ShipError",
+    "StoreLost",
     "WorkerContext",
     "WorkerFailed",
     "launch",

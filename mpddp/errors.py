@@ -70,6 +70,10 @@ class RendezvousError(MpddpError):
     """The nodes of a job did not all meet (a node missing, unreachable master)."""
 
 
+class StoreLost(RendezvousError):
+    """Node 0's store keeper ended while the ranks ran (killed from outside); ``max_restarts`` retries it."""
+
+
 class WorkerFailed(MpddpError):
     """A rank raised, exited non-zero or died by a signal; the group was stopped.
 

@@ -2,6 +2,7 @@
 
 import json
 import os
+import pickle
 import signal
 import subprocess
 import sys
@@ -102,7 +103,7 @@ def kill_the_store(ctx, tmp):
 @pytest.mark.parametrize("method", ["forkserver", "spawn"])
 def test_a_killed_store_keeper_is_the_named_cause_and_every_rank_stops(tmp_path, method):
     start = time.monotonic()
-    with pytest.raises(mpddp.RendezvousError) as caught:
+    with pytest.raises(mpddp.StoreLost) as caught:
         mpddp.launch(kill_the_store, nprocs=2, args=(str(tmp_path),), start_method=method)
     elapsed = time.monotonic() - start
     store = int((tmp_path / "store.pid").read_text())
@@ -111,6 +112,8 @@ def test_a_killed_store_keeper_is_the_named_cause_and_every_rank_stops(tmp_path,
     assert elapsed < 30  # the keeper's exit is watched, not found by a timeout (the ranks sleep for 60 s)
     ranks = [int(p.read_text()) for p in tmp_path.glob("rank*.pid")]
     assert gone([store, *ranks])
+    again = pickle.loads(pickle.dumps(caught.value))  # job systems and pools pickle what a launch raised
+    assert type(again) is mpddp.StoreLost and str(again) == message
 
 
 def test_the_keeper_runs_none_of_the_scripts_top_level(tmp_path):
@@ -119,7 +122,7 @@ def test_the_keeper_runs_none_of_the_scripts_top_level(tmp_path):
         import os
         import mpddp
 
-        print("TOP", os.getpid(), flush=True)
+        os.write(1, f"TOP {os.getpid()}\\n".encode())  # one write: two ranks' lines never interleave
 
         if __name__ == "__main__":
             print("RESULT", mpddp.launch(lambda ctx: ctx.rank, nprocs=2), flush=True)
@@ -163,3 +166,29 @@ def test_a_jobwide_sigterm_is_reported_as_the_launchers_not_the_keepers(tmp_path
     assert rc == 143, run.stderr
     assert run.stderr.strip().splitlines()[-1] == "mpddp: terminated (SIGTERM); every worker was stopped"
     assert "store keeper" not in run.stderr and "Traceback" not in run.stderr
+
+
+def kill_the_first_store(ctx, tmp):
+    if ctx.restart == 0:
+        if ctx.rank == 0:
+            os.kill(_store_pid(), signal.SIGKILL)
+        time.sleep(60)
+    return ctx.rank, ctx.restart
+
+
+def test_max_restarts_brings_a_fresh_keeper_after_one_was_lost(tmp_path, capfd):
+    assert mpddp.launch(kill_the_first_store, nprocs=2, args=(str(tmp_path),), max_restarts=1) == [(0, 1), (1, 1)]
+    err = capfd.readouterr().err
+    assert "the store keeper (pid" in err and "was killed by SIGKILL" in err
+    assert "mpddp: restarting the group (1 of 1)" in err
+
+
+def test_a_keeper_lost_on_the_last_attempt_says_restarts_gave_up():
+    with pytest.raises(mpddp.StoreLost, match=r"was killed by SIGKILL[\s\S]*gave up after 1 restart\(s\)"):
+        mpddp.launch(kill_every_store, nprocs=2, max_restarts=1)
+
+
+def kill_every_store(ctx):
+    if ctx.rank == 0:
+        os.kill(_store_pid(), signal.SIGKILL)
+    time.sleep(60)

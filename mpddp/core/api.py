@@ -17,7 +17,7 @@ from dataclasses import fields, replace
 from typing import Any
 
 from ..config import LaunchConfig
-from ..errors import ConfigError, RestartsExhausted, WorkerFailed
+from ..errors import ConfigError, RestartsExhausted, StoreLost, WorkerFailed
 from ..log import logger
 from . import stacks
 from .ship import ship
@@ -119,17 +119,16 @@ def _attempts(config: LaunchConfig, plan: Any, mp_context: Any, payload: bytes, 
             return run_group(plan, mp_context, payload, attempt, init_process_group, held if attempt == 0 else None)
         except KeyboardInterrupt:  # the teardown has already run, in run_group's finally
             raise KeyboardInterrupt("mpddp: interrupted; every worker was stopped") from None
-        except WorkerFailed as failure:
+        except (WorkerFailed, StoreLost) as failure:  # a lost store keeper: a fresh one comes with the next attempt
             if attempt == config.max_restarts:
-                if config.max_restarts:
-                    raise RestartsExhausted(
-                        f"{failure}\nmpddp: gave up after {config.max_restarts} restart(s) (max_restarts="
-                        f"{config.max_restarts}); raise --max-restarts or fix the failure above",
-                        failure.rank,
-                        failure.failures,
-                        exit_code=failure.exit_code,
-                    ) from failure
-                raise
+                if not config.max_restarts:
+                    raise
+                gave_up = (f"{failure}\nmpddp: gave up after {config.max_restarts} restart(s) (max_restarts="
+                           f"{config.max_restarts}); raise --max-restarts or fix the failure above")
+                if isinstance(failure, StoreLost):
+                    raise StoreLost(gave_up) from failure
+                raise RestartsExhausted(gave_up, failure.rank, failure.failures, exit_code=failure.exit_code) \
+                    from failure
             # the cause's line, so that a run that recovers still says what went wrong
             logger.warning("%s\nmpddp: restarting the group (%d of %d)", str(failure).splitlines()[0],
                            attempt + 1, config.max_restarts)

@@ -1,24 +1,55 @@
-"""Where a rank's process begins: a target the launcher can name without importing torch.
+"""Where every process the launcher starts begins, before it imports torch.
 
-Owns: the function multiprocessing runs first in every rank. Pickling a
-process's target imports the module it lives in (to check it by name), so
-a target in core/worker.py, which imports torch, would import torch into the
-launcher: about a second of CPU beside the forkserver's own import, and
-torch's interpreter teardown when a ``launch()`` script exits. The
-forkserver has imported core/worker.py already; under spawn the rank imports
-it here. Leaves everything the rank does to core/worker.py, the store
-keeper's process to core/keeper.py.
+Owns: the targets multiprocessing runs first in a rank's process (and the
+first step of the store keeper's, core/keeper.py): its own session, so that
+the terminal's Ctrl-C reaches the launcher only, and its parent-death
+signal, both taken before anything slow. Under spawn a process imports torch
+for a second or more; a Ctrl-C in that time used to reach it, and print its
+traceback beside the launcher's report. And the targets live here, in a
+module without torch, because pickling a process's target imports the module
+it lives in (to check it by name): a target in core/worker.py, which imports
+torch, would import torch into the launcher, about a second of CPU beside the
+forkserver's own import and torch's interpreter teardown when a ``launch()``
+script exits. Leaves everything the rank does to core/worker.py (which the
+forkserver has imported already) and the keeper's work to core/keeper.py.
 """
 
 from __future__ import annotations
 
+import ctypes
+import os
+import signal
 from multiprocessing.connection import Connection
 
+from .guardian import LAUNCHER_GONE
 from .protocol import WorkerSpec
+
+_PR_SET_PDEATHSIG = 1
 
 
 def rank(spec: WorkerSpec, messages: Connection, out: Connection, err: Connection, stack: Connection) -> None:
     """The target of every rank's process."""
+    detach(spec.close_fds)
     from .worker import entry
 
     entry(spec, messages, out, err, stack)
+
+
+def detach(close_fds: tuple[int, ...]) -> None:
+    """Own session (the terminal's Ctrl-C goes to the launcher only) and die with the parent."""
+    os.setsid()
+    die_with_parent()
+    signal.signal(LAUNCHER_GONE, signal.SIG_DFL)  # the forkserver's handler, inherited by the fork
+    for fd in close_fds:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+
+
+def die_with_parent() -> None:
+    """Ask Linux to SIGKILL this process the moment its parent dies."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):
+        pass

@@ -101,13 +101,14 @@ def _main_hidden() -> Iterator[None]:
 
 def serve(sock: socket.socket, timeout: float, wait_end: Connection, inherited: tuple[int, ...]) -> None:
     """In the keeper: serve the store until the launcher closes its end of the pipe, or dies."""
-    from .rendezvous import host_store
-    from .worker import detach
+    from .entry import detach
 
-    detach(inherited)  # own session (Ctrl-C is the launcher's), and gone with its parent
+    detach(inherited)  # own session (Ctrl-C is the launcher's), and gone with its parent: before torch loads
     # SIGTERM keeps its default: multiprocessing's exit handler terminates a daemon child it still
     # finds, then joins it, and a keeper that outlived the launch must not hang the launcher's exit
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    from .rendezvous import host_store  # torch: already loaded in a forkserver child, imported under spawn
+
     store = host_store(sock, timeout)
     try:
         wait_end.recv_bytes()  # nothing is ever sent: EOF when the launcher closes its end or exits

@@ -33,7 +33,7 @@ import cloudpickle
 import psutil
 
 from ..context import WorkerContext
-from ..errors import MainGuardError, Outcome, RendezvousError, WorkerFailed
+from ..errors import MainGuardError, Outcome, StoreLost, WorkerFailed
 from ..log import logger
 from ..ranks import banner
 from . import entry, errorfile, keeper, procs, protocol, stacks
@@ -315,7 +315,7 @@ def run_group(plan: Plan, mp_context: Any, payload: bytes, attempt: int, init_gr
     if all(s.succeeded for s in states):
         return [_value(s) for s in states]
     if lost is not None:
-        raise RendezvousError(lost.loss())
+        raise StoreLost(lost.loss())
     _forkserver_lost(states)
     for s in states:
         s.tail = relay.tail(s.slot.rank)

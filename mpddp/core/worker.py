@@ -1,7 +1,8 @@
 """The worker side: from a fresh process to ``fn(ctx)`` and back.
 
-Owns: what happens inside each worker process, in order: own session and
-parent-death signal, stdout/stderr onto the relay pipes, environment and
+Owns: what happens inside each worker process, in order (after
+core/entry.py gave it its own session and parent-death signal):
+stdout/stderr onto the relay pipes, environment and
 threads, ``set_device``, connecting to node 0's store, an explicit
 ``init_process_group(rank=..., world_size=...)``, calling ``fn``, sending
 the result or a typed failure back (core/protocol.py: its kind comes from
@@ -17,7 +18,6 @@ import io
 import linecache
 import multiprocessing
 import os
-import signal
 import sys
 import threading
 import time
@@ -34,37 +34,16 @@ from ..context import WorkerContext
 from ..errors import Outcome
 from ..log import logger
 from . import procs, protocol, stacks
-from .guardian import LAUNCHER_GONE, serve_if_forkserver
+from .guardian import serve_if_forkserver
 from .protocol import WorkerSpec
 
 THREAD_GRACE = 5.0  # seconds a worker waits for threads and child processes fn left running
-_PR_SET_PDEATHSIG = 1
 _IOLBF = 1  # glibc's setvbuf mode for line buffering
-
-
-def die_with_parent() -> None:
-    """Ask Linux to SIGKILL this process the moment its parent dies."""
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    except (OSError, AttributeError):
-        pass
 
 
 # The forkserver imports this module first: there it also adopts orphans and cleans up
 # after the launcher, even one killed by SIGKILL (core/guardian.py).
 serve_if_forkserver()
-
-
-def detach(close_fds: tuple[int, ...]) -> None:
-    """Own session (the terminal's Ctrl-C goes to the launcher only) and die with the parent."""
-    os.setsid()
-    die_with_parent()
-    signal.signal(LAUNCHER_GONE, signal.SIG_DFL)  # the forkserver's handler, inherited by the fork
-    for fd in close_fds:
-        try:
-            os.close(fd)
-        except OSError:
-            pass
 
 
 def _redirect(out: Connection, err: Connection) -> None:
@@ -244,8 +223,7 @@ def _send(messages: Connection, message: protocol.Message) -> None:
 
 
 def entry(spec: WorkerSpec, messages: Connection, out: Connection, err: Connection, stack: Connection) -> None:
-    """The target of every worker process."""
-    detach(spec.close_fds)
+    """Everything a rank does, once core/entry.py has given it its own session."""
     _redirect(out, err)
     stacks.install(os.dup(stack.fileno()))  # the launcher can ask where this rank is, even when it blocks in C
     stack.close()
