@@ -168,7 +168,8 @@ else:
     assert rc == 1, run.stderr
     assert "NEVER" not in run.stdout
     last = run.stderr.strip().splitlines()[-1]
-    assert f"the store keeper (pid {keeper})" in last and "was killed by SIGKILL" in last, run.stderr
+    assert last.startswith(f"mpddp: error: the store keeper (pid {keeper})") and "was killed by SIGKILL" in last, \
+        run.stderr
 
 
 # --------------------------------------------------------------------------- a SIGKILLed launcher, every method

@@ -130,6 +130,6 @@ def _attempts(config: LaunchConfig, plan: Any, mp_context: Any, payload: bytes, 
                 raise RestartsExhausted(gave_up, failure.rank, failure.failures, exit_code=failure.exit_code) \
                     from failure
             # the cause's line, so that a run that recovers still says what went wrong
-            logger.warning("%s\nmpddp: restarting the group (%d of %d)", str(failure).splitlines()[0],
-                           attempt + 1, config.max_restarts)
+            said = ("mpddp: " if isinstance(failure, StoreLost) else "") + str(failure).splitlines()[0]
+            logger.warning("%s\nmpddp: restarting the group (%d of %d)", said, attempt + 1, config.max_restarts)
     raise AssertionError("unreachable")

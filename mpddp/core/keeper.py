@@ -52,7 +52,7 @@ class Keeper:
         """What the launcher says of a lost keeper."""
         code = self.process.exitcode
         how = f"was killed by {procs.signal_name(code)}" if code is not None and code < 0 else f"exited with code {code}"
-        return (f"mpddp: the store keeper (pid {self.pid}), the process that serves this job's rendezvous store, {how} "
+        return (f"the store keeper (pid {self.pid}), the process that serves this job's rendezvous store, {how} "
                 "while the ranks ran: it was stopped from outside (a signal, or the out-of-memory killer); every rank "
                 "was stopped, and their errors were its consequences")
 
