@@ -54,3 +54,18 @@ def gone(pids: list[int], wait: float = 3.0) -> bool:
             return True
         time.sleep(0.05)
     return False
+
+
+def store_keeper_pid() -> int:
+    """In a rank: the store keeper's pid, found as the process listening on the rendezvous port among its
+    parent's children (the ranks' sibling under the forkserver; under spawn or fork, a child of the launcher)."""
+    import os
+
+    port = int(os.environ["MASTER_PORT"])
+    for proc in psutil.Process(os.getppid()).children():
+        try:
+            if any(c.status == psutil.CONN_LISTEN and c.laddr.port == port for c in proc.net_connections("tcp")):
+                return proc.pid
+        except psutil.NoSuchProcess:
+            continue
+    raise AssertionError(f"nobody listens on port {port}")

@@ -16,22 +16,9 @@ import torch.distributed as dist
 
 import mpddp
 
-from helpers import gone, leftovers
+from helpers import gone, leftovers, store_keeper_pid
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("no_leftovers")]
-
-
-def _store_pid() -> int:
-    """In a rank: the process listening on the rendezvous port, found by its socket (a sibling under the
-    forkserver, a child of the launcher under spawn)."""
-    port = int(os.environ["MASTER_PORT"])
-    for proc in psutil.Process(os.getppid()).children():
-        try:
-            if any(c.status == psutil.CONN_LISTEN and c.laddr.port == port for c in proc.net_connections("tcp")):
-                return proc.pid
-        except psutil.NoSuchProcess:
-            continue
-    raise AssertionError(f"nobody listens on port {port}")
 
 
 def test_a_launch_script_never_imports_torch_in_the_launcher(tmp_path):
@@ -91,7 +78,7 @@ def test_the_store_outlives_a_rank_that_returned_first():
 
 def kill_the_store(ctx, tmp):
     if ctx.rank == 0:
-        pid = _store_pid()
+        pid = store_keeper_pid()
         with open(os.path.join(tmp, "store.pid"), "w") as f:
             f.write(str(pid))
         os.kill(pid, signal.SIGKILL)
@@ -171,7 +158,7 @@ def test_a_jobwide_sigterm_is_reported_as_the_launchers_not_the_keepers(tmp_path
 def kill_the_first_store(ctx, tmp):
     if ctx.restart == 0:
         if ctx.rank == 0:
-            os.kill(_store_pid(), signal.SIGKILL)
+            os.kill(store_keeper_pid(), signal.SIGKILL)
         time.sleep(60)
     return ctx.rank, ctx.restart
 
@@ -190,5 +177,5 @@ def test_a_keeper_lost_on_the_last_attempt_says_restarts_gave_up():
 
 def kill_every_store(ctx):
     if ctx.rank == 0:
-        os.kill(_store_pid(), signal.SIGKILL)
+        os.kill(store_keeper_pid(), signal.SIGKILL)
     time.sleep(60)

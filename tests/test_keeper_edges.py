@@ -32,38 +32,21 @@ from multinode import Cluster, free_port
 
 import mpddp
 
-from helpers import gone, leftovers, running
+from helpers import gone, leftovers, running, store_keeper_pid
 from runs import Run, port_is_free
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("no_leftovers")]
 
 BOUND = 15.0  # seconds for processes to be gone after their launcher is: generous, for a loaded 2-core machine
 
-# Found from a rank: the process listening on the rendezvous port among its parent's children (the keeper is
-# the ranks' sibling under the forkserver, and under spawn or fork a child of the launcher, like the ranks).
-FIND_KEEPER = """
-import os, psutil
-def keeper_pid():
-    port = int(os.environ["MASTER_PORT"])
-    for proc in psutil.Process(os.getppid()).children():
-        try:
-            if any(c.status == psutil.CONN_LISTEN and c.laddr.port == port for c in proc.net_connections("tcp")):
-                return proc.pid
-        except psutil.NoSuchProcess:
-            continue
-    raise AssertionError(f"nobody listens on port {port}")
+# For the scripts below, run as their own processes: the same keeper_pid(), from tests/helpers.py.
+FIND_KEEPER = f"""
+import os, sys
+import psutil
+sys.path.insert(0, {str(Path(__file__).resolve().parent)!r})
+from helpers import store_keeper_pid as keeper_pid
 """
-
-
-def keeper_pid() -> int:
-    port = int(os.environ["MASTER_PORT"])
-    for proc in psutil.Process(os.getppid()).children():
-        try:
-            if any(c.status == psutil.CONN_LISTEN and c.laddr.port == port for c in proc.net_connections("tcp")):
-                return proc.pid
-        except psutil.NoSuchProcess:
-            continue
-    raise AssertionError(f"nobody listens on port {port}")
+keeper_pid = store_keeper_pid
 
 
 def listener(pids: list[int], port: int) -> int | None:
