@@ -1,7 +1,8 @@
 """Where every process the launcher starts begins, before it imports torch.
 
 Owns: the targets multiprocessing runs first in a rank's process (and the
-first step of the store keeper's, core/keeper.py): its own session, so that
+first step of the store keeper's, core/keeper.py), what of the launcher's
+``__main__`` such a process imports: its own session, so that
 the terminal's Ctrl-C reaches the launcher only, and its parent-death
 signal, both taken before anything slow. Under spawn a process imports torch
 for a second or more; a Ctrl-C in that time used to reach it, and print its
@@ -16,10 +17,14 @@ forkserver has imported already) and the keeper's work to core/keeper.py.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import signal
+import sys
+from collections.abc import Iterator
 from multiprocessing.connection import Connection
+from typing import Any
 
 from .guardian import LAUNCHER_GONE
 from .protocol import WorkerSpec
@@ -53,3 +58,30 @@ def die_with_parent() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
     except (OSError, AttributeError):
         pass
+
+
+@contextlib.contextmanager
+def main_hidden(always: bool) -> Iterator[None]:
+    """Hide ``__main__`` from multiprocessing while a process starts (call under supervisor's start lock).
+
+    A started process re-imports ``__main__`` from its file or module name, as
+    multiprocessing does. ``always``: the store keeper, which runs none of the
+    user's code (a script's top level can import, print or take seconds).
+    Else only a ``__main__`` with no such file (``python - < script``, an
+    embedded interpreter), which would make every rank die before it starts;
+    ``fn`` travels by value, so a rank does not need it.
+    """
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    orphan = path is not None and not os.path.isfile(path) and getattr(main, "__spec__", None) is None
+    if main is None or not (always or orphan):
+        yield
+        return
+    saved: dict[str, Any] = {name: main.__dict__[name] for name in ("__file__", "__spec__") if name in main.__dict__}
+    main.__dict__.pop("__file__", None)
+    main.__spec__ = None  # multiprocessing reads it; None: no module name to import
+    try:
+        yield
+    finally:
+        main.__dict__.pop("__spec__", None)
+        main.__dict__.update(saved)

@@ -16,17 +16,16 @@ core/rendezvous.py, watching the keeper to core/supervisor.py.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
 import socket
 import sys
-from collections.abc import Iterator
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
 from . import procs
+from .entry import main_hidden
 
 _STOP_GRACE = 1.0  # seconds the keeper has to exit once its pipe is closed
 
@@ -75,28 +74,10 @@ def start(mp_context: Any, sock: socket.socket, timeout: float, forked: bool) ->
     inherited = (stop_end.fileno(),) if forked else ()
     process = mp_context.Process(target=serve, args=(sock, timeout, wait_end, inherited), name="mpddp-store",
                                  daemon=True)
-    with _main_hidden():
+    with main_hidden(always=True):  # the keeper runs none of the user's code
         process.start()
     wait_end.close()
     return Keeper(process, stop_end)
-
-
-@contextlib.contextmanager
-def _main_hidden() -> Iterator[None]:
-    """The keeper runs none of the user's code: multiprocessing must not re-import ``__main__`` in it
-    (a script's top level can import, print or take seconds). Call under supervisor's start lock."""
-    main = sys.modules.get("__main__")
-    if main is None:
-        yield
-        return
-    saved: dict[str, Any] = {name: main.__dict__[name] for name in ("__file__", "__spec__") if name in main.__dict__}
-    main.__dict__.pop("__file__", None)
-    main.__spec__ = None  # multiprocessing reads it; None: no module name to import
-    try:
-        yield
-    finally:
-        main.__dict__.pop("__spec__", None)
-        main.__dict__.update(saved)
 
 
 def serve(sock: socket.socket, timeout: float, wait_end: Connection, inherited: tuple[int, ...]) -> None:

@@ -16,14 +16,11 @@ removed when it ends) to core/errorfile.py.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import socket
-import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from multiprocessing import util
 from multiprocessing.connection import Connection, wait
@@ -52,25 +49,6 @@ _TEARDOWN_GRACE = 0.5
 _LIVE_LOCK = threading.Lock()
 _LIVE: set[int] = set()
 _NO_STATUS = 255  # the exit code multiprocessing gives a forkserver child whose status never came
-
-
-@contextlib.contextmanager
-def _main_file_checked() -> Iterator[None]:
-    """Workers re-import ``__main__`` from its file, as multiprocessing does; a
-    ``__main__`` with no such file (``python - < script``, an embedded
-    interpreter) would make every worker die before it starts. ``fn`` travels
-    by value, so such a worker does not need it: hide the name while starting.
-    """
-    main = sys.modules.get("__main__")
-    path = getattr(main, "__file__", None)
-    if path is None or os.path.isfile(path) or getattr(main, "__spec__", None) is not None:
-        yield
-        return
-    del main.__file__  # type: ignore[union-attr]
-    try:
-        yield
-    finally:
-        main.__file__ = path  # type: ignore[union-attr]
 
 
 def _pipe() -> tuple[int, Connection]:
@@ -120,7 +98,7 @@ def _start(
             if config.start_method == "fork" else (),
         )
         process = mp_context.Process(target=entry.rank, args=(spec, *ch.worker_ends), name=f"mpddp-rank-{slot.rank}")
-        with _LIVE_LOCK, _main_file_checked():
+        with _LIVE_LOCK, entry.main_hidden(always=False):
             process.start()
             _LIVE.add(process.pid)
         os.set_blocking(ch.stack[0], False)
