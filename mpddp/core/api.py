@@ -3,9 +3,9 @@
 Owns: checking ``launch``'s own arguments, building the one validated
 :class:`~mpddp.config.LaunchConfig` from options, an optional config and
 the job's layout (SLURM, MPI, PBS, LSF, Kubeflow; :func:`make_config`, used
-by the CLI too: one rule for both), and the restart loop. Leaves start-up to
-core/startup.py, shipping ``fn`` to core/ship.py, the plan to core/plan.py
-and each attempt to core/supervisor.py.
+by the CLI too: one rule for both). Leaves start-up to core/startup.py,
+shipping ``fn`` to core/ship.py, the plan to core/plan.py and the job (its
+store, its rounds, the restart loop) to core/job.py.
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ from dataclasses import fields, replace
 from typing import Any
 
 from ..config import LaunchConfig
-from ..errors import ConfigError, RestartsExhausted, StoreLost, WorkerFailed
-from ..log import logger
+from ..errors import ConfigError
 from . import stacks
+from .job import run_job
 from .ship import ship
 from .startup import interrupts_deferred, refuse_bootstrap, start_context
 
@@ -106,30 +106,4 @@ def run_node(config: LaunchConfig, payload: bytes, init_process_group: bool, pre
 
         plan = plan_launch(config)
     with stacks.on_demand():
-        return _attempts(config, plan, mp_context, payload, init_process_group, held)
-
-
-def _attempts(config: LaunchConfig, plan: Any, mp_context: Any, payload: bytes, init_process_group: bool,
-              held: socket.socket | None = None) -> list[Any]:
-    """Run the group, and again after a failure while restarts are left."""
-    from .supervisor import run_group
-
-    for attempt in range(config.max_restarts + 1):
-        try:
-            return run_group(plan, mp_context, payload, attempt, init_process_group, held if attempt == 0 else None)
-        except KeyboardInterrupt:  # the teardown has already run, in run_group's finally
-            raise KeyboardInterrupt("mpddp: interrupted; every worker was stopped") from None
-        except (WorkerFailed, StoreLost) as failure:  # a lost store keeper: a fresh one comes with the next attempt
-            if attempt == config.max_restarts:
-                if not config.max_restarts:
-                    raise
-                gave_up = (f"{failure}\nmpddp: gave up after {config.max_restarts} restart(s) (max_restarts="
-                           f"{config.max_restarts}); raise --max-restarts or fix the failure above")
-                if isinstance(failure, StoreLost):
-                    raise StoreLost(gave_up) from failure
-                raise RestartsExhausted(gave_up, failure.rank, failure.failures, exit_code=failure.exit_code) \
-                    from failure
-            # the cause's line, so that a run that recovers still says what went wrong
-            said = ("mpddp: " if isinstance(failure, StoreLost) else "") + str(failure).splitlines()[0]
-            logger.warning("%s\nmpddp: restarting the group (%d of %d)", said, attempt + 1, config.max_restarts)
-    raise AssertionError("unreachable")
+        return run_job(plan, mp_context, payload, init_process_group, held)

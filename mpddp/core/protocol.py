@@ -3,8 +3,9 @@
 Owns: what the launcher sends each worker (:class:`WorkerSpec`), the
 three messages a worker sends up its channel (:class:`Started`,
 :class:`Result`, :class:`Failure`, each pickled whole), how they are encoded
-and decoded, and every key mpddp writes in node 0's store (per attempt: who
-arrived, who finished init, each node's heartbeat). A failure's kind is an
+and decoded, and every key mpddp writes in node 0's store (per attempt, that
+is per round: who arrived, who finished init, which launchers joined, each
+node's heartbeat, the round's first failure as a :class:`FailureRecord`). A failure's kind is an
 :class:`~mpddp.errors.Outcome` set in the worker, from the exception's type
 and the frame it was raised in, never recovered from its message. Also the
 few messages between the head of a ``--hosts`` launch and each node's
@@ -15,9 +16,10 @@ core/supervisor.py and core/remote.py, the store to core/rendezvous.py.
 from __future__ import annotations
 
 import base64
+import json
 import pickle
 import struct
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from ..context import WorkerContext
@@ -89,8 +91,10 @@ def decode(data: bytes) -> Message:
 
 
 # ---- store keys ------------------------------------------------------------------------------
-# Workers see the store through a PrefixStore of their attempt; the launcher (and the
-# heartbeat) use the full names. Restarts get a fresh prefix, so old keys never interfere.
+# One store serves the whole job (node 0's keeper lives from the first attempt to the last). Each
+# attempt is a round that every node joins; its keys live under the attempt's prefix, so a restart
+# never reads an older round's keys. Workers see the store through a PrefixStore of their attempt;
+# the launchers use the full names.
 
 
 def attempt_prefix(attempt: int) -> str:
@@ -104,6 +108,15 @@ def arrived_key(rank: int) -> str:
 
 INITIALIZED = "initialized"  # a counter: ranks through init_process_group
 ALL_INITIALIZED = "all_initialized"  # set by the last of them
+JOINED = "joined"  # a counter: the node launchers that joined this round (core/rounds.py)
+FAILURE = "failure"  # the round's first failure, a FailureRecord: the first node to write it wins
+PROGRESS = "progress"  # a counter every node's watchdog bumps while its ranks compute (core/watchdog.py)
+LEFT = "mpddp/job/left"  # a counter, job-wide: the launchers that are done with the store (node 0 waits for them)
+
+
+def joined_key(node: int) -> str:
+    """Set by a node's launcher when it joined the round (the barrier names the nodes without it)."""
+    return f"joined/{node}"
 
 
 def beat_key(node: int) -> str:
@@ -111,14 +124,39 @@ def beat_key(node: int) -> str:
     return f"beat/{node}"
 
 
-def progress_key(node: int) -> str:
-    """A counter one node's watchdog bumps while its ranks compute (core/watchdog.py)."""
-    return f"progress/{node}"
+def ended_key(node: int) -> str:
+    """Set by a node's launcher when its part of the round ended: its heartbeat stops then, by design."""
+    return f"ended/{node}"
 
 
 def full_key(attempt: int, key: str) -> str:
     """``key`` as seen without the attempt's PrefixStore."""
     return f"{attempt_prefix(attempt)}/{key}"
+
+
+@dataclass(frozen=True)
+class FailureRecord:
+    """A round's first failure, as the node where it happened tells every other node (through the store).
+
+    ``line`` is the first line of that node's report, so every node's report starts with the same words;
+    ``exit_code`` is the failing rank's, so every node exits with it.
+    """
+
+    rank: int
+    node_rank: int
+    local_rank: int
+    outcome: Outcome
+    exit_code: int
+    line: str
+    wall_time: float  # time.time() on the node that wrote it
+
+    def encode(self) -> bytes:
+        return json.dumps({**asdict(self), "outcome": self.outcome.value}).encode()
+
+    @classmethod
+    def decode(cls, data: bytes) -> FailureRecord:
+        fields = json.loads(data)
+        return cls(**{**fields, "outcome": Outcome(fields["outcome"])})
 
 
 # ---- between the head of a --hosts launch and each node's launcher (core/remote.py, core/node.py) ----

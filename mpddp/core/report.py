@@ -12,7 +12,7 @@ message: a user's exception that says "timeout" is still the user's.
 A rank's ``@record`` error file (core/errorfile.py) adds the exception as
 the rank saw it: its traceback where the worker's own report has none (the
 script caught it and called ``sys.exit``), else its line and time.
-Leaves watching to core/supervisor.py and other nodes to core/heartbeat.py.
+Leaves watching to core/supervisor.py and deciding which node's failure came first to core/rounds.py.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from ..errors import HangError, Outcome, RankFailure, WorkerFailed
 from ..ranks import RankSlot
 from . import procs, stacks
 from .errorfile import ErrorRecord
-from .protocol import Failure
+from .protocol import Failure, FailureRecord
 
 _TAIL_LINES = 10
 # The root cause is the first rank by this order, then by time.
@@ -150,7 +150,9 @@ def _short(message: str, width: int = 160) -> str:
     return line[: cut + 1] if cut > 40 else line[:width] + "…"
 
 
-def _others(states: list[RankState], root: RankState) -> list[str]:
+def _others(states: list[RankState], root: RankState | None, cause: int | None = None) -> list[str]:
+    """A line for each rank but ``root``, told against the rank that failed first (``cause``: on another node)."""
+    first = root.slot.rank if root is not None else cause
     lines = []
     for s in states:
         if s is root:
@@ -158,9 +160,9 @@ def _others(states: list[RankState], root: RankState) -> list[str]:
         outcome = s.outcome
         if outcome is Outcome.STOPPED:
             where = f", in {s.place.text}" if s.place is not None else ""
-            lines.append(f"  rank {s.slot.rank}: stopped by mpddp after rank {root.slot.rank} failed{where}")
+            lines.append(f"  rank {s.slot.rank}: stopped by mpddp after rank {first} failed{where}")
         elif outcome is Outcome.COLLECTIVE and s.failure is not None:
-            lines.append(f"  rank {s.slot.rank}: failed after rank {root.slot.rank} ({s.failure.error_type}: "
+            lines.append(f"  rank {s.slot.rank}: failed after rank {first} ({s.failure.error_type}: "
                          f"{_short(s.failure.message)}) — a consequence, not the cause")
         elif outcome in (Outcome.RAISED, Outcome.EXITED, Outcome.DIED):
             said = f" (its error file: {_short(s.error_file.message)})" if s.error_file and not _has_traceback(s) else ""
@@ -276,3 +278,22 @@ def hang_error(states: list[RankState], seconds_idle: float, places: dict[int, s
 
 def _ranks(ranks: list[int] | tuple[int, ...]) -> str:
     return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
+
+
+def remote_error(record: FailureRecord, states: list[RankState], node_rank: int) -> WorkerFailed:
+    """This node's report when the round's first failure happened on another node (core/rounds.py).
+
+    It starts with the very line that node's report starts with, and exits with the failing rank's code;
+    that node's report has the traceback and the last lines.
+    """
+    ranks = [s.slot.rank for s in states]
+    lines = [record.line, f"mpddp: node {node_rank} stopped its rank(s) {', '.join(map(str, ranks))} because of it "
+             f"(node {record.node_rank}'s own report has the rest: traceback, last lines)"]
+    others = _others(states, None, record.rank)
+    if others:
+        lines += [f"mpddp: the ranks on node {node_rank}:", *others]
+    cause = RankFailure(rank=record.rank, node_rank=record.node_rank, local_rank=record.local_rank,
+                        outcome=record.outcome, exit_code=record.exit_code, message=record.line)
+    local = [s.record() for s in states if s.outcome is not Outcome.OK]
+    kind = HangError if record.outcome is Outcome.HUNG else WorkerFailed
+    return kind("\n".join(lines), record.rank, [cause, *local], exit_code=record.exit_code)

@@ -1,23 +1,23 @@
 """One attempt of one node's worker group: start, watch, stop.
 
-Owns: starting this node's processes (on node 0 the store's keeper first,
-then each rank with a message channel, two output pipes and a pipe for
-stack dumps), the watch loop that drains typed messages while waiting
-(reading only after join deadlocks past the 64 KiB pipe buffer), notices a
-keeper that died and asks the watchdog each turn, SIGUSR1's "where is every
-rank", noting where each rank was before it is stopped, the teardown that
-always runs, and loading the ranks' return values. Leaves the plan to
-core/plan.py, the keeper's process to core/keeper.py, the restart loop to
-core/api.py, hangs to core/watchdog.py, stacks to core/stacks.py, the report to core/report.py, other nodes to
-core/heartbeat.py, killing to core/procs.py, lines to core/relay.py and
-reading the ranks' ``@record`` error files (in a directory of this attempt's,
-removed when it ends) to core/errorfile.py.
+Owns: starting this node's ranks (each with a message channel, two output
+pipes and a pipe for stack dumps), the watch loop that drains typed
+messages while waiting (reading only after join deadlocks past the 64 KiB
+pipe buffer), notices a store keeper that died or another node's failure
+(on several nodes) and asks the watchdog each turn, SIGUSR1's "where is
+every rank", noting where each rank was before it is stopped, the teardown
+that always runs, and loading the ranks' return values. Leaves the job's
+store and the restart loop to core/job.py, the plan to core/plan.py, hangs
+to core/watchdog.py, stacks to core/stacks.py, the report to
+core/report.py, which node's failure came first to core/rounds.py, killing
+to core/procs.py, lines to core/relay.py and reading the ranks' ``@record``
+error files (in a directory of this attempt's, removed when it ends) to
+core/errorfile.py.
 """
 
 from __future__ import annotations
 
 import os
-import socket
 import tempfile
 import threading
 import time
@@ -30,24 +30,20 @@ import cloudpickle
 import psutil
 
 from ..context import WorkerContext
-from ..errors import MainGuardError, Outcome, StoreLost, WorkerFailed
+from ..errors import HangError, MainGuardError, Outcome, RendezvousError, StoreLost, WorkerFailed
 from ..log import logger
 from ..ranks import banner
-from . import entry, errorfile, keeper, procs, protocol, stacks
-from .heartbeat import Heartbeat, remote_causes
+from . import entry, errorfile, procs, protocol, rounds, stacks
+from .job import LIVE, LIVE_LOCK, Job
 from .keeper import Keeper
-from .plan import Plan, node_env, rank_env
 from .relay import Relay
-from .report import RankState, failure_error, hang_error, root_cause
+from .report import RankState, failure_error, hang_error, remote_error
+from .rounds import RoundWatch
 from .startup import forkserver_pid
 from .watchdog import Hang, Watchdog
 
 _FAILURE_WINDOW = 0.3  # seconds to collect other ranks' reports after the first failure
 _TEARDOWN_GRACE = 0.5
-# The ranks of every launch running in this process: launches may run in several threads at once, and
-# all share one forkserver, whose children are either such ranks or orphans it adopted (core/guardian.py).
-_LIVE_LOCK = threading.Lock()
-_LIVE: set[int] = set()
 _NO_STATUS = 255  # the exit code multiprocessing gives a forkserver child whose status never came
 
 
@@ -76,13 +72,12 @@ class _Channels:
             c.fileno() for c in self.worker_ends}
 
 
-def _start(
-    plan: Plan, mp_context: Any, payload: bytes, port: int, attempt: int, relay: Relay, init_group: bool,
-    states: list[RankState], error_dir: str,
-) -> None:
+def _start(job: Job, attempt: int, relay: Relay, states: list[RankState], error_dir: str) -> None:
     """Start every rank, adding each to ``states`` at once: a Ctrl-C between two starts
     must still find the ones already running (the caller tears ``states`` down)."""
-    config = plan.config
+    from .plan import node_env, rank_env
+
+    plan, mp_context, config, port = job.plan, job.mp_context, job.config, job.port
     shared_env = node_env(plan, port, attempt)
     channels = [_Channels(mp_context.Pipe(duplex=False), _pipe(), _pipe(), _pipe()) for _ in plan.slots]
     all_fds = set().union(*(c.fds for c in channels))
@@ -92,15 +87,15 @@ def _start(
         spec = protocol.WorkerSpec(
             ctx=ctx, store_addr=config.master_addr, store_port=port, store_prefix=protocol.attempt_prefix(attempt),
             timeout=config.timeout, env=rank_env(shared_env, slot, error_dir), threads=plan.threads,
-            payload=payload, banner=banner(ctx) if config.verbose else None, init_group=init_group,
+            payload=job.payload, banner=banner(ctx) if config.verbose else None, init_group=job.init_group,
             # a forked child inherits every pipe: it must close the ends that are not its own
             close_fds=tuple(sorted(all_fds - {c.fileno() for c in ch.worker_ends}))
             if config.start_method == "fork" else (),
         )
         process = mp_context.Process(target=entry.rank, args=(spec, *ch.worker_ends), name=f"mpddp-rank-{slot.rank}")
-        with _LIVE_LOCK, entry.main_hidden(always=False):
+        with LIVE_LOCK, entry.main_hidden(always=False):
             process.start()
-            _LIVE.add(process.pid)
+            LIVE.add(process.pid)
         os.set_blocking(ch.stack[0], False)
         states.append(RankState(slot=slot, process=process, messages=ch.messages[0], stack_fd=ch.stack[0]))
         relay.add(slot.rank, ch.out[0], ch.err[0])
@@ -128,9 +123,10 @@ def _receive(state: RankState) -> None:
             state.failure, state.failed_at = message, message.time
 
 
-def _watch(states: list[RankState], watchdog: Watchdog, store: Keeper | None = None) -> Hang | None:
+def _watch(states: list[RankState], watchdog: Watchdog, store: Keeper | None = None,
+           round_watch: RoundWatch | None = None) -> Hang | None:
     """Wait until every rank succeeded, a failure window has closed, the store's keeper is gone,
-    or the watchdog found a hang."""
+    another node wrote the round's first failure, or the watchdog found a hang."""
     first_failure: float | None = None
     while True:
         waitables: list[Any] = [s.messages for s in states if not s.messages.closed]
@@ -154,6 +150,8 @@ def _watch(states: list[RankState], watchdog: Watchdog, store: Keeper | None = N
             return None
         if store is not None and store.lost:
             return None  # the ranks' errors, if any yet, are its consequences
+        if first_failure is None and round_watch is not None and round_watch.remote_failure is not None:
+            return None  # another node's rank failed first: ours stop now
         if first_failure is not None and (now - first_failure > _FAILURE_WINDOW or all(
                 s.exitcode is not None for s in states)):
             return None
@@ -181,8 +179,8 @@ def _teardown(states: list[RankState], urgent: threading.Event | None = None) ->
         s.stopped = True
     pids = [s.process.pid for s in states if s.process.pid]
     procs.kill_tree([s.process.pid for s in alive], _TEARDOWN_GRACE, groups=pids, urgent=urgent)
-    with _LIVE_LOCK:
-        _LIVE.difference_update(pids)
+    with LIVE_LOCK:
+        LIVE.difference_update(pids)
         _sweep_orphans()
     for s in states:
         s.process.join(2.0)
@@ -193,22 +191,8 @@ def _teardown(states: list[RankState], urgent: threading.Event | None = None) ->
             s.stack_fd = None
 
 
-def _keep_store(mp_context: Any, sock: socket.socket, config: Any) -> Keeper:
-    """Node 0's store, in its own process (core/keeper.py), counted among this process's live children."""
-    with _LIVE_LOCK:
-        store = keeper.start(mp_context, sock, config.timeout, forked=config.start_method == "fork")
-        _LIVE.add(store.pid)
-    return store
-
-
-def _stop_store(store: Keeper) -> None:
-    store.stop()
-    with _LIVE_LOCK:
-        _LIVE.discard(store.pid)
-
-
 def _sweep_orphans() -> None:
-    """Stop what the forkserver adopted that is no running rank: a dead rank's children (call under _LIVE_LOCK).
+    """Stop what the forkserver adopted that is no running rank: a dead rank's children (call under LIVE_LOCK).
 
     A rank killed by a signal cannot take its children along (core/worker.py
     does on any other exit); one started with ``start_new_session=True`` is in
@@ -218,7 +202,7 @@ def _sweep_orphans() -> None:
     if server is None:
         return
     try:
-        orphans = [p.pid for p in psutil.Process(server).children() if p.pid not in _LIVE]
+        orphans = [p.pid for p in psutil.Process(server).children() if p.pid not in LIVE]
     except psutil.Error:
         return
     if orphans:
@@ -241,68 +225,72 @@ def _forkserver_lost(states: list[RankState]) -> None:
             s.lost_with = server
 
 
-def run_group(plan: Plan, mp_context: Any, payload: bytes, attempt: int, init_group: bool = True,
-              held: socket.socket | None = None) -> list[Any]:
-    """Start this node's ranks, watch them, and stop them all, whatever happens.
-
-    ``held``: node 0's rendezvous socket, already listening (core/node.py binds it to tell the head its port).
-    """
-    from . import rendezvous
-
-    config = plan.config
-    sock = held or (rendezvous.listen(config.master_addr, config.master_port) if config.node_rank == 0 else None)
-    port = sock.getsockname()[1] if sock is not None else config.master_port
+def run_group(job: Job, attempt: int) -> list[Any]:
+    """Start this node's ranks for round ``attempt``, watch them, and stop them all, whatever happens."""
+    config = job.config
     relay = Relay(config.output_ranks, config.log_dir, prefix=not config.no_prefix)
     # inside multiprocessing's temp dir, which the forkserver removes even after a SIGKILL of this process
     error_dir = tempfile.TemporaryDirectory(prefix="mpddp-errors-", dir=util.get_temp_dir(), ignore_cleanup_errors=True)
     states: list[RankState] = []
-    store = beat = hang = None
-    notes: list[str] = []
+    store, round_watch, hang, failed_here = job.store, None, None, False
     try:
-        if sock is not None:  # the store exists before any rank, and outlives them all
-            store = _keep_store(mp_context, sock, config)
-            sock.close()  # the keeper's copy listens; were it to die, clients are refused, not left waiting
-        _start(plan, mp_context, payload, port, attempt, relay, init_group, states, error_dir.name)
+        _start(job, attempt, relay, states, error_dir.name)
         relay.start()
-        if config.nnodes > 1:
-            beat = Heartbeat(config.master_addr, port, config.node_rank, attempt, config.timeout, config.nnodes)
-        watchdog = Watchdog(config.timeout, beat)
-        hang = _watch(states, watchdog, store)
+        if job.link is not None:
+            round_watch = RoundWatch(job.link, attempt)
+        watchdog = Watchdog(config.timeout, round_watch)
+        hang = _watch(states, watchdog, store, round_watch)
+        failed_here = hang is not None or any(s.failed for s in states)  # else another node's failure stops ours
         if not all(s.succeeded for s in states) and not (store is not None and store.lost):
             _locate(states, watchdog, hang)
-            root = Outcome.COLLECTIVE if hang is not None else root_cause(states).outcome
-            notes = remote_causes(config, plan.nprocs, root, store is not None, port, attempt,
-                                  init_group, stop_local=lambda: _teardown(states))
     finally:
         with procs.shielded() as urgent:  # a second Ctrl-C must not leave the ranks running
-            if beat is not None:
-                beat.stop()
             _teardown(states, urgent)
             relay.stop()
             for s in states:  # every rank is gone: its file is complete, or was never written
                 s.error_file = errorfile.read(errorfile.path(error_dir.name, s.slot.rank))
             error_dir.cleanup()
-            # a keeper lost with the forkserver is not the cause: the ranks' report names the forkserver
-            lost = store if store is not None and store.lost and _forkserver_gone() is None else None
-            if store is not None:
-                _stop_store(store)
-            if sock is not None:
-                sock.close()
     if any(s.exitcode == protocol.MAIN_GUARD_EXIT and not s.started for s in states):
         raise MainGuardError(_MAIN_GUARD_MESSAGE)
-    if all(s.succeeded for s in states):
-        return [_value(s) for s in states]
-    if lost is not None:
-        raise StoreLost(lost.loss())
+    # a keeper lost with the forkserver is not the cause: the ranks' report names the forkserver
+    lost = store is not None and store.lost and _forkserver_gone() is None
+    error = _report(states, hang, relay) if failed_here and not lost else None
+    remote = round_watch is not None and round_watch.remote_failure is not None and not all(s.succeeded for s in states)
+    settled = _settle(job, attempt, states, error, round_watch) if job.link and (error or remote) else error
+    if round_watch is not None:
+        job.link.end_round(attempt)  # type: ignore[union-attr]
+        round_watch.stop()
+    if lost:
+        raise StoreLost(store.loss())  # type: ignore[union-attr]
+    if settled is not None:
+        raise settled
+    return [_value(s) for s in states]
+
+
+def _report(states: list[RankState], hang: Hang | None, relay: Relay) -> WorkerFailed:
+    """This node's own report of the failure: the root cause, with each rank's last lines and stacks."""
     _forkserver_lost(states)
     for s in states:
         s.tail = relay.tail(s.slot.rank)
         if s.place is not None:
             relay.note(s.slot.rank, f"mpddp: rank {s.slot.rank}'s stacks when it was stopped:\n{s.place.dump}")
-    error = hang_error(states, hang.seconds, hang.places, hang.finished) if hang is not None else failure_error(states)
-    if notes:
-        error.args = ("\n".join([*notes, str(error)]),)
-    raise error
+    return hang_error(states, hang.seconds, hang.places, hang.finished) if hang is not None else failure_error(states)
+
+
+def _settle(job: Job, attempt: int, states: list[RankState], local: WorkerFailed | None,
+            round_watch: RoundWatch | None) -> WorkerFailed | RendezvousError:
+    """Several nodes: the same first failure on every node (core/rounds.py), whichever node it happened on."""
+    link = job.link
+    assert link is not None
+    cause = None
+    if local is not None:
+        cause = Outcome.HUNG if isinstance(local, HangError) else (
+            local.failures[0].outcome if local.failures else Outcome.RAISED)
+    remote = round_watch.remote_failure if round_watch is not None and local is None else None
+    node = job.config.node_rank
+    return rounds.settle(link, attempt, local, cause, remote,
+                         remote_error=lambda record: remote_error(record, states, node),
+                         missing=lambda: rounds.missing_ranks(link, attempt) if job.store and job.init_group else [])
 
 
 def _locate(states: list[RankState], watchdog: Watchdog, hang: Hang | None) -> None:

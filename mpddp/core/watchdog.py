@@ -55,7 +55,7 @@ class Watchdog:
     """Call :meth:`check` often (the supervisor's watch loop does); it samples every ``interval``."""
 
     timeout: float
-    heartbeat: Any = None  # core/heartbeat.py's Heartbeat on several nodes: progress travels between nodes
+    heartbeat: Any = None  # core/rounds.py's RoundWatch on several nodes: progress travels between nodes
     interval: float = 0.0
     _ranks: dict[int, _Rank] = field(default_factory=dict)
     _last_sample: float = 0.0

@@ -283,7 +283,7 @@ def refuse_conflicts(explicit: Mapping[str, Any], nnodes: int, node_rank: int, n
     claim it (``claimed``).
     """
     want_nodes, want_rank = explicit.get("nnodes"), explicit.get("node_rank")
-    if want_nodes not in (None, 1, nnodes) and want_rank is None:
+    if want_nodes is not None and want_nodes not in (1, nnodes) and want_rank is None:
         raise ConfigError(too_many(want_nodes))
     if want_rank is not None and want_rank != node_rank and want_nodes in (None, nnodes) and numbered and nnodes > 1:
         raise ConfigError(claimed(want_rank))

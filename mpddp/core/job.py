@@ -1,0 +1,136 @@
+"""One job from start to end: its store, its rounds, and the restart loop.
+
+Owns: what lives for the whole job and is built once (:class:`Job`: the
+config, the plan, the start method's context, ``fn`` shipped by value, and
+on node 0 the store's keeper on the one port every node finds for the
+whole job), the attempts (each a round that every node joins before its
+ranks start, core/rounds.py) and what a failed attempt becomes: a restart
+while ``max_restarts`` allows, else the report. On a single node a keeper
+that was lost is replaced by a fresh one for the next attempt; on several
+nodes the others could not find a new one, so the job ends there. Leaves
+one attempt (start, watch, stop, report) to core/supervisor.py, the keeper's
+process to core/keeper.py and the words of a report to core/report.py.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+from ..errors import RestartsExhausted, StoreLost, WorkerFailed
+from ..log import logger
+from . import keeper
+from .keeper import Keeper
+from .plan import Plan
+from .rounds import NodeLink
+
+# The ranks and keepers of every launch running in this process: launches may run in several threads at
+# once, and all share one forkserver, whose children are either such processes or orphans it adopted.
+LIVE_LOCK = threading.Lock()
+LIVE: set[int] = set()
+
+
+@dataclass
+class Job:
+    """What every attempt of one launch shares, built once."""
+
+    plan: Plan
+    mp_context: Any
+    payload: bytes  # cloudpickle of (fn, args, kwargs, notebook cells' lines)
+    init_group: bool  # False: fn (or the script) calls init_process_group itself
+    port: int  # node 0's store, for the whole job
+    store: Keeper | None = None  # node 0 only
+    link: NodeLink | None = None  # several nodes only: this launcher's client of the store
+
+    @property
+    def config(self) -> Any:
+        return self.plan.config
+
+
+def run_job(plan: Plan, mp_context: Any, payload: bytes, init_group: bool, held: socket.socket | None) -> list[Any]:
+    """Every attempt of this node's part of the job, with the store up from the first to the last."""
+    from . import rendezvous
+
+    config = plan.config
+    sock = held or (rendezvous.listen(config.master_addr, config.master_port) if config.node_rank == 0 else None)
+    port = sock.getsockname()[1] if sock is not None else config.master_port
+    job = Job(plan, mp_context, payload, init_group, port)
+    if config.nnodes > 1:
+        job.link = NodeLink(config, port, plan.nprocs)
+    try:
+        if sock is not None:
+            job.store = _start_store(mp_context, sock, config)
+        return _attempts(job)
+    finally:
+        if job.link is not None:
+            job.link.leave()  # node 0: the store stays until the others have read the last round
+        if job.store is not None:
+            _stop_store(job.store)
+        if sock is not None:
+            sock.close()
+
+
+def _attempts(job: Job) -> list[Any]:
+    """Run the group, and again after a failure while restarts are left."""
+    from .supervisor import run_group
+
+    config = job.config
+    for attempt in range(config.max_restarts + 1):
+        if attempt and job.link is not None:
+            job.link.join(attempt)  # a restart starts its ranks once every node's launcher is there
+        try:
+            return run_group(job, attempt)
+        except KeyboardInterrupt:  # the teardown has already run, in run_group's finally
+            raise KeyboardInterrupt("mpddp: interrupted; every worker was stopped") from None
+        except (WorkerFailed, StoreLost) as failure:
+            store_lost = isinstance(failure, StoreLost) or (job.store is not None and job.store.lost)
+            if attempt == config.max_restarts or (store_lost and job.link is not None):
+                raise _final(failure, config.max_restarts, several_nodes=job.link is not None) from failure
+            if job.store is not None and job.store.lost:  # killed, alone or with the forkserver
+                _replace_store(job)
+            # the cause's line, so that a run that recovers still says what went wrong
+            said = ("mpddp: " if isinstance(failure, StoreLost) else "") + str(failure).splitlines()[0]
+            logger.warning("%s\nmpddp: restarting the group (%d of %d)", said, attempt + 1, config.max_restarts)
+    raise AssertionError("unreachable")
+
+
+def _final(failure: WorkerFailed | StoreLost, max_restarts: int, several_nodes: bool) -> Exception:
+    """The error a job ends with: the failure itself, or that restarts gave up after it."""
+    if isinstance(failure, StoreLost) and several_nodes and max_restarts:
+        return StoreLost(f"{failure}\nmpddp: not restarted: on several nodes a new store would have a port the other "
+                         "nodes do not know; start the job again")
+    if not max_restarts:
+        return failure
+    gave_up = (f"{failure}\nmpddp: gave up after {max_restarts} restart(s) (max_restarts={max_restarts}); raise "
+               "--max-restarts or fix the failure above")
+    if isinstance(failure, StoreLost):
+        return StoreLost(gave_up)
+    return RestartsExhausted(gave_up, failure.rank, failure.failures, exit_code=failure.exit_code)
+
+
+def _start_store(mp_context: Any, sock: socket.socket, config: Any) -> Keeper:
+    """Node 0's store, in its own process (core/keeper.py), counted among this process's live children."""
+    with LIVE_LOCK:
+        store = keeper.start(mp_context, sock, config.timeout, forked=config.start_method == "fork")
+        LIVE.add(store.pid)
+    sock.close()  # the keeper's copy listens; were it to die, clients are refused, not left waiting
+    return store
+
+
+def _stop_store(store: Keeper) -> None:
+    store.stop()
+    with LIVE_LOCK:
+        LIVE.discard(store.pid)
+
+
+def _replace_store(job: Job) -> None:
+    """One node: a fresh keeper on a fresh port after the last one was lost (every rank is this node's)."""
+    from . import rendezvous
+
+    assert job.store is not None
+    _stop_store(job.store)
+    sock = rendezvous.listen(job.config.master_addr, job.config.master_port)
+    job.port = sock.getsockname()[1]
+    job.store = _start_store(job.mp_context, sock, job.config)

@@ -1,0 +1,302 @@
+"""Several nodes as one job: rounds that every node joins, the first failure told to every node, lost nodes.
+
+Owns: this launcher's line to node 0's store on a job of several nodes
+(:class:`NodeLink`, one client for the whole job), the barrier that starts
+a restarted round only when every node's launcher has joined it, the
+heartbeat thread of a round (:class:`RoundWatch`: a beat, the watchdog's
+progress between nodes, and the round's first failure as another node
+wrote it), and :func:`settle`, which decides what this node reports once
+its round failed. The rule, so that every node names the same rank:
+
+* a node whose own rank failed by itself (raised, exited, died, hung)
+  writes a :class:`~mpddp.core.protocol.FailureRecord` into the store; the
+  first node to write one wins, and every node's report starts with its
+  line and exits with its code;
+* a node whose ranks only saw a peer vanish (an error inside a collective)
+  writes nothing at first: it waits for the record of the node where the
+  failure started, and says "node N went away" only when node N's launcher
+  stopped beating without ending its round (killed, machine lost).
+
+Leaves the store's process to core/keeper.py, the key names and the
+record's wire form to core/protocol.py, the restart loop to core/job.py,
+watching the local ranks to core/supervisor.py and the words of a report
+to core/report.py.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from .. import ranks as rank_math
+from ..config import LaunchConfig
+from ..errors import Outcome, RendezvousError, StoreLost, WorkerFailed
+from . import protocol
+from .protocol import FailureRecord, full_key
+
+_INTERVAL = 0.25  # seconds between two beats (and two looks for another node's failure)
+_STALLED_AFTER = 6 * _INTERVAL  # a beat that did not move for this long: its launcher is gone
+_RECORD_WAIT = 10.0  # seconds a node whose ranks only saw a peer vanish waits for the record of the cause
+_POLL = 0.05
+_LEAVE_WAIT = 10.0  # seconds node 0 keeps the store for the other launchers to read the last round
+
+
+class StoreGone(Exception):
+    """Node 0's store does not answer (its launcher or keeper is gone)."""
+
+
+class NodeLink:
+    """This launcher's client of node 0's store, for the whole job; every call is thread-safe."""
+
+    def __init__(self, config: LaunchConfig, port: int, nprocs: int) -> None:
+        self.config, self.port, self.nprocs = config, port, nprocs
+        self.gone: set[int] = set()  # nodes found lost (no beat, no end): node 0 does not wait for them to leave
+        self.reached = False  # node 0's store answered once
+        self._unreachable = False  # a connection failed, after retrying for as long as asked: fail fast from now
+        self._store: Any = None
+        self._lock = threading.Lock()  # one operation at a time on the client
+        self._connecting = threading.Lock()
+
+    def call(self, op: Callable[[Any], Any], connect_timeout: float | None = None) -> Any:
+        """``op(store)`` under the lock; :class:`StoreGone` when node 0's store cannot be reached."""
+        from .rendezvous import connect
+
+        try:
+            with self._connecting:  # one connection at a time: it retries until node 0 is up, or the timeout
+                if self._unreachable:
+                    raise StoreGone("node 0's store did not answer before")
+                if self._store is None:
+                    self._store = connect(self.config.master_addr, self.port,
+                                          connect_timeout if connect_timeout is not None else self.config.timeout)
+                    self.reached = True
+            with self._lock:
+                return op(self._store)
+        except StoreGone:
+            raise
+        except Exception as e:  # noqa: BLE001 - torch raises several types for a store that is gone
+            if self._store is None:
+                self._unreachable = True
+            raise StoreGone(str(e)) from e
+
+    def join(self, attempt: int) -> None:
+        """Round ``attempt``'s barrier: return once every node's launcher has joined it; name those that did not."""
+        node, nnodes, timeout = self.config.node_rank, self.config.nnodes, self.config.timeout
+        try:
+            self._join(attempt, node, nnodes, timeout)
+        except StoreGone:
+            raise StoreLost(f"node 0's store at {self.config.master_addr}:{self.port} is gone, so round {attempt} "
+                            "cannot start: node 0's launcher was killed, or its machine lost") from None
+
+    def _join(self, attempt: int, node: int, nnodes: int, timeout: float) -> None:
+        def arrive(s: Any) -> None:
+            s.set(full_key(attempt, protocol.joined_key(node)), "1")
+            s.add(full_key(attempt, protocol.JOINED), 1)
+
+        self.call(arrive)
+        deadline = time.monotonic() + timeout
+        while self.call(lambda s: s.add(full_key(attempt, protocol.JOINED), 0)) < nnodes:
+            if time.monotonic() > deadline:
+                joined = self.call(lambda s: [s.check([full_key(attempt, protocol.joined_key(n))])
+                                              for n in range(nnodes)])
+                missing = [n for n in range(nnodes) if not joined[n]]
+                raise RendezvousError(
+                    f"node(s) {_names(missing)} did not join round {attempt} (restart {attempt} of "
+                    f"{self.config.max_restarts}) within --timeout {timeout:g} s: their launchers are gone or stopped "
+                    "(killed, preempted, machine lost); every node must be running to restart the group")
+            time.sleep(_POLL)
+
+    def record(self, attempt: int) -> FailureRecord | None:
+        key = full_key(attempt, protocol.FAILURE)
+        data = self.call(lambda s: s.get(key) if s.check([key]) else None)
+        return FailureRecord.decode(data) if data else None
+
+    def publish(self, attempt: int, record: FailureRecord) -> FailureRecord:
+        """Write the round's first failure unless another node did first; the record that stands."""
+        key = full_key(attempt, protocol.FAILURE)
+        return FailureRecord.decode(self.call(lambda s: s.compare_set(key, "", record.encode())))
+
+    def end_round(self, attempt: int) -> None:
+        """This node's part of the round is over: its beat stops now, and that is no loss."""
+        try:
+            self.call(lambda s: s.set(full_key(attempt, protocol.ended_key(self.config.node_rank)), "1"),
+                      connect_timeout=2.0)
+        except StoreGone:
+            pass
+
+    def stalled(self, attempt: int) -> list[int]:
+        """Other nodes whose beat did not move for a while although they did not end the round."""
+        others = [n for n in range(self.config.nnodes) if n != self.config.node_rank]
+
+        def beats(s: Any) -> list[int]:
+            return [s.add(full_key(attempt, protocol.beat_key(n)), 0) for n in others]
+
+        before = self.call(beats)
+        time.sleep(_STALLED_AFTER)
+        after = self.call(beats)
+        ended = self.call(lambda s: [s.check([full_key(attempt, protocol.ended_key(n))]) for n in others])
+        lost = [n for n, b, a, e in zip(others, before, after, ended) if a == b and not e]
+        self.gone.update(lost)
+        return lost
+
+    def leave(self) -> None:
+        """Done with the store. Node 0 keeps it until every other launcher has left too (or a short while)."""
+        try:
+            self.call(lambda s: s.add(protocol.LEFT, 1), connect_timeout=2.0)
+            if self.config.node_rank != 0:
+                return
+            deadline = time.monotonic() + min(self.config.timeout, _LEAVE_WAIT)
+            while (self.call(lambda s: s.add(protocol.LEFT, 0)) < self.config.nnodes - len(self.gone)
+                   and time.monotonic() < deadline):
+                time.sleep(_POLL)
+        except StoreGone:
+            pass
+
+
+class RoundWatch:
+    """One round's heartbeat, from a daemon thread: a beat, progress between nodes, another node's failure.
+
+    The watchdog (core/watchdog.py) calls :meth:`progressed` when a local rank
+    computed and reads :attr:`remote_progress`, which moves when a rank on
+    another node did, so that no node declares a hang while another node's
+    ranks compute. :attr:`remote_failure` is set when another node wrote the
+    round's first failure: the supervisor then stops this node's ranks.
+    """
+
+    def __init__(self, link: NodeLink, attempt: int) -> None:
+        self.link, self.attempt = link, attempt
+        self.remote_progress = 0  # the other nodes' progress, as last read
+        self.remote_failure: FailureRecord | None = None
+        self._progress = threading.Event()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="mpddp-round-watch", daemon=True)
+        self._thread.start()
+
+    def progressed(self) -> None:
+        self._progress.set()
+
+    def _run(self) -> None:
+        node, attempt = self.link.config.node_rank, self.attempt
+        beat, progress, failure = (full_key(attempt, k) for k in (protocol.beat_key(node), protocol.PROGRESS,
+                                                                   protocol.FAILURE))
+        mine = 0
+
+        def turn(s: Any) -> tuple[int, int, bytes | None]:  # three store operations a turn, four on a failure
+            s.add(beat, 1)
+            step = 1 if self._progress.is_set() else 0
+            total = s.add(progress, step)  # every node's progress: ours is subtracted
+            return step, total, (s.get(failure) if self.remote_failure is None and s.check([failure]) else None)
+
+        try:
+            while not self._stop.is_set():
+                step, total, written = self.link.call(turn)
+                if step:
+                    self._progress.clear()
+                mine += step
+                self.remote_progress = total - mine
+                if written and (record := FailureRecord.decode(written)).node_rank != node:
+                    self.remote_failure = record
+                self._stop.wait(_INTERVAL)
+        except StoreGone:  # node 0 gone: what that means is settled after the local ranks stop
+            return
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(1.0)
+
+
+def settle(link: NodeLink, attempt: int, local: WorkerFailed | None, cause: Outcome | None,
+           remote: FailureRecord | None, remote_error: Callable[[FailureRecord], WorkerFailed],
+           missing: Callable[[], list[int]]) -> WorkerFailed | RendezvousError:
+    """What this node reports for a failed round of several nodes, the same first failure on every node.
+
+    ``local``: this node's own report (None when only another node failed), ``cause`` the outcome of its
+    first failure; ``remote``: a record another node wrote before this node failed; ``remote_error`` turns
+    a record into this node's report; ``missing``: ranks that never reached the store (node 0 asks it).
+    """
+    if remote is not None or local is None:
+        assert remote is not None  # the watch returns without a local failure only for another node's
+        return remote_error(remote)
+    try:
+        return _settle_local(link, attempt, local, cause, remote_error, missing)
+    except StoreGone:
+        return _store_gone(link, local)
+
+
+def _settle_local(link: NodeLink, attempt: int, local: WorkerFailed, cause: Outcome | None,
+                  remote_error: Callable[[FailureRecord], WorkerFailed],
+                  missing: Callable[[], list[int]]) -> WorkerFailed | RendezvousError:
+    config = link.config
+    if attempt == 0 and (never := missing()):  # ranks that waited for them timed out, or were found hung
+        return RendezvousError(_missing_message(never, link))
+    if cause not in (Outcome.COLLECTIVE, Outcome.STOPPED):  # a rank here failed by itself: the story starts here
+        link.publish(attempt, _record_of(local, cause, link))
+        return local
+    found = _wait_for(link, attempt, local)
+    if isinstance(found, FailureRecord):
+        return remote_error(found) if found.node_rank != config.node_rank else local
+    lost_ranks = [s.rank for s in rank_math.layout(config.nnodes, link.nprocs) if s.node_rank in found]
+    line = (f"mpddp: node(s) {_names(found)} went away (the launcher stopped beating without ending its round: "
+            f"killed, preempted or its machine lost), taking rank(s) {_names(lost_ranks)}")
+    went = FailureRecord(lost_ranks[0], found[0], 0, Outcome.DIED, 1, line, time.time())
+    winner = link.publish(attempt, went)
+    if winner.line != line:
+        return remote_error(winner)
+    local.args = (f"{line}; the failures below are consequences\n{local}",)
+    local.exit_code = 1
+    return local
+
+
+def _store_gone(link: NodeLink, local: WorkerFailed) -> RendezvousError:
+    """Node 0's store does not answer: never reached (not started, wrong address), or gone since."""
+    config = link.config
+    if not link.reached:
+        return RendezvousError(
+            f"node 0's rendezvous store at {config.master_addr}:{link.port} did not answer within --timeout "
+            f"{config.timeout:g} s: start node 0's launcher (--node-rank 0) there, or check --master-addr and "
+            f"--master-port; the failures below are consequences\n{local}")
+    return StoreLost(f"node 0, which hosts the rendezvous at {config.master_addr}:{link.port}, is gone (its "
+                     f"launcher was killed, or its machine lost); the failures below are consequences\n{local}")
+
+
+def _wait_for(link: NodeLink, attempt: int, local: WorkerFailed) -> FailureRecord | list[int]:
+    """The round's record, once another node writes it; or the nodes found lost; or, after a while, ours."""
+    deadline = time.monotonic() + min(link.config.timeout, _RECORD_WAIT)
+    while True:
+        if (record := link.record(attempt)) is not None:
+            return record
+        if lost := link.stalled(attempt):  # takes _STALLED_AFTER: the record is looked for again after it
+            return lost
+        if time.monotonic() > deadline:
+            return link.publish(attempt, _record_of(local, Outcome.COLLECTIVE, link))
+
+
+def _record_of(error: WorkerFailed, cause: Outcome | None, link: NodeLink) -> FailureRecord:
+    node, local_rank = rank_math.split_rank(error.rank, link.nprocs)
+    return FailureRecord(rank=error.rank, node_rank=node, local_rank=local_rank, outcome=cause or Outcome.RAISED,
+                         exit_code=error.exit_code, line=str(error).splitlines()[0], wall_time=time.time())
+
+
+def _names(items: list[int]) -> str:
+    return ", ".join(map(str, items))
+
+
+def _missing_message(missing: list[int], link: NodeLink) -> str:
+    config, port = link.config, link.port
+    nodes = sorted({rank_math.split_rank(r, link.nprocs)[0] for r in missing})
+    return (
+        f"node(s) {_names(nodes)} never arrived (rank(s) {_names(missing)} "
+        f"missing from the rendezvous at {config.master_addr}:{port}): start their launchers with "
+        f"--nnodes {config.nnodes} --master-addr {config.master_addr} --master-port {port} --node-rank N"
+    )
+
+
+def missing_ranks(link: NodeLink, attempt: int) -> list[int]:
+    """Ranks that never reached node 0's store (their node never arrived); see core/worker.py."""
+    world_size = link.config.nnodes * link.nprocs
+    try:
+        return link.call(lambda s: [r for r in range(world_size)
+                                    if not s.check([full_key(attempt, protocol.arrived_key(r))])], connect_timeout=2.0)
+    except StoreGone:
+        return []
