@@ -25,6 +25,7 @@ to core/report.py.
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -61,15 +62,12 @@ class NodeLink:
 
     def call(self, op: Callable[[Any], Any], connect_timeout: float | None = None) -> Any:
         """``op(store)`` under the lock; :class:`StoreGone` when node 0's store cannot be reached."""
-        from .rendezvous import connect
-
         try:
             with self._connecting:  # one connection at a time: it retries until node 0 is up, or the timeout
                 if self._unreachable:
                     raise StoreGone("node 0's store did not answer before")
                 if self._store is None:
-                    self._store = connect(self.config.master_addr, self.port,
-                                          connect_timeout if connect_timeout is not None else self.config.timeout)
+                    self._store = self._connect(connect_timeout if connect_timeout is not None else self.config.timeout)
                     self.reached = True
             with self._lock:
                 return op(self._store)
@@ -79,6 +77,21 @@ class NodeLink:
             if self._store is None:
                 self._unreachable = True
             raise StoreGone(str(e)) from e
+
+    def _connect(self, timeout: float) -> Any:
+        """A client, trying again every second until ``timeout``: torch's own retries wait up to several
+        seconds between tries, and a launcher that connects late can miss a store that was up meanwhile."""
+        from .rendezvous import connect
+
+        deadline = time.monotonic() + timeout
+        while True:  # a plain socket first: each failed try of torch's client prints a C++ stack on stderr
+            try:
+                socket.create_connection((self.config.master_addr, self.port), timeout=1.0).close()
+                return connect(self.config.master_addr, self.port, max(1.0, deadline - time.monotonic()))
+            except OSError:
+                if time.monotonic() >= deadline:
+                    raise
+                time.sleep(0.2)
 
     def join(self, attempt: int) -> None:
         """Round ``attempt``'s barrier: return once every node's launcher has joined it; name those that did not."""

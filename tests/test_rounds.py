@@ -1,0 +1,149 @@
+"""Several nodes as one job: the same first failure named on every node, and restarts as rounds.
+
+Two (or three) launchers on 127.0.0.1 with node ranks, each running ``tests/scripts/rounds_job.py``
+(a small DDP model, 2 ranks a node, gloo). A rank, a launcher or node 0's store keeper is really
+killed, at a random step; every node's report is read from its stderr and compared; the weights of a
+recovered run are compared with those of a run that never failed (one launcher, the same world size);
+every test checks that nothing tagged is left running.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+import signal
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import psutil
+import pytest
+from multinode import Cluster, Node, free_port
+
+JOB = Path(__file__).parent / "scripts" / "rounds_job.py"
+KILLED_3 = "mpddp: rank 3 (node 1, local rank 1) failed first: it was killed by SIGKILL"
+
+
+@pytest.fixture
+def cluster(tmp_path: Path) -> Iterator[Cluster]:
+    c = Cluster(tmp_path)
+    yield c
+    c.kill_all()
+
+
+def start(cluster: Cluster, nnodes: int, port: int, *options: str) -> list[Node]:
+    return [cluster.start([], command=[sys.executable, str(JOB), str(n), str(nnodes), str(port), *options])
+            for n in range(nnodes)]
+
+
+def first_report_line(node: Node) -> str:
+    return next(line for line in node.stderr.splitlines() if line.startswith("mpddp:"))
+
+
+def weights(node: Node) -> list[list[float]]:
+    lines = [line for line in node.stdout.splitlines() if line.startswith("RESULT ")]
+    assert len(lines) == 1, f"no RESULT line:\n{node.stdout}\n{node.stderr}"
+    return [r["weights"] for r in json.loads(lines[0][len("RESULT "):])]
+
+
+def finish(nodes: list[Node], timeout: float) -> list[int]:
+    return [node.wait(timeout) for node in nodes]
+
+
+@pytest.fixture(scope="module")
+def never_failed(tmp_path_factory: pytest.TempPathFactory) -> list[float]:
+    """The weights after the same training on 4 ranks that nobody killed (one launcher)."""
+    c = Cluster(tmp_path_factory.mktemp("reference"))
+    try:
+        node = c.start([], command=[sys.executable, str(JOB), "0", "1", "0", "--nprocs", "4"])
+        assert node.wait(90) == 0, node.stderr
+        found = weights(node)
+        assert all(w == found[0] for w in found)
+        return found[0]
+    finally:
+        c.kill_all()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("how", ["sigkill", "raise"])
+def test_a_rank_killed_on_node_1_is_named_first_on_both_nodes(cluster: Cluster, how: str) -> None:
+    at = random.randint(1, 4)
+    nodes = start(cluster, 2, free_port(), "--fail", "3", "--at", str(at), "--how", how, "--timeout", "30")
+    codes = finish(nodes, 90)
+    lines = [first_report_line(n) for n in nodes]
+    assert lines[0] == lines[1], "\n\n".join(n.stderr for n in nodes)
+    if how == "sigkill":
+        assert lines[0].startswith(KILLED_3) and codes == [137, 137], (codes, nodes[0].stderr)
+    else:
+        assert lines[0] == "mpddp: rank 3 (node 1, local rank 1) failed first: it raised RuntimeError: rank 3 fails " \
+            "on purpose" and codes == [1, 1], (codes, nodes[0].stderr)
+    assert "mpddp: node 0 stopped its rank(s) 0, 1 because of it" in nodes[0].stderr
+    assert "went away" not in nodes[0].stderr and "Traceback" not in nodes[0].stderr.split("mpddp: node 0 stopped")[0]
+    assert cluster.leftovers(wait=5) == []
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_that_fails_on_node_0_is_named_first_on_node_1(cluster: Cluster) -> None:
+    nodes = start(cluster, 2, free_port(), "--fail", "0", "--at", str(random.randint(1, 4)), "--how", "exit",
+                  "--timeout", "30")
+    codes = finish(nodes, 90)
+    lines = [first_report_line(n) for n in nodes]
+    assert lines == ["mpddp: rank 0 (node 0, local rank 0) failed first: it exited with code 7 (sys.exit)"] * 2, \
+        "\n\n".join(n.stderr for n in nodes)
+    assert codes == [7, 7]  # every node exits with the failing rank's code
+    assert "mpddp: node 1 stopped its rank(s) 2, 3 because of it" in nodes[1].stderr
+    assert cluster.leftovers(wait=5) == []
+
+
+@pytest.mark.timeout(150)
+def test_one_restart_recovers_both_nodes_with_the_weights_of_a_run_that_never_failed(
+        cluster: Cluster, never_failed: list[float]) -> None:
+    nodes = start(cluster, 2, free_port(), "--fail", "3", "--at", str(random.randint(1, 4)), "--max-restarts", "1",
+                  "--timeout", "30")
+    codes = finish(nodes, 120)
+    assert codes == [0, 0], "\n\n".join(n.stderr for n in nodes)
+    for node in nodes:
+        said = node.stderr.splitlines()
+        assert said[said.index("mpddp: restarting the group (1 of 1)") - 1].startswith(KILLED_3), node.stderr
+        assert weights(node) == [never_failed, never_failed]
+    assert sorted(re.findall(r"READY rank (\d) attempt 1", nodes[0].stdout + nodes[1].stdout)) == ["0", "1", "2", "3"]
+    assert cluster.leftovers(wait=5) == []
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("restarts", [0, 1])
+def test_a_killed_launcher_is_named_lost_on_the_other_node(cluster: Cluster, restarts: int) -> None:
+    timeout = 10.0
+    nodes = start(cluster, 2, free_port(), "--steps", "400", "--pause", "0.05", "--timeout", str(timeout),
+                  "--max-restarts", str(restarts))
+    cluster.wait_for("READY rank", 4, timeout=60)
+    time.sleep(random.uniform(0.0, 1.0))
+    nodes[1].proc.send_signal(signal.SIGKILL)
+    code = nodes[0].wait(2 * timeout + 30)
+    assert code != 0
+    first = first_report_line(nodes[0])
+    assert first.startswith("mpddp: node(s) 1 went away") and "rank(s) 2, 3" in first, nodes[0].stderr
+    if restarts:  # the round after it cannot start without node 1: that is said too, in the end
+        assert "node(s) 1 did not join round 1" in nodes[0].stderr, nodes[0].stderr
+    assert cluster.leftovers(wait=5) == []
+
+
+@pytest.mark.timeout(120)
+def test_a_killed_store_keeper_ends_the_job_on_both_nodes(cluster: Cluster) -> None:
+    nodes = start(cluster, 2, free_port(), "--steps", "400", "--pause", "0.05", "--timeout", "10",
+                  "--max-restarts", "1")
+    cluster.wait_for("READY rank", 4, timeout=60)
+    time.sleep(random.uniform(0.0, 1.0))
+    launcher = psutil.Process(nodes[0].proc.pid)
+    port = int(nodes[0].proc.args[4])
+    keeper = next(p for p in launcher.children(recursive=True) if any(
+        c.status == psutil.CONN_LISTEN and c.laddr.port == port for c in p.net_connections("tcp")))
+    keeper.send_signal(signal.SIGKILL)
+    codes = finish(nodes, 60)
+    assert codes[0] != 0 and codes[1] != 0
+    assert f"the store keeper (pid {keeper.pid})" in nodes[0].stderr, nodes[0].stderr
+    assert "not restarted: on several nodes" in nodes[0].stderr
+    assert "node 0, which hosts the rendezvous at 127.0.0.1" in nodes[1].stderr, nodes[1].stderr
+    assert cluster.leftovers(wait=5) == []
