@@ -138,18 +138,17 @@ class NodeLink:
         except StoreGone:
             pass
 
-    def stalled(self, attempt: int) -> list[int]:
-        """Other nodes whose beat did not move for a while although they did not end the round."""
+    def beats(self, attempt: int) -> dict[int, int]:
+        """Every other node's beat counter now."""
         others = [n for n in range(self.config.nnodes) if n != self.config.node_rank]
+        return dict(zip(others, self.call(lambda s: [s.add(full_key(attempt, protocol.beat_key(n)), 0)
+                                                      for n in others])))
 
-        def beats(s: Any) -> list[int]:
-            return [s.add(full_key(attempt, protocol.beat_key(n)), 0) for n in others]
-
-        before = self.call(beats)
-        time.sleep(_STALLED_AFTER)
-        after = self.call(beats)
-        ended = self.call(lambda s: [s.check([full_key(attempt, protocol.ended_key(n))]) for n in others])
-        lost = [n for n, b, a, e in zip(others, before, after, ended) if a == b and not e]
+    def stalled(self, attempt: int, before: dict[int, int]) -> list[int]:
+        """Nodes whose beat did not move since ``before`` although they did not end the round."""
+        after = self.beats(attempt)
+        ended = self.call(lambda s: {n: s.check([full_key(attempt, protocol.ended_key(n))]) for n in before})
+        lost = [n for n in before if after[n] == before[n] and not ended[n]]
         self.gone.update(lost)
         return lost
 
@@ -276,13 +275,18 @@ def _store_gone(link: NodeLink, local: WorkerFailed) -> RendezvousError:
 def _wait_for(link: NodeLink, attempt: int, local: WorkerFailed) -> FailureRecord | list[int]:
     """The round's record, once another node writes it; or the nodes found lost; or, after a while, ours."""
     deadline = time.monotonic() + min(link.config.timeout, _RECORD_WAIT)
+    beats, since = link.beats(attempt), time.monotonic()
     while True:
         if (record := link.record(attempt)) is not None:
             return record
-        if lost := link.stalled(attempt):  # takes _STALLED_AFTER: the record is looked for again after it
-            return lost
-        if time.monotonic() > deadline:
+        now = time.monotonic()
+        if now - since >= _STALLED_AFTER:  # a launcher whose beat stood still all this while is gone
+            if lost := link.stalled(attempt, beats):
+                return lost
+            beats, since = link.beats(attempt), now
+        if now > deadline:
             return link.publish(attempt, _record_of(local, Outcome.COLLECTIVE, link))
+        time.sleep(_POLL)
 
 
 def _record_of(error: WorkerFailed, cause: Outcome | None, link: NodeLink) -> FailureRecord:

@@ -5,7 +5,8 @@
 never failed computes them), and prints one ``RESULT`` line with each local rank's final weights.
 ``--fail RANK``: that global rank fails at step ``--at`` (by ``--how``: sigkill, raise, exit) on the
 first attempt only (``--always``: on every attempt). Each rank prints ``READY rank N attempt A`` after
-its first step, and the pid of its process in ``PID rank N``.
+its first step (with ``at`` and the wall time: scripts/bench_recovery.py reads it), ``FAILING rank N at T``
+just before it fails, and the pid of its process in ``PID rank N``.
 """
 
 from __future__ import annotations
@@ -37,9 +38,10 @@ def work(ctx: mpddp.WorkerContext, opts: dict) -> dict:
         loss.backward()
         optimizer.step()
         if step == 0:
-            print(f"READY rank {ctx.rank} attempt {ctx.restart}", flush=True)
+            print(f"READY rank {ctx.rank} attempt {ctx.restart} at {time.time():.6f}", flush=True)
         failing = ctx.rank == opts["fail"] and (opts["always"] or ctx.restart == 0)
         if failing and step == opts["at"]:
+            print(f"FAILING rank {ctx.rank} at {time.time():.6f}", flush=True)
             if opts["how"] == "sigkill":
                 os.kill(os.getpid(), signal.SIGKILL)
             if opts["how"] == "exit":

@@ -1,0 +1,173 @@
+"""Recovery benchmark: from a rank's death to every rank of the restarted group back at its first step.
+
+A 2-rank-a-node gloo job trains a small DDP model; on the first attempt one rank (the last node's last
+rank) SIGKILLs itself at step 2, and ``max_restarts=1`` restarts the group. Each rank prints the wall
+time of its first step and the failing rank the time just before it dies (one machine, one clock).
+
+  start-up   from the launchers' start to the last rank's first step of attempt 0
+  recovery   from the death to the last rank's first step of attempt 1 (and, apart, until the last
+             rank's fn was called again: what the launcher takes, before the user's own set-up)
+  ratio      recovery / start-up, in the same run (goal on one node: at most 0.25)
+
+``mpddp+preload``: the same with ``preload=TRAINING_PRELOAD`` (what ``mpddp train`` uses: torch._dynamo,
+which DDP's constructor and every optimizer import, is imported once in the forkserver, so that a
+restarted rank does not import it again). Nodes are launchers on 127.0.0.1 with node ranks (1, 2, 4,
+8), started together. Side by side on one
+node: ``torchrun --standalone --nproc-per-node 2 --max-restarts 1`` running the same job as a torchrun
+script (``init_process_group("gloo")`` from the environment).
+
+    python scripts/bench_recovery.py                   # 3 interleaved reps, 1, 2, 4 and 8 nodes
+    python scripts/bench_recovery.py --nodes 1,2 --reps 5 --json recovery.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import benchlib  # noqa: E402
+
+STEPS, FAIL_AT = 6, 2
+GOAL = 0.25
+
+
+def train(rank: int, restart: int, world_size: int, fail: int) -> list[float]:
+    """The job of every rank, under mpddp or torchrun; the process group is already up."""
+    import torch
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    print(f"ENTERED {rank} {restart} {time.time():.6f}", flush=True)
+    torch.manual_seed(0)
+    model = DDP(torch.nn.Linear(4, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    data = torch.Generator().manual_seed(1000 + rank)
+    for step in range(STEPS):
+        x = torch.randn(8, 4, generator=data)
+        loss = ((model(x) - x.sum(dim=1, keepdim=True)) ** 2).mean()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        if step == 0:
+            print(f"READY {rank} {restart} {time.time():.6f}", flush=True)
+        if rank == fail and restart == 0 and step == FAIL_AT:
+            print(f"FAILING {rank} {time.time():.6f}", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+    return [p.detach().sum().item() for p in model.parameters()]
+
+
+def mpddp_rank(ctx, fail: int) -> list[float]:  # noqa: ANN001 - a WorkerContext
+    return train(ctx.rank, ctx.restart, ctx.world_size, fail)
+
+
+def node_main(node: int, nnodes: int, port: int, preload: bool) -> None:
+    import mpddp
+    from mpddp.core.startup import TRAINING_PRELOAD
+
+    mpddp.launch(mpddp_rank, nprocs=2, args=(2 * nnodes - 1,), backend="gloo", nnodes=nnodes, node_rank=node,
+                 master_addr="127.0.0.1", master_port=port, max_restarts=1, timeout=120,
+                 preload=TRAINING_PRELOAD if preload else ())
+
+
+def torchrun_main() -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    train(dist.get_rank(), int(os.environ["TORCHELASTIC_RESTART_COUNT"]), dist.get_world_size(), 1)
+    dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def one_run(kind: str, nnodes: int, workdir: Path) -> tuple[float, float, float]:
+    """(start-up, recovery, recovery up to fn) seconds of one job."""
+    me = str(Path(__file__).resolve())
+    if kind == "torchrun":
+        cmds = [[sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "--max-restarts", "1", me, "--torchrun-worker"]]
+    else:
+        port = _free_port()
+        cmds = [[sys.executable, me, "--node", str(n), "--nnodes", str(nnodes), "--port", str(port),
+                 *(["--preload"] if kind == "mpddp+preload" else [])] for n in range(nnodes)]
+    outs = [workdir / f"{kind}-{i}.out" for i in range(len(cmds))]
+    started = time.time()
+    procs = [subprocess.Popen(cmd, stdout=out.open("w"), stderr=subprocess.STDOUT) for cmd, out in zip(cmds, outs)]
+    for proc in procs:
+        if proc.wait(600) != 0:
+            raise RuntimeError(f"{kind} on {nnodes} node(s) failed:\n" + "\n".join(o.read_text()[-3000:] for o in outs))
+    text = "\n".join(o.read_text() for o in outs)
+    ready = {(int(r), int(a)): float(t) for r, a, t in re.findall(r"READY (\d+) (\d+) ([\d.]+)", text)}
+    entered = {(int(r), int(a)): float(t) for r, a, t in re.findall(r"ENTERED (\d+) (\d+) ([\d.]+)", text)}
+    failing = [float(t) for t in re.findall(r"FAILING \d+ ([\d.]+)", text)]
+    world = 2 * nnodes
+    first = max(t for (r, a), t in ready.items() if a == 0)
+    again = max(t for (r, a), t in ready.items() if a == 1)
+    assert len([k for k in ready if k[1] == 1]) == world and len(failing) == 1, text[-3000:]
+    in_fn = max(t for (r, a), t in entered.items() if a == 1)
+    return first - started, again - failing[0], in_fn - failing[0]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--nodes", default="1,2,4,8", help="node counts, e.g. 1,2,4,8")
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--no-torchrun", action="store_true")
+    parser.add_argument("--tiny", action="store_true", help="one rep, 1 and 2 nodes (the suite's smoke run)")
+    parser.add_argument("--quiet", type=float, default=60.0, help="wait until the CPUs are at most this %% busy")
+    parser.add_argument("--json")
+    parser.add_argument("--node", type=int)
+    parser.add_argument("--nnodes", type=int)
+    parser.add_argument("--port", type=int)
+    parser.add_argument("--torchrun-worker", action="store_true")
+    parser.add_argument("--preload", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.torchrun_worker:
+        return torchrun_main()
+    if args.node is not None:
+        return node_main(args.node, args.nnodes, args.port, args.preload)
+    nodes = [1, 2] if args.tiny else [int(n) for n in args.nodes.split(",")]
+    reps = 1 if args.tiny else args.reps
+    kinds = [(kind, n) for n in nodes for kind in ("mpddp", "mpddp+preload")]
+    if not args.no_torchrun:
+        kinds.append(("torchrun", 1))
+    times: dict[str, list[tuple[float, float, float]]] = {f"{k} {n}": [] for k, n in kinds}
+    with tempfile.TemporaryDirectory(prefix="mpddp-bench-recovery-") as tmp:
+        for _ in range(reps):
+            for kind, n in kinds:
+                benchlib.wait_for_quiet(args.quiet, patience=30.0)
+                times[f"{kind} {n}"].append(one_run(kind, n, Path(tmp)))
+    rows, results = [], {}
+    for key, runs in times.items():
+        start = statistics.median(s for s, _, _ in runs)
+        back = statistics.median(r for _, r, _ in runs)
+        to_fn = statistics.median(f for _, _, f in runs)
+        ratios = [r / s for s, r, _ in runs]
+        results[key] = {"startup": [s for s, _, _ in runs], "recovery": [r for _, r, _ in runs],
+                        "recovery_to_fn": [f for _, _, f in runs], "ratio": ratios}
+        rows.append([key + " node(s)", f"{start:.2f}", f"{back:.2f}", f"{to_fn:.2f}", f"{statistics.median(ratios):.2f}",
+                     f"{min(ratios):.2f}-{max(ratios):.2f}"])
+    print(f"\n{benchlib.machine()}; load {benchlib.load():.1f}; {reps} rep(s), medians\n")
+    print(benchlib.table(["job", "start-up s", "recovery s", "of it, until fn runs", "recovery / start-up", "range"],
+                         rows))
+    for key in ("mpddp 1", "mpddp+preload 1"):
+        if (one := results.get(key)) is not None:
+            ratio = statistics.median(one["ratio"])
+            print(f"goal on one node ({key.split()[0]}), recovery / start-up <= {GOAL:.2f}: {ratio:.2f} "
+                  f"({'met' if ratio <= GOAL else 'not met'})")
+    benchlib.write_json(args.json, {"results": results, "goal": GOAL})
+
+
+if __name__ == "__main__":
+    main()
