@@ -92,8 +92,8 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def one_run(kind: str, nnodes: int, workdir: Path) -> tuple[float, float, float]:
-    """(start-up, recovery, recovery up to fn) seconds of one job."""
+def one_run(kind: str, nnodes: int, workdir: Path) -> tuple[float, float, float] | None:
+    """(start-up, recovery, recovery up to fn) seconds of one job; None if it did not recover."""
     me = str(Path(__file__).resolve())
     if kind == "torchrun":
         cmds = [[sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "--max-restarts", "1", me, "--torchrun-worker"]]
@@ -104,9 +104,8 @@ def one_run(kind: str, nnodes: int, workdir: Path) -> tuple[float, float, float]
     outs = [workdir / f"{kind}-{i}.out" for i in range(len(cmds))]
     started = time.time()
     procs = [subprocess.Popen(cmd, stdout=out.open("w"), stderr=subprocess.STDOUT) for cmd, out in zip(cmds, outs)]
-    for proc in procs:
-        if proc.wait(600) != 0:
-            raise RuntimeError(f"{kind} on {nnodes} node(s) failed:\n" + "\n".join(o.read_text()[-3000:] for o in outs))
+    if any(proc.wait(600) != 0 for proc in procs):
+        return None  # a peer whose restart does not recover (torchrun's gloo group, seen here): counted, not timed
     text = "\n".join(o.read_text() for o in outs)
     ready = {(int(r), int(a)): float(t) for r, a, t in re.findall(r"READY (\d+) (\d+) ([\d.]+)", text)}
     entered = {(int(r), int(a)): float(t) for r, a, t in re.findall(r"ENTERED (\d+) (\d+) ([\d.]+)", text)}
@@ -124,7 +123,7 @@ def main() -> None:
     parser.add_argument("--nodes", default="1,2,4,8", help="node counts, e.g. 1,2,4,8")
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--no-torchrun", action="store_true")
-    parser.add_argument("--tiny", action="store_true", help="one rep, 1 and 2 nodes (the suite's smoke run)")
+    parser.add_argument("--tiny", action="store_true", help="one rep, one node (the suite's smoke run)")
     parser.add_argument("--quiet", type=float, default=60.0, help="wait until the CPUs are at most this %% busy")
     parser.add_argument("--json")
     parser.add_argument("--node", type=int)
@@ -137,19 +136,29 @@ def main() -> None:
         return torchrun_main()
     if args.node is not None:
         return node_main(args.node, args.nnodes, args.port, args.preload)
-    nodes = [1, 2] if args.tiny else [int(n) for n in args.nodes.split(",")]
+    nodes = [1] if args.tiny else [int(n) for n in args.nodes.split(",")]
     reps = 1 if args.tiny else args.reps
     kinds = [(kind, n) for n in nodes for kind in ("mpddp", "mpddp+preload")]
     if not args.no_torchrun:
         kinds.append(("torchrun", 1))
     times: dict[str, list[tuple[float, float, float]]] = {f"{k} {n}": [] for k, n in kinds}
+    failed: dict[str, int] = {}
     with tempfile.TemporaryDirectory(prefix="mpddp-bench-recovery-") as tmp:
         for _ in range(reps):
             for kind, n in kinds:
                 benchlib.wait_for_quiet(args.quiet, patience=30.0)
-                times[f"{kind} {n}"].append(one_run(kind, n, Path(tmp)))
+                if (timed := one_run(kind, n, Path(tmp))) is None and kind.startswith("mpddp"):
+                    raise RuntimeError(f"mpddp on {n} node(s) did not recover: see {tmp}")
+                if timed is None:
+                    failed[f"{kind} {n}"] = failed.get(f"{kind} {n}", 0) + 1
+                else:
+                    times[f"{kind} {n}"].append(timed)
     rows, results = [], {}
     for key, runs in times.items():
+        if not runs:
+            rows.append([key + " node(s)", "-", f"did not recover ({failed.get(key, 0)} of {reps})", "-", "-", "-"])
+            results[key] = {"failed": failed.get(key, 0)}
+            continue
         start = statistics.median(s for s, _, _ in runs)
         back = statistics.median(r for _, r, _ in runs)
         to_fn = statistics.median(f for _, _, f in runs)

@@ -15,8 +15,6 @@ process to core/keeper.py and the words of a report to core/report.py.
 from __future__ import annotations
 
 import socket
-import threading
-from dataclasses import dataclass
 from typing import Any
 
 from ..errors import RestartsExhausted, StoreLost, WorkerFailed
@@ -25,28 +23,7 @@ from . import keeper
 from .keeper import Keeper
 from .plan import Plan
 from .rounds import NodeLink
-
-# The ranks and keepers of every launch running in this process: launches may run in several threads at
-# once, and all share one forkserver, whose children are either such processes or orphans it adopted.
-LIVE_LOCK = threading.Lock()
-LIVE: set[int] = set()
-
-
-@dataclass
-class Job:
-    """What every attempt of one launch shares, built once."""
-
-    plan: Plan
-    mp_context: Any
-    payload: bytes  # cloudpickle of (fn, args, kwargs, notebook cells' lines)
-    init_group: bool  # False: fn (or the script) calls init_process_group itself
-    port: int  # node 0's store, for the whole job
-    store: Keeper | None = None  # node 0 only
-    link: NodeLink | None = None  # several nodes only: this launcher's client of the store
-
-    @property
-    def config(self) -> Any:
-        return self.plan.config
+from .supervisor import LIVE, LIVE_LOCK, Job, run_group
 
 
 def run_job(plan: Plan, mp_context: Any, payload: bytes, init_group: bool, held: socket.socket | None) -> list[Any]:
@@ -74,8 +51,6 @@ def run_job(plan: Plan, mp_context: Any, payload: bytes, init_group: bool, held:
 
 def _attempts(job: Job) -> list[Any]:
     """Run the group, and again after a failure while restarts are left."""
-    from .supervisor import run_group
-
     config = job.config
     for attempt in range(config.max_restarts + 1):
         if attempt and job.link is not None:

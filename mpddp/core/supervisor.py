@@ -34,17 +34,40 @@ from ..errors import HangError, MainGuardError, Outcome, RendezvousError, StoreL
 from ..log import logger
 from ..ranks import banner
 from . import entry, errorfile, procs, protocol, rounds, stacks
-from .job import LIVE, LIVE_LOCK, Job
 from .keeper import Keeper
+from .plan import Plan
 from .relay import Relay
 from .report import RankState, failure_error, hang_error, remote_error
-from .rounds import RoundWatch
+from .rounds import NodeLink, RoundWatch
 from .startup import forkserver_pid
 from .watchdog import Hang, Watchdog
 
 _FAILURE_WINDOW = 0.3  # seconds to collect other ranks' reports after the first failure
 _TEARDOWN_GRACE = 0.5
 _NO_STATUS = 255  # the exit code multiprocessing gives a forkserver child whose status never came
+
+
+# The ranks and keepers of every launch running in this process: launches may run in several threads at
+# once, and all share one forkserver, whose children are either such processes or orphans it adopted.
+LIVE_LOCK = threading.Lock()
+LIVE: set[int] = set()
+
+
+@dataclass
+class Job:
+    """What every attempt of one launch shares, built once."""
+
+    plan: Plan
+    mp_context: Any
+    payload: bytes  # cloudpickle of (fn, args, kwargs, notebook cells' lines)
+    init_group: bool  # False: fn (or the script) calls init_process_group itself
+    port: int  # node 0's store, for the whole job
+    store: Keeper | None = None  # node 0 only
+    link: NodeLink | None = None  # several nodes only: this launcher's client of the store
+
+    @property
+    def config(self) -> Any:
+        return self.plan.config
 
 
 def _pipe() -> tuple[int, Connection]:
