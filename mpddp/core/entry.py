@@ -18,7 +18,6 @@ forkserver has imported already) and the keeper's work to core/keeper.py.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
 import signal
 import sys
@@ -26,10 +25,8 @@ from collections.abc import Iterator
 from multiprocessing.connection import Connection
 from typing import Any
 
-from .guardian import LAUNCHER_GONE
 from .protocol import WorkerSpec
-
-_PR_SET_PDEATHSIG = 1
+from .signals import LAUNCHER_GONE, on_parent_death
 
 
 def rank(spec: WorkerSpec, messages: Connection, out: Connection, err: Connection, stack: Connection) -> None:
@@ -54,10 +51,7 @@ def detach(close_fds: tuple[int, ...]) -> None:
 
 def die_with_parent() -> None:
     """Ask Linux to SIGKILL this process the moment its parent dies."""
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    except (OSError, AttributeError):
-        pass
+    on_parent_death(signal.SIGKILL)
 
 
 @contextlib.contextmanager

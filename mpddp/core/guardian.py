@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import ctypes
 import os
 import re
 import shutil
@@ -37,11 +36,11 @@ import signal
 import time
 import warnings
 
+from . import signals
+from .signals import LAUNCHER_GONE
+
 FORKSERVER_PARENT = "MPDDP_FORKSERVER_PARENT"  # set by core/startup.py while it starts the forkserver
 FORKSERVER_TEMP = "MPDDP_FORKSERVER_TEMP"  # the launcher's multiprocessing temporary directory
-_PR_SET_PDEATHSIG = 1
-_PR_SET_CHILD_SUBREAPER = 36
-LAUNCHER_GONE = signal.SIGRTMIN + 5  # the forkserver's parent-death signal (core/stacks.py uses SIGRTMIN + 4)
 
 
 def serve_if_forkserver() -> None:
@@ -58,12 +57,8 @@ def serve_if_forkserver() -> None:
             _clean_up(me, parent, temp, cache)
 
     signal.signal(LAUNCHER_GONE, launcher_gone)
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_CHILD_SUBREAPER, 1)
-        libc.prctl(_PR_SET_PDEATHSIG, LAUNCHER_GONE)
-    except (OSError, AttributeError):
-        pass
+    signals.prctl(signals.PR_SET_CHILD_SUBREAPER, 1)
+    signals.on_parent_death(LAUNCHER_GONE)
     if os.getppid() != parent:  # the launcher died before the signal was armed
         _clean_up(me, parent, temp, cache)
     # the standard library's forkserver reaps adopted orphans too, and warns about each one

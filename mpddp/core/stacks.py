@@ -32,7 +32,8 @@ import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
-STACK_SIGNAL = signal.SIGRTMIN + 4  # glibc keeps the first real-time signals for itself; SIGRTMIN counts them
+from .signals import STACK_SIGNAL
+
 _WAIT = 0.5  # seconds to wait for the dumps of every rank asked
 _THREAD = re.compile(r"^(?:Current thread|Thread) (0x[0-9a-f]+)")
 _FRAME = re.compile(r'^\s+File "(.*)", line (\d+) in (.*)$')
