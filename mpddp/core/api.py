@@ -21,7 +21,7 @@ from ..errors import ConfigError
 from . import stacks
 from .job import run_job
 from .ship import ship
-from .startup import interrupts_deferred, refuse_bootstrap, start_context
+from .startup import TRAINING_PRELOAD, interrupts_deferred, refuse_bootstrap, start_context
 
 LAYOUT_KEYS = ("nnodes", "node_rank", "master_addr", "master_port")
 
@@ -66,8 +66,9 @@ def launch(
     group to ``fn`` (torchrun-style code calling ``init_process_group("env://")``).
     ``preload``: modules every rank imports anyway, imported once in the
     forkserver instead (``mpddp.core.startup.TRAINING_PRELOAD`` when ``fn``
-    builds an optimizer or DDP); it counts when the forkserver starts, at
-    the interpreter's first launch.
+    builds an optimizer or DDP; added by itself when ``max_restarts`` > 0, so
+    that a restarted rank's first step is not one more import); it counts
+    when the forkserver starts, at the interpreter's first launch.
     The list is in local rank order. If a rank fails,
     the whole group is stopped and :class:`WorkerFailed` names the rank that
     failed first, with its traceback.
@@ -82,6 +83,8 @@ def launch(
     if not isinstance(preload, (tuple, list)) or not all(isinstance(m, str) for m in preload):
         raise ConfigError(f"preload={preload!r} is not a list of module names: pass e.g. preload=['torch._dynamo']")
     config = make_config({**options, "nprocs": nprocs}, config)
+    if config.max_restarts:  # a job that may restart trains: a restarted rank must not import torch._dynamo again
+        preload = (*preload, *(m for m in TRAINING_PRELOAD if m not in preload))
     payload = ship(fn, tuple(args), dict(kwargs or {}))
     if config.hosts is not None:  # a launcher on every host, over ssh (core/remote.py)
         from .remote import launch_hosts
