@@ -155,3 +155,18 @@ def test_sbatch_example_two_namespace_nodes(slurm_ci: SlurmCI) -> None:
                         str(REPO / "scripts" / "sbatch_example.sh"), *TRAIN[4:], "--run-dir", "runs/sbatch-two"]))
     out = log.read_text()
     assert banners(out) == {"0×2+0 = 0 of 4", "0×2+1 = 1 of 4", "1×2+0 = 2 of 4", "1×2+1 = 3 of 4"}, out
+
+
+@pytest.mark.timeout(180)
+def test_srun_two_namespace_nodes_recover_from_a_killed_rank(slurm_ci: SlurmCI) -> None:
+    """Rank 3 (node 1) is SIGKILLed once; srun's two launchers name it alike and restart the group together."""
+    slurm_ci.ensure("netns")
+    result = slurm_ci.run([*SRUN, "-N2", "--ntasks-per-node=1", "--gpus-per-node=2", *TRAIN, "--batch-size", "16",
+                           "--checkpoint-every", "4", "--max-restarts", "1", "--inject-fault", "kill:3:6",
+                           "--run-dir", "runs/two-restart"], timeout=150)
+    out = check(result)
+    said = [line for line in out.splitlines() if line.startswith("mpddp: ")]
+    killed = "mpddp: rank 3 (node 1, local rank 1) failed first: it was killed by SIGKILL"
+    assert len([line for line in said if line.startswith(killed)]) == 2, out  # once on each node
+    assert said.count("mpddp: restarting the group (1 of 1)") == 2, out
+    assert "resumed from" in out and "epoch   1/1" in out

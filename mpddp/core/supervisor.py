@@ -1,6 +1,7 @@
 """One attempt of one node's worker group: start, watch, stop.
 
-Owns: starting this node's ranks (each with a message channel, two output
+Owns: one attempt of this node (:class:`Attempt`: start, watch, stop,
+report), and in it starting the ranks (each with a message channel, two output
 pipes and a pipe for stack dumps), the watch loop that drains typed
 messages while waiting (reading only after join deadlocks past the 64 KiB
 pipe buffer), notices a store keeper that died or another node's failure
@@ -250,44 +251,77 @@ def _forkserver_lost(states: list[RankState]) -> None:
 
 def run_group(job: Job, attempt: int) -> list[Any]:
     """Start this node's ranks for round ``attempt``, watch them, and stop them all, whatever happens."""
-    config = job.config
-    relay = Relay(config.output_ranks, config.log_dir, prefix=not config.no_prefix)
-    # inside multiprocessing's temp dir, which the forkserver removes even after a SIGKILL of this process
-    error_dir = tempfile.TemporaryDirectory(prefix="mpddp-errors-", dir=util.get_temp_dir(), ignore_cleanup_errors=True)
-    states: list[RankState] = []
-    store, round_watch, hang, failed_here = job.store, None, None, False
+    this = Attempt(job, attempt)
     try:
-        _start(job, attempt, relay, states, error_dir.name)
-        relay.start()
-        if job.link is not None:
-            round_watch = RoundWatch(job.link, attempt)
-        watchdog = Watchdog(config.timeout, round_watch)
-        hang = _watch(states, watchdog, store, round_watch)
-        failed_here = hang is not None or any(s.failed for s in states)  # else another node's failure stops ours
-        if not all(s.succeeded for s in states) and not (store is not None and store.lost):
-            _locate(states, watchdog, hang)
+        try:
+            this.start()
+            this.watch()
+        finally:
+            with procs.shielded() as urgent:  # a second Ctrl-C must not leave the ranks running
+                this.stop(urgent)
+        return this.report()
     finally:
-        with procs.shielded() as urgent:  # a second Ctrl-C must not leave the ranks running
-            _teardown(states, urgent)
-            relay.stop()
-            for s in states:  # every rank is gone: its file is complete, or was never written
-                s.error_file = errorfile.read(errorfile.path(error_dir.name, s.slot.rank))
-            error_dir.cleanup()
-    if any(s.exitcode == protocol.MAIN_GUARD_EXIT and not s.started for s in states):
-        raise MainGuardError(_MAIN_GUARD_MESSAGE)
-    # a keeper lost with the forkserver is not the cause: the ranks' report names the forkserver
-    lost = store is not None and store.lost and _forkserver_gone() is None
-    error = _report(states, hang, relay) if failed_here and not lost else None
-    remote = round_watch is not None and round_watch.remote_failure is not None and not all(s.succeeded for s in states)
-    settled = _settle(job, attempt, states, error, round_watch) if job.link and (error or remote) else error
-    if round_watch is not None:
-        job.link.end_round(attempt)  # type: ignore[union-attr]
-        round_watch.stop()
-    if lost:
-        raise StoreLost(store.loss())  # type: ignore[union-attr]
-    if settled is not None:
-        raise settled
-    return [_value(s) for s in states]
+        this.close()
+
+
+class Attempt:
+    """One round of this node's ranks, in four steps: start, watch, stop (always), report."""
+
+    def __init__(self, job: Job, number: int) -> None:
+        self.job, self.number = job, number
+        config = job.config
+        self.relay = Relay(config.output_ranks, config.log_dir, prefix=not config.no_prefix)
+        # inside multiprocessing's temp dir, which the forkserver removes even after a SIGKILL of this process
+        self.error_dir = tempfile.TemporaryDirectory(prefix="mpddp-errors-", dir=util.get_temp_dir(),
+                                                     ignore_cleanup_errors=True)
+        self.states: list[RankState] = []
+        self.round_watch: RoundWatch | None = None  # several nodes: the beat, and the other nodes' failure
+        self.hang: Hang | None = None
+        self.failed_here = False  # a local rank failed or hung (else another node's failure stopped ours)
+
+    def start(self) -> None:
+        _start(self.job, self.number, self.relay, self.states, self.error_dir.name)
+        self.relay.start()
+        if self.job.link is not None:
+            self.round_watch = RoundWatch(self.job.link, self.number)
+
+    def watch(self) -> None:
+        store = self.job.store
+        watchdog = Watchdog(self.job.config.timeout, self.round_watch)
+        self.hang = _watch(self.states, watchdog, store, self.round_watch)
+        self.failed_here = self.hang is not None or any(s.failed for s in self.states)
+        if not all(s.succeeded for s in self.states) and not (store is not None and store.lost):
+            _locate(self.states, watchdog, self.hang)
+
+    def stop(self, urgent: threading.Event) -> None:
+        _teardown(self.states, urgent)
+        self.relay.stop()
+        for s in self.states:  # every rank is gone: its file is complete, or was never written
+            s.error_file = errorfile.read(errorfile.path(self.error_dir.name, s.slot.rank))
+        self.error_dir.cleanup()
+
+    def report(self) -> list[Any]:
+        """Every rank's value, or the error this node reports (the same first failure on every node)."""
+        states, store, job = self.states, self.job.store, self.job
+        if any(s.exitcode == protocol.MAIN_GUARD_EXIT and not s.started for s in states):
+            raise MainGuardError(_MAIN_GUARD_MESSAGE)
+        # a keeper lost with the forkserver is not the cause: the ranks' report names the forkserver
+        lost = store is not None and store.lost and _forkserver_gone() is None
+        error = _report(states, self.hang, self.relay) if self.failed_here and not lost else None
+        remote = self.round_watch is not None and self.round_watch.remote_failure is not None and not all(
+            s.succeeded for s in states)
+        settled = _settle(job, self.number, states, error, self.round_watch) if job.link and (error or remote) else error
+        if lost:
+            raise StoreLost(store.loss())  # type: ignore[union-attr]
+        if settled is not None:
+            raise settled
+        return [_value(s) for s in states]
+
+    def close(self) -> None:
+        """The round is over for this node: its beat stops now, and the other nodes read that as no loss."""
+        if self.round_watch is not None:
+            self.job.link.end_round(self.number)  # type: ignore[union-attr]
+            self.round_watch.stop()
 
 
 def _report(states: list[RankState], hang: Hang | None, relay: Relay) -> WorkerFailed:
