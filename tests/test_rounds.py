@@ -188,3 +188,19 @@ def test_the_trainer_recovers_across_nodes_bit_for_bit(cluster: Cluster, tmp_pat
     a, b = newest_weights(tmp_path / "clean"), newest_weights(tmp_path / "faulted")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert cluster.leftovers(wait=5) == []
+
+
+@pytest.mark.timeout(150)
+def test_mpddp_run_of_an_env_script_restarts_across_nodes(cluster: Cluster) -> None:
+    """The issue's own case: `mpddp run` on two launchers, a torchrun-style script whose rank 3 dies once."""
+    port = free_port()
+    nodes = [cluster.start([], command=[sys.executable, "-m", "mpddp", "run", "--nnodes", "2", "--node-rank", str(n),
+                                        "--master-addr", "127.0.0.1", "--master-port", str(port), "--nprocs", "2",
+                                        "--max-restarts", "1", "--timeout", "30", str(JOB.parent / "env_job.py"), "3"])
+             for n in (0, 1)]
+    assert finish(nodes, 120) == [0, 0], "\n\n".join(n.stderr for n in nodes)
+    done = sorted(re.findall(r"DONE rank (\d) sum (\d+) restart (\d)", nodes[0].stdout + nodes[1].stdout))
+    assert done == [(str(r), "4", "1") for r in range(4)]
+    for node in nodes:
+        assert first_report_line(node).startswith(KILLED_3), node.stderr
+    assert cluster.leftovers(wait=5) == []

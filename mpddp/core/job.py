@@ -19,7 +19,7 @@ from typing import Any
 
 from ..errors import RestartsExhausted, StoreLost, WorkerFailed
 from ..log import logger
-from . import keeper
+from . import keeper, protocol
 from .keeper import Keeper
 from .plan import Plan
 from .rounds import NodeLink
@@ -43,8 +43,9 @@ def run_job(plan: Plan, mp_context: Any, payload: bytes, init_group: bool, held:
     finally:
         if job.link is not None:
             job.link.leave()  # node 0: the store stays until the others have read the last round
-        if job.store is not None:
-            _stop_store(job.store)
+        for store in (job.store, job.script_store):
+            if store is not None:
+                _stop_store(store)
         if sock is not None:
             sock.close()
 
@@ -53,8 +54,12 @@ def _attempts(job: Job) -> list[Any]:
     """Run the group, and again after a failure while restarts are left."""
     config = job.config
     for attempt in range(config.max_restarts + 1):
+        if attempt and not job.init_group:
+            _new_script_store(job, attempt)
         if attempt and job.link is not None:
             job.link.join(attempt)  # a restart starts its ranks once every node's launcher is there
+            if not job.init_group and job.store is None:
+                job.script_port = job.link.script_port(attempt)
         try:
             return run_group(job, attempt)
         except KeyboardInterrupt:  # the teardown has already run, in run_group's finally
@@ -109,3 +114,24 @@ def _replace_store(job: Job) -> None:
     sock = rendezvous.listen(job.config.master_addr, job.config.master_port)
     job.port = sock.getsockname()[1]
     job.store = _start_store(job.mp_context, sock, job.config)
+
+
+def _new_script_store(job: Job, attempt: int) -> None:
+    """Node 0: a fresh store for a round of a script that calls ``init_process_group("env://")`` itself.
+
+    torch's env:// rendezvous under an agent's store (``TORCHELASTIC_USE_AGENT_STORE``) adds no prefix of the
+    attempt (torch 2.13: "we create a new TCPStore for every retry"), so a restarted rank on the job's store
+    would read the dead ranks' addresses. mpddp's own ranks use a prefix of the round and need none of this.
+    The other nodes read its port from the job's store once they have joined the round.
+    """
+    from . import rendezvous
+
+    if job.store is None:
+        return
+    if job.script_store is not None:
+        _stop_store(job.script_store)
+    sock = rendezvous.listen(job.config.master_addr, 0)
+    job.script_port = sock.getsockname()[1]
+    job.script_store = _start_store(job.mp_context, sock, job.config)
+    if job.link is not None:
+        job.link.call(lambda s: s.set(protocol.full_key(attempt, protocol.SCRIPT_PORT), str(job.script_port)))

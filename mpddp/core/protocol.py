@@ -1,8 +1,8 @@
 """What crosses between a worker and its launcher: typed messages and store keys.
 
 Owns: what the launcher sends each worker (:class:`WorkerSpec`), the
-three messages a worker sends up its channel (:class:`Started`,
-:class:`Result`, :class:`Failure`, each pickled whole), how they are encoded
+four messages a worker sends up its channel (:class:`Started`,
+:class:`Joined`, :class:`Result`, :class:`Failure`, each pickled whole), how they are encoded
 and decoded, and every key mpddp writes in node 0's store (per attempt, that
 is per round: who arrived, who finished init, which launchers joined, each
 node's heartbeat, the round's first failure as a :class:`FailureRecord`). A failure's kind is an
@@ -52,6 +52,11 @@ class Started:
 
 
 @dataclass(frozen=True)
+class Joined:
+    """The worker is through ``init_process_group``: node 0's store answered it (several nodes: it was up)."""
+
+
+@dataclass(frozen=True)
 class Result:
     """``fn``'s return value, pickled apart (cloudpickle) so that the launcher can say which rank's
     value it could not load, instead of failing on the whole message."""
@@ -74,7 +79,7 @@ class Failure:
     where: str | None = None  # for COLLECTIVE: the torch.distributed call, e.g. "all_reduce at train.py:12"
 
 
-Message = Started | Result | Failure
+Message = Started | Joined | Result | Failure
 
 MAIN_GUARD_EXIT = 97  # a worker's exit code: it re-ran the user's script and met launch() again
 
@@ -85,7 +90,7 @@ def encode(message: Message) -> bytes:
 
 def decode(data: bytes) -> Message:
     message = pickle.loads(data)
-    if not isinstance(message, (Started, Result, Failure)):
+    if not isinstance(message, (Started, Joined, Result, Failure)):
         raise TypeError(f"not an mpddp message: {type(message).__name__}")
     return message
 
@@ -111,6 +116,7 @@ ALL_INITIALIZED = "all_initialized"  # set by the last of them
 JOINED = "joined"  # a counter: the node launchers that joined this round (core/rounds.py)
 FAILURE = "failure"  # the round's first failure, a FailureRecord: the first node to write it wins
 PROGRESS = "progress"  # a counter every node's watchdog bumps while its ranks compute (core/watchdog.py)
+SCRIPT_PORT = "script_port"  # the round's own store for env:// scripts, from the second round on (core/job.py)
 LEFT = "mpddp/job/left"  # a counter, job-wide: the launchers that are done with the store (node 0 waits for them)
 
 

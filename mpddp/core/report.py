@@ -41,6 +41,7 @@ class RankState:
     process: Any
     messages: Any
     started: bool = False
+    joined: bool = False  # through init_process_group (protocol.Joined)
     has_result: bool = False
     payload: bytes | None = None  # fn's value, still pickled
     failure: Failure | None = None  # the worker's own report

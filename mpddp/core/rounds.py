@@ -54,7 +54,7 @@ class NodeLink:
     def __init__(self, config: LaunchConfig, port: int, nprocs: int) -> None:
         self.config, self.port, self.nprocs = config, port, nprocs
         self.gone: set[int] = set()  # nodes found lost (no beat, no end): node 0 does not wait for them to leave
-        self.reached = False  # node 0's store answered once
+        self.reached = False  # node 0's store answered once, this launcher or one of its ranks
         self._unreachable = False  # a connection failed, after retrying for as long as asked: fail fast from now
         self._store: Any = None
         self._lock = threading.Lock()  # one operation at a time on the client
@@ -84,11 +84,14 @@ class NodeLink:
         from .rendezvous import connect
 
         deadline = time.monotonic() + timeout
-        while True:  # a plain socket first: each failed try of torch's client prints a C++ stack on stderr
+        while True:
             try:
+                # A plain socket first: each failed try of torch's client prints a C++ stack on stderr. It is
+                # accepted as soon as node 0's launcher listens, before its keeper serves the store, and torch's
+                # client, once stuck in that window, can wait out its whole timeout: so short tries, again.
                 socket.create_connection((self.config.master_addr, self.port), timeout=1.0).close()
-                return connect(self.config.master_addr, self.port, max(1.0, deadline - time.monotonic()))
-            except OSError:
+                return connect(self.config.master_addr, self.port, max(0.5, min(2.0, deadline - time.monotonic())))
+            except Exception:  # noqa: BLE001 - OSError from the socket, torch's own types from its client
                 if time.monotonic() >= deadline:
                     raise
                 time.sleep(0.2)
@@ -119,6 +122,10 @@ class NodeLink:
                     f"{self.config.max_restarts}) within --timeout {timeout:g} s: their launchers are gone or stopped "
                     "(killed, preempted, machine lost); every node must be running to restart the group")
             time.sleep(_POLL)
+
+    def script_port(self, attempt: int) -> int:
+        """The port of the round's own store for env:// scripts, which node 0 set before it joined (core/job.py)."""
+        return int(self.call(lambda s: s.get(full_key(attempt, protocol.SCRIPT_PORT))))
 
     def record(self, attempt: int) -> FailureRecord | None:
         key = full_key(attempt, protocol.FAILURE)

@@ -64,6 +64,10 @@ class Job:
     init_group: bool  # False: fn (or the script) calls init_process_group itself
     port: int  # node 0's store, for the whole job
     store: Keeper | None = None  # node 0 only
+    # A script that calls init_process_group("env://") itself (init_group False) uses MASTER_PORT's store with no
+    # prefix of its own: from the second round on it gets a fresh store of the round's (core/job.py).
+    script_port: int | None = None
+    script_store: Keeper | None = None  # node 0 only
     link: NodeLink | None = None  # several nodes only: this launcher's client of the store
 
     @property
@@ -102,7 +106,7 @@ def _start(job: Job, attempt: int, relay: Relay, states: list[RankState], error_
     from .plan import node_env, rank_env
 
     plan, mp_context, config, port = job.plan, job.mp_context, job.config, job.port
-    shared_env = node_env(plan, port, attempt)
+    shared_env = node_env(plan, job.script_port or port, attempt)
     channels = [_Channels(mp_context.Pipe(duplex=False), _pipe(), _pipe(), _pipe()) for _ in plan.slots]
     all_fds = set().union(*(c.fds for c in channels))
     for slot, ch in zip(plan.slots, channels):
@@ -141,6 +145,8 @@ def _receive(state: RankState) -> None:
             return
         if isinstance(message, protocol.Started):
             state.started, state.main_thread = True, message.main_thread
+        elif isinstance(message, protocol.Joined):
+            state.joined = True
         elif isinstance(message, protocol.Result):
             state.payload, state.has_result, state.finished_at = message.payload, True, message.time
         else:
@@ -345,6 +351,7 @@ def _settle(job: Job, attempt: int, states: list[RankState], local: WorkerFailed
             local.failures[0].outcome if local.failures else Outcome.RAISED)
     remote = round_watch.remote_failure if round_watch is not None and local is None else None
     node = job.config.node_rank
+    link.reached |= any(s.joined for s in states)  # our ranks got through the store: it was up
     return rounds.settle(link, attempt, local, cause, remote,
                          remote_error=lambda record: remote_error(record, states, node),
                          missing=lambda: rounds.missing_ranks(link, attempt) if job.store and job.init_group else [])

@@ -246,6 +246,7 @@ def entry(spec: WorkerSpec, messages: Connection, out: Connection, err: Connecti
             torch.cuda.set_device(ctx.device)  # before init: else every rank lands on cuda:0
         if spec.init_group:
             _init_group(spec)
+            _send(messages, protocol.Joined())
         result = fn(ctx, *args, **kwargs)
         _send(messages, protocol.Result(cloudpickle.dumps(_to_cpu(result)), time.monotonic()))
     except SystemExit as e:
