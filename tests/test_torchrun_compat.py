@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -40,6 +41,9 @@ def launch(launcher: str, argv: list[str], tmp_path: Path, env: dict[str, str] |
 def both(argv: list[str], tmp_path: Path, env: dict[str, str] | None = None, ok: bool = True,
          ) -> tuple[subprocess.CompletedProcess, subprocess.CompletedProcess]:
     theirs, ours = launch("torchrun", argv, tmp_path, env), launch("mpddp", argv, tmp_path, env)
+    if ok and theirs.returncode != 0:  # the reference itself failed (a rank of torchrun's aborted on a busy machine,
+        shutil.rmtree(tmp_path / "t")  # seen once with SIGABRT): a peer's flake is retried once, not a verdict
+        theirs = launch("torchrun", argv, tmp_path, env)
     if ok:
         assert theirs.returncode == 0, theirs.stderr[-3000:]
         assert ours.returncode == 0, ours.stderr[-3000:]
