@@ -44,8 +44,8 @@ _POLL = 0.05
 _LEAVE_WAIT = 10.0  # seconds node 0 keeps the store for the other launchers to read the last round
 
 
-class StoreGone(Exception):
-    """Node 0's store does not answer (its launcher or keeper is gone)."""
+class StoreGone(StoreLost):
+    """Node 0's store does not answer (its launcher or keeper is gone): a StoreLost wherever it is not settled."""
 
 
 class NodeLink:
@@ -65,7 +65,7 @@ class NodeLink:
         try:
             with self._connecting:  # one connection at a time: it retries until node 0 is up, or the timeout
                 if self._unreachable:
-                    raise StoreGone("node 0's store did not answer before")
+                    raise StoreGone(f"node 0's store at {self.config.master_addr}:{self.port} did not answer")
                 if self._store is None:
                     self._store = self._connect(connect_timeout if connect_timeout is not None else self.config.timeout)
                     self.reached = True
@@ -76,7 +76,8 @@ class NodeLink:
         except Exception as e:  # noqa: BLE001 - torch raises several types for a store that is gone
             if self._store is None:
                 self._unreachable = True
-            raise StoreGone(str(e)) from e
+            raise StoreGone(f"node 0's store at {self.config.master_addr}:{self.port} does not answer "
+                            f"({type(e).__name__})") from e
 
     def _connect(self, timeout: float) -> Any:
         """A client, trying again every second until ``timeout``: torch's own retries wait up to several
