@@ -89,7 +89,22 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def one_run(kind: str, nnodes: int, workdir: Path) -> tuple[float, float, float] | None:
+def _kill_tree(pid: int) -> None:
+    import psutil
+
+    try:
+        tree = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
+    except psutil.Error:
+        return
+    for p in tree:
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
+    psutil.wait_procs(tree, timeout=10)
+
+
+def one_run(kind: str, nnodes: int, workdir: Path, limit: float) -> tuple[float, float, float] | None:
     """(start-up, recovery, recovery up to fn) seconds of one job; None if it did not recover."""
     me = str(Path(__file__).resolve())
     if kind == "torchrun":
@@ -101,7 +116,15 @@ def one_run(kind: str, nnodes: int, workdir: Path) -> tuple[float, float, float]
     outs = [workdir / f"{kind}-{i}.out" for i in range(len(cmds))]
     started = time.time()
     procs = [subprocess.Popen(cmd, stdout=out.open("w"), stderr=subprocess.STDOUT) for cmd, out in zip(cmds, outs)]
-    if any(proc.wait(600) != 0 for proc in procs):
+    deadline = time.monotonic() + limit
+    codes = []
+    for proc in procs:
+        try:
+            codes.append(proc.wait(max(0.1, deadline - time.monotonic())))
+        except subprocess.TimeoutExpired:  # torchrun's restart hung here once for 10 minutes
+            _kill_tree(proc.pid)
+            codes.append(-1)
+    if any(codes):
         return None  # a peer whose restart does not recover (torchrun's gloo group, seen here): counted, not timed
     text = "\n".join(o.read_text() for o in outs)
     ready = {(int(r), int(a)): float(t) for r, a, t in re.findall(r"READY (\d+) (\d+) ([\d.]+)", text)}
@@ -120,6 +143,7 @@ def main() -> None:
     parser.add_argument("--nodes", default="1,2,4,8", help="node counts, e.g. 1,2,4,8")
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--no-torchrun", action="store_true")
+    parser.add_argument("--limit", type=float, default=120.0, help="seconds a job may take before it counts as hung")
     parser.add_argument("--tiny", action="store_true", help="one rep, one node (the suite's smoke run)")
     parser.add_argument("--quiet", type=float, default=60.0, help="wait until the CPUs are at most this %% busy")
     parser.add_argument("--json")
@@ -143,7 +167,7 @@ def main() -> None:
         for _ in range(reps):
             for kind, n in kinds:
                 benchlib.wait_for_quiet(args.quiet, patience=30.0)
-                if (timed := one_run(kind, n, Path(tmp))) is None and kind.startswith("mpddp"):
+                if (timed := one_run(kind, n, Path(tmp), args.limit)) is None and kind.startswith("mpddp"):
                     raise RuntimeError(f"mpddp on {n} node(s) did not recover: see {tmp}")
                 if timed is None:
                     failed[f"{kind} {n}"] = failed.get(f"{kind} {n}", 0) + 1
@@ -152,7 +176,8 @@ def main() -> None:
     rows, results = [], {}
     for key, runs in times.items():
         if not runs:
-            rows.append([key + " node(s)", "-", f"did not recover ({failed.get(key, 0)} of {reps})", "-", "-", "-"])
+            rows.append([key + " node(s)", "-", f"did not recover ({failed.get(key, 0)} of {reps}: failed or hung)",
+                         "-", "-", "-"])
             results[key] = {"failed": failed.get(key, 0)}
             continue
         start = statistics.median(s for s, _, _ in runs)

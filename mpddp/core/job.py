@@ -36,6 +36,7 @@ def run_job(plan: Plan, mp_context: Any, payload: bytes, init_group: bool, held:
     job = Job(plan, mp_context, payload, init_group, port)
     if config.nnodes > 1:
         job.link = NodeLink(config, port, plan.nprocs)
+        job.link.connect_soon()
     try:
         if sock is not None:
             job.store = _start_store(mp_context, sock, config)

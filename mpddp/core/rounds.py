@@ -79,6 +79,17 @@ class NodeLink:
             raise StoreGone(f"node 0's store at {self.config.master_addr}:{self.port} does not answer "
                             f"({type(e).__name__})") from e
 
+    def connect_soon(self) -> None:
+        """Connect from a thread now: the launcher's first connection imports torch (about a second), which
+        then overlaps the forkserver's start instead of delaying the first report of a failure."""
+        def connect() -> None:
+            try:
+                self.call(lambda s: None)
+            except StoreGone:
+                pass  # said where it matters: by the first call that needs the store
+
+        threading.Thread(target=connect, name="mpddp-node-link", daemon=True).start()
+
     def _connect(self, timeout: float) -> Any:
         """A client, trying again every second until ``timeout``: torch's own retries wait up to several
         seconds between tries, and a launcher that connects late can miss a store that was up meanwhile."""
