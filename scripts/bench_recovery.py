@@ -1,7 +1,9 @@
 """Recovery benchmark: from a rank's death to every rank of the restarted group back at its first step.
 
 A 2-rank-a-node gloo job trains a small DDP model; on the first attempt one rank (the last node's last
-rank) SIGKILLs itself at step 2, and ``max_restarts=1`` restarts the group. Each rank prints the wall
+rank) SIGKILLs itself ``--fail-after`` seconds after its first step (2 s: a failure in a job that is
+under way; 0: at step 2, when a several-node launcher may still be importing torch for its link to
+node 0's store), and ``max_restarts=1`` restarts the group. Each rank prints the wall
 time of its first step and the failing rank the time just before it dies (one machine, one clock).
 
   start-up   from the launchers' start to the last rank's first step of attempt 0
@@ -40,7 +42,7 @@ STEPS, FAIL_AT = 6, 2
 GOAL = 0.25
 
 
-def train(rank: int, restart: int, world_size: int, fail: int) -> list[float]:
+def train(rank: int, restart: int, world_size: int, fail: int, fail_after: float) -> list[float]:
     """The job of every rank, under mpddp or torchrun; the process group is already up."""
     import torch
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -50,36 +52,39 @@ def train(rank: int, restart: int, world_size: int, fail: int) -> list[float]:
     model = DDP(torch.nn.Linear(4, 1))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     data = torch.Generator().manual_seed(1000 + rank)
-    for step in range(STEPS):
+    first = 0.0
+    for step in range(STEPS if restart else 10**6):  # the first attempt runs until the failing rank dies
         x = torch.randn(8, 4, generator=data)
         loss = ((model(x) - x.sum(dim=1, keepdim=True)) ** 2).mean()
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
         if step == 0:
-            print(f"READY {rank} {restart} {time.time():.6f}", flush=True)
-        if rank == fail and restart == 0 and step == FAIL_AT:
+            first = time.time()
+            print(f"READY {rank} {restart} {first:.6f}", flush=True)
+        if rank == fail and restart == 0 and step >= FAIL_AT and time.time() - first >= fail_after:
             print(f"FAILING {rank} {time.time():.6f}", flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(0.01)
     return [p.detach().sum().item() for p in model.parameters()]
 
 
-def mpddp_rank(ctx, fail: int) -> list[float]:  # noqa: ANN001 - a WorkerContext
-    return train(ctx.rank, ctx.restart, ctx.world_size, fail)
+def mpddp_rank(ctx, fail: int, fail_after: float) -> list[float]:  # noqa: ANN001 - a WorkerContext
+    return train(ctx.rank, ctx.restart, ctx.world_size, fail, fail_after)
 
 
-def node_main(node: int, nnodes: int, port: int) -> None:
+def node_main(node: int, nnodes: int, port: int, fail_after: float) -> None:
     import mpddp
 
-    mpddp.launch(mpddp_rank, nprocs=2, args=(2 * nnodes - 1,), backend="gloo", nnodes=nnodes, node_rank=node,
+    mpddp.launch(mpddp_rank, nprocs=2, args=(2 * nnodes - 1, fail_after), backend="gloo", nnodes=nnodes, node_rank=node,
                  master_addr="127.0.0.1", master_port=port, max_restarts=1, timeout=120)
 
 
-def torchrun_main() -> None:
+def torchrun_main(fail_after: float) -> None:
     import torch.distributed as dist
 
     dist.init_process_group("gloo")
-    train(dist.get_rank(), int(os.environ["TORCHELASTIC_RESTART_COUNT"]), dist.get_world_size(), 1)
+    train(dist.get_rank(), int(os.environ["TORCHELASTIC_RESTART_COUNT"]), dist.get_world_size(), 1, fail_after)
     dist.destroy_process_group()
 
 
@@ -104,15 +109,17 @@ def _kill_tree(pid: int) -> None:
     psutil.wait_procs(tree, timeout=10)
 
 
-def one_run(kind: str, nnodes: int, workdir: Path, limit: float) -> tuple[float, float, float] | None:
+def one_run(kind: str, nnodes: int, workdir: Path, limit: float, fail_after: float,
+            ) -> tuple[float, float, float] | None:
     """(start-up, recovery, recovery up to fn) seconds of one job; None if it did not recover."""
     me = str(Path(__file__).resolve())
     if kind == "torchrun":
-        cmds = [[sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "--max-restarts", "1", me, "--torchrun-worker"]]
+        cmds = [[sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "--max-restarts", "1", me, "--torchrun-worker",
+                 "--fail-after", str(fail_after)]]
     else:
         port = _free_port()
-        cmds = [[sys.executable, me, "--node", str(n), "--nnodes", str(nnodes), "--port", str(port)]
-                for n in range(nnodes)]
+        cmds = [[sys.executable, me, "--node", str(n), "--nnodes", str(nnodes), "--port", str(port),
+                 "--fail-after", str(fail_after)] for n in range(nnodes)]
     outs = [workdir / f"{kind}-{i}.out" for i in range(len(cmds))]
     started = time.time()
     procs = [subprocess.Popen(cmd, stdout=out.open("w"), stderr=subprocess.STDOUT) for cmd, out in zip(cmds, outs)]
@@ -143,6 +150,8 @@ def main() -> None:
     parser.add_argument("--nodes", default="1,2,4,8", help="node counts, e.g. 1,2,4,8")
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--no-torchrun", action="store_true")
+    parser.add_argument("--fail-after", type=float, default=2.0,
+                        help="seconds after its first step the failing rank dies (0: at step 2, the worst case)")
     parser.add_argument("--limit", type=float, default=120.0, help="seconds a job may take before it counts as hung")
     parser.add_argument("--tiny", action="store_true", help="one rep, one node (the suite's smoke run)")
     parser.add_argument("--quiet", type=float, default=60.0, help="wait until the CPUs are at most this %% busy")
@@ -153,9 +162,9 @@ def main() -> None:
     parser.add_argument("--torchrun-worker", action="store_true")
     args = parser.parse_args()
     if args.torchrun_worker:
-        return torchrun_main()
+        return torchrun_main(args.fail_after)
     if args.node is not None:
-        return node_main(args.node, args.nnodes, args.port)
+        return node_main(args.node, args.nnodes, args.port, args.fail_after)
     nodes = [1] if args.tiny else [int(n) for n in args.nodes.split(",")]
     reps = 1 if args.tiny else args.reps
     kinds = [("mpddp", n) for n in nodes]
@@ -167,7 +176,7 @@ def main() -> None:
         for _ in range(reps):
             for kind, n in kinds:
                 benchlib.wait_for_quiet(args.quiet, patience=30.0)
-                if (timed := one_run(kind, n, Path(tmp), args.limit)) is None and kind.startswith("mpddp"):
+                if (timed := one_run(kind, n, Path(tmp), args.limit, args.fail_after)) is None and kind.startswith("mpddp"):
                     raise RuntimeError(f"mpddp on {n} node(s) did not recover: see {tmp}")
                 if timed is None:
                     failed[f"{kind} {n}"] = failed.get(f"{kind} {n}", 0) + 1
@@ -186,7 +195,8 @@ def main() -> None:
         ratios = [r / s for s, r, _ in runs]
         results[key] = {"startup": [s for s, _, _ in runs], "recovery": [r for _, r, _ in runs],
                         "recovery_to_fn": [f for _, _, f in runs], "ratio": ratios}
-        rows.append([key + " node(s)", f"{start:.2f}", f"{back:.2f}", f"{to_fn:.2f}", f"{statistics.median(ratios):.2f}",
+        label = key + " node(s)" + (f" ({failed[key]} of {reps} did not recover)" if failed.get(key) else "")
+        rows.append([label, f"{start:.2f}", f"{back:.2f}", f"{to_fn:.2f}", f"{statistics.median(ratios):.2f}",
                      f"{min(ratios):.2f}-{max(ratios):.2f}"])
     print(f"\n{benchlib.machine()}; load {benchlib.load():.1f}; {reps} rep(s), medians\n")
     print(benchlib.table(["job", "start-up s", "recovery s", "of it, until fn runs", "recovery / start-up", "range"],
