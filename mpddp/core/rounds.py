@@ -31,6 +31,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable
+from datetime import timedelta
 from typing import Any
 
 from .. import ranks as rank_math
@@ -108,7 +109,9 @@ class NodeLink:
                 # accepted as soon as node 0's launcher listens, before its keeper serves the store, and torch's
                 # client, once stuck in that window, can wait out its whole timeout: so short tries, again.
                 socket.create_connection((self.config.master_addr, self.port), timeout=1.0).close()
-                return connect(self.config.master_addr, self.port, max(0.5, min(2.0, deadline - time.monotonic())))
+                store: Any = connect(self.config.master_addr, self.port, max(0.5, min(2.0, deadline - time.monotonic())))
+                store.set_timeout(timedelta(seconds=self.config.timeout))  # each operation's, once connected
+                return store
             except Exception:  # noqa: BLE001 - OSError from the socket, torch's own types from its client
                 if time.monotonic() >= deadline:
                     raise
@@ -268,8 +271,8 @@ def _settle_local(link: NodeLink, attempt: int, local: WorkerFailed, cause: Outc
     if attempt == 0 and (never := missing()):  # ranks that waited for them timed out, or were found hung
         return RendezvousError(_missing_message(never, link))
     if cause not in (Outcome.COLLECTIVE, Outcome.STOPPED):  # a rank here failed by itself: the story starts here
-        link.publish(attempt, _record_of(local, cause, link))
-        return local
+        winner = link.publish(attempt, _record_of(local, cause, link))
+        return local if winner.node_rank == config.node_rank else remote_error(winner)  # another node was first
     found = _wait_for(link, attempt, local)
     if isinstance(found, FailureRecord):
         return remote_error(found) if found.node_rank != config.node_rank else local

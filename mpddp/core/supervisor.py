@@ -31,14 +31,14 @@ import cloudpickle
 import psutil
 
 from ..context import WorkerContext
-from ..errors import HangError, MainGuardError, Outcome, RendezvousError, StoreLost, WorkerFailed
+from ..errors import MainGuardError, Outcome, RendezvousError, StoreLost, WorkerFailed
 from ..log import logger
 from ..ranks import banner
 from . import entry, errorfile, procs, protocol, rounds, stacks
 from .keeper import Keeper
 from .plan import Plan
 from .relay import Relay
-from .report import RankState, failure_error, hang_error, remote_error
+from .report import RankState, failure_error, hang_error, remote_error, root_cause
 from .rounds import NodeLink, RoundWatch
 from .startup import forkserver_pid
 from .watchdog import Hang, Watchdog
@@ -316,7 +316,8 @@ class Attempt:
         error = _report(states, self.hang, self.relay) if self.failed_here and not lost else None
         remote = self.round_watch is not None and self.round_watch.remote_failure is not None and not all(
             s.succeeded for s in states)
-        settled = _settle(job, self.number, states, error, self.round_watch) if job.link and (error or remote) else error
+        settled = _settle(job, self.number, states, error, self.hang, self.round_watch) if job.link and (
+            error or remote) else error
         if lost:
             raise StoreLost(store.loss())  # type: ignore[union-attr]
         if settled is not None:
@@ -340,15 +341,19 @@ def _report(states: list[RankState], hang: Hang | None, relay: Relay) -> WorkerF
     return hang_error(states, hang.seconds, hang.places, hang.finished) if hang is not None else failure_error(states)
 
 
-def _settle(job: Job, attempt: int, states: list[RankState], local: WorkerFailed | None,
+def _settle(job: Job, attempt: int, states: list[RankState], local: WorkerFailed | None, hang: Hang | None,
             round_watch: RoundWatch | None) -> WorkerFailed | RendezvousError:
-    """Several nodes: the same first failure on every node (core/rounds.py), whichever node it happened on."""
+    """Several nodes: the same first failure on every node (core/rounds.py), whichever node it happened on.
+
+    What this node's own failure was comes from its ranks' outcomes (the first by the cause order), not from
+    the report's type: "rank 3 made no progress while rank 2 timed out in a collective" is still a collective
+    error here, which a peer on another node may have caused.
+    """
     link = job.link
     assert link is not None
     cause = None
     if local is not None:
-        cause = Outcome.HUNG if isinstance(local, HangError) else (
-            local.failures[0].outcome if local.failures else Outcome.RAISED)
+        cause = Outcome.HUNG if hang is not None else root_cause(states).outcome
     remote = round_watch.remote_failure if round_watch is not None and local is None else None
     node = job.config.node_rank
     link.reached |= any(s.joined for s in states)  # our ranks got through the store: it was up
