@@ -19,7 +19,6 @@ from typing import Any
 from ..config import LaunchConfig
 from ..errors import ConfigError
 from . import stacks
-from .job import run_job
 from .ship import ship
 from .startup import TRAINING_PRELOAD, interrupts_deferred, refuse_bootstrap, start_context
 
@@ -108,5 +107,7 @@ def run_node(config: LaunchConfig, payload: bytes, init_process_group: bool, pre
         from .plan import plan_launch
 
         plan = plan_launch(config)
+    from .job import run_job  # the supervisor and what it imports: at the first launch, not at `import mpddp`
+
     with stacks.on_demand():
         return run_job(plan, mp_context, payload, init_process_group, held)

@@ -30,13 +30,14 @@ from typing import Any
 import cloudpickle
 import psutil
 
+from ..config import LaunchConfig
 from ..context import WorkerContext
 from ..errors import MainGuardError, Outcome, RendezvousError, StoreLost, WorkerFailed
 from ..log import logger
 from ..ranks import banner
 from . import entry, errorfile, procs, protocol, rounds, stacks
 from .keeper import Keeper
-from .plan import Plan
+from .plan import Plan, node_env, rank_env
 from .relay import Relay
 from .report import RankState, failure_error, hang_error, remote_error, root_cause
 from .rounds import NodeLink, RoundWatch
@@ -71,7 +72,7 @@ class Job:
     link: NodeLink | None = None  # several nodes only: this launcher's client of the store
 
     @property
-    def config(self) -> Any:
+    def config(self) -> LaunchConfig:
         return self.plan.config
 
 
@@ -103,8 +104,6 @@ class _Channels:
 def _start(job: Job, attempt: int, relay: Relay, states: list[RankState], error_dir: str) -> None:
     """Start every rank, adding each to ``states`` at once: a Ctrl-C between two starts
     must still find the ones already running (the caller tears ``states`` down)."""
-    from .plan import node_env, rank_env
-
     plan, mp_context, config, port = job.plan, job.mp_context, job.config, job.port
     shared_env = node_env(plan, job.script_port or port, attempt)
     channels = [_Channels(mp_context.Pipe(duplex=False), _pipe(), _pipe(), _pipe()) for _ in plan.slots]
