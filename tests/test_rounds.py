@@ -204,3 +204,18 @@ def test_mpddp_run_of_an_env_script_restarts_across_nodes(cluster: Cluster) -> N
     for node in nodes:
         assert first_report_line(node).startswith(KILLED_3), node.stderr
     assert cluster.leftovers(wait=5) == []
+
+
+@pytest.mark.timeout(120)
+def test_a_launcher_stopped_by_ctrl_c_is_named_by_the_other_node(cluster: Cluster) -> None:
+    nodes = start(cluster, 2, free_port(), "--steps", "400", "--pause", "0.05", "--timeout", "20")
+    cluster.wait_for("READY rank", 4, timeout=60)
+    time.sleep(random.uniform(0.0, 1.0))
+    nodes[1].proc.send_signal(signal.SIGINT)
+    started = time.monotonic()
+    codes = finish(nodes, 60)
+    assert codes[0] == 130 and codes[1] != 0, (codes, nodes[0].stderr)
+    assert first_report_line(nodes[0]) == ("mpddp: node 1's launcher was interrupted (SIGINT) while its ranks ran, "
+                                           "taking rank(s) 2, 3 with it"), nodes[0].stderr
+    assert time.monotonic() - started < 15  # told at once, not after waiting for a record that never comes
+    assert cluster.leftovers(wait=5) == []

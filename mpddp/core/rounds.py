@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import socket
 import threading
 import time
@@ -157,6 +158,19 @@ class NodeLink:
         """Write the round's first failure unless another node did first; the record that stands."""
         key = full_key(attempt, protocol.FAILURE)
         return FailureRecord.decode(self.call(lambda s: s.compare_set(key, "", record.encode())))
+
+    def stopped(self, attempt: int, cause: BaseException) -> None:
+        """This launcher was stopped (Ctrl-C, SIGTERM, ...) while its ranks ran: the round's failure, if first."""
+        node = self.config.node_rank
+        ranks = [s.rank for s in rank_math.layout(self.config.nnodes, self.nprocs) if s.node_rank == node]
+        signum = getattr(cause, "signum", None)  # the CLI's Terminated carries the signal
+        code = 130 if isinstance(cause, KeyboardInterrupt) else 128 + signum if isinstance(signum, int) else 1
+        how = "interrupted (SIGINT)" if isinstance(cause, KeyboardInterrupt) else (
+            f"stopped by {signal.Signals(signum).name}" if isinstance(signum, int) else
+            f"stopped ({type(cause).__name__})")
+        line = f"mpddp: node {node}'s launcher was {how} while its ranks ran, taking rank(s) {_names(ranks)} with it"
+        with contextlib.suppress(StoreGone):
+            self.publish(attempt, FailureRecord(ranks[0], node, 0, Outcome.STOPPED, code, line, time.time()))
 
     def end_round(self, attempt: int) -> None:
         """This node's part of the round is over: its beat stops now, and that is no loss."""

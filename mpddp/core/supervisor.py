@@ -257,16 +257,20 @@ def _forkserver_lost(states: list[RankState]) -> None:
 def run_group(job: Job, attempt: int) -> list[Any]:
     """Start this node's ranks for round ``attempt``, watch them, and stop them all, whatever happens."""
     this = Attempt(job, attempt)
+    stopped_by: BaseException | None = None
     try:
         try:
             this.start()
             this.watch()
+        except BaseException as e:  # Ctrl-C, SIGTERM: this launcher stops, and the other nodes must hear why
+            stopped_by = e
+            raise
         finally:
             with procs.shielded() as urgent:  # a second Ctrl-C must not leave the ranks running
                 this.stop(urgent)
         return this.report()
     finally:
-        this.close()
+        this.close(stopped_by)
 
 
 class Attempt:
@@ -323,11 +327,19 @@ class Attempt:
             raise settled
         return [_value(s) for s in states]
 
-    def close(self) -> None:
-        """The round is over for this node: its beat stops now, and the other nodes read that as no loss."""
-        if self.round_watch is not None:
-            self.job.link.end_round(self.number)  # type: ignore[union-attr]
-            self.round_watch.stop()
+    def close(self, stopped_by: BaseException | None = None) -> None:
+        """The round is over for this node: its beat stops now, and the other nodes read that as no loss.
+
+        ``stopped_by``: what stopped this launcher itself (Ctrl-C, a signal), written as the round's
+        failure first, so that the other nodes name it instead of their own ranks' broken collectives.
+        """
+        link = self.job.link
+        if self.round_watch is None or link is None:
+            return
+        if stopped_by is not None:
+            link.stopped(self.number, stopped_by)
+        link.end_round(self.number)
+        self.round_watch.stop()
 
 
 def _report(states: list[RankState], hang: Hang | None, relay: Relay) -> WorkerFailed:
