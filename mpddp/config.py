@@ -13,6 +13,7 @@ to core/api.py.
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import os
 import re
@@ -88,6 +89,24 @@ def check_dir_creatable(name: str, path: str | os.PathLike[str], example: str) -
         why = f"on the {kind} file system" if kind in _NO_USER_DIRS else "read-only, or not yours"
         where = "is not writable" if probe == full else f"cannot be created: {probe!r} is not writable"
         raise ConfigError(f"{name}={shown!r} {where} ({why}): pass a directory you can write, e.g. {example}")
+
+
+_PICTURES = (".png", ".svg", ".pdf")
+
+
+def check_timeline(path: str) -> None:
+    """``--timeline``: a picture file in a writable directory, and matplotlib to draw it."""
+    if not isinstance(path, str) or not path.strip():
+        raise ConfigError(f"timeline={path!r} is not a file name: pass a picture to write, e.g. timeline.png")
+    if not path.lower().endswith(_PICTURES):
+        raise ConfigError(f"timeline={path!r} is not a picture file: end its name with {', '.join(_PICTURES)}, "
+                          "e.g. timeline.png")
+    if os.path.isdir(path):
+        raise ConfigError(f"timeline={path!r} is a directory: pass a file name in it, e.g. {path.rstrip('/')}/t.png")
+    check_dir_creatable("timeline", os.path.dirname(os.path.abspath(path)), "a directory of yours")
+    if importlib.util.find_spec("matplotlib") is None:
+        raise ConfigError(f"timeline={path!r} needs matplotlib, which is not installed: pip install 'mpddp[plot]' "
+                          "(or matplotlib), or drop --timeline")
 
 
 def _file_system(path: str) -> str | None:
@@ -223,6 +242,9 @@ class LaunchConfig:
         "A file of hosts, one a line, optional slots=N (DeepSpeed's format), instead of --hosts."))
     ssh: str = field(default="ssh", metadata=_cli(
         "The ssh command for --hosts, with its options, e.g. 'ssh -F ~/.ssh/cluster' [default: ssh]."))
+    timeline: str | None = field(default=None, metadata=_cli(
+        "Draw every rank's arrival lag at each collective over time into this picture (.png, .svg or .pdf), "
+        "to see a straggler and when it started; needs matplotlib (pip install 'mpddp[plot]')."))
     env: tuple[tuple[str, str], ...] = field(default=())  # extra worker variables (no flag)
 
     def __post_init__(self) -> None:
@@ -270,6 +292,8 @@ class LaunchConfig:
             self._check_output_ranks(ranks)
         if self.log_dir:  # "" as None: no log files
             check_dir_creatable("log_dir", self.log_dir, "logs")
+        if self.timeline is not None:
+            check_timeline(self.timeline)
         if isinstance(self.gpus, tuple) and self.nprocs is not None and self.nprocs > len(self.gpus):
             if self.backend != "gloo":
                 raise ConfigError(

@@ -30,6 +30,7 @@ class Outcome(enum.Enum):
     DIED = "died"  # killed by a signal, or gone without a word
     EARLY_EXIT = "early-exit"  # returned (or exited 0) while its peers still waited for it
     HUNG = "hung"  # declared hung by the launcher's watchdog
+    MISMATCH = "mismatch"  # called another collective than its peers at the same number (the flight recorder)
     COLLECTIVE = "collective"  # an error raised inside torch.distributed after a peer went away
     STOPPED = "stopped"  # stopped by mpddp after another rank failed
 
@@ -95,6 +96,10 @@ class WorkerFailed(MpddpError):
 
 class HangError(WorkerFailed):
     """No rank made progress for ``timeout`` seconds; the report says where each rank was."""
+
+
+class CollectiveMismatch(WorkerFailed):
+    """Ranks called different collectives (or shapes) at the same number; told as soon as it was seen."""
 
 
 class RestartsExhausted(WorkerFailed):

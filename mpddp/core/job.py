@@ -19,7 +19,7 @@ from typing import Any
 
 from ..errors import RestartsExhausted, StoreLost, WorkerFailed
 from ..log import logger
-from . import keeper, protocol
+from . import keeper, protocol, stragglers
 from .keeper import Keeper
 from .plan import Plan
 from .rounds import NodeLink
@@ -37,11 +37,14 @@ def run_job(plan: Plan, mp_context: Any, payload: bytes, init_group: bool, held:
     if config.nnodes > 1:
         job.link = NodeLink(config, port, plan.nprocs)
         job.link.connect_soon()
+    values = None
     try:
         if sock is not None:
             job.store = _start_store(mp_context, sock, config)
-        return _attempts(job)
+        values = _attempts(job)
+        return values
     finally:
+        _tell_lags(job, succeeded=values is not None)
         if job.link is not None:
             job.link.leave()  # node 0: the store stays until the others have read the last round
         for store in (job.store, job.script_store):
@@ -49,6 +52,25 @@ def run_job(plan: Plan, mp_context: Any, payload: bytes, init_group: bool, held:
                 _stop_store(store)
         if sock is not None:
             sock.close()
+
+
+def _tell_lags(job: Job, succeeded: bool) -> None:
+    """The ranks' arrivals at collectives: a summary line after a run that ended well, and the timeline."""
+    summary = job.lags.summary()
+    if succeeded and summary.collectives >= stragglers.MIN_SAMPLES:
+        logger.info("%s", "\n".join(stragglers.summary_lines(summary, job.config.verbose)),
+                    extra={"mpddp_collectives": summary})
+    path = job.config.timeline
+    if path is None:
+        return
+    if not summary.collectives:
+        logger.warning("mpddp: no timeline drawn (%s): no collective was reached by every rank of this node", path)
+        return
+    try:
+        stragglers.draw_timeline(job.lags, path)
+        logger.info("mpddp: the timeline of arrivals at collectives is in %s", path)
+    except (OSError, ValueError, RuntimeError) as e:
+        logger.warning("mpddp: could not draw the timeline %s (%s: %s)", path, type(e).__name__, e)
 
 
 def _attempts(job: Job) -> list[Any]:

@@ -28,7 +28,7 @@ from ..errors import ConfigError
 from ..log import logger
 from ..machine.cores import physical_cores, threads_per_rank
 from ..machine.gpus import child_cuda_env
-from . import errorfile
+from . import collectives, errorfile
 
 # What the launcher does on these signals (stop every worker), as torchrun's TORCHELASTIC_SIGNALS_TO_HANDLE says it
 SIGNALS_HANDLED = "SIGTERM,SIGINT,SIGHUP"
@@ -153,6 +153,7 @@ def node_env(plan: Plan, port: int, attempt: int) -> dict[str, str]:
         MPDDP_STDOUT_ISATTY="1" if _interactive() else "0",
     )
     env.update(dict(config.env))
+    collectives.env_defaults(env)  # the flight recorder, unless the user set its size
     if plan.threads is not None:
         env["OMP_NUM_THREADS"] = str(plan.threads)
     if plan.pin_visible and plan.gpus:

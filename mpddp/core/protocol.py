@@ -1,8 +1,9 @@
 """What crosses between a worker and its launcher: typed messages and store keys.
 
 Owns: what the launcher sends each worker (:class:`WorkerSpec`), the
-four messages a worker sends up its channel (:class:`Started`,
-:class:`Joined`, :class:`Result`, :class:`Failure`, each pickled whole), how they are encoded
+messages a worker sends up its channel (:class:`Started`,
+:class:`Joined`, :class:`Result`, :class:`Failure`, and from its reader thread
+:class:`Collectives`: where its flight recorder is; each pickled whole), how they are encoded
 and decoded, and every key mpddp writes in node 0's store (per attempt, that
 is per round: who arrived, who finished init, which launchers joined, each
 node's heartbeat, the round's first failure as a :class:`FailureRecord`). A failure's kind is an
@@ -79,7 +80,27 @@ class Failure:
     where: str | None = None  # for COLLECTIVE: the torch.distributed call, e.g. "all_reduce at train.py:12"
 
 
-Message = Started | Joined | Result | Failure
+@dataclass(frozen=True)
+class Call:
+    """One collective a rank entered, as torch's flight recorder wrote it down (core/collectives.py)."""
+
+    group: str  # the process group's name: "0" is the default group; the same on every member
+    seq: int  # the collective's number in that group: the same collective has the same number on every rank
+    op: str  # "all_reduce", "broadcast", ... (the backend's prefix dropped)
+    sizes: tuple[tuple[int, ...], ...]  # its input tensors' shapes
+    dtypes: tuple[str, ...]  # "Float", "BFloat16", ... (torch's ScalarType names)
+    entered: int  # when the rank entered it: the wall clock in ns (time_created_ns)
+
+
+@dataclass(frozen=True)
+class Collectives:
+    """A rank's flight recorder, read again by its reader thread: sent only when something changed."""
+
+    calls: tuple[Call, ...]  # the collectives it entered since its last report, oldest first
+    completed: tuple[tuple[str, int], ...]  # per group, the number of the last one that completed here
+
+
+Message = Started | Joined | Result | Failure | Collectives
 
 MAIN_GUARD_EXIT = 97  # a worker's exit code: it re-ran the user's script and met launch() again
 
@@ -90,7 +111,7 @@ def encode(message: Message) -> bytes:
 
 def decode(data: bytes) -> Message:
     message = pickle.loads(data)
-    if not isinstance(message, (Started, Joined, Result, Failure)):
+    if not isinstance(message, (Started, Joined, Result, Failure, Collectives)):
         raise TypeError(f"not an mpddp message: {type(message).__name__}")
     return message
 

@@ -53,6 +53,7 @@ class Relay:
         self._tail = tail
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
+        self.received = 0  # bytes read from every rank: output written is progress (core/watchdog.py)
 
     def add(self, rank: int, out_fd: int, err_fd: int) -> None:
         """Watch one rank's stdout and stderr read ends (the relay closes them)."""
@@ -104,6 +105,7 @@ class Relay:
                 except OSError:
                     data = b""
                 stream: _Stream = key.data
+                self.received += len(data)
                 if data:
                     self._feed(stream, stream.decoder.decode(data))
                 else:

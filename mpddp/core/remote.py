@@ -38,7 +38,8 @@ from .protocol import NODE_MARK, encode_request, read_node_line
 CHECK_TIMEOUT = 20.0  # seconds a host has to answer the environment check over ssh
 _STOP_GRACE = 10.0  # seconds a node has to stop its ranks after its stdin closed
 _REPORT_WINDOW = 5.0  # seconds the other nodes have to send their reports after the first failure
-_CAUSE = {Outcome.RAISED: 0, Outcome.EXITED: 0, Outcome.DIED: 1, Outcome.EARLY_EXIT: 2, Outcome.HUNG: 3,
+_CAUSE = {Outcome.RAISED: 0, Outcome.EXITED: 0, Outcome.DIED: 1, Outcome.EARLY_EXIT: 2, Outcome.MISMATCH: 2,
+          Outcome.HUNG: 3,
           Outcome.COLLECTIVE: 4, Outcome.STOPPED: 5, Outcome.OK: 6}
 _FORWARD = ("PYTHONPATH", "MPDDP_")  # variables that travel to the remote launchers (prefixes)
 

@@ -21,15 +21,17 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..errors import HangError, Outcome, RankFailure, WorkerFailed
+from ..errors import CollectiveMismatch, HangError, Outcome, RankFailure, WorkerFailed
 from ..ranks import RankSlot
-from . import procs, stacks
+from . import collectives, procs, stacks
+from .collectives import Mismatch, Standing
 from .errorfile import ErrorRecord
 from .protocol import Failure, FailureRecord
 
 _TAIL_LINES = 10
 # The root cause is the first rank by this order, then by time.
-_CAUSE_ORDER = {Outcome.RAISED: 0, Outcome.EXITED: 0, Outcome.DIED: 1, Outcome.EARLY_EXIT: 2, Outcome.HUNG: 3,
+_CAUSE_ORDER = {Outcome.RAISED: 0, Outcome.EXITED: 0, Outcome.DIED: 1, Outcome.EARLY_EXIT: 2, Outcome.MISMATCH: 2,
+                Outcome.HUNG: 3,
                 Outcome.COLLECTIVE: 4}
 
 
@@ -50,6 +52,7 @@ class RankState:
     stopped: bool = False  # the launcher stopped this rank
     hung: bool = False  # the watchdog declared this rank hung
     early_exit: bool = False  # it returned while its peers still waited for it
+    mismatched: bool = False  # it called another collective than its peers at the same number
     finished_at: float | None = None  # monotonic time its value arrived
     stack_fd: int | None = None  # read end of its stack-dump pipe (core/stacks.py)
     main_thread: int | None = None  # its main thread's ident, from Started
@@ -76,6 +79,8 @@ class RankState:
             return self.failure.kind
         if self.early_exit:
             return Outcome.EARLY_EXIT
+        if self.mismatched:
+            return Outcome.MISMATCH
         if self.hung:
             return Outcome.HUNG
         if self.stopped:
@@ -240,14 +245,21 @@ def _early_exit_error(states: list[RankState], early: list[RankState], waits: di
 
 
 def hang_error(states: list[RankState], seconds_idle: float, places: dict[int, stacks.Place | None],
-               finished: tuple[int, ...]) -> HangError:
-    """No rank made progress for ``seconds_idle`` (core/watchdog.py): who, and where every rank was."""
+               finished: tuple[int, ...], standings: tuple[Standing, ...] = ()) -> HangError:
+    """No rank made progress for ``seconds_idle`` (core/watchdog.py): who, where each rank stands in its
+    collectives (the flight recorder, when there is one), and where every rank's stack was."""
     waiting = [r for r, p in places.items() if p is not None and p.waiting]
     idle = [r for r in places if r not in waiting]
     by_rank = {s.slot.rank: s for s in states}
     seconds = f"{seconds_idle:.0f} s"
     wait_text = next((p.text for r in waiting if (p := places[r]) is not None), "a collective")
-    if finished and not idle:
+    lagging = next((st for st in standings if [r for r in st.behind if r not in finished]), None)
+    if lagging is not None and not (finished and not idle):
+        culprits = [r for r in lagging.behind if r not in finished]
+        first = (f"mpddp: {_ranks(culprits)} made no progress for {seconds} while {_ranks(lagging.ahead)} waited "
+                 f"for it in {collectives.render(lagging.top)}; every rank was stopped")
+        outcome = Outcome.HUNG
+    elif finished and not idle:
         culprits = list(finished)
         first = (f"mpddp: {_ranks(culprits)} exited (code 0) while {_ranks(waiting)} still waited in "
                  f"{wait_text}; every rank was stopped after {seconds} with no progress")
@@ -267,14 +279,37 @@ def hang_error(states: list[RankState], seconds_idle: float, places: dict[int, s
         if rank in by_rank:
             by_rank[rank].hung = outcome is Outcome.HUNG
             by_rank[rank].early_exit = outcome is Outcome.EARLY_EXIT
-    lines = [first + ". The watchdog (--timeout) saw no CPU use outside a collective; raise --timeout if a rank "
-             "legitimately waits this long (slow storage, a lock).", "mpddp: where each rank was:"]
+    lines = [first + ". The watchdog (--timeout) saw no progress: no collective entered or completed, no output, "
+             "no CPU use outside a wait; raise --timeout if a rank legitimately waits this long (slow storage, "
+             "a lock)."]
+    if standings:
+        lines.append("mpddp: the collectives each rank reached (torch's flight recorder):")
+        lines += [f"  {row}" for row in collectives.standing_rows(list(standings), time.time_ns())]
+    lines.append("mpddp: where each rank was:")
     lines += [f"  {row}" for row in stacks.grouped(places, finished=finished)]
     if culprits[0] in by_rank:
         lines += _tail_block(by_rank[culprits[0]])
     ordered = [by_rank[r] for r in culprits if r in by_rank]
     ordered += [s for s in states if s not in ordered and s.outcome is not Outcome.OK]
     return HangError("\n".join(lines), culprits[0], [s.record() for s in ordered], exit_code=1)
+
+
+def mismatch_error(states: list[RankState], mismatch: Mismatch) -> CollectiveMismatch:
+    """Ranks called different collectives at the same number (core/collectives.py): told as soon as it was seen."""
+    by_rank = {s.slot.rank: s for s in states}
+    odd = by_rank.get(mismatch.odd)
+    if odd is not None:
+        odd.mismatched = True
+    lines = [f"mpddp: {collectives.mismatch_line(mismatch)}; every rank was stopped at once. Every rank must call "
+             "the same collectives in the same order, with the same shapes: look for a branch that only some ranks "
+             "take (if rank == 0: ...) or inputs of different sizes on different ranks."]
+    places: dict[int, stacks.Place | None] = {s.slot.rank: s.place for s in states if s.place is not None}
+    if places:
+        lines += ["mpddp: where each rank was:", *(f"  {row}" for row in stacks.grouped(places))]
+    if odd is not None:
+        lines += _tail_block(odd)
+    ordered = [s for s in states if s is odd] + [s for s in states if s is not odd and s.outcome is not Outcome.OK]
+    return CollectiveMismatch("\n".join(lines), mismatch.odd, [s.record() for s in ordered], exit_code=1)
 
 
 def _ranks(ranks: list[int] | tuple[int, ...]) -> str:

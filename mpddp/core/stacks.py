@@ -46,6 +46,7 @@ _LIBRARY = tuple(dict.fromkeys(
 _WAITS = tuple(os.path.join("torch", *part.split("/"), "") for part in ("distributed", "nn/parallel", "autograd"))
 # Where a rank that *uses* a CPU may still only wait: a collective, or a CUDA sync (a GPU rank spins there).
 _SPINS = tuple(os.path.join("torch", part, "") for part in ("distributed", "cuda"))
+_CUDA = os.path.join("torch", "cuda", "")
 
 
 ASKED = threading.Event()  # set by SIGUSR1 (the user asks where every rank is); core/supervisor.py answers
@@ -94,6 +95,7 @@ class Place:
     waiting: bool  # inside torch's communication: a collective, the store, DDP's gradient sync
     dump: str  # the whole faulthandler dump, every thread, for the logs
     spinning: bool = False  # inside a collective or a CUDA sync: busy there is still waiting
+    at_sync: bool = False  # inside torch.cuda (a sync): waiting for the GPU, which may be computing
 
 
 def main_frames(dump: str, main_thread: int | None) -> list[Frame]:
@@ -121,16 +123,18 @@ def place(dump: str, main_thread: int | None) -> Place | None:
         return None
     waiting = any(part in f.file for f in frames for part in _WAITS)
     spinning = any(part in frames[0].file for part in _SPINS)
+    at_sync = _CUDA in frames[0].file
     users = [i for i, f in enumerate(frames) if _is_user(f)]
     if not users:
         top = frames[0]
-        return Place(f"{top.func} at {top.short}", waiting, dump, spinning)
+        return Place(f"{top.func} at {top.short}", waiting, dump, spinning, at_sync)
     user = frames[users[0]]
     calls = [f.func for f in reversed(frames[: users[0]]) if f.func not in _DECORATORS]
     if calls:  # inside a library call: name the call, e.g. barrier at train.py:40
-        return Place(f"{calls[0]} at {user.short}", waiting, dump, spinning)
+        return Place(f"{calls[0]} at {user.short}", waiting, dump, spinning, at_sync)
     source = linecache.getline(user.file, user.line).strip()  # a C call such as time.sleep has no frame
-    return Place(f"{user.func} at {user.short}" + (f" ({source})" if source else ""), waiting, dump, spinning)
+    return Place(f"{user.func} at {user.short}" + (f" ({source})" if source else ""), waiting, dump, spinning,
+                 at_sync)
 
 
 def ask(pids: dict[int, int], fds: dict[int, int]) -> dict[int, str]:

@@ -22,7 +22,7 @@ import os
 import tempfile
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from multiprocessing import util
 from multiprocessing.connection import Connection, wait
 from typing import Any
@@ -35,11 +35,12 @@ from ..context import WorkerContext
 from ..errors import MainGuardError, Outcome, RendezvousError, StoreLost, WorkerFailed
 from ..log import logger
 from ..ranks import banner
-from . import entry, errorfile, procs, protocol, rounds, stacks
+from . import collectives, entry, errorfile, procs, protocol, rounds, stacks, stragglers
+from .collectives import Board, Mismatch
 from .keeper import Keeper
 from .plan import Plan, node_env, rank_env
 from .relay import Relay
-from .report import RankState, failure_error, hang_error, remote_error, root_cause
+from .report import RankState, failure_error, hang_error, mismatch_error, remote_error, root_cause
 from .rounds import NodeLink, RoundWatch
 from .startup import forkserver_pid
 from .watchdog import Hang, Watchdog
@@ -70,6 +71,7 @@ class Job:
     script_port: int | None = None
     script_store: Keeper | None = None  # node 0 only
     link: NodeLink | None = None  # several nodes only: this launcher's client of the store
+    lags: stragglers.Stragglers = field(default_factory=stragglers.Stragglers)  # arrivals at collectives, job-wide
 
     @property
     def config(self) -> LaunchConfig:
@@ -131,7 +133,7 @@ def _start(job: Job, attempt: int, relay: Relay, states: list[RankState], error_
             conn.close()  # the parent keeps only read ends: EOF when a worker is gone
 
 
-def _receive(state: RankState) -> None:
+def _receive(state: RankState, board: Board) -> None:
     """Read every message waiting on this rank's channel (results can be large)."""
     conn: Connection | None = state.messages
     while conn is not None and not conn.closed:
@@ -146,16 +148,21 @@ def _receive(state: RankState) -> None:
             state.started, state.main_thread = True, message.main_thread
         elif isinstance(message, protocol.Joined):
             state.joined = True
+        elif isinstance(message, protocol.Collectives):
+            board.add(state.slot.rank, message)
         elif isinstance(message, protocol.Result):
             state.payload, state.has_result, state.finished_at = message.payload, True, message.time
         else:
             state.failure, state.failed_at = message, message.time
 
 
-def _watch(states: list[RankState], watchdog: Watchdog, store: Keeper | None = None,
-           round_watch: RoundWatch | None = None) -> Hang | None:
+def _watch(states: list[RankState], watchdog: Watchdog, lags: stragglers.Stragglers, store: Keeper | None = None,
+           round_watch: RoundWatch | None = None) -> Hang | Mismatch | None:
     """Wait until every rank succeeded, a failure window has closed, the store's keeper is gone,
-    another node wrote the round's first failure, or the watchdog found a hang."""
+    another node wrote the round's first failure, the watchdog found a hang, or two ranks called
+    different collectives at the same number."""
+    board = watchdog.board
+    assert board is not None
     first_failure: float | None = None
     while True:
         waitables: list[Any] = [s.messages for s in states if not s.messages.closed]
@@ -165,11 +172,11 @@ def _watch(states: list[RankState], watchdog: Watchdog, store: Keeper | None = N
         ready = wait(waitables, timeout=0.2) if waitables else []
         for s in states:
             if s.messages in ready or s.process.sentinel in ready or s.exitcode is None:
-                _receive(s)
+                _receive(s, board)
             if s.exitcode is None and s.process.sentinel in ready:
                 s.process.join(0)
                 s.exitcode = s.process.exitcode
-                _receive(s)
+                _receive(s, board)
                 if s.exitcode is not None and s.failed_at is None and (s.exitcode != 0 or not s.has_result):
                     s.failed_at = time.monotonic()
         now = time.monotonic()
@@ -184,9 +191,13 @@ def _watch(states: list[RankState], watchdog: Watchdog, store: Keeper | None = N
         if first_failure is not None and (now - first_failure > _FAILURE_WINDOW or all(
                 s.exitcode is not None for s in states)):
             return None
+        if first_failure is None and board.mismatch is not None:
+            return board.mismatch  # a bug in the program, whatever happens next: told now
         if stacks.ASKED.is_set():  # SIGUSR1 (core/stacks.py)
             stacks.ASKED.clear()
             _show_where(states, watchdog)
+        lags.add(board.take())
+        lags.check(lambda rank: _sample(states, watchdog, rank))
         if first_failure is None and (hang := watchdog.check(states, now)) is not None:
             return hang
 
@@ -195,11 +206,23 @@ def _show_where(states: list[RankState], watchdog: Watchdog) -> None:
     """SIGUSR1: every rank's place, grouped, on stderr; the job goes on."""
     running = [s for s in states if s.exitcode is None]
     places = watchdog.where(running)
-    rows = stacks.grouped(places, finished=[s.slot.rank for s in states if s.succeeded])
+    rows = collectives.standing_rows(list(watchdog.standings(states)), time.time_ns())
+    rows += stacks.grouped(places, finished=[s.slot.rank for s in states if s.succeeded])
     logger.warning("mpddp: where every rank is (SIGUSR1; the job goes on):\n%s", "\n".join(f"  {r}" for r in rows))
     for s in running:
         if (where := places.get(s.slot.rank)) is not None:
             s.place = where
+
+
+def _sample(states: list[RankState], watchdog: Watchdog, rank: int) -> list[str]:
+    """Where a straggler is while the others wait: a few samples of its stack, its waits left out."""
+    state = next((s for s in states if s.slot.rank == rank and s.exitcode is None), None)
+    places = []
+    for _ in range(stragglers.SAMPLES if state is not None else 0):
+        where = watchdog.where([state]).get(rank)  # type: ignore[list-item]
+        places.append(where.text if where is not None and not where.waiting else "")
+        time.sleep(0.05)
+    return places
 
 
 def _teardown(states: list[RankState], urgent: threading.Event | None = None) -> None:
@@ -285,7 +308,9 @@ class Attempt:
                                                      ignore_cleanup_errors=True)
         self.states: list[RankState] = []
         self.round_watch: RoundWatch | None = None  # several nodes: the beat, and the other nodes' failure
+        self.board = Board(slot.rank for slot in job.plan.slots)  # the ranks' collectives (flight recorder)
         self.hang: Hang | None = None
+        self.mismatch: Mismatch | None = None
         self.failed_here = False  # a local rank failed or hung (else another node's failure stopped ours)
 
     def start(self) -> None:
@@ -296,9 +321,11 @@ class Attempt:
 
     def watch(self) -> None:
         store = self.job.store
-        watchdog = Watchdog(self.job.config.timeout, self.round_watch)
-        self.hang = _watch(self.states, watchdog, store, self.round_watch)
-        self.failed_here = self.hang is not None or any(s.failed for s in self.states)
+        watchdog = Watchdog(self.job.config.timeout, self.round_watch, self.board, lambda: self.relay.received)
+        stall = _watch(self.states, watchdog, self.job.lags, store, self.round_watch)
+        self.hang = stall if isinstance(stall, Hang) else None
+        self.mismatch = stall if isinstance(stall, Mismatch) else None
+        self.failed_here = stall is not None or any(s.failed for s in self.states)
         if not all(s.succeeded for s in self.states) and not (store is not None and store.lost):
             _locate(self.states, watchdog, self.hang)
 
@@ -316,10 +343,10 @@ class Attempt:
             raise MainGuardError(_MAIN_GUARD_MESSAGE)
         # a keeper lost with the forkserver is not the cause: the ranks' report names the forkserver
         lost = store is not None and store.lost and _forkserver_gone() is None
-        error = _report(states, self.hang, self.relay) if self.failed_here and not lost else None
+        error = _report(states, self.hang, self.mismatch, self.relay) if self.failed_here and not lost else None
         remote = self.round_watch is not None and self.round_watch.remote_failure is not None and not all(
             s.succeeded for s in states)
-        settled = _settle(job, self.number, states, error, self.hang, self.round_watch) if job.link and (
+        settled = _settle(job, self.number, states, error, self.hang, self.mismatch, self.round_watch) if job.link and (
             error or remote) else error
         if lost:
             raise StoreLost(store.loss())  # type: ignore[union-attr]
@@ -342,18 +369,22 @@ class Attempt:
         self.round_watch.stop()
 
 
-def _report(states: list[RankState], hang: Hang | None, relay: Relay) -> WorkerFailed:
+def _report(states: list[RankState], hang: Hang | None, mismatch: Mismatch | None, relay: Relay) -> WorkerFailed:
     """This node's own report of the failure: the root cause, with each rank's last lines and stacks."""
     _forkserver_lost(states)
     for s in states:
         s.tail = relay.tail(s.slot.rank)
         if s.place is not None:
             relay.note(s.slot.rank, f"mpddp: rank {s.slot.rank}'s stacks when it was stopped:\n{s.place.dump}")
-    return hang_error(states, hang.seconds, hang.places, hang.finished) if hang is not None else failure_error(states)
+    if mismatch is not None:
+        return mismatch_error(states, mismatch)
+    if hang is not None:
+        return hang_error(states, hang.seconds, hang.places, hang.finished, hang.standings)
+    return failure_error(states)
 
 
 def _settle(job: Job, attempt: int, states: list[RankState], local: WorkerFailed | None, hang: Hang | None,
-            round_watch: RoundWatch | None) -> WorkerFailed | RendezvousError:
+            mismatch: Mismatch | None, round_watch: RoundWatch | None) -> WorkerFailed | RendezvousError:
     """Several nodes: the same first failure on every node (core/rounds.py), whichever node it happened on.
 
     What this node's own failure was comes from its ranks' outcomes (the first by the cause order), not from
@@ -364,7 +395,8 @@ def _settle(job: Job, attempt: int, states: list[RankState], local: WorkerFailed
     assert link is not None
     cause = None
     if local is not None:
-        cause = Outcome.HUNG if hang is not None else root_cause(states).outcome
+        cause = Outcome.HUNG if hang is not None else Outcome.MISMATCH if mismatch is not None else \
+            root_cause(states).outcome
     remote = round_watch.remote_failure if round_watch is not None and local is None else None
     node = job.config.node_rank
     link.reached |= any(s.joined for s in states)  # our ranks got through the store: it was up

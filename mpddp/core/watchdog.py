@@ -2,14 +2,24 @@
 
 Owns: deciding that a group hangs, without relying on any collective's
 timeout (frameworks pass their own, and a rank stuck outside a collective
-never trips one). Every ``interval`` it reads each rank's CPU time (its
-whole process tree, DataLoader workers included): a rank that used more
-than :data:`BUSY` of a core made progress, unless its stack was last seen
-inside a collective or a CUDA sync (a GPU rank spinning at a sync point is
-waiting, not computing). Other nodes' progress arrives through the heartbeat. When no
-rank has progressed for ``timeout`` seconds (every rank waits in a
-collective or is idle), it asks every rank for its stack and declares a
-:class:`Hang`. A rank that computes is never a hang, however long the others
+never trips one). Every ``interval`` it looks for progress, which is any of:
+
+- a rank entered or completed a collective (its flight recorder moved,
+  core/collectives.py);
+- a rank wrote output (a rank held back by the relay while it floods its
+  stdout spends its time in ``write()``, not on the CPU);
+- a rank used more than :data:`BUSY` of a core (its whole process tree,
+  DataLoader workers included) outside a wait. Busy *at* a wait is still
+  waiting: a stack last seen inside a collective, or, on a GPU rank, any
+  CPU while a collective it entered has not completed (NCCL returns at
+  once, and the rank spins at its next sync: ``loss.item()``, ``.cpu()``).
+  A GPU rank spinning in ``torch.cuda.synchronize`` with no collective
+  open waits for its own GPU, which computes: that is progress.
+
+Other nodes' progress arrives through the round's beat (core/rounds.py).
+When no rank has progressed for ``timeout`` seconds it asks every rank for
+its stack and declares a :class:`Hang`, with where each rank stands in its
+collectives. A rank that computes is never a hang, however long the others
 wait; it is told once, with where the others wait. Leaves the stacks to
 core/stacks.py, acting on a hang to core/supervisor.py and the report to
 core/report.py.
@@ -18,6 +28,7 @@ core/report.py.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -25,6 +36,7 @@ import psutil
 
 from ..log import logger
 from . import stacks
+from .collectives import Board, Standing
 
 if TYPE_CHECKING:
     from .report import RankState
@@ -39,6 +51,7 @@ class Hang:
     seconds: float
     places: dict[int, stacks.Place | None]
     finished: tuple[int, ...]
+    standings: tuple[Standing, ...] = ()  # where the ranks stand in their collectives (flight recorder)
 
 
 @dataclass
@@ -56,7 +69,10 @@ class Watchdog:
 
     timeout: float
     heartbeat: Any = None  # core/rounds.py's RoundWatch on several nodes: progress travels between nodes
+    board: Board | None = None  # the ranks' collectives (core/collectives.py)
+    output: Callable[[], int] | None = None  # bytes relayed so far, every rank together (core/relay.py)
     interval: float = 0.0
+    _moves: object = None
     _ranks: dict[int, _Rank] = field(default_factory=dict)
     _last_sample: float = 0.0
     _last_progress: float = field(default_factory=time.monotonic)
@@ -71,20 +87,47 @@ class Watchdog:
         dt, self._last_sample = now - (self._last_sample or now), now
         running = [s for s in states if s.exitcode is None and s.process.pid]
         busy = [s for s in running if self._busy(s, dt, now)]
-        if any(not self._ranks[s.slot.rank].spinning for s in busy):
+        computing = [s for s in busy if not self._ranks[s.slot.rank].spinning and not self._open(s)]
+        if self._moved() or computing:
             self._progressed(now)
-            self._tell_long_compute(running, busy, now)
+            self._tell_long_compute(running, computing, now)
             return None
         if self._remote_moved():
             self._last_progress = now
         if not running or now - self._last_progress < self.timeout:
             return None
         places = self.where(running)
-        if any((p := places.get(s.slot.rank)) is not None and not p.spinning for s in busy):
+        if any((p := places.get(s.slot.rank)) is not None and not self._waits_at(s, p) for s in busy):
             self._progressed(now)  # a busy rank seen spinning earlier computes after all
             return None
         finished = tuple(s.slot.rank for s in states if s.succeeded)
-        return Hang(now - self._last_progress, places, finished)
+        return Hang(now - self._last_progress, places, finished, self.standings(states))
+
+    def standings(self, states: list[RankState]) -> tuple[Standing, ...]:
+        """Where this node's ranks stand in their collectives (empty without a flight recorder)."""
+        if self.board is None or not self.board.seen:
+            return ()
+        return tuple(self.board.standings(s.slot.rank for s in states))
+
+    def _moved(self) -> bool:
+        """A rank entered or completed a collective, or wrote output, since the last sample."""
+        moves = (tuple((r, s.reports) for r, s in self.board.seen.items()) if self.board is not None else (),
+                 self.output() if self.output is not None else 0)
+        moved, self._moves = moves != self._moves, moves
+        return moved
+
+    def _open(self, state: RankState) -> bool:
+        """A GPU rank with a collective it entered and that has not completed: its CPU spins, waiting for it."""
+        seen = self.board.seen.get(state.slot.rank) if self.board is not None else None
+        return seen is not None and state.slot.device.startswith("cuda") and seen.pending
+
+    def _waits_at(self, state: RankState, place: stacks.Place) -> bool:
+        """Busy at ``place`` is waiting: inside a collective, a GPU rank's open collective, or a CUDA sync
+        (unless the flight recorder says no collective is open: then its GPU computes)."""
+        if self._open(state):
+            return True
+        known = self.board is not None and state.slot.rank in self.board.seen
+        return place.spinning and not (place.at_sync and known)
 
     def where(self, running: list[RankState]) -> dict[int, stacks.Place | None]:
         """Every running rank's place, asked now (rank -> Place, None if it did not answer)."""
@@ -132,7 +175,7 @@ class Watchdog:
         for s in due:
             rank = self._ranks[s.slot.rank]
             here = places.get(s.slot.rank)
-            if here is not None and here.spinning:
+            if here is not None and self._waits_at(s, here):
                 rank.spinning = True  # busy inside a collective or a CUDA sync: waiting, not computing
                 continue
             rank.told = True

@@ -6,7 +6,8 @@ stdout/stderr onto the relay pipes, environment and
 threads, ``set_device``, connecting to node 0's store, an explicit
 ``init_process_group(rank=..., world_size=...)``, calling ``fn``, sending
 the result or a typed failure back (core/protocol.py: its kind comes from
-the exception's type and frame), and always ``destroy_process_group``.
+the exception's type and frame), and always ``destroy_process_group``;
+meanwhile a thread reads torch's flight recorder (core/collectives.py).
 The forkserver preloads this module, so importing torch here is paid once.
 Leaves running a script (``mpddp run``) to core/script.py.
 """
@@ -33,7 +34,7 @@ import torch.distributed as dist
 from ..context import WorkerContext
 from ..errors import Outcome
 from ..log import logger
-from . import procs, protocol, stacks
+from . import collectives, procs, protocol, stacks
 from .guardian import serve_if_forkserver
 from .protocol import WorkerSpec
 
@@ -218,8 +219,13 @@ def _stop_descendants() -> None:
         procs.kill_tree(below, grace=0.2)
 
 
+_SEND_LOCK = threading.Lock()  # the main thread and the collectives reader share the channel
+
+
 def _send(messages: Connection, message: protocol.Message) -> None:
-    messages.send_bytes(protocol.encode(message))
+    data = protocol.encode(message)
+    with _SEND_LOCK:
+        messages.send_bytes(data)
 
 
 def entry(spec: WorkerSpec, messages: Connection, out: Connection, err: Connection, stack: Connection) -> None:
@@ -236,6 +242,8 @@ def entry(spec: WorkerSpec, messages: Connection, out: Connection, err: Connecti
     multiprocessing.set_start_method(None, force=True)
     ctx = spec.ctx
     _send(messages, protocol.Started(os.getpid(), threading.get_ident()))
+    # which collective this rank has reached, for the launcher's watchdog and straggler count (core/collectives.py)
+    reader = collectives.Reader.start(lambda report: _send(messages, report), spec.env)
     if spec.banner:
         print(spec.banner, flush=True)
     code = 0
@@ -256,6 +264,8 @@ def entry(spec: WorkerSpec, messages: Connection, out: Connection, err: Connecti
         _send(messages, _failure(ctx, e))
         code = 1
     finally:
+        if reader is not None:
+            reader.stop()
         if dist.is_initialized():
             dist.destroy_process_group()
         left = _wait_for_leftovers(ctx.rank, threads_too=spec.init_group)

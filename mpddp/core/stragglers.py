@@ -1,0 +1,191 @@
+"""Stragglers: the rank the others wait for, told by the order in which the ranks reach the same collectives.
+
+Owns: each rank's lag at every collective that all of this node's ranks
+reached (its arrival minus the first rank's, from the flight recorder's
+times, core/collectives.py), the rule that names a straggler while the job
+runs, the one-line summary at the end of a run and the table per rank
+(``-v``), and the timeline picture (``--timeline FILE.png``, matplotlib).
+
+Why arrival order, not step times: DDP's all_reduce makes every rank's step
+equally long (the fast ranks wait inside it), so per-rank step timings
+cannot show a slow rank; the rank that enters the same collective last,
+again and again, is the one the others wait for.
+
+The rule: a rank is a straggler when, over its last :data:`WINDOW`
+collectives (at least :data:`MIN_SAMPLES`), its *median* lag is above
+:data:`MIN_LAG` and above :data:`STEP_SHARE` of a step. The median, not
+the mean, so that a few hiccups (a garbage collection, a checkpoint, a
+busy machine) never name a rank: more than half of its arrivals must be
+late. The floor keeps scheduler noise of a few milliseconds out; the share
+of a step keeps a lag that costs nothing out (20 ms in a 10 s step). A
+step is estimated as the median time between two arrivals at the same
+kind of collective (op, shapes), which recurs once a step in a training
+loop. It is said once per job, with where the straggler's stack was while
+the others waited. Leaves reading the ranks to core/collectives.py and
+sampling stacks to core/stacks.py.
+"""
+
+from __future__ import annotations
+
+import collections
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..log import logger
+from .protocol import Call
+
+WINDOW = 100  # collectives per rank the rule looks at
+MIN_SAMPLES = 50  # no verdict before this many
+MIN_LAG = 0.020  # seconds: a median lag below this is noise
+STEP_SHARE = 0.10  # ... and below this share of a step costs too little to tell
+_POINTS = 100_000  # arrivals kept for the timeline (halved, every other one, when full)
+SAMPLES = 5  # stack samples of a straggler, taken while the others wait
+
+
+@dataclass(frozen=True)
+class RankLag:
+    """One rank's lags at collectives, for the summary and the table."""
+
+    rank: int
+    count: int
+    mean: float  # seconds
+    median: float
+    p90: float
+    last_share: float  # the share of collectives it reached last
+
+
+@dataclass(frozen=True)
+class Summary:
+    """The run's arrivals at collectives; ``straggler`` is the rank named, if any."""
+
+    collectives: int
+    ranks: tuple[RankLag, ...]
+    straggler: int | None
+    step: float | None  # seconds, estimated
+
+
+@dataclass
+class Stragglers:
+    """Arrival lags per rank, fed with complete rows (rank -> Call at one collective number)."""
+
+    window: dict[int, collections.deque[float]] = field(default_factory=dict)
+    all_lags: dict[int, list[float]] = field(default_factory=dict)
+    last: dict[int, int] = field(default_factory=dict)  # rank -> collectives it reached last
+    rows: int = 0
+    points: list[tuple[float, int, float]] = field(default_factory=list)  # (arrival s, rank, lag s), timeline
+    told: int | None = None  # the rank named as straggler
+    told_at: float | None = None  # wall clock, s
+    _recurrence: dict[tuple[Any, ...], float] = field(default_factory=dict)
+    _periods: collections.deque[float] = field(default_factory=lambda: collections.deque(maxlen=WINDOW))
+
+    def add(self, rows: list[dict[int, Call]]) -> None:
+        for row in rows:
+            first = min(c.entered for c in row.values())
+            latest = max(row, key=lambda r: (row[r].entered, r))
+            self.rows += 1
+            self.last[latest] = self.last.get(latest, 0) + 1
+            for rank, call in row.items():
+                lag = (call.entered - first) / 1e9
+                self.window.setdefault(rank, collections.deque(maxlen=WINDOW)).append(lag)
+                self.all_lags.setdefault(rank, []).append(lag)
+                self.points.append((first / 1e9, rank, lag))
+            one = next(iter(row.values()))
+            kind = (one.group, one.op, one.sizes)  # recurs once a step in a training loop
+            if (before := self._recurrence.get(kind)) is not None and first / 1e9 > before:
+                self._periods.append(first / 1e9 - before)
+            self._recurrence[kind] = first / 1e9
+        if len(self.points) > _POINTS:
+            self.points = self.points[::2]
+
+    @property
+    def step(self) -> float | None:
+        return statistics.median(self._periods) if len(self._periods) >= 5 else None
+
+    def suspect(self) -> int | None:
+        """The rank the rule names now (see the module's header), or None."""
+        step = self.step or 0.0
+        late = {rank: statistics.median(lags) for rank, lags in self.window.items() if len(lags) >= MIN_SAMPLES}
+        over = {rank: lag for rank, lag in late.items() if lag > MIN_LAG and lag > STEP_SHARE * step}
+        return max(over, key=lambda r: over[r]) if over else None
+
+    def check(self, where: Callable[[int], list[str]]) -> None:
+        """Name a straggler once, with where its stack was sampled (``where(rank)``: places, one per sample)."""
+        if self.told is not None or (rank := self.suspect()) is None:
+            return
+        self.told, self.told_at = rank, time.time()
+        lags = list(self.window[rank])
+        places = [p for p in where(rank) if p]
+        common = collections.Counter(places).most_common(1)
+        seen = (f"; while the others wait it is in {common[0][0]} ({common[0][1]} of {len(places)} samples)"
+                if common else "")
+        step = f", a step takes about {_ms(self.step)}" if self.step else ""
+        logger.warning("mpddp: rank %d is a straggler: it reaches collectives %s after the first rank (median of its "
+                       "last %d; p90 %s%s)%s", rank, _ms(statistics.median(lags)), len(lags),
+                       _ms(_p90(lags)), step, seen)
+
+    def summary(self) -> Summary:
+        ranks = tuple(RankLag(rank, len(lags), statistics.fmean(lags), statistics.median(lags), _p90(lags),
+                              self.last.get(rank, 0) / max(self.rows, 1))
+                      for rank, lags in sorted(self.all_lags.items()))
+        return Summary(self.rows, ranks, self.told, self.step)
+
+
+def summary_lines(summary: Summary, verbose: bool) -> list[str]:
+    """The one line at the end of a run, and with ``verbose`` the table per rank."""
+    if not summary.ranks:
+        return []
+    worst = max(summary.ranks, key=lambda r: r.median)
+    head = f"mpddp: collectives: {summary.collectives:,} lined up across {len(summary.ranks)} ranks; "
+    if summary.straggler is not None:
+        lag = next(r for r in summary.ranks if r.rank == summary.straggler)
+        head += (f"rank {lag.rank} was the straggler: it arrived last at {lag.last_share:.0%} of them, median lag "
+                 f"{_ms(lag.median)} (p90 {_ms(lag.p90)})")
+    else:
+        head += f"no straggler (the largest median lag: {_ms(worst.median)}, rank {worst.rank})"
+    lines = [head]
+    if verbose:
+        lines.append("  rank  collectives  mean lag  median  p90     arrived last")
+        lines += [f"  {r.rank:<4}  {r.count:<11,}  {_ms(r.mean):<8}  {_ms(r.median):<6}  {_ms(r.p90):<6}  "
+                  f"{r.last_share:.0%}" for r in summary.ranks]
+    return lines
+
+
+def draw_timeline(stragglers: Stragglers, path: str) -> None:
+    """Each rank's arrival lag at every collective over time, one colour per rank (matplotlib, off screen)."""
+    import matplotlib
+
+    matplotlib.use("Agg", force=False)
+    import matplotlib.pyplot as plt
+
+    start = min((p[0] for p in stragglers.points), default=0.0)
+    fig, ax = plt.subplots(figsize=(10, 4.5), dpi=100)
+    for rank in sorted({p[1] for p in stragglers.points}):
+        xs = [t - start for t, r, _ in stragglers.points if r == rank]
+        ys = [lag * 1e3 for _, r, lag in stragglers.points if r == rank]
+        ax.plot(xs, ys, ".", markersize=3, alpha=0.6, label=f"rank {rank}")
+    if stragglers.told_at is not None:
+        ax.axvline(stragglers.told_at - start, color="black", linestyle="--", linewidth=1,
+                   label=f"rank {stragglers.told} named")
+    ax.set_xlabel("seconds since the first collective")
+    ax.set_ylabel("arrival lag (ms) after the first rank")
+    ax.set_title("Arrival at each collective (torch's flight recorder): the straggler is the rank on top")
+    ax.legend(loc="upper right", markerscale=3)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def _p90(values: list[float]) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))]
+
+
+def _ms(seconds: float | None) -> str:
+    if seconds is None:
+        return "?"
+    ms = seconds * 1e3
+    return f"{ms:.0f} ms" if ms >= 10 else f"{ms:.1f} ms"
