@@ -109,8 +109,10 @@ def test_a_hung_rank_is_caught_by_the_timeout_and_named(tmp_path):
     err = run.stderr
     assert rc == 1, err
     # found by the launcher's watchdog, not by gloo's collective timeout (torch's 30 minutes now)
-    assert f"mpddp: rank 1 made no progress for {timeout} s while rank 0 waited for it in all_reduce at " \
-           "fail_modes.py:" in err
+    assert f"mpddp: rank 1 made no progress for {timeout} s while rank 0 waited for it in all_reduce #2 (float32[1]) " \
+           "at fail_modes.py:" in err
+    assert "  rank 0 entered all_reduce #2 (float32[1]) " in err and "; rank 1 is still at #1 (barrier): it is " \
+           "the one to look at" in err
     assert "  rank 1 is elsewhere: main at fail_modes.py:" in err and "<- look here" in err
     assert "raise --timeout if a rank legitimately waits this long" in err
     assert "  stuck in a data read" in err

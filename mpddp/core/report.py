@@ -256,8 +256,9 @@ def hang_error(states: list[RankState], seconds_idle: float, places: dict[int, s
     lagging = next((st for st in standings if [r for r in st.behind if r not in finished]), None)
     if lagging is not None and not (finished and not idle):
         culprits = [r for r in lagging.behind if r not in finished]
+        line = next((p.line for r in lagging.ahead if (p := places.get(r)) is not None and p.waiting), "")
         first = (f"mpddp: {_ranks(culprits)} made no progress for {seconds} while {_ranks(lagging.ahead)} waited "
-                 f"for it in {collectives.render(lagging.top)}; every rank was stopped")
+                 f"for it in {collectives.render(lagging.top)}{f' at {line}' if line else ''}; every rank was stopped")
         outcome = Outcome.HUNG
     elif finished and not idle:
         culprits = list(finished)

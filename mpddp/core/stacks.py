@@ -96,6 +96,7 @@ class Place:
     dump: str  # the whole faulthandler dump, every thread, for the logs
     spinning: bool = False  # inside a collective or a CUDA sync: busy there is still waiting
     at_sync: bool = False  # inside torch.cuda (a sync): waiting for the GPU, which may be computing
+    line: str = ""  # the user's line it is at, e.g. train.py:40
 
 
 def main_frames(dump: str, main_thread: int | None) -> list[Frame]:
@@ -127,14 +128,14 @@ def place(dump: str, main_thread: int | None) -> Place | None:
     users = [i for i, f in enumerate(frames) if _is_user(f)]
     if not users:
         top = frames[0]
-        return Place(f"{top.func} at {top.short}", waiting, dump, spinning, at_sync)
+        return Place(f"{top.func} at {top.short}", waiting, dump, spinning, at_sync, top.short)
     user = frames[users[0]]
     calls = [f.func for f in reversed(frames[: users[0]]) if f.func not in _DECORATORS]
     if calls:  # inside a library call: name the call, e.g. barrier at train.py:40
-        return Place(f"{calls[0]} at {user.short}", waiting, dump, spinning, at_sync)
+        return Place(f"{calls[0]} at {user.short}", waiting, dump, spinning, at_sync, user.short)
     source = linecache.getline(user.file, user.line).strip()  # a C call such as time.sleep has no frame
     return Place(f"{user.func} at {user.short}" + (f" ({source})" if source else ""), waiting, dump, spinning,
-                 at_sync)
+                 at_sync, user.short)
 
 
 def ask(pids: dict[int, int], fds: dict[int, int]) -> dict[int, str]:
