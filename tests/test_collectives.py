@@ -237,17 +237,23 @@ def test_sigusr1_shows_the_collective_view_first(tmp_path):
     run.assert_nothing_left()
 
 
+_NAMES = (*collectives.ENV, "TORCH_NCCL_DUMP_ON_TIMEOUT")
+
+
 def recorder_env(ctx):
     names = [t.name for t in threading.enumerate()]
-    return {k: os.environ.get(k) for k in collectives.ENV}, "mpddp-collectives" in names
+    return {k: os.environ.get(k) for k in _NAMES}, "mpddp-collectives" in names
+
+
+def _env(fr=None, nccl=None, dump=None):
+    return dict(zip(_NAMES, (fr, nccl, dump)))
 
 
 @pytest.mark.parametrize(("env", "expected", "reader"), [
-    ((), {"TORCH_FR_BUFFER_SIZE": str(collectives.BUFFER), "TORCH_NCCL_TRACE_BUFFER_SIZE": None}, True),
-    ((("TORCH_FR_BUFFER_SIZE", "2000"),), {"TORCH_FR_BUFFER_SIZE": "2000", "TORCH_NCCL_TRACE_BUFFER_SIZE": None}, True),
-    ((("TORCH_NCCL_TRACE_BUFFER_SIZE", "5"),), {"TORCH_FR_BUFFER_SIZE": None, "TORCH_NCCL_TRACE_BUFFER_SIZE": "5"},
-     True),
-    ((("TORCH_FR_BUFFER_SIZE", "0"),), {"TORCH_FR_BUFFER_SIZE": "0", "TORCH_NCCL_TRACE_BUFFER_SIZE": None}, False),
+    ((), _env(str(collectives.BUFFER), dump="0"), True),  # on, and NCCL's dump files off: nothing left in /tmp
+    ((("TORCH_FR_BUFFER_SIZE", "2000"),), _env("2000"), True),
+    ((("TORCH_NCCL_TRACE_BUFFER_SIZE", "5"), ("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")), _env(None, "5", "1"), True),
+    ((("TORCH_FR_BUFFER_SIZE", "0"),), _env("0"), False),
 ])
 def test_the_users_flight_recorder_settings_are_kept(no_leftovers, env, expected, reader):
     values, running = mpddp.launch(recorder_env, nprocs=1, env=env)[0]

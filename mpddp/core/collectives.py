@@ -48,9 +48,15 @@ _WINDOW = 512  # collectives per group the board keeps to line ranks up
 
 
 def env_defaults(env: dict[str, str]) -> None:
-    """Turn the flight recorder on in the ranks' environment, unless the user chose its size (0: off)."""
+    """Turn the flight recorder on in the ranks' environment, unless the user chose its size (0: off).
+
+    NCCL writes the recorder to files (``/tmp/nccl_trace_rank_N``) on a timeout or an error when it is on
+    and ``TORCH_NCCL_DUMP_ON_TIMEOUT`` allows: a launch must leave no file behind, and the launcher reports
+    the same view itself, so mpddp's recorder comes with that off (a user who sets the size decides both).
+    """
     if not any(name in env for name in ENV):
         env["TORCH_FR_BUFFER_SIZE"] = str(BUFFER)
+        env.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "0")
 
 
 # ---- in the rank -----------------------------------------------------------------------------
