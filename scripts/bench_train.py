@@ -13,6 +13,15 @@ GPU mode (``--gpu``): one GPU, one rank, bf16 autocast, an MLP
 without DDP, and for context the same loop wrapped in DDP with defaults and
 with ``gradient_as_bucket_view=True, static_graph=True``.
 
+The flight recorder's cost (both modes): mpddp turns torch's flight recorder
+on in every rank (``TORCH_FR_BUFFER_SIZE``, 64 entries, and a thread in the
+rank that reads it); the Trainer runs once more with ``TORCH_FR_BUFFER_SIZE=0``
+(recorder and reader off), and the line ``flight recorder on / off`` is the
+Trainer's samples/s with it on against off, paired within each repetition
+(goal: a cost under 1 %; the script reports it, it does not assert it). With
+one GPU rank the Trainer has no DDP wrapper and calls no collective, so the
+GPU figure is the reader's cost alone.
+
 Repetitions are interleaved (trainer, loop, loop, trainer, ...) and each
 ratio is samples/s against the reference loop of the same repetition.
 
@@ -23,6 +32,7 @@ ratio is samples/s against the reference loop of the same repetition.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import tempfile
 import time
@@ -32,6 +42,9 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from benchlib import machine, summary, table, torch_version, write_json  # noqa: E402
+
+FR_SIZE = ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")  # the recorder's size; the second, its older name
+FR_OFF = (("TORCH_FR_BUFFER_SIZE", "0"),)  # a rank's env with the flight recorder (and mpddp's reader) off
 
 
 @dataclass(frozen=True)
@@ -158,18 +171,23 @@ def _rate(epochs: list[tuple[int, float]]) -> float:
     return sum(n for n, _ in timed) / sum(t for _, t in timed)
 
 
-def variants(spec: Spec) -> dict[str, tuple[str, Any, tuple]]:
-    """name -> (label, fn, extra args); the first is the reference."""
+def variants(spec: Spec) -> dict[str, tuple[str, Any, tuple, tuple]]:
+    """name -> (label, fn, extra args, the ranks' extra env); the first is the reference. "trainer" runs with
+    the flight recorder on (mpddp's default), "trainer_fr_off" without it, next to each other in every repetition."""
+    trainer = {
+        "trainer": ("mpddp Trainer", run_trainer, (), ()),
+        "trainer_fr_off": ("mpddp Trainer, flight recorder off", run_trainer, (), FR_OFF),
+    }
     if spec.gpu:
         return {
-            "loop": ("plain loop, no DDP (reference)", run_loop, ("none",)),
-            "trainer": ("mpddp Trainer", run_trainer, ()),
-            "ddp_default": ("plain loop + DDP defaults", run_loop, ("default",)),
-            "ddp_tuned": ("plain loop + DDP bucket view, static graph", run_loop, ("tuned",)),
+            "loop": ("plain loop, no DDP (reference)", run_loop, ("none",), ()),
+            **trainer,
+            "ddp_default": ("plain loop + DDP defaults", run_loop, ("default",), ()),
+            "ddp_tuned": ("plain loop + DDP bucket view, static graph", run_loop, ("tuned",), ()),
         }
     return {
-        "loop": ("hand-written DDP loop (reference)", run_loop, ("default",)),
-        "trainer": ("mpddp Trainer", run_trainer, ()),
+        "loop": ("hand-written DDP loop (reference)", run_loop, ("default",), ()),
+        **trainer,
     }
 
 
@@ -182,19 +200,43 @@ def bench(spec: Spec, reps: int) -> dict[str, Any]:
     for rep in range(reps):
         order = names if rep % 2 == 0 else names[::-1]
         for name in order:
-            _, fn, extra = table_of[name]
-            epochs = mpddp.launch(fn, nprocs=spec.ranks, args=(spec, *extra))[0]
+            _, fn, extra, env = table_of[name]
+            epochs = mpddp.launch(fn, nprocs=spec.ranks, args=(spec, *extra), env=env)[0]
             rates[name].append(_rate(epochs))
         print(f"  rep {rep + 1}/{reps}: " + "  ".join(f"{n} {rates[n][-1]:,.0f}/s" for n in names), flush=True)
     reference = rates[names[0]]
     return {name: {"label": table_of[name][0], **summary(rates[name], reference)} for name in names}
 
 
-def report(spec: Spec, results: dict[str, Any]) -> str:
+def flight_recorder(results: dict[str, Any], buffer: str) -> dict[str, Any]:
+    """The Trainer's samples/s with the flight recorder on against off, paired by repetition: ``ratio`` is
+    on / off (median of the repetitions' ratios), ``cost_percent`` what the recorder takes off the rate."""
+    paired = summary(results["trainer"]["values"], results["trainer_fr_off"]["values"])
+    return {"on": "trainer", "off": "trainer_fr_off", "buffer": buffer,
+            **{k: paired[k] for k in ("ratio", "ratio_min", "ratio_max", "ratios")},
+            "cost_percent": (1 - paired["ratio"]) * 100}
+
+
+def fr_buffer() -> str:
+    """The flight recorder's size in the "on" variant: mpddp's default, unless this environment sets it
+    (the ranks inherit it, and mpddp then leaves it alone)."""
+    from mpddp.core.collectives import BUFFER
+
+    for name in FR_SIZE:
+        if name in os.environ:
+            return f"{os.environ[name]} entries, from {name} in this environment"
+    return f"{BUFFER} entries, mpddp's default"
+
+
+def report(spec: Spec, results: dict[str, Any], fr: dict[str, Any]) -> str:
     rows = [[r["label"], f"{r['median']:,.0f}", f"{r['ratio']:.3f}", f"{r['ratio_min']:.3f}-{r['ratio_max']:.3f}"]
             for r in results.values()]
     mode = "GPU, 1 rank, bf16" if spec.gpu else f"CPU, {spec.ranks} ranks, fp32"
-    return f"{mode}, batch {spec.batch} per rank\n" + table(["variant", "samples/s", "x ref", "range"], rows)
+    fr_line = (f"flight recorder on / off: {fr['ratio']:.3f} (cost {fr['cost_percent']:.1f} %; range "
+               f"{fr['ratio_min']:.3f}-{fr['ratio_max']:.3f} over {len(fr['ratios'])} rep{'s' if len(fr['ratios']) > 1 else ''}; goal: under 1 %)"
+               f"; on: {fr['buffer']}")
+    return (f"{mode}, batch {spec.batch} per rank\n" + table(["variant", "samples/s", "x ref", "range"], rows)
+            + "\n\n" + fr_line)
 
 
 def main() -> None:
@@ -225,12 +267,16 @@ def main() -> None:
                        epochs=2)
         reps = 1
     print(f"bench_train: {machine()}, torch {torch_version()}, {spec}, {reps} interleaved reps", flush=True)
+    if any(os.environ.get(name, "").strip() == "0" for name in FR_SIZE):
+        print("bench_train: the flight recorder is off in this environment, so 'on' is off too; unset "
+              f"{' and '.join(FR_SIZE)} to measure its cost", flush=True)
     with tempfile.TemporaryDirectory(prefix="mpddp-bench-train-") as tmp:
         results = bench(replace(spec, run_dir=tmp), reps)
+    fr = flight_recorder(results, fr_buffer())
     print()
-    print(report(spec, results))
+    print(report(spec, results, fr))
     write_json(args.json, {"benchmark": "train", "torch": torch_version(), "spec": spec.__dict__, "reps": reps,
-                           "results": results})
+                           "results": results, "flight_recorder": fr})
 
 
 if __name__ == "__main__":

@@ -77,6 +77,14 @@ def test_bench_train(tmp_path):
     stdout, data = tiny("bench_train.py", tmp_path)
     assert "mpddp Trainer" in stdout and "x ref" in stdout
     assert data["results"]["loop"]["ratio"] == 1.0 and data["results"]["trainer"]["median"] > 0
+    # the flight recorder's cost: the Trainer with it on (mpddp's default) against off, in the same run
+    assert data["results"]["trainer_fr_off"]["median"] > 0
+    fr = data["flight_recorder"]
+    assert 0.2 < fr["ratio"] < 5 and len(fr["ratios"]) == 1  # a tiny run is noisy: sane, not small
+    assert fr["ratio"] == data["results"]["trainer"]["median"] / data["results"]["trainer_fr_off"]["median"]
+    assert abs(fr["cost_percent"] - (1 - fr["ratio"]) * 100) < 1e-9
+    line = next(line for line in stdout.splitlines() if line.startswith("flight recorder on / off: "))
+    assert f"{fr['ratio']:.3f} (cost {fr['cost_percent']:.1f} %" in line and "; on: " in line
 
 
 def test_bench_train_gpu_mode_needs_a_gpu(tmp_path):
