@@ -97,14 +97,14 @@ def test_the_odd_one_out_is_the_rank_whose_call_differs_from_the_others(no_lefto
                                       "broadcast #3 (float32[8])")
 
 
-def train_steps(ctx, slow_rank, steps):
+def train_steps(ctx, slow_ranks, steps):
     torch.manual_seed(0)
     model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(32, 4))
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     x, y = torch.randn(16, 32), torch.randint(0, 4, (16,))
     for _ in range(steps):
         loss = torch.nn.functional.cross_entropy(model(x), y)
-        if ctx.rank == slow_rank:
+        if ctx.rank in slow_ranks:
             time.sleep(0.03)  # 30 ms late to every backward: the others wait for it in the gradients' all_reduce
         loss.backward()
         opt.step()
@@ -119,7 +119,7 @@ def _said(caplog, words):
 def test_a_rank_30_ms_late_is_named_within_200_steps(no_leftovers, caplog, tmp_path):
     picture = tmp_path / "timeline.png"
     with caplog.at_level(logging.INFO, logger="mpddp"):
-        assert mpddp.launch(train_steps, nprocs=2, args=(1, 200), timeline=str(picture)) == [0, 1]
+        assert mpddp.launch(train_steps, nprocs=2, args=((1,), 200), timeline=str(picture)) == [0, 1]
     named = _said(caplog, "is a straggler")
     assert len(named) == 1, caplog.text  # said once
     told = named[0].getMessage()
@@ -137,8 +137,9 @@ def test_a_rank_30_ms_late_is_named_within_200_steps(no_leftovers, caplog, tmp_p
 
 
 def test_a_balanced_run_of_the_same_length_names_no_one(no_leftovers, caplog):
+    """Both ranks take the same 30 ms longer: as long a run, as many collectives, no one late."""
     with caplog.at_level(logging.INFO, logger="mpddp"):
-        assert mpddp.launch(train_steps, nprocs=2, args=(-1, 200)) == [0, 1]
+        assert mpddp.launch(train_steps, nprocs=2, args=((0, 1), 200)) == [0, 1]
     assert not _said(caplog, "straggler:"), caplog.text
     summary = _said(caplog, "mpddp: collectives: ")
     assert summary and "no straggler" in summary[0].getMessage()
@@ -335,28 +336,46 @@ class Recorder:
 
 def test_the_reader_sends_only_what_changed():
     recorder, sent = Recorder(), []
-    reader = collectives.Reader(recorder.dump, sent.append)
+    reader = collectives.Reader([recorder.dump], sent.append)
     assert reader.read() == collectives.Collectives((), ())  # a first status, no collective yet
     recorder.enter(1, t=10)
     recorder.entries.append(_entry(0, op="nccl:send", p2p=True))  # point-to-point: numbered apart, left out
     first = reader.read()
-    assert [c.seq for c in first.calls] == [1] and first.completed == (("0", 0),)
-    assert first.calls[0] == collectives.Call("0", 1, "all_reduce", ((1000,),), ("Float",), 10)
+    assert [c.seq for c in first.calls] == [1] and first.completed == ((("0", "nccl"), 0),)
+    assert first.calls[0] == collectives.Call("0", 1, "all_reduce", ((1000,),), ("Float",), 10, "nccl")
     assert reader.read() is None  # nothing moved: nothing sent
     recorder.complete(1)
     second = reader.read()
-    assert second.calls == () and second.completed == (("0", 1),)
+    assert second.calls == () and second.completed == ((("0", "nccl"), 1),)
+
+
+def test_nccls_own_recorder_and_the_other_backends_are_two_lanes():
+    """A CUDA build keeps NCCL's collectives apart (_dump_nccl_trace): a group with gloo for CPU tensors and NCCL
+    for CUDA ones numbers each backend's collectives from 1, and they are never lined up against each other."""
+    nccl, gloo = Recorder(), Recorder()
+    nccl.enter(1, t=5)
+    gloo.enter(1, op="gloo:broadcast", sizes=((3,),), t=7)
+    gloo.enter(2, op="gloo:broadcast", sizes=((3,),), t=8)
+    report = collectives.Reader([nccl.dump, gloo.dump], lambda r: None).read()
+    assert sorted((c.lane, c.seq) for c in report.calls) == [(("0", "gloo"), 1), (("0", "gloo"), 2),
+                                                            (("0", "nccl"), 1)]
+    assert dict(report.completed) == {("0", "nccl"): 0, ("0", "gloo"): 1}
+    board = collectives.Board([0, 1])
+    board.add(0, report)
+    board.add(1, collectives.Collectives((_c(1, t=6, backend="nccl"), _c(1, "broadcast", ((3,),), backend="gloo")),
+                                         ()))
+    assert board.mismatch is None and len(board.take()) == 2
 
 
 def _board(*reports):
     board = collectives.Board([0, 1])
     for rank, calls, completed in reports:
-        board.add(rank, collectives.Collectives(tuple(calls), (("0", completed),)))
+        board.add(rank, collectives.Collectives(tuple(calls), ((("0", ""), completed),)))
     return board
 
 
-def _c(seq, op="all_reduce", sizes=((1000,),), t=0, group="0"):
-    return collectives.Call(group, seq, op, sizes, ("Float",), t)
+def _c(seq, op="all_reduce", sizes=((1000,),), t=0, group="0", backend=""):
+    return collectives.Call(group, seq, op, sizes, ("Float",), t, backend)
 
 
 def test_an_nccl_rank_whose_all_reduce_did_not_complete_is_open():
@@ -451,7 +470,7 @@ def test_a_gpu_rank_in_cuda_synchronize_with_no_open_collective_computes():
         dog = Watchdog(timeout=1.0, board=board, interval=0.2)
         assert not dog._waits_at(state, place)  # the GPU computes
         dog._ranks[0] = type("R", (), {"spinning": True})()  # even when the stack was seen there before
-        board.seen[0].completed["0"] = 0  # ... but with #1 open, the same place is waiting
+        board.seen[0].completed[("0", "")] = 0  # ... but with #1 open, the same place is waiting
         assert dog._waits_at(state, place)
     finally:
         proc.kill()

@@ -44,7 +44,7 @@ _DUTY = 0.005  # the reader's share of one core, at most
 _SAME_SHAPE = frozenset({"all_reduce", "allreduce", "broadcast", "reduce"})  # ops whose inputs match on every rank
 _DTYPES = {"Float": "float32", "Double": "float64", "Half": "float16", "BFloat16": "bfloat16", "Long": "int64",
            "Int": "int32", "Short": "int16", "Char": "int8", "Byte": "uint8", "Bool": "bool"}
-_WINDOW = 512  # collectives per group the board keeps to line ranks up
+_WINDOW = 512  # collectives per lane (group and backend) the board keeps to line ranks up
 
 
 def env_defaults(env: dict[str, str]) -> None:
@@ -63,12 +63,17 @@ def env_defaults(env: dict[str, str]) -> None:
 
 
 class Reader:
-    """In a rank: a daemon thread that reads the flight recorder and sends what changed."""
+    """In a rank: a daemon thread that reads the flight recorder and sends what changed.
 
-    def __init__(self, dump: Callable[..., bytes], send: Callable[[Collectives], None]) -> None:
-        self._dump, self._send = dump, send
+    A CUDA build of torch keeps NCCL's collectives in a recorder of their own (``_dump_nccl_trace``),
+    apart from the one other backends write to (``_dump_fr_trace``): both are read.
+    """
+
+    def __init__(self, dumps: list[Callable[..., bytes]], send: Callable[[Collectives], None]) -> None:
+        self._dumps, self._send = dumps, send
         self._status: object = None
-        self._sent: dict[str, int] = {}  # per group, the last number sent
+        self._sent: dict[tuple[str, str], int] = {}  # per lane, the last number sent
+        self._backends: dict[tuple[int, str], str] = {}  # (recorder, group) -> the backend its entries name
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="mpddp-collectives", daemon=True)
 
@@ -77,11 +82,12 @@ class Reader:
         """A running reader, or None where this torch has no flight recorder or the user turned it off."""
         import torch
 
-        dump = getattr(torch._C._distributed_c10d, "_dump_fr_trace", None)
+        c10d = torch._C._distributed_c10d
+        dumps = [f for name in ("_dump_nccl_trace", "_dump_fr_trace") if (f := getattr(c10d, name, None)) is not None]
         size = next((environ[name] for name in ENV if name in environ), "0")
-        if dump is None or not size.strip().isdigit() or int(size) <= 0:
+        if not dumps or not size.strip().isdigit() or int(size) <= 0:
             return None
-        reader = cls(dump, send)
+        reader = cls(dumps, send)
         reader._thread.start()
         return reader
 
@@ -103,19 +109,29 @@ class Reader:
 
     def read(self) -> Collectives | None:
         """What changed since the last read, or None: the status first (cheap), the entries only if it moved."""
-        status = self._load(includeCollectives=False).get("pg_status") or {}
-        if status == self._status:
+        statuses = [self._load(dump, includeCollectives=False).get("pg_status") or {} for dump in self._dumps]
+        if statuses == self._status:
             return None
-        self._status = status
-        calls = [c for e in self._load(includeCollectives=True).get("entries", ()) if (c := _call(e)) is not None]
-        new = tuple(c for c in calls if c.seq > self._sent.get(c.group, 0))
+        self._status = statuses
+        calls: list[Call] = []
+        completed: list[tuple[tuple[str, str], int]] = []
+        for i, (dump, status) in enumerate(zip(self._dumps, statuses)):
+            if not status:
+                continue
+            for entry in self._load(dump, includeCollectives=True).get("entries", ()):
+                if (call := _call(entry)) is not None:
+                    self._backends[(i, call.group)] = call.backend
+                    calls.append(call)
+            completed += [((str(g), self._backends.get((i, str(g)), "")), int(s.get("last_completed_collective", -1)))
+                          for g, s in status.items()]
+        new = tuple(c for c in calls if c.seq > self._sent.get(c.lane, 0))
         for c in new:
-            self._sent[c.group] = max(self._sent.get(c.group, 0), c.seq)
-        completed = tuple((str(g), int(s.get("last_completed_collective", -1))) for g, s in status.items())
-        return Collectives(new, completed)
+            self._sent[c.lane] = max(self._sent.get(c.lane, 0), c.seq)
+        return Collectives(new, tuple(completed))
 
-    def _load(self, **what: bool) -> dict[str, Any]:
-        loaded = pickle.loads(self._dump(includeStackTraces=False, onlyActive=False, **what))
+    @staticmethod
+    def _load(dump: Callable[..., bytes], **what: bool) -> dict[str, Any]:
+        loaded = pickle.loads(dump(includeStackTraces=False, onlyActive=False, **what))
         return loaded if isinstance(loaded, dict) else {}
 
 
@@ -125,10 +141,11 @@ def _call(entry: dict[str, Any]) -> Call | None:
     if entry.get("is_p2p") or seq <= 0:
         return None
     group = entry.get("process_group") or ("?",)
-    return Call(group=str(group[0]), seq=int(seq), op=str(entry.get("profiling_name", "?")).split(":", 1)[-1],
+    backend, _, op = str(entry.get("profiling_name", "?")).rpartition(":")
+    return Call(group=str(group[0]), seq=int(seq), op=op,
                 sizes=tuple(tuple(int(n) for n in s) for s in entry.get("input_sizes") or ()),
                 dtypes=tuple(str(d) for d in entry.get("input_dtypes") or ()),
-                entered=int(entry.get("time_created_ns") or 0))
+                entered=int(entry.get("time_created_ns") or 0), backend=backend)
 
 
 # ---- in the launcher --------------------------------------------------------------------------
@@ -146,14 +163,14 @@ def render(call: Call) -> str:
 class Seen:
     """The launcher's copy of one rank's flight recorder."""
 
-    last: dict[str, Call] = field(default_factory=dict)  # per group, the latest collective it entered
-    completed: dict[str, int] = field(default_factory=dict)  # per group, the last number that completed
+    last: dict[tuple[str, str], Call] = field(default_factory=dict)  # per lane, the latest collective it entered
+    completed: dict[tuple[str, str], int] = field(default_factory=dict)  # per lane, the last number completed
     reports: int = 0  # one more with every report: the rank entered or completed a collective
 
     @property
     def pending(self) -> bool:
         """A collective it entered has not completed: its CPU, if it spins, waits for it."""
-        return any(c.seq > self.completed.get(g, -1) for g, c in self.last.items())
+        return any(c.seq > self.completed.get(lane, -1) for lane, c in self.last.items())
 
 
 @dataclass(frozen=True)
@@ -181,8 +198,8 @@ class Board:
         self.ranks = tuple(ranks)  # this node's ranks: every one of them is in the default group
         self.seen: dict[int, Seen] = {}
         self.mismatch: Mismatch | None = None
-        self._rows: dict[tuple[str, int], dict[int, Call]] = {}
-        self._members: dict[str, set[int]] = {"0": set(self.ranks)}  # other groups: the ranks seen calling in them
+        self._rows: dict[tuple[tuple[str, str], int], dict[int, Call]] = {}
+        self._members: dict[tuple[str, str], set[int]] = {}  # the default group: every rank; others: those seen
         self._done: list[dict[int, Call]] = []  # rows every member has reached, not yet taken
 
     def add(self, rank: int, report: Collectives) -> None:
@@ -190,10 +207,10 @@ class Board:
         seen.reports += 1
         seen.completed.update(report.completed)
         for call in report.calls:
-            if call.seq >= getattr(seen.last.get(call.group), "seq", 0):
-                seen.last[call.group] = call
-            self._members.setdefault(call.group, set()).add(rank)
-            row = self._rows.setdefault((call.group, call.seq), {})
+            if call.seq >= getattr(seen.last.get(call.lane), "seq", 0):
+                seen.last[call.lane] = call
+            self._members.setdefault(call.lane, set(self.ranks) if call.group == "0" else set()).add(rank)
+            row = self._rows.setdefault((call.lane, call.seq), {})
             row[rank] = call
             if self.mismatch is None and (odd := _differs(row)) is not None:
                 self.mismatch = Mismatch(dict(row), odd)
@@ -206,10 +223,10 @@ class Board:
 
     def _settle(self) -> None:
         for key in sorted(self._rows):
-            group, seq = key
+            lane, seq = key
             row = self._rows[key]
-            newest = max((s.last[group].seq for s in self.seen.values() if group in s.last), default=seq)
-            if len(row) == len(self._members[group]) and len(row) > 1:
+            newest = max((s.last[lane].seq for s in self.seen.values() if lane in s.last), default=seq)
+            if len(row) == len(self._members[lane]) and len(row) > 1:
                 self._done.append(self._rows.pop(key))
             elif seq < newest - _WINDOW:
                 del self._rows[key]  # a rank's reader missed it (its buffer turned over): never complete
@@ -219,13 +236,13 @@ class Board:
         are left out unless no group has anything to say, in which case the default group is told."""
         ranks = list(ranks)
         out = []
-        for group in sorted({g for s in self.seen.values() for g in s.last}, key=lambda g: (g != "0", g)):
-            members = [r for r in ranks if r in self._members.get(group, ())] or ranks
-            lasts = {r: self.seen[r].last.get(group) if r in self.seen else None for r in members}
+        for lane in sorted({g for s in self.seen.values() for g in s.last}, key=lambda g: (g[0] != "0", g)):
+            members = [r for r in ranks if r in self._members.get(lane, ())] or ranks
+            lasts = {r: self.seen[r].last.get(lane) if r in self.seen else None for r in members}
             top = max((c for c in lasts.values() if c is not None), key=lambda c: (c.seq, -c.entered))
             ahead = tuple(r for r, c in lasts.items() if c is not None and c.seq == top.seq)
             first = min((c for r in ahead if (c := lasts[r]) is not None), key=lambda c: c.entered)
-            open_ = tuple(r for r in ahead if self.seen[r].completed.get(group, -1) < top.seq)
+            open_ = tuple(r for r in ahead if self.seen[r].completed.get(lane, -1) < top.seq)
             behind = {r: c for r, c in lasts.items() if r not in ahead}
             out.append(Standing(first, ahead, behind, open_))
         told = [s for s in out if s.behind or s.open]

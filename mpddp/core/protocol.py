@@ -90,6 +90,12 @@ class Call:
     sizes: tuple[tuple[int, ...], ...]  # its input tensors' shapes
     dtypes: tuple[str, ...]  # "Float", "BFloat16", ... (torch's ScalarType names)
     entered: int  # when the rank entered it: the wall clock in ns (time_created_ns)
+    backend: str = ""  # "gloo", "nccl": a group with both numbers each backend's collectives apart
+
+    @property
+    def lane(self) -> tuple[str, str]:
+        """What its number counts in: one process group's collectives on one backend."""
+        return self.group, self.backend
 
 
 @dataclass(frozen=True)
@@ -97,7 +103,7 @@ class Collectives:
     """A rank's flight recorder, read again by its reader thread: sent only when something changed."""
 
     calls: tuple[Call, ...]  # the collectives it entered since its last report, oldest first
-    completed: tuple[tuple[str, int], ...]  # per group, the number of the last one that completed here
+    completed: tuple[tuple[tuple[str, str], int], ...]  # per lane (group, backend), the last number completed here
 
 
 Message = Started | Joined | Result | Failure | Collectives
