@@ -38,8 +38,8 @@ from typing import Any
 from .protocol import Call, Collectives
 
 ENV = ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")  # the recorder's size; the second is its older name
-BUFFER = 64  # entries kept per rank: enough for 0.25 s of 256 collectives/s; reading costs grow with it
-_INTERVAL = 0.25  # seconds between two reads, at least
+BUFFER = 64  # entries kept per rank: 0.5 s of 128 collectives/s; more are sampled; reading costs grow with it
+_INTERVAL = 0.5  # seconds between two reads, at least (a mismatch is told within about this)
 _DUTY = 0.005  # the reader's share of one core, at most
 _SAME_SHAPE = frozenset({"all_reduce", "allreduce", "broadcast", "reduce"})  # ops whose inputs match on every rank
 _DTYPES = {"Float": "float32", "Double": "float64", "Half": "float16", "BFloat16": "bfloat16", "Long": "int64",
@@ -119,15 +119,17 @@ class Reader:
             if not status:
                 continue
             for entry in self._load(dump, includeCollectives=True).get("entries", ()):
-                if (call := _call(entry)) is not None:
-                    self._backends[(i, call.group)] = call.backend
-                    calls.append(call)
+                lane, seq = _lane(entry), entry.get("collective_seq_id") or 0
+                if lane is None or seq <= 0:
+                    continue  # point-to-point ops are numbered apart
+                self._backends[(i, lane[0])] = lane[1]
+                if seq > self._sent.get(lane, 0):  # only what is new becomes a Call: the reader runs in the rank
+                    calls.append(_call(entry, lane, seq))
             completed += [((str(g), self._backends.get((i, str(g)), "")), int(s.get("last_completed_collective", -1)))
                           for g, s in status.items()]
-        new = tuple(c for c in calls if c.seq > self._sent.get(c.lane, 0))
-        for c in new:
+        for c in calls:
             self._sent[c.lane] = max(self._sent.get(c.lane, 0), c.seq)
-        return Collectives(new, tuple(completed))
+        return Collectives(tuple(calls), tuple(completed))
 
     @staticmethod
     def _load(dump: Callable[..., bytes], **what: bool) -> dict[str, Any]:
@@ -135,17 +137,20 @@ class Reader:
         return loaded if isinstance(loaded, dict) else {}
 
 
-def _call(entry: dict[str, Any]) -> Call | None:
-    """One flight-recorder entry as a :class:`Call`; None for point-to-point ops (numbered apart)."""
-    seq = entry.get("collective_seq_id") or 0
-    if entry.get("is_p2p") or seq <= 0:
+def _lane(entry: dict[str, Any]) -> tuple[str, str] | None:
+    """(process group, backend) of a flight-recorder entry; None for a point-to-point op."""
+    if entry.get("is_p2p"):
         return None
     group = entry.get("process_group") or ("?",)
-    backend, _, op = str(entry.get("profiling_name", "?")).rpartition(":")
-    return Call(group=str(group[0]), seq=int(seq), op=op,
+    return str(group[0]), str(entry.get("profiling_name", "?")).rpartition(":")[0]
+
+
+def _call(entry: dict[str, Any], lane: tuple[str, str], seq: int) -> Call:
+    """One flight-recorder entry as a :class:`Call`."""
+    return Call(group=lane[0], seq=int(seq), op=str(entry.get("profiling_name", "?")).rpartition(":")[2],
                 sizes=tuple(tuple(int(n) for n in s) for s in entry.get("input_sizes") or ()),
                 dtypes=tuple(str(d) for d in entry.get("input_dtypes") or ()),
-                entered=int(entry.get("time_created_ns") or 0), backend=backend)
+                entered=int(entry.get("time_created_ns") or 0), backend=lane[1])
 
 
 # ---- in the launcher --------------------------------------------------------------------------
@@ -209,27 +214,31 @@ class Board:
         for call in report.calls:
             if call.seq >= getattr(seen.last.get(call.lane), "seq", 0):
                 seen.last[call.lane] = call
-            self._members.setdefault(call.lane, set(self.ranks) if call.group == "0" else set()).add(rank)
-            row = self._rows.setdefault((call.lane, call.seq), {})
+            members = self._members.setdefault(call.lane, set(self.ranks) if call.group == "0" else set())
+            members.add(rank)
+            key = (call.lane, call.seq)
+            row = self._rows.setdefault(key, {})
             row[rank] = call
             if self.mismatch is None and (odd := _differs(row)) is not None:
                 self.mismatch = Mismatch(dict(row), odd)
-        self._settle()
+            if len(row) == len(members) and len(row) > 1:
+                self._done.append(self._rows.pop(key))
+        if len(self._rows) > 2 * _WINDOW:
+            self._prune()
 
     def take(self) -> list[dict[int, Call]]:
         """Rows (rank -> Call at one number) that every member of their group has reached, once each."""
         done, self._done = self._done, []
         return done
 
-    def _settle(self) -> None:
-        for key in sorted(self._rows):
-            lane, seq = key
-            row = self._rows[key]
-            newest = max((s.last[lane].seq for s in self.seen.values() if lane in s.last), default=seq)
-            if len(row) == len(self._members[lane]) and len(row) > 1:
-                self._done.append(self._rows.pop(key))
-            elif seq < newest - _WINDOW:
-                del self._rows[key]  # a rank's reader missed it (its buffer turned over): never complete
+    def _prune(self) -> None:
+        """Drop rows far behind the newest: a rank's reader missed them (its buffer turned over), they never fill."""
+        newest: dict[tuple[str, str], int] = {}
+        for seen in self.seen.values():
+            for lane, call in seen.last.items():
+                newest[lane] = max(newest.get(lane, 0), call.seq)
+        for key in [k for k in self._rows if k[1] < newest.get(k[0], 0) - _WINDOW]:
+            del self._rows[key]
 
     def standings(self, ranks: Iterable[int]) -> list[Standing]:
         """Per process group, where ``ranks`` stand (default group first); groups where all agree and completed
