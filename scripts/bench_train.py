@@ -99,8 +99,9 @@ def _sync(device: Any) -> None:
         dist.barrier()
 
 
-def run_trainer(ctx: Any, spec: Spec) -> list[tuple[int, float]]:
-    """The mpddp Trainer; returns (global samples, seconds) per epoch."""
+def run_trainer(ctx: Any, spec: Spec) -> tuple[list[tuple[int, float]], float | None]:
+    """The mpddp Trainer; returns (global samples, seconds) per epoch, and the share of this rank's time its
+    flight-recorder reader took (None: off)."""
     from mpddp.trainer.config import TrainConfig
     from mpddp.trainer.loop import Trainer
 
@@ -123,7 +124,10 @@ def run_trainer(ctx: Any, spec: Spec) -> list[tuple[int, float]]:
                          batch_size=spec.batch, lr=spec.lr, seed=spec.seed, num_workers=spec.num_workers,
                          precision="bf16" if spec.gpu else "fp32", run_dir=spec.run_dir)
     TimedTrainer(config, ctx).fit()
-    return epochs
+    from mpddp.core import collectives
+
+    reader = collectives.RUNNING  # its own clock: what the reader thread took of this rank's time
+    return epochs, (reader.busy / (time.perf_counter() - reader.since) if reader is not None else None)
 
 
 def run_loop(ctx: Any, spec: Spec, ddp: str) -> list[tuple[int, float]]:
@@ -197,24 +201,32 @@ def bench(spec: Spec, reps: int) -> dict[str, Any]:
     table_of = variants(spec)
     names = list(table_of)
     rates: dict[str, list[float]] = {name: [] for name in names}
+    shares: list[float] = []  # the reader thread's share of rank 0's time, from the rank's own clock
     for rep in range(reps):
         order = names if rep % 2 == 0 else names[::-1]
         for name in order:
             _, fn, extra, env = table_of[name]
-            epochs = mpddp.launch(fn, nprocs=spec.ranks, args=(spec, *extra), env=env)[0]
+            out = mpddp.launch(fn, nprocs=spec.ranks, args=(spec, *extra), env=env)[0]
+            epochs, share = out if isinstance(out, tuple) else (out, None)
+            if share is not None:
+                shares.append(share)
             rates[name].append(_rate(epochs))
         print(f"  rep {rep + 1}/{reps}: " + "  ".join(f"{n} {rates[n][-1]:,.0f}/s" for n in names), flush=True)
     reference = rates[names[0]]
-    return {name: {"label": table_of[name][0], **summary(rates[name], reference)} for name in names}
+    results = {name: {"label": table_of[name][0], **summary(rates[name], reference)} for name in names}
+    results["trainer"]["reader_share"] = max(shares) if shares else None
+    return results
 
 
 def flight_recorder(results: dict[str, Any], buffer: str) -> dict[str, Any]:
     """The Trainer's samples/s with the flight recorder on against off, paired by repetition: ``ratio`` is
     on / off (median of the repetitions' ratios), ``cost_percent`` what the recorder takes off the rate."""
     paired = summary(results["trainer"]["values"], results["trainer_fr_off"]["values"])
+    reader = results["trainer"].get("reader_share")
     return {"on": "trainer", "off": "trainer_fr_off", "buffer": buffer,
             **{k: paired[k] for k in ("ratio", "ratio_min", "ratio_max", "ratios")},
-            "cost_percent": (1 - paired["ratio"]) * 100}
+            "cost_percent": (1 - paired["ratio"]) * 100,
+            "reader_percent": None if reader is None else reader * 100}
 
 
 def fr_buffer() -> str:
@@ -235,6 +247,9 @@ def report(spec: Spec, results: dict[str, Any], fr: dict[str, Any]) -> str:
     fr_line = (f"flight recorder on / off: {fr['ratio']:.3f} (cost {fr['cost_percent']:.1f} %; range "
                f"{fr['ratio_min']:.3f}-{fr['ratio_max']:.3f} over {len(fr['ratios'])} rep{'s' if len(fr['ratios']) > 1 else ''}; goal: under 1 %)"
                f"; on: {fr['buffer']}")
+    if fr["reader_percent"] is not None:
+        fr_line += (f"\nflight recorder reader: {fr['reader_percent']:.2f} % of a rank's time (its own clock, the "
+                    "largest of the repetitions; the ratio above is the whole cost, within the machine's noise)")
     return (f"{mode}, batch {spec.batch} per rank\n" + table(["variant", "samples/s", "x ref", "range"], rows)
             + "\n\n" + fr_line)
 

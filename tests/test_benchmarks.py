@@ -85,6 +85,8 @@ def test_bench_train(tmp_path):
     assert abs(fr["cost_percent"] - (1 - fr["ratio"]) * 100) < 1e-9
     line = next(line for line in stdout.splitlines() if line.startswith("flight recorder on / off: "))
     assert f"{fr['ratio']:.3f} (cost {fr['cost_percent']:.1f} %" in line and "; on: " in line
+    assert 0 < fr["reader_percent"] < 5  # measured by the reader itself, in the rank
+    assert f"flight recorder reader: {fr['reader_percent']:.2f} % of a rank's time" in stdout
 
 
 def test_bench_train_gpu_mode_needs_a_gpu(tmp_path):

@@ -61,6 +61,8 @@ def env_defaults(env: dict[str, str]) -> None:
 
 # ---- in the rank -----------------------------------------------------------------------------
 
+RUNNING: Reader | None = None  # this rank's reader, once started
+
 
 class Reader:
     """In a rank: a daemon thread that reads the flight recorder and sends what changed.
@@ -76,6 +78,8 @@ class Reader:
         self._backends: dict[tuple[int, str], str] = {}  # (recorder, group) -> the backend its entries name
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="mpddp-collectives", daemon=True)
+        self.busy = 0.0  # seconds spent reading and sending: its cost, which scripts/bench_train.py reports
+        self.since = time.perf_counter()
 
     @classmethod
     def start(cls, send: Callable[[Collectives], None], environ: dict[str, str]) -> Reader | None:
@@ -87,7 +91,8 @@ class Reader:
         size = next((environ[name] for name in ENV if name in environ), "0")
         if not dumps or not size.strip().isdigit() or int(size) <= 0:
             return None
-        reader = cls(dumps, send)
+        global RUNNING
+        reader = RUNNING = cls(dumps, send)
         reader._thread.start()
         return reader
 
@@ -105,7 +110,9 @@ class Reader:
                     self._send(report)
             except (OSError, EOFError, ValueError, RuntimeError, pickle.UnpicklingError):
                 return  # the channel closed (the rank ends), or this torch's recorder differs: stop quietly
-            wait = max(_INTERVAL, (time.perf_counter() - started) / _DUTY)
+            took = time.perf_counter() - started
+            self.busy += took
+            wait = max(_INTERVAL, took / _DUTY)
 
     def read(self) -> Collectives | None:
         """What changed since the last read, or None: the status first (cheap), the entries only if it moved."""
