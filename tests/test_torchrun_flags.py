@@ -196,7 +196,8 @@ SAME = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "G
 # set by both, each to its own: a free port, a fresh id and error file, the signals each launcher handles, threads
 OWN_VALUES = ("MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_ERROR_FILE",
               "TORCHELASTIC_SIGNALS_TO_HANDLE", "OMP_NUM_THREADS")
-MPDDP_ADDS = ("NODE_RANK", "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "MPDDP_STDOUT_ISATTY", "PYTHONUNBUFFERED")
+MPDDP_ADDS = ("NODE_RANK", "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "MPDDP_STDOUT_ISATTY", "PYTHONUNBUFFERED",
+              "TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_DUMP_ON_TIMEOUT")
 STANDALONE = ["--standalone", "--nproc-per-node", "2"]
 SPELLED_OUT = ["--nnodes", "1:1", "--nproc_per_node=2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "localhost:0",
                "--rdzv-id", "job7", "--role", "trainer", "--max-restarts", "1"]

@@ -332,5 +332,5 @@ def remote_error(record: FailureRecord, states: list[RankState], node_rank: int)
     cause = RankFailure(rank=record.rank, node_rank=record.node_rank, local_rank=record.local_rank,
                         outcome=record.outcome, exit_code=record.exit_code, message=record.line)
     local = [s.record() for s in states if s.outcome is not Outcome.OK]
-    kind = HangError if record.outcome is Outcome.HUNG else WorkerFailed
+    kind = {Outcome.HUNG: HangError, Outcome.MISMATCH: CollectiveMismatch}.get(record.outcome, WorkerFailed)
     return kind("\n".join(lines), record.rank, [cause, *local], exit_code=record.exit_code)
