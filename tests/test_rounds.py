@@ -85,6 +85,21 @@ def test_a_rank_killed_on_node_1_is_named_first_on_both_nodes(cluster: Cluster, 
 
 
 @pytest.mark.timeout(120)
+def test_a_rank_hung_on_node_1_is_named_by_collective_on_both_nodes(cluster: Cluster) -> None:
+    """Each node sees its own ranks' flight recorders and, through node 0's store, the other node's."""
+    nodes = start(cluster, 2, free_port(), "--fail", "3", "--at", "2", "--how", "hang", "--timeout", "4")
+    codes = finish(nodes, 90)
+    lines = [first_report_line(n) for n in nodes]
+    assert lines[0] == lines[1] and codes == [1, 1], "\n\n".join(n.stderr for n in nodes)
+    # step 2's backward all-reduces DDP's one bucket as collective #5 (#1 and #2: DDP's own at its start)
+    assert re.match(r"mpddp: rank 3 made no progress for \d+ s while ranks 0, 1, 2 waited for it in all_reduce #\d+ "
+                    r"\(float32\[5\]\)", lines[0]), lines[0]
+    hung = next(n for n in nodes if "the collectives each rank reached" in n.stderr)  # the node that told it first
+    assert re.search(r"  ranks 0, 1, 2 entered all_reduce #(\d+) \(float32\[5\]\) [0-9.]+ s ago; rank 3 is still at "
+                     r"#\d+ \(all_reduce\): it is the one to look at", hung.stderr), hung.stderr
+
+
+@pytest.mark.timeout(120)
 def test_a_rank_that_fails_on_node_0_is_named_first_on_node_1(cluster: Cluster) -> None:
     nodes = start(cluster, 2, free_port(), "--fail", "0", "--at", str(random.randint(1, 4)), "--how", "exit",
                   "--timeout", "30")

@@ -21,6 +21,9 @@ reading its entries costs about 11 µs per entry kept, reading its status
 (last entered and completed number per group) about 10 µs in all. So the
 buffer is small (:data:`BUFFER`), the entries are read only when the status
 changed, and no more often than keeps the reader under 0.5 % of a core.
+On several nodes each node's launcher shares its board's snapshot through
+node 0's store (core/rounds.py), so that a hang report names a rank on
+another node by collective too.
 Leaves the arrival lags and stragglers to core/stragglers.py, deciding that
 the group hangs to core/watchdog.py, and the report's wording to
 core/report.py.
@@ -28,6 +31,7 @@ core/report.py.
 
 from __future__ import annotations
 
+import json
 import pickle
 import threading
 import time
@@ -213,10 +217,12 @@ class Board:
         self._rows: dict[tuple[tuple[str, str], int], dict[int, Call]] = {}
         self._members: dict[tuple[str, str], set[int]] = {}  # the default group: every rank; others: those seen
         self._done: list[dict[int, Call]] = []  # rows every member has reached, not yet taken
+        self._version = self._shared = 0  # reports added; the count at the last snapshot
 
     def add(self, rank: int, report: Collectives) -> None:
         seen = self.seen.setdefault(rank, Seen())
         seen.reports += 1
+        self._version += 1
         seen.completed.update(report.completed)
         for call in report.calls:
             if call.seq >= getattr(seen.last.get(call.lane), "seq", 0):
@@ -232,6 +238,38 @@ class Board:
                 self._done.append(self._rows.pop(key))
         if len(self._rows) > 2 * _WINDOW:
             self._prune()
+
+    def snapshot(self) -> bytes | None:
+        """This node's ranks' last collective per lane and how far each completed, for the other nodes (JSON);
+        None when nothing moved since the last snapshot."""
+        if self._version == self._shared:
+            return None
+        self._shared = self._version
+        return json.dumps({str(r): {"last": [[*c.lane, c.seq, c.op, c.sizes, c.dtypes, c.entered]
+                                             for c in s.last.values()],
+                                    "completed": [[*lane, n] for lane, n in s.completed.items()]}
+                           for r, s in self.seen.items()}, separators=(",", ":")).encode()
+
+    def joined(self, snapshots: Iterable[bytes], ranks: Iterable[int]) -> Board:
+        """A board of every node's ranks (``ranks``: the whole world): this node's, and the other nodes'
+        :meth:`snapshot` (read from node 0's store), for a hang report that covers them all."""
+        board = Board(ranks)
+        board.seen = dict(self.seen)
+        for snapshot in snapshots:
+            try:
+                ranks_seen = json.loads(snapshot)
+                for rank, data in ranks_seen.items():
+                    seen = Seen(completed={(g, b): int(n) for g, b, n in data["completed"]})
+                    for g, b, seq, op, sizes, dtypes, entered in data["last"]:
+                        seen.last[(g, b)] = Call(g, int(seq), op, tuple(tuple(s) for s in sizes), tuple(dtypes),
+                                                 int(entered), b)
+                    board.seen[int(rank)] = seen
+            except (ValueError, KeyError, TypeError):
+                continue  # a node's snapshot from another mpddp version: its ranks are left out
+        for seen_rank, seen in board.seen.items():
+            for lane in seen.last:
+                board._members.setdefault(lane, set(board.ranks) if lane[0] == "0" else set()).add(seen_rank)
+        return board
 
     def take(self) -> list[dict[int, Call]]:
         """Rows (rank -> Call at one number) that every member of their group has reached, once each."""

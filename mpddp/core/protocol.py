@@ -157,6 +157,11 @@ def beat_key(node: int) -> str:
     return f"beat/{node}"
 
 
+def calls_key(node: int) -> str:
+    """A node's ranks' last collectives (core/collectives.py's snapshot): any node's hang report sees them all."""
+    return f"calls/{node}"
+
+
 def ended_key(node: int) -> str:
     """Set by a node's launcher when its part of the round ended: its heartbeat stops then, by design."""
     return f"ended/{node}"

@@ -174,8 +174,12 @@ def _others(states: list[RankState], root: RankState | None, cause: int | None =
             said = f" (its error file: {_short(s.error_file.message)})" if s.error_file and not _has_traceback(s) else ""
             lines.append(f"  rank {s.slot.rank}: also {_how(s)}{said}")
         else:
-            lines.append(f"  rank {s.slot.rank}: finished")
+            lines.append(f"  rank {s.slot.rank}: {_ENDED.get(outcome, 'finished')}")
     return lines
+
+
+_ENDED = {Outcome.HUNG: "made no progress either", Outcome.MISMATCH: "called another collective than its peers",
+          Outcome.EARLY_EXIT: "returned while its peers still waited for it"}  # how _others tells the rest
 
 
 def exit_code(s: RankState) -> int:

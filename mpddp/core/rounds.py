@@ -218,8 +218,9 @@ class RoundWatch:
     round's first failure: the supervisor then stops this node's ranks.
     """
 
-    def __init__(self, link: NodeLink, attempt: int) -> None:
+    def __init__(self, link: NodeLink, attempt: int, share: Callable[[], bytes | None] | None = None) -> None:
         self.link, self.attempt = link, attempt
+        self.share = share  # this node's ranks' collectives when they moved (core/collectives.py's snapshot)
         self.remote_progress = 0  # the other nodes' progress, as last read
         self.remote_failure: FailureRecord | None = None
         self._progress = threading.Event()
@@ -236,8 +237,12 @@ class RoundWatch:
                                                                    protocol.FAILURE))
         mine = 0
 
+        calls = full_key(attempt, protocol.calls_key(node))
+
         def turn(s: Any) -> tuple[int, int, bytes | None]:  # three store operations a turn, four on a failure
             s.add(beat, 1)
+            if self.share is not None and (snapshot := self.share()) is not None:
+                s.set(calls, snapshot)  # one more when this node's ranks entered or completed a collective
             step = 1 if self._progress.is_set() else 0
             total = s.add(progress, step)  # every node's progress: ours is subtracted
             return step, total, (s.get(failure) if self.remote_failure is None and s.check([failure]) else None)
@@ -254,6 +259,19 @@ class RoundWatch:
                 self._stop.wait(_INTERVAL)
         except StoreGone:  # node 0 gone: what that means is settled after the local ranks stop
             return
+
+    def others_calls(self) -> list[bytes]:
+        """The other nodes' last snapshots of their ranks' collectives (none when node 0's store is gone)."""
+        node, nnodes = self.link.config.node_rank, self.link.config.nnodes
+        keys = [full_key(self.attempt, protocol.calls_key(n)) for n in range(nnodes) if n != node]
+
+        def read(s: Any) -> list[bytes]:
+            return [s.get(k) for k in keys if s.check([k])]
+
+        try:
+            return self.link.call(read)
+        except StoreGone:
+            return []
 
     def stop(self) -> None:
         self._stop.set()

@@ -238,6 +238,9 @@ def _teardown(states: list[RankState], urgent: threading.Event | None = None) ->
         s.process.join(2.0)
         if s.exitcode is None:
             s.exitcode = s.process.exitcode
+            # it ended between the watch and the teardown (its peers were already being stopped, perhaps on
+            # another node): a consequence, never "finished"
+            s.stopped = s.stopped or s.exitcode != 0
         if s.stack_fd is not None:
             os.close(s.stack_fd)
             s.stack_fd = None
@@ -317,7 +320,7 @@ class Attempt:
         _start(self.job, self.number, self.relay, self.states, self.error_dir.name)
         self.relay.start()
         if self.job.link is not None:
-            self.round_watch = RoundWatch(self.job.link, self.number)
+            self.round_watch = RoundWatch(self.job.link, self.number, self.board.snapshot)
 
     def watch(self) -> None:
         store = self.job.store
@@ -331,6 +334,9 @@ class Attempt:
 
     def stop(self, urgent: threading.Event) -> None:
         _teardown(self.states, urgent)
+        for s in self.states:  # what a rank said before it ended, also after the watch: its own failure
+            if s.failure is None and not s.has_result:
+                _receive(s, self.board)
         self.relay.stop()
         for s in self.states:  # every rank is gone: its file is complete, or was never written
             s.error_file = errorfile.read(errorfile.path(self.error_dir.name, s.slot.rank))

@@ -104,10 +104,14 @@ class Watchdog:
         return Hang(now - self._last_progress, places, finished, self.standings(states))
 
     def standings(self, states: list[RankState]) -> tuple[Standing, ...]:
-        """Where this node's ranks stand in their collectives (empty without a flight recorder)."""
+        """Where the ranks stand in their collectives (empty without a flight recorder): on several nodes,
+        every node's ranks, from the snapshots the nodes share through the store."""
         if self.board is None or not self.board.seen:
             return ()
-        return tuple(self.board.standings(s.slot.rank for s in states))
+        if self.heartbeat is None or not states:
+            return tuple(self.board.standings(s.slot.rank for s in states))
+        world = range(states[0].slot.world_size)
+        return tuple(self.board.joined(self.heartbeat.others_calls(), world).standings(world))
 
     def _moved(self) -> bool:
         """A rank entered or completed a collective, or wrote output, since the last sample."""

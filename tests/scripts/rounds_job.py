@@ -3,7 +3,7 @@
 ``python rounds_job.py NODE_RANK NNODES PORT [options]``: every rank trains a small DDP model for
 ``--steps`` steps on data fixed by the seed (so the final weights are known in advance: a run that
 never failed computes them), and prints one ``RESULT`` line with each local rank's final weights.
-``--fail RANK``: that global rank fails at step ``--at`` (by ``--how``: sigkill, raise, exit) on the
+``--fail RANK``: that global rank fails at step ``--at`` (by ``--how``: sigkill, raise, exit, hang) on the
 first attempt only (``--always``: on every attempt). Each rank prints ``READY rank N attempt A`` after
 its first step (with ``at`` and the wall time: scripts/bench_recovery.py reads it), ``FAILING rank N at T``
 just before it fails, and the pid of its process in ``PID rank N``.
@@ -46,6 +46,8 @@ def work(ctx: mpddp.WorkerContext, opts: dict) -> dict:
                 os.kill(os.getpid(), signal.SIGKILL)
             if opts["how"] == "exit":
                 sys.exit(7)
+            if opts["how"] == "hang":
+                time.sleep(3600)  # never reaches the next step's all_reduce
             raise RuntimeError(f"rank {ctx.rank} fails on purpose")
         time.sleep(opts["pause"])
     dist.barrier()
@@ -62,7 +64,7 @@ if __name__ == "__main__":
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--fail", type=int, default=-1)
     parser.add_argument("--at", type=int, default=2)
-    parser.add_argument("--how", choices=["sigkill", "raise", "exit"], default="sigkill")
+    parser.add_argument("--how", choices=["sigkill", "raise", "exit", "hang"], default="sigkill")
     parser.add_argument("--always", action="store_true")
     parser.add_argument("--pause", type=float, default=0.0)
     parser.add_argument("--max-restarts", type=int, default=0)
