@@ -127,3 +127,33 @@ def test_resume_from_another_model_is_one_line(in_process_cli, tmp_path):
     code, _, err = in_process_cli("train", "--resume", str(ckpt), "--nprocs", "2")
     assert code == 2 and err.count("\n") == 1
     assert "holds a different model (Sequential vs DigitsCNN); pass a checkpoint of this task's model" in err
+
+
+@pytest.mark.timeout(120)
+def test_ctrl_c_while_rank_0_writes_a_checkpoint_leaves_no_temporary_file(tmp_path):
+    """The teardown ends in SIGKILL, so rank 0's own cleanup never runs: the launcher removes the run's
+    temporary file once every rank is gone (and a file of another run in the same directory stays)."""
+    import time
+
+    from runs import Run
+
+    run_dir = tmp_path / "run"
+    ckpts = run_dir / "checkpoints"
+    ckpts.mkdir(parents=True)
+    other = ckpts / ".ckpt-000000003.pt.0a1b2c3d4e5f.77.tmp"  # another run's write in progress
+    other.write_bytes(b"x")
+    run = Run(["-m", "mpddp", "train", "--dataset", "synthetic", "--samples", "512", "--nprocs", "2", "--epochs",
+               "50", "--checkpoint-every", "5", "--inject-fault", "stall-saving:0:5", "--run-dir", str(run_dir)],
+              tmp_path)
+    try:
+        deadline = time.monotonic() + 90
+        while not [p for p in ckpts.glob("*.tmp") if p != other]:
+            assert run.proc.poll() is None and time.monotonic() < deadline, run.stderr
+            time.sleep(0.05)
+        run.list_tree()
+        os.kill(run.proc.pid, signal.SIGINT)
+        assert run.finish(60) == 130, run.stderr
+    finally:
+        run.kill()
+    assert [p.name for p in ckpts.glob("*.tmp")] == [other.name], run.stderr
+    run.assert_nothing_left()

@@ -93,12 +93,13 @@ def test_newest_skips_temporary_and_damaged_files(tmp_path):
     trainer = fit(TrainConfig(task=TASK, epochs=2, batch_size=8, run_dir=str(tmp_path)))
     ckpts = tmp_path / "checkpoints"
     good = checkpoint.candidates(ckpts)[0]
-    (ckpts / ".ckpt-000000099.pt.abc.tmp").write_bytes(good.read_bytes()[:100])  # a write that died
+    (ckpts / ".ckpt-000000099.pt.solo.4242.tmp").write_bytes(good.read_bytes()[:100])  # this run's write that died
+    (ckpts / ".ckpt-000000097.pt.0a1b2c3d4e5f.77.tmp").write_bytes(b"x")  # another run's, being written
     (ckpts / "ckpt-000000098.pt").write_bytes(good.read_bytes()[:1000])  # damaged by something else
     found = checkpoint.newest(ckpts, checkpoint.signature(trainer.model))
     assert found is not None and found[0] == good
     checkpoint.prune(ckpts, keep=1)
-    assert not list(ckpts.glob("*.tmp"))
+    assert [p.name for p in ckpts.glob("*.tmp")] == [".ckpt-000000097.pt.0a1b2c3d4e5f.77.tmp"]  # only its own
 
 
 def test_prune_keeps_what_was_just_written_and_counts_only_whole_files(tmp_path):

@@ -42,17 +42,19 @@ def signature(model: nn.Module) -> dict[str, Any]:
 
 
 def save(state: dict[str, Any], directory: Path, global_step: int,
-         before_replace: Callable[[Path], None] | None = None) -> Path:
+         before_replace: Callable[[Path], None] | None = None, owner: str = "") -> Path:
     """Write ``state`` as ``directory/ckpt-<step>.pt`` atomically; return the path.
 
     ``before_replace(tmp)`` runs after the temporary file is complete and
-    before it takes the final name (fault injection uses it).
+    before it takes the final name (fault injection uses it). ``owner``: the
+    run's token, in the temporary file's name, so that the run (and only
+    it) can remove what a rank killed mid-write leaves (:func:`remove_temporaries`).
     """
     import torch
 
     directory.mkdir(parents=True, exist_ok=True)
     final = directory / checkpoint_name(global_step)
-    tmp = directory / f".{final.name}.{os.getpid()}.tmp"  # same directory: os.replace stays one rename
+    tmp = directory / _temporary(final.name, owner or _OWNER, os.getpid())  # same directory: one rename
     try:
         with open(tmp, "wb") as f:
             torch.save({"format": FORMAT, **state}, f)
@@ -140,16 +142,29 @@ def newest(directory: Path, expected: dict[str, Any] | None = None) -> tuple[Pat
     return None
 
 
-def prune(directory: Path, keep: int, written: Path | None = None) -> None:
-    """Keep the ``keep`` newest whole checkpoints (0: keep all) and drop stale temporary files.
+_OWNER = "solo"  # a run without a token (a Trainer used by hand)
+
+
+def _temporary(name: str, owner: str, pid: int | str) -> str:
+    return f".{name}.{owner}.{pid}.tmp"
+
+
+def remove_temporaries(directory: Path, owner: str) -> None:
+    """Remove the temporary files run ``owner`` left (a rank killed while it wrote): never another run's."""
+    if directory.is_dir():
+        for stale in directory.glob(_temporary("ckpt-*.pt", owner, "*")):
+            stale.unlink(missing_ok=True)
+
+
+def prune(directory: Path, keep: int, written: Path | None = None, owner: str = "") -> None:
+    """Keep the ``keep`` newest whole checkpoints (0: keep all) and drop this run's stale temporary files.
 
     ``written``, the file this run has just saved, is always kept, and files
     named newer than it are left alone: counted, a damaged ``ckpt-000000999.pt``
     would have every checkpoint this run writes deleted right after writing.
     A file that is not whole is not counted as kept.
     """
-    for stale in directory.glob(".ckpt-*.tmp"):
-        stale.unlink(missing_ok=True)
+    remove_temporaries(directory, owner or _OWNER)
     if keep <= 0:
         return
     found = [p for p in candidates(directory) if written is None or p.name <= written.name]

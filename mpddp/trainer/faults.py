@@ -11,7 +11,9 @@ Kinds:
   block in the next collective until the launcher's timeout);
 - ``kill-saving``: the rank SIGKILLs itself while writing the checkpoint of
   step STEP, after the temporary file is complete but before it is renamed
-  (only rank 0 writes checkpoints, so use RANK 0).
+  (only rank 0 writes checkpoints, so use RANK 0);
+- ``stall-saving``: the same moment, but the rank sleeps there forever (a
+  slow disk: a Ctrl-C or the watchdog then finds the temporary file).
 
 Leaves deciding *where* in the loop faults fire, and checking RANK against
 the world's size once it is known, to trainer/loop.py.
@@ -26,7 +28,8 @@ from dataclasses import dataclass
 
 from ..errors import ConfigError
 
-KINDS = ("kill", "raise", "hang", "kill-saving")
+KINDS = ("kill", "raise", "hang", "kill-saving", "stall-saving")
+SAVING = ("kill-saving", "stall-saving")  # fire inside a checkpoint's write, not after a step
 
 
 @dataclass(frozen=True)
@@ -47,7 +50,7 @@ class Fault:
             os.kill(os.getpid(), signal.SIGKILL)
         if self.kind == "raise":
             raise RuntimeError(f"injected fault: rank {self.rank} raised at step {self.step} (--inject-fault)")
-        if self.kind == "hang":
+        if self.kind in ("hang", "stall-saving"):
             while True:  # a stuck rank: only the launcher's timeout ends this
                 time.sleep(3600)
 

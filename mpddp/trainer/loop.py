@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import sys
 import time
+import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,7 +40,7 @@ from ..config import LaunchConfig
 from ..context import WorkerContext
 from . import checkpoint, state
 from .config import TrainConfig
-from .faults import check_fault_rank
+from .faults import SAVING, check_fault_rank
 from .output import Reporter
 from .prepare import resolve
 
@@ -87,10 +88,11 @@ class Trainer:
     ``ctx`` is the worker's context (None: one process, no process group).
     """
 
-    def __init__(self, config: TrainConfig, ctx: WorkerContext | None = None) -> None:
+    def __init__(self, config: TrainConfig, ctx: WorkerContext | None = None, owner: str = "") -> None:
         from .tasks import build_task
 
         self.config, self.ctx = config, ctx or _solo_context()
+        self.owner = owner  # the run's token, in checkpoints' temporary names (trainer/checkpoint.py)
         self.rank, self.world = self.ctx.rank, self.ctx.world_size
         self.device = torch.device(self.ctx.device)
         torch.manual_seed(config.seed)  # every rank builds the same initial weights (DDP also broadcasts rank 0's)
@@ -217,7 +219,7 @@ class Trainer:
 
     def _after_step(self) -> None:
         fault = self.fault
-        if fault is not None and fault.kind != "kill-saving" and fault.due(self.rank, self.global_step,
+        if fault is not None and fault.kind not in SAVING and fault.due(self.rank, self.global_step,
                                                                             self.ctx.restart):
             fault.fire()
         every = self.config.checkpoint_every
@@ -274,10 +276,12 @@ class Trainer:
         path = None
         if self.rank == 0:
             fault = self.fault
-            dies = fault is not None and fault.kind == "kill-saving" and fault.due(0, self.global_step, self.ctx.restart)
+            dies = fault is not None and fault.kind in SAVING and fault.due(
+                0, self.global_step, self.ctx.restart)
             path = checkpoint.save(content, self.config.checkpoint_path, self.global_step,
-                                   before_replace=(lambda tmp: fault.fire()) if dies and fault else None)
-            checkpoint.prune(self.config.checkpoint_path, self.config.keep_checkpoints, written=path)
+                                   before_replace=(lambda tmp: fault.fire()) if dies and fault else None,
+                                   owner=self.owner)
+            checkpoint.prune(self.config.checkpoint_path, self.config.keep_checkpoints, written=path, owner=self.owner)
         self._barrier()  # nobody moves on (or exits) before the file is complete
         self.last_checkpoint = self.config.checkpoint_path / checkpoint.checkpoint_name(self.global_step)
         return path
@@ -319,14 +323,14 @@ class Trainer:
                            metrics=str(self.config.metrics_path), run_dir=str(self.config.run_dir))
 
 
-def train_worker(ctx: WorkerContext, config: TrainConfig) -> TrainResult:
-    """The function :func:`mpddp.launch` runs on every rank."""
+def train_worker(ctx: WorkerContext, config: TrainConfig, owner: str = "") -> TrainResult:
+    """The function :func:`mpddp.launch` runs on every rank; ``owner``: the run's token (see :func:`train`)."""
     if config.run_dir is None:  # called through mpddp.launch directly: rank 0 decides, everyone agrees
         box = [resolve(config) if ctx.rank == 0 else None]
         if ctx.world_size > 1:
             dist.broadcast_object_list(box, src=0)
         config = box[0] or config
-    return Trainer(config, ctx).fit()
+    return Trainer(config, ctx, owner).fit()
 
 
 def train(config: TrainConfig | None = None, *, launch_config: LaunchConfig | None = None,
@@ -339,7 +343,15 @@ def train(config: TrainConfig | None = None, *, launch_config: LaunchConfig | No
     config = config or TrainConfig()
     _check_fault_rank(config, launch_config, launch_options)
     config = resolve(config)
-    result: TrainResult = mpddp.launch(train_worker, args=(config,), config=launch_config, **launch_options)[0]
+    # The run's token names its checkpoints' temporary files: a rank killed while it writes one (Ctrl-C, the
+    # watchdog, the OOM killer: the teardown ends in SIGKILL, and no cleanup runs in it) leaves one behind, which
+    # this launcher removes once every rank is gone, and no other run's.
+    owner = uuid.uuid4().hex[:12]
+    try:
+        result: TrainResult = mpddp.launch(train_worker, args=(config, owner), config=launch_config,
+                                           **launch_options)[0]
+    finally:
+        checkpoint.remove_temporaries(config.checkpoint_path, owner)
     print(f"checkpoint: {result.checkpoint}  metrics: {result.metrics}", flush=True)
     return result
 
