@@ -55,6 +55,10 @@ class MpddpError(Exception):
     """Base class of every error mpddp raises on purpose."""
 
 
+class ReturnValueError(MpddpError, TypeError):
+    """A rank's return value cannot be sent back to the launcher (it cannot be pickled): raised in the rank."""
+
+
 class ConfigError(MpddpError, ValueError):
     """Bad input: a launch option, a task, a checkpoint path. CLI exit code 2."""
 

@@ -78,6 +78,7 @@ class Failure:
     time: float  # CLOCK_MONOTONIC, machine-wide on Linux: the launcher orders reports by it
     exit_code: int | None = None  # sys.exit's code (kind EXITED)
     where: str | None = None  # for COLLECTIVE: the torch.distributed call, e.g. "all_reduce at train.py:12"
+    then: str | None = None  # raised while the error above was being handled: "RuntimeError: unexpected pos ..."
 
 
 @dataclass(frozen=True)

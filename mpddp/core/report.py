@@ -133,7 +133,8 @@ def _how(s: RankState) -> str:
     if f is not None and f.kind is Outcome.EXITED:
         return f"exited with code {f.exit_code} (sys.exit)"
     if f is not None:
-        return f"raised {f.error_type}: {f.message}"
+        then = f", and while it was handled, {f.then}" if f.then else ""
+        return f"raised {f.error_type}: {f.message}{then}"
     if s.lost_with is not None:
         return (f"was lost with mpddp's forkserver (pid {s.lost_with}), which starts every rank and reports its "
                 "exit: it was killed from outside (a signal sent to it, or the out-of-memory killer); "
@@ -214,7 +215,7 @@ def failure_error(states: list[RankState]) -> WorkerFailed:
         return HangError("\n".join(lines), stuck[0].slot.rank, [s.record() for s in ordered])
     lines = [f"mpddp: {_where(root)} failed first: it {_how(root)}"]
     lines += _tail_block(root)
-    if root.failure is not None and root.failure.kind is not Outcome.EXITED:
+    if root.failure is not None and root.failure.kind is not Outcome.EXITED and root.failure.traceback.strip():
         lines += [f"mpddp: traceback of rank {root.slot.rank}:", root.failure.traceback.rstrip()]
     lines += _recorded(root)
     others = _others(states, root)

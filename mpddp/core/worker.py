@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from ..context import WorkerContext
-from ..errors import Outcome
+from ..errors import Outcome, ReturnValueError
 from ..log import logger
 from . import collectives, procs, protocol, stacks
 from .guardian import serve_if_forkserver
@@ -88,6 +88,18 @@ def _to_cpu(value: Any) -> Any:
     return value
 
 
+def _pickled(rank: int, value: Any) -> bytes:
+    """``fn``'s return value for the launcher; a value that cannot be pickled is told as such, by its type."""
+    try:
+        return cloudpickle.dumps(_to_cpu(value))
+    except Exception as e:  # noqa: BLE001 - pickling raises TypeError, PicklingError, AttributeError, ...
+        kind = f"{type(value).__module__}.{type(value).__qualname__}".removeprefix("builtins.")
+        raise ReturnValueError(
+            f"rank {rank}'s return value cannot be sent back to the launcher: a {kind} cannot be pickled "
+            f"({type(e).__name__}: {e}); return plain data (numbers, strings, lists, dicts, tensors), e.g. "
+            "list(...) of a generator, or the state_dict() of a model") from None  # pickle's frames tell nothing
+
+
 _PLUMBING = (os.path.join("mpddp", "core", "script.py"), "<frozen runpy>", "runpy.py")
 # Where torch's communication surfaces in Python: its collectives and store, DDP, and the autograd
 # engine (DDP all-reduces gradients from C++ hooks during backward, so a peer lost mid-backward is
@@ -130,19 +142,36 @@ def _collective_call(exc: BaseException) -> str | None:
 
 
 def _failure(ctx: WorkerContext, exc: BaseException) -> protocol.Failure:
-    exc = _user_traceback(exc)
+    exc = exc.with_traceback(None) if isinstance(exc, ReturnValueError) else _user_traceback(exc)
     if isinstance(exc, SystemExit):
         kind, where, code = Outcome.EXITED, None, _exit_code(exc)
     else:
         where, code = _collective_call(exc), None
         kind = Outcome.RAISED if where is None else Outcome.COLLECTIVE
+    first = _original(exc) if kind is Outcome.RAISED else exc
     return protocol.Failure(
-        rank=ctx.rank, kind=kind,
-        error_type=f"{type(exc).__module__}.{type(exc).__qualname__}".removeprefix("builtins."),
-        message=str(exc), traceback="".join(traceback.format_exception(exc)),
+        rank=ctx.rank, kind=kind, error_type=_type_name(first), message=str(first),
+        traceback="" if isinstance(exc, ReturnValueError) else "".join(traceback.format_exception(exc)),
         time=time.monotonic(),  # CLOCK_MONOTONIC is machine-wide on Linux: the launcher orders reports by it
         exit_code=code, where=where,
+        then=f"{_type_name(exc)}: {exc}" if first is not exc else None,
     )
+
+
+def _type_name(exc: BaseException) -> str:
+    return f"{type(exc).__module__}.{type(exc).__qualname__}".removeprefix("builtins.")
+
+
+def _original(exc: BaseException) -> BaseException:
+    """The error that started it, when ``exc`` was raised while another was being handled (implicit chaining:
+    torch.save's "unexpected pos" while the disk's ENOSPC propagated); a ``raise ... from`` is the user's own
+    wording of a cause, and stays the headline."""
+    seen = {id(exc)}
+    while exc.__context__ is not None and exc.__cause__ is None and not exc.__suppress_context__ \
+            and id(exc.__context__) not in seen and isinstance(exc.__context__, Exception):
+        exc = exc.__context__
+        seen.add(id(exc))
+    return exc
 
 
 def _exit_code(exc: SystemExit) -> int:
@@ -256,7 +285,7 @@ def entry(spec: WorkerSpec, messages: Connection, out: Connection, err: Connecti
             _init_group(spec)
             _send(messages, protocol.Joined())
         result = fn(ctx, *args, **kwargs)
-        _send(messages, protocol.Result(cloudpickle.dumps(_to_cpu(result)), time.monotonic()))
+        _send(messages, protocol.Result(_pickled(ctx.rank, result), time.monotonic()))
     except SystemExit as e:
         code = _exit_code(e)
         _send(messages, _failure(ctx, e) if code else protocol.Result(cloudpickle.dumps(None), time.monotonic()))
