@@ -55,6 +55,7 @@ from .errors import (  # noqa: E402
 
 if TYPE_CHECKING:
     from .core.api import launch as launch
+    from .core.spawn import spawn as spawn
 
 __all__ = [
     "CollectiveMismatch",
@@ -72,6 +73,7 @@ __all__ = [
     "WorkerContext",
     "WorkerFailed",
     "launch",
+    "spawn",
 ]
 
 
@@ -80,4 +82,8 @@ def __getattr__(name: str) -> Any:
         from .core.api import launch
 
         return launch
+    if name == "spawn":
+        from .core.spawn import spawn
+
+        return spawn
     raise AttributeError(f"module 'mpddp' has no attribute {name!r}")

@@ -92,6 +92,10 @@ class WorkerFailed(MpddpError):
         self.rank = rank
         self.failures = list(failures or [])
         self.exit_code = exit_code  # the failing script's own code, 128+signal for a killed rank, else 1
+        # The failing rank's own exception, loaded in the launcher (None if it raised none, or it cannot be
+        # loaded here); also this error's __cause__. Wrapped, not re-raised as itself: the report (which rank,
+        # where, the others) is the point, and a rank's exception type alone would lose it.
+        self.exception: BaseException | None = None
 
     def __reduce__(self) -> tuple[Any, ...]:
         # the default would call cls(message) alone; torch.multiprocessing's errors do the same

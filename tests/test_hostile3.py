@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -84,3 +85,102 @@ def test_a_full_disk_while_saving_a_checkpoint_is_the_headline(tmp_path):
     assert first.startswith("mpddp: rank 0 (node 0, local rank 0) failed first: it raised OSError: [Errno 28] No "
                             "space left on device, and while it was handled, RuntimeError: "), out.stderr
     assert left == []  # the partial write is gone
+
+
+TUTORIAL = REPO / "tests" / "scripts" / "ddp_tutorial.py"
+
+
+def _losses(stdout: str) -> list[str]:
+    # found anywhere: under mp.spawn two ranks' lines can glue together on the shared stdout
+    return sorted(re.findall(r"LOSS rank \d step \d [0-9.]{10}", stdout))
+
+
+def test_the_ddp_tutorial_runs_under_mpddp_spawn_with_mp_spawns_losses(tmp_path):
+    """pytorch.org's DDP tutorial, unchanged but for mp.spawn -> mpddp.spawn: the same losses, rank by rank."""
+    from multinode import free_port
+
+    from helpers import leftovers
+
+    runs = {}
+    for which in ("mp", "mpddp"):
+        out = subprocess.run([sys.executable, str(TUTORIAL), which, str(free_port())], capture_output=True, text=True,
+                             timeout=120, cwd=tmp_path)
+        assert out.returncode == 0, out.stderr
+        runs[which] = _losses(out.stdout)
+    assert len(runs["mp"]) == 6 and runs["mpddp"] == runs["mp"]
+    assert not leftovers()
+
+
+def by_index(i, scale):
+    return i * scale
+
+
+def fails_at_index_1(i):
+    if i == 1:
+        raise KeyError("missing")
+    return i
+
+
+def test_spawn_gives_fn_its_index_and_returns_every_value(no_leftovers):
+    assert mpddp.spawn(by_index, args=(10,), nprocs=3) == [0, 10, 20]
+    context = mpddp.spawn(by_index, args=(2,), nprocs=2, join=False)
+    assert context.join(timeout=60) is True and context.values == [0, 2]
+    context = mpddp.spawn(fails_at_index_1, nprocs=2, join=False)
+    with pytest.raises(mpddp.WorkerFailed) as info:
+        context.join(60)
+    assert info.value.rank == 1
+
+
+def test_spawn_checks_its_input_at_once_also_without_join(no_leftovers):
+    with pytest.raises(mpddp.ConfigError, match="nprocs=0"):
+        mpddp.spawn(by_index, nprocs=0, join=False)
+    with pytest.raises(mpddp.ConfigError, match="join=1, daemon=False: both are True or False"):
+        mpddp.spawn(by_index, join=1)
+
+
+def test_launch_with_join_points_to_spawn():
+    with pytest.raises(mpddp.ConfigError) as info:
+        mpddp.launch(by_index, nprocs=2, join=True)
+    assert str(info.value) == ("launch() got join=: launch() always waits for every rank and returns their values; "
+                               "for torch.multiprocessing.spawn's signature (fn(i, *args), join=, daemon=) use "
+                               "mpddp.spawn(fn, args=..., nprocs=..., join=False)")
+
+
+def inits_again(ctx):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+
+
+def test_a_second_init_process_group_inside_launch_says_mpddp_made_the_group(no_leftovers):
+    """Was: torch's "trying to initialize the default process group twice!" alone."""
+    with pytest.raises(mpddp.WorkerFailed) as info:
+        mpddp.launch(inits_again, nprocs=1)
+    lines = str(info.value).splitlines()
+    assert "trying to initialize the default process group twice" in lines[0]
+    assert lines[1] == ("mpddp: mpddp already made the process group before calling fn: remove your own "
+                        "init_process_group() call, or pass init_process_group=False to launch() (or use mpddp run "
+                        "for a torchrun-style script)")
+
+
+class Unloadable(Exception):
+    def __init__(self, a, b):  # pickles as Unloadable(message): cannot be rebuilt
+        super().__init__(f"{a} {b}")
+
+
+def raises_value_error(ctx):
+    raise ValueError(f"bad shard {ctx.rank}")
+
+
+def raises_unloadable(ctx):
+    raise Unloadable("x", "y")
+
+
+def test_worker_failed_carries_the_ranks_own_exception(no_leftovers):
+    with pytest.raises(mpddp.WorkerFailed) as info:
+        mpddp.launch(raises_value_error, nprocs=1)
+    assert isinstance(info.value.exception, ValueError) and str(info.value.exception) == "bad shard 0"
+    assert info.value.__cause__ is info.value.exception
+    with pytest.raises(mpddp.WorkerFailed) as info:  # one that cannot be rebuilt: the report stands alone
+        mpddp.launch(raises_unloadable, nprocs=1)
+    assert info.value.exception is None and "Unloadable: x y" in str(info.value)

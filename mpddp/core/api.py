@@ -73,6 +73,10 @@ def launch(
     failed first, with its traceback.
     """
     refuse_bootstrap()
+    if "join" in options or "daemon" in options:
+        raise ConfigError(f"launch() got {'join' if 'join' in options else 'daemon'}=: launch() always waits for every "
+                          "rank and returns their values; for torch.multiprocessing.spawn's signature (fn(i, *args), "
+                          "join=, daemon=) use mpddp.spawn(fn, args=..., nprocs=..., join=False)")
     if not callable(fn):
         raise ConfigError(f"fn={fn!r} is not callable: pass a function such as `def train(ctx): ...`")
     if not isinstance(args, (tuple, list)):

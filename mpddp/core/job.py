@@ -90,7 +90,10 @@ def _attempts(job: Job) -> list[Any]:
         except (WorkerFailed, StoreLost) as failure:
             store_lost = isinstance(failure, StoreLost) or (job.store is not None and job.store.lost)
             if attempt == config.max_restarts or (store_lost and job.link is not None):
-                raise _final(failure, config.max_restarts, several_nodes=job.link is not None) from failure
+                final = _final(failure, config.max_restarts, several_nodes=job.link is not None)
+                if final is failure:
+                    raise  # as it is: its __cause__ is the failing rank's own exception
+                raise final from failure
             if job.store is not None and job.store.lost:  # killed, alone or with the forkserver
                 _replace_store(job)
             # the cause's line, so that a run that recovers still says what went wrong
@@ -110,7 +113,9 @@ def _final(failure: WorkerFailed | StoreLost, max_restarts: int, several_nodes: 
                "--max-restarts or fix the failure above")
     if isinstance(failure, StoreLost):
         return StoreLost(gave_up)
-    return RestartsExhausted(gave_up, failure.rank, failure.failures, exit_code=failure.exit_code)
+    exhausted = RestartsExhausted(gave_up, failure.rank, failure.failures, exit_code=failure.exit_code)
+    exhausted.exception = failure.exception
+    return exhausted
 
 
 def _start_store(mp_context: Any, sock: socket.socket, config: Any) -> Keeper:

@@ -79,6 +79,8 @@ class Failure:
     exit_code: int | None = None  # sys.exit's code (kind EXITED)
     where: str | None = None  # for COLLECTIVE: the torch.distributed call, e.g. "all_reduce at train.py:12"
     then: str | None = None  # raised while the error above was being handled: "RuntimeError: unexpected pos ..."
+    hint: str | None = None  # mpddp's one line on a known mistake, decided by structure (the frame it came from)
+    pickled: bytes | None = None  # the exception itself (cloudpickle), for WorkerFailed.exception; None if it cannot
 
 
 @dataclass(frozen=True)

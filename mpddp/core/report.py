@@ -214,6 +214,8 @@ def failure_error(states: list[RankState]) -> WorkerFailed:
         ordered = [*stuck, *[s for s in states if s not in stuck]]
         return HangError("\n".join(lines), stuck[0].slot.rank, [s.record() for s in ordered])
     lines = [f"mpddp: {_where(root)} failed first: it {_how(root)}"]
+    if root.failure is not None and root.failure.hint:
+        lines.append(f"mpddp: {root.failure.hint}")
     lines += _tail_block(root)
     if root.failure is not None and root.failure.kind is not Outcome.EXITED and root.failure.traceback.strip():
         lines += [f"mpddp: traceback of rank {root.slot.rank}:", root.failure.traceback.rstrip()]
@@ -222,7 +224,22 @@ def failure_error(states: list[RankState]) -> WorkerFailed:
     if others:
         lines += ["mpddp: the other ranks:", *others]
     rest = sorted((s for s in states if s is not root and s.outcome is not Outcome.OK), key=lambda s: s.failed_at or 0.0)
-    return WorkerFailed("\n".join(lines), root.slot.rank, [s.record() for s in (root, *rest)], exit_code=exit_code(root))
+    error = WorkerFailed("\n".join(lines), root.slot.rank, [s.record() for s in (root, *rest)], exit_code=exit_code(root))
+    error.exception = error.__cause__ = _exception(root)
+    return error
+
+
+def _exception(s: RankState) -> BaseException | None:
+    """The rank's own exception, loaded here when it can be (its classes importable in the launcher)."""
+    if s.failure is None or s.failure.pickled is None:
+        return None
+    try:
+        import cloudpickle
+
+        loaded = cloudpickle.loads(s.failure.pickled)
+    except Exception:  # noqa: BLE001 - a class only the worker had: the report's text stands alone
+        return None
+    return loaded if isinstance(loaded, BaseException) else None
 
 
 def _tail_block(s: RankState) -> list[str]:

@@ -37,6 +37,7 @@ from ..log import logger
 from . import collectives, procs, protocol, stacks
 from .guardian import serve_if_forkserver
 from .protocol import WorkerSpec
+from .spawn import ByIndex
 
 THREAD_GRACE = 5.0  # seconds a worker waits for threads and child processes fn left running
 _IOLBF = 1  # glibc's setvbuf mode for line buffering
@@ -114,7 +115,8 @@ def _user_traceback(exc: BaseException) -> BaseException:
     """``exc`` with its traceback starting at the user's fn or script, not at entry or runpy."""
     tb = exc.__traceback__
     while tb is not None and tb.tb_next is not None and (
-            tb.tb_frame.f_code is entry.__code__ or tb.tb_frame.f_code.co_filename.endswith(_PLUMBING)):
+            tb.tb_frame.f_code in (entry.__code__, ByIndex.__call__.__code__)
+            or tb.tb_frame.f_code.co_filename.endswith(_PLUMBING)):
         tb = tb.tb_next
     return exc.with_traceback(tb)
 
@@ -141,7 +143,7 @@ def _collective_call(exc: BaseException) -> str | None:
     return call if user is None else f"{call} at {os.path.basename(names[user])}:{frames[user][1]}"
 
 
-def _failure(ctx: WorkerContext, exc: BaseException) -> protocol.Failure:
+def _failure(ctx: WorkerContext, exc: BaseException, init_group: bool = False) -> protocol.Failure:
     exc = exc.with_traceback(None) if isinstance(exc, ReturnValueError) else _user_traceback(exc)
     if isinstance(exc, SystemExit):
         kind, where, code = Outcome.EXITED, None, _exit_code(exc)
@@ -155,7 +157,29 @@ def _failure(ctx: WorkerContext, exc: BaseException) -> protocol.Failure:
         time=time.monotonic(),  # CLOCK_MONOTONIC is machine-wide on Linux: the launcher orders reports by it
         exit_code=code, where=where,
         then=f"{_type_name(exc)}: {exc}" if first is not exc else None,
+        hint=_TWICE if init_group and _raised_in(exc, "init_process_group") else None,
+        pickled=_exception_payload(exc) if kind is not Outcome.EXITED else None,
     )
+
+
+_TWICE = ("mpddp already made the process group before calling fn: remove your own init_process_group() call, "
+          "or pass init_process_group=False to launch() (or use mpddp run for a torchrun-style script)")
+
+
+def _raised_in(exc: BaseException, function: str) -> bool:
+    """Whether ``exc`` came out of torch.distributed's ``function`` (its frame, not its words)."""
+    return any(frame.f_code.co_name == function and _COMMUNICATION[0] in frame.f_code.co_filename
+               for frame, _ in traceback.walk_tb(exc.__traceback__))
+
+
+def _exception_payload(exc: BaseException) -> bytes | None:
+    """The exception by value, when it can be pickled and loaded back here (the launcher tries again)."""
+    try:
+        data = cloudpickle.dumps(exc)
+        cloudpickle.loads(data)
+        return data if len(data) < 1 << 20 else None
+    except Exception:  # noqa: BLE001 - an exception that does not pickle is reported by its text alone
+        return None
 
 
 def _type_name(exc: BaseException) -> str:
@@ -290,7 +314,7 @@ def entry(spec: WorkerSpec, messages: Connection, out: Connection, err: Connecti
         code = _exit_code(e)
         _send(messages, _failure(ctx, e) if code else protocol.Result(cloudpickle.dumps(None), time.monotonic()))
     except BaseException as e:  # noqa: BLE001 - every failure goes back to the launcher
-        _send(messages, _failure(ctx, e))
+        _send(messages, _failure(ctx, e, spec.init_group))
         code = 1
     finally:
         if reader is not None:
