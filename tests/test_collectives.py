@@ -341,12 +341,12 @@ def test_the_reader_sends_only_what_changed():
     recorder.enter(1, t=10)
     recorder.entries.append(_entry(0, op="nccl:send", p2p=True))  # point-to-point: numbered apart, left out
     first = reader.read()
-    assert [c.seq for c in first.calls] == [1] and first.completed == ((("0", "nccl"), 0),)
-    assert first.calls[0] == collectives.Call("0", 1, "all_reduce", ((1000,),), ("Float",), 10, "nccl")
+    assert [c.seq for c in first.calls] == [1] and first.completed == ((("0", "nccl", 0), 0),)
+    assert first.calls[0] == collectives.Call("0", 1, "all_reduce", ((1000,),), ("Float",), 10, "nccl", 0, 1)
     assert reader.read() is None  # nothing moved: nothing sent
     recorder.complete(1)
     second = reader.read()
-    assert second.calls == () and second.completed == ((("0", "nccl"), 1),)
+    assert second.calls == () and second.completed == ((("0", "nccl", 0), 1),)
 
 
 def test_nccls_own_recorder_and_the_other_backends_are_two_lanes():
@@ -357,9 +357,9 @@ def test_nccls_own_recorder_and_the_other_backends_are_two_lanes():
     gloo.enter(1, op="gloo:broadcast", sizes=((3,),), t=7)
     gloo.enter(2, op="gloo:broadcast", sizes=((3,),), t=8)
     report = collectives.Reader([nccl.dump, gloo.dump], lambda r: None).read()
-    assert sorted((c.lane, c.seq) for c in report.calls) == [(("0", "gloo"), 1), (("0", "gloo"), 2),
-                                                            (("0", "nccl"), 1)]
-    assert dict(report.completed) == {("0", "nccl"): 0, ("0", "gloo"): 1}
+    assert sorted((c.lane, c.seq) for c in report.calls) == [(("0", "gloo", 0), 1), (("0", "gloo", 0), 2),
+                                                            (("0", "nccl", 0), 1)]
+    assert dict(report.completed) == {("0", "nccl", 0): 0, ("0", "gloo", 0): 1}
     board = collectives.Board([0, 1])
     board.add(0, report)
     board.add(1, collectives.Collectives((_c(1, t=6, backend="nccl"), _c(1, "broadcast", ((3,),), backend="gloo")),
@@ -370,12 +370,12 @@ def test_nccls_own_recorder_and_the_other_backends_are_two_lanes():
 def _board(*reports):
     board = collectives.Board([0, 1])
     for rank, calls, completed in reports:
-        board.add(rank, collectives.Collectives(tuple(calls), ((("0", ""), completed),)))
+        board.add(rank, collectives.Collectives(tuple(calls), ((("0", "", 0), completed),)))
     return board
 
 
 def _c(seq, op="all_reduce", sizes=((1000,),), t=0, group="0", backend=""):
-    return collectives.Call(group, seq, op, sizes, ("Float",), t, backend)
+    return collectives.Call(group, seq, op, sizes, ("Float",), t, backend, 0, seq)
 
 
 def test_an_nccl_rank_whose_all_reduce_did_not_complete_is_open():
@@ -470,7 +470,7 @@ def test_a_gpu_rank_in_cuda_synchronize_with_no_open_collective_computes():
         dog = Watchdog(timeout=1.0, board=board, interval=0.2)
         assert not dog._waits_at(state, place)  # the GPU computes
         dog._ranks[0] = type("R", (), {"spinning": True})()  # even when the stack was seen there before
-        board.seen[0].completed[("0", "")] = 0  # ... but with #1 open, the same place is waiting
+        board.seen[0].completed[("0", "", 0)] = 0  # ... but with #1 open, the same place is waiting
         assert dog._waits_at(state, place)
     finally:
         proc.kill()

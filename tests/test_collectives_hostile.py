@@ -259,10 +259,10 @@ def reinitialized(ctx):
 
 
 def test_a_default_group_set_up_again_is_not_a_mismatch(no_leftovers):
-    """FAILS NOW. Every rank destroys the default group and sets it up again, doing the same collectives in the
+    """Every rank destroys the default group and sets it up again, doing the same collectives in the
     same order: a correct program (it runs to the end under torchrun and without the recorder).
 
-    What happens: ``CollectiveMismatch`` ("rank 0 called all_reduce #1 (float32[10]) while rank 1 called
+    Was, before the fix: ``CollectiveMismatch`` ("rank 0 called all_reduce #1 (float32[10]) while rank 1 called
     barrier #1"), every time. The new group is named "0" again and numbers its collectives from 1 again,
     while the destroyed group's entries are still in the recorder's buffer: one read of a rank carries
     barrier #1 *and* all_reduce #1 of the same lane, ``Board.add`` overwrites that rank's call in the row
@@ -289,11 +289,11 @@ def reshaped_broadcast(ctx):
 
 
 def test_a_broadcast_into_a_buffer_of_the_same_size_but_another_shape_is_not_a_mismatch(no_leftovers):
-    """FAILS NOW. torch documents broadcast as "tensor must have the same number of elements in all processes"
+    """torch documents broadcast as "tensor must have the same number of elements in all processes"
     (``torch.distributed.broadcast``'s docstring): rank 0 sends float32[2, 3], rank 1 receives into a
     float32[6] buffer, and the data arrives (gloo and NCCL move bytes).
 
-    What happens: ``CollectiveMismatch``: "rank 0 called broadcast #1 (float32[2, 3]) while rank 1 called
+    Was, before the fix: ``CollectiveMismatch``: "rank 0 called broadcast #1 (float32[2, 3]) while rank 1 called
     broadcast #1 (float32[6])", while both ranks had already passed the broadcast (both stacks are at the
     sleep after it).
 
@@ -317,10 +317,10 @@ def rank_0_differs(ctx):
 
 
 def test_the_odd_one_out_is_rank_0_when_ranks_1_and_2_agree(no_leftovers):
-    """FAILS NOW. Three ranks; ranks 1 and 2 call broadcast #3, rank 0 calls all_reduce #3: rank 0 is "the rank
+    """Three ranks; ranks 1 and 2 call broadcast #3, rank 0 calls all_reduce #3: rank 0 is "the rank
     whose call differs from most others'" (README).
 
-    What happens: ``CollectiveMismatch`` with ``rank`` 1: "rank 0 called all_reduce #3 (float32[8]) while rank 1
+    Was, before the fix: ``CollectiveMismatch`` with ``rank`` 1: "rank 0 called all_reduce #3 (float32[8]) while rank 1
     called broadcast #3 (float32[8])". ``Board.add`` decides as soon as a row holds two different calls; with two
     ranks in the row it is a tie, and a tie goes to the highest rank, so rank 0 is never the odd one unless its
     report happens to come last. Here rank 2 comes 1 s later, so that it never does; without that delay the same
@@ -410,9 +410,9 @@ def subgroup_then_hang(ctx):
 
 
 def test_a_subgroup_collective_that_completed_is_not_told_as_open(no_leftovers):
-    """FAILS NOW. Rank 0 hangs in a sleep after an all_reduce in a subgroup [0, 1] that completed on both ranks.
+    """Rank 0 hangs in a sleep after an all_reduce in a subgroup [0, 1] that completed on both ranks.
 
-    What happens: the report adds "ranks 0, 1 entered all_reduce #1 in group 2 (float32[5]) ..., and it has not
+    Was, before the fix: the report adds "ranks 0, 1 entered all_reduce #1 in group 2 (float32[5]) ..., and it has not
     completed on rank 1". The recorder's ``pg_status`` is keyed by the group's *id* in this process (its
     ``pg_id``: 1 on rank 1, which is not in group [0] and so made one group fewer), while its entries carry the
     group's *name* ("2" on every rank). ``Reader.read`` pairs the status with the entries by that key, so rank 1's
@@ -431,7 +431,7 @@ def test_a_subgroup_collective_that_completed_is_not_told_as_open(no_leftovers):
 
 
 def test_the_status_of_a_group_is_found_by_its_id_not_its_name():
-    """FAILS NOW. The same case as above, with the dump torch 2.13 gives on rank 1 (recorded): entries carry the
+    """The same case as above, with the dump torch 2.13 gives on rank 1 (recorded): entries carry the
     name ("2") and the ``pg_id`` (1); ``pg_status`` is keyed "1". After the all_reduce completed, a GPU rank is
     still ``pending``: its CPU would count as waiting."""
     entry = {"record_id": 0, "pg_id": 1, "process_group": ("2", "undefined"), "collective_seq_id": 1,
@@ -450,7 +450,7 @@ def test_the_status_of_a_group_is_found_by_its_id_not_its_name():
     report = collectives.Reader([dump], lambda r: None).read()
     board = collectives.Board([0, 1])
     board.add(1, report)
-    assert [c.lane for c in report.calls] == [("2", "gloo")]
+    assert [c.lane for c in report.calls] == [("2", "gloo", 0)]
     assert not board.seen[1].pending, report.completed
 
 
@@ -466,10 +466,10 @@ def swapped_broadcast(ctx, p2p):
 
 
 def test_a_collective_every_rank_waits_in_is_not_told_as_completed_after_a_send(no_leftovers):
-    """FAILS NOW. Both ranks wait inside broadcast #3 (an invalid program: each names the other as source);
+    """Both ranks wait inside broadcast #3 (an invalid program: each names the other as source);
     before it, one send/recv pair.
 
-    What happens: "ranks 0, 1 entered broadcast #3 (float32[3]) 3.8 s ago, and it completed: no rank is inside a
+    Was, before the fix: "ranks 0, 1 entered broadcast #3 (float32[3]) 3.8 s ago, and it completed: no rank is inside a
     collective", while the stacks below show both ranks in broadcast. gloo's ``pg_status`` numbers every
     operation of the group, point-to-point ones included (2 sends/recvs + 3 collectives: last completed 4),
     while the entries' ``collective_seq_id`` numbers collectives only (broadcast is #3): completed 4 >= 3.
@@ -488,9 +488,9 @@ def test_a_collective_every_rank_waits_in_is_not_told_as_completed_after_a_send(
 
 def test_ranks_that_all_entered_the_same_collective_are_not_said_to_wait_for_one_their_peers_do_not_reach(
         no_leftovers):
-    """FAILS NOW. Both ranks entered broadcast #3, the flight recorder shows it, and it never completes.
+    """Both ranks entered broadcast #3, the flight recorder shows it, and it never completes.
 
-    What happens: the first line says "no rank made progress for 2 s: every rank waits in a collective that its
+    Was, before the fix: the first line says "no rank made progress for 2 s: every rank waits in a collective that its
     peers do not reach", and the next lines say "ranks 0, 1 entered broadcast #3 (float32[3]) ..., and it has not
     completed on ranks 0, 1" and "ranks 0, 1 wait together in broadcast": the peers did reach it. ``hang_error``
     (core/report.py) picks that sentence from the stacks alone (every rank waiting, none behind).
@@ -513,10 +513,10 @@ def monitored_barrier_hang(ctx):
 
 
 def test_a_rank_waiting_in_monitored_barrier_is_not_said_to_be_outside_any_collective(no_leftovers):
-    """FAILS NOW. Rank 1 hangs in a sleep; rank 0 waits in ``dist.monitored_barrier()`` (a collective of
+    """Rank 1 hangs in a sleep; rank 0 waits in ``dist.monitored_barrier()`` (a collective of
     torch.distributed, which gloo runs as sends and receives the flight recorder does not record).
 
-    What happens: "ranks 0, 1 entered all_reduce #1 (float32[4]) 3.0 s ago, and it completed: no rank is inside a
+    Was, before the fix: "ranks 0, 1 entered all_reduce #1 (float32[4]) 3.0 s ago, and it completed: no rank is inside a
     collective", and two lines below "rank 0 waits in monitored_barrier". The same with a rank waiting in
     ``recv``. ``standing_rows`` states as a fact what the recorder cannot know: it sees no point-to-point op
     and no monitored_barrier.
@@ -548,12 +548,12 @@ def test_collectives_in_a_group_of_one_rank_are_progress(no_leftovers):
 
 
 def test_a_rank_computing_in_torch_distributed_code_outside_any_collective_is_not_waiting():
-    """FAILS NOW. Rank 0 writes a distributed checkpoint alone (``dcp.save(..., no_dist=True)``, or converts one
+    """Rank 0 writes a distributed checkpoint alone (``dcp.save(..., no_dist=True)``, or converts one
     with ``dcp_to_torch_save``) while rank 1 waits in a barrier: rank 0 computes, for many seconds, mostly in
     torch/distributed/checkpoint's Python code (about 70 % of stack samples of a 20,000-entry save). Its
     collectives have all completed (the flight recorder knows it).
 
-    What happens: ``stacks.place`` marks any stack whose innermost frame is under torch/distributed/ as
+    Was, before the fix: ``stacks.place`` marks any stack whose innermost frame is under torch/distributed/ as
     ``spinning`` and ``Watchdog._waits_at`` takes that as waiting on a CPU rank, whatever the recorder says. The
     watchdog's sample at the moment of its "has computed for N s" check decides: when it lands in the planner the
     rank is marked spinning and no longer counts as progress, and the group can be declared hung while rank 0
@@ -572,9 +572,9 @@ def test_a_rank_computing_in_torch_distributed_code_outside_any_collective_is_no
     place = stacks.place(dump, 0x7F0000000001)
     assert place is not None and place.text == "save at train.py:40"
     board = collectives.Board([0, 1])
-    call = Call("0", 1, "all_reduce", ((4,),), ("Float",), 0, "gloo")
+    call = Call("0", 1, "all_reduce", ((4,),), ("Float",), 0, "gloo", 0, 1)
     for rank in (0, 1):
-        board.add(rank, Collectives((call,), ((("0", "gloo"), 1),)))  # #1 entered and completed on both ranks
+        board.add(rank, Collectives((call,), ((("0", "gloo", 0), 1),)))  # #1 entered and completed on both ranks
 
     class Slot:
         rank, device, node_rank, local_rank = 0, "cpu", 0, 0
@@ -647,9 +647,9 @@ def taking_turns(ctx, steps):
 
 
 def test_two_ranks_late_in_turn_name_no_straggler(no_leftovers, caplog):
-    """FAILS NOW. Two ranks late in turn, 50 ms every other step: perfectly symmetric.
+    """Two ranks late in turn, 50 ms every other step: perfectly symmetric.
 
-    What happens: "rank 0 is a straggler: it reaches collectives 50 ms after the first rank (median of its last
+    Was, before the fix: "rank 0 is a straggler: it reaches collectives 50 ms after the first rank (median of its last
     59 ...)", and the summary "rank 0 was the straggler: it arrived last at 50% of them, median lag 24 ms" above
     a table where rank 1's median lag is 25 ms. Whichever rank was late first has one late arrival more in an
     odd window (30 of 59), so its median is the late value; in an even window the median is the mean of a late
@@ -687,11 +687,11 @@ def equal_buckets(ctx, steps, step, lag):
 
 
 def test_a_lag_small_against_a_long_step_is_not_named_when_buckets_have_one_size(no_leftovers, caplog):
-    """FAILS NOW. DDP with 8 gradient buckets of one size (equal layers, a small ``bucket_cap_mb``); a step takes
+    """DDP with 8 gradient buckets of one size (equal layers, a small ``bucket_cap_mb``); a step takes
     400 ms; rank 1 is 25 ms late at each: 6 % of a step, under the rule's tenth ("a lag that costs nothing is not
     told").
 
-    What happens: "rank 1 is a straggler: it reaches collectives 25 ms after the first rank (...; a step takes
+    Was, before the fix: "rank 1 is a straggler: it reaches collectives 25 ms after the first rank (...; a step takes
     about 0.1 ms)". The step is estimated as the median time between two arrivals at "the same kind of
     collective" (group, op, shapes), assumed to recur once a step; 8 buckets of one shape recur 8 times a step,
     7 of them a fraction of a millisecond apart, so the step comes out at 0.1 ms and the share of a step never
@@ -721,10 +721,10 @@ def late_then_together(ctx, steps):
 
 
 def test_where_the_straggler_is_while_the_others_wait_is_sampled_while_they_wait(no_leftovers, caplog):
-    """FAILS NOW. Rank 1 is 30 ms late at each of a step's 4 collectives (a step: 200 ms, 170 of them a sleep on
+    """Rank 1 is 30 ms late at each of a step's 4 collectives (a step: 200 ms, 170 of them a sleep on
     both ranks): rightly named.
 
-    What happens: the message ends "while the others wait it is in late_then_together at
+    Was, before the fix: the message ends "while the others wait it is in late_then_together at
     test_collectives_hostile.py:N (time.sleep(0.17)  # both ranks: nobody waits for anybody here) (k of 5
     samples)" (or the sleep after the loop, when the rows that tip the rule come in last). ``_sample`` in
     core/supervisor.py takes 5 stacks of the straggler 50 ms apart whenever the rule fires, without looking

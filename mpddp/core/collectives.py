@@ -32,6 +32,7 @@ core/report.py.
 from __future__ import annotations
 
 import json
+import math
 import pickle
 import threading
 import time
@@ -39,7 +40,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from .protocol import Call, Collectives
+from .protocol import Call, Collectives, Lane
 
 ENV = ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")  # the recorder's size; the second is its older name
 BUFFER = 64  # entries kept per rank: 0.5 s of 128 collectives/s; more are sampled; reading costs grow with it
@@ -49,6 +50,7 @@ _SAME_SHAPE = frozenset({"all_reduce", "allreduce", "broadcast", "reduce"})  # o
 _DTYPES = {"Float": "float32", "Double": "float64", "Half": "float16", "BFloat16": "bfloat16", "Long": "int64",
            "Int": "int32", "Short": "int16", "Char": "int8", "Byte": "uint8", "Bool": "bool"}
 _WINDOW = 512  # collectives per lane (group and backend) the board keeps to line ranks up
+_GRACE = 1.0  # seconds a differing row waits for its other members before the mismatch is told
 
 
 def env_defaults(env: dict[str, str]) -> None:
@@ -78,8 +80,11 @@ class Reader:
     def __init__(self, dumps: list[Callable[..., bytes]], send: Callable[[Collectives], None]) -> None:
         self._dumps, self._send = dumps, send
         self._status: object = None
-        self._sent: dict[tuple[str, str], int] = {}  # per lane, the last number sent
-        self._backends: dict[tuple[int, str], str] = {}  # (recorder, group) -> the backend its entries name
+        self._newest: dict[int, int] = {}  # per recorder, the newest record id sent
+        # A process group is named the same on every member but numbered (pg_id) by each process; a name set up
+        # again (the default group destroyed and made anew) gets a new pg_id, and its numbers start again.
+        self._lanes: dict[tuple[int, int], Lane] = {}  # (recorder, pg_id) -> its lane
+        self._generations: dict[tuple[str, str], int] = {}  # (name, backend) -> generations seen
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="mpddp-collectives", daemon=True)
         self.busy = 0.0  # seconds spent reading and sending: its cost, which scripts/bench_train.py reports
@@ -125,22 +130,34 @@ class Reader:
             return None
         self._status = statuses
         calls: list[Call] = []
-        completed: list[tuple[tuple[str, str], int]] = []
+        completed: list[tuple[Lane, int]] = []
         for i, (dump, status) in enumerate(zip(self._dumps, statuses)):
             if not status:
                 continue
-            for entry in self._load(dump, includeCollectives=True).get("entries", ()):
-                lane, seq = _lane(entry), entry.get("collective_seq_id") or 0
-                if lane is None or seq <= 0:
-                    continue  # point-to-point ops are numbered apart
-                self._backends[(i, lane[0])] = lane[1]
-                if seq > self._sent.get(lane, 0):  # only what is new becomes a Call: the reader runs in the rank
-                    calls.append(_call(entry, lane, seq))
-            completed += [((str(g), self._backends.get((i, str(g)), "")), int(s.get("last_completed_collective", -1)))
-                          for g, s in status.items()]
-        for c in calls:
-            self._sent[c.lane] = max(self._sent.get(c.lane, 0), c.seq)
+            entries = sorted(self._load(dump, includeCollectives=True).get("entries", ()),
+                             key=lambda e: e.get("record_id", 0))
+            for entry in entries:
+                if entry.get("is_p2p") or (entry.get("collective_seq_id") or 0) <= 0:
+                    continue  # point-to-point ops are numbered apart, and lined up by nobody
+                lane = self._lane(i, entry)
+                if entry.get("record_id", 0) > self._newest.get(i, -1):  # only what is new becomes a Call
+                    calls.append(_call(entry, lane))
+            if entries:
+                self._newest[i] = max(self._newest.get(i, -1), max(e.get("record_id", 0) for e in entries))
+            # the status is keyed by pg_id, and counts every op of the group (op_id), point-to-point ones too
+            completed += [(known, int(st.get("last_completed_collective", -1))) for pg, st in status.items()
+                          if (known := self._lanes.get((i, _int(pg)))) is not None]
         return Collectives(tuple(calls), tuple(completed))
+
+    def _lane(self, recorder: int, entry: dict[str, Any]) -> Lane:
+        key = (recorder, int(entry.get("pg_id", -1)))
+        if key not in self._lanes:
+            name = str((entry.get("process_group") or ("?",))[0])
+            backend = str(entry.get("profiling_name", "?")).rpartition(":")[0]
+            generation = self._generations.get((name, backend), -1) + 1
+            self._generations[(name, backend)] = generation
+            self._lanes[key] = (name, backend, generation)
+        return self._lanes[key]
 
     @staticmethod
     def _load(dump: Callable[..., bytes], **what: bool) -> dict[str, Any]:
@@ -148,20 +165,21 @@ class Reader:
         return loaded if isinstance(loaded, dict) else {}
 
 
-def _lane(entry: dict[str, Any]) -> tuple[str, str] | None:
-    """(process group, backend) of a flight-recorder entry; None for a point-to-point op."""
-    if entry.get("is_p2p"):
-        return None
-    group = entry.get("process_group") or ("?",)
-    return str(group[0]), str(entry.get("profiling_name", "?")).rpartition(":")[0]
+def _int(text: object) -> int:
+    try:
+        return int(str(text))
+    except ValueError:
+        return -1
 
 
-def _call(entry: dict[str, Any], lane: tuple[str, str], seq: int) -> Call:
+def _call(entry: dict[str, Any], lane: Lane) -> Call:
     """One flight-recorder entry as a :class:`Call`."""
-    return Call(group=lane[0], seq=int(seq), op=str(entry.get("profiling_name", "?")).rpartition(":")[2],
+    return Call(group=lane[0], seq=int(entry.get("collective_seq_id") or 0),
+                op=str(entry.get("profiling_name", "?")).rpartition(":")[2],
                 sizes=tuple(tuple(int(n) for n in s) for s in entry.get("input_sizes") or ()),
                 dtypes=tuple(str(d) for d in entry.get("input_dtypes") or ()),
-                entered=int(entry.get("time_created_ns") or 0), backend=lane[1])
+                entered=int(entry.get("time_created_ns") or 0), backend=lane[1], generation=lane[2],
+                op_id=int(entry.get("op_id") or 0))
 
 
 # ---- in the launcher --------------------------------------------------------------------------
@@ -179,14 +197,19 @@ def render(call: Call) -> str:
 class Seen:
     """The launcher's copy of one rank's flight recorder."""
 
-    last: dict[tuple[str, str], Call] = field(default_factory=dict)  # per lane, the latest collective it entered
-    completed: dict[tuple[str, str], int] = field(default_factory=dict)  # per lane, the last number completed
+    last: dict[Lane, Call] = field(default_factory=dict)  # per lane, the latest collective it entered
+    completed: dict[Lane, int] = field(default_factory=dict)  # per lane, the op_id of the last op completed
     reports: int = 0  # one more with every report: the rank entered or completed a collective
 
     @property
     def pending(self) -> bool:
         """A collective it entered has not completed: its CPU, if it spins, waits for it."""
-        return any(c.seq > self.completed.get(lane, -1) for lane, c in self.last.items())
+        return any(self.open(lane) for lane in self.last)
+
+    def open(self, lane: Lane) -> bool:
+        """Its last collective in ``lane`` has not completed (op_ids: the status counts point-to-point ops too)."""
+        call = self.last.get(lane)
+        return call is not None and call.op_id > self.completed.get(lane, -1)
 
 
 @dataclass(frozen=True)
@@ -214,8 +237,9 @@ class Board:
         self.ranks = tuple(ranks)  # this node's ranks: every one of them is in the default group
         self.seen: dict[int, Seen] = {}
         self.mismatch: Mismatch | None = None
-        self._rows: dict[tuple[tuple[str, str], int], dict[int, Call]] = {}
-        self._members: dict[tuple[str, str], set[int]] = {}  # the default group: every rank; others: those seen
+        self._rows: dict[tuple[Lane, int], dict[int, Call]] = {}
+        self._members: dict[Lane, set[int]] = {}  # the default group: every rank; others: those seen
+        self._suspects: dict[tuple[Lane, int], float] = {}  # rows that differ, not yet complete: since when
         self._done: list[dict[int, Call]] = []  # rows every member has reached, not yet taken
         self._version = self._shared = 0  # reports added; the count at the last snapshot
 
@@ -231,13 +255,28 @@ class Board:
             members.add(rank)
             key = (call.lane, call.seq)
             row = self._rows.setdefault(key, {})
-            row[rank] = call
+            row.setdefault(rank, call)  # a rank's call at a number is what it first said
+            complete = len(row) == len(members) and len(row) > 1
             if self.mismatch is None and (odd := _differs(row)) is not None:
-                self.mismatch = Mismatch(dict(row), odd)
-            if len(row) == len(members) and len(row) > 1:
+                if complete:  # every member's call is known: the odd one out is the one most others disagree with
+                    self.mismatch = Mismatch(dict(row), odd)
+                else:
+                    self._suspects.setdefault(key, time.monotonic())
+            if complete:
                 self._done.append(self._rows.pop(key))
+                self._suspects.pop(key, None)
         if len(self._rows) > 2 * _WINDOW:
             self._prune()
+
+    def found(self, now: float) -> Mismatch | None:
+        """The mismatch, once the row's every member has reported, or :data:`_GRACE` seconds after two ranks'
+        calls differed (a member that never reports it hangs: told with the ranks there are)."""
+        if self.mismatch is None:
+            for key, since in self._suspects.items():
+                if now - since >= _GRACE and (row := self._rows.get(key)) and (odd := _differs(row)) is not None:
+                    self.mismatch = Mismatch(dict(row), odd)
+                    break
+        return self.mismatch
 
     def snapshot(self) -> bytes | None:
         """This node's ranks' last collective per lane and how far each completed, for the other nodes (JSON);
@@ -245,7 +284,7 @@ class Board:
         if self._version == self._shared:
             return None
         self._shared = self._version
-        return json.dumps({str(r): {"last": [[*c.lane, c.seq, c.op, c.sizes, c.dtypes, c.entered]
+        return json.dumps({str(r): {"last": [[*c.lane, c.seq, c.op, c.sizes, c.dtypes, c.entered, c.op_id]
                                              for c in s.last.values()],
                                     "completed": [[*lane, n] for lane, n in s.completed.items()]}
                            for r, s in self.seen.items()}, separators=(",", ":")).encode()
@@ -259,10 +298,11 @@ class Board:
             try:
                 ranks_seen = json.loads(snapshot)
                 for rank, data in ranks_seen.items():
-                    seen = Seen(completed={(g, b): int(n) for g, b, n in data["completed"]})
-                    for g, b, seq, op, sizes, dtypes, entered in data["last"]:
-                        seen.last[(g, b)] = Call(g, int(seq), op, tuple(tuple(s) for s in sizes), tuple(dtypes),
-                                                 int(entered), b)
+                    seen = Seen(completed={(g, b, int(n)): int(c) for g, b, n, c in data["completed"]})
+                    for g, b, gen, seq, op, sizes, dtypes, entered, op_id in data["last"]:
+                        call = Call(g, int(seq), op, tuple(tuple(s) for s in sizes), tuple(dtypes), int(entered), b,
+                                    int(gen), int(op_id))
+                        seen.last[call.lane] = call
                     board.seen[int(rank)] = seen
             except (ValueError, KeyError, TypeError):
                 continue  # a node's snapshot from another mpddp version: its ranks are left out
@@ -278,12 +318,13 @@ class Board:
 
     def _prune(self) -> None:
         """Drop rows far behind the newest: a rank's reader missed them (its buffer turned over), they never fill."""
-        newest: dict[tuple[str, str], int] = {}
+        newest: dict[Lane, int] = {}
         for seen in self.seen.values():
             for lane, call in seen.last.items():
                 newest[lane] = max(newest.get(lane, 0), call.seq)
         for key in [k for k in self._rows if k[1] < newest.get(k[0], 0) - _WINDOW]:
             del self._rows[key]
+            self._suspects.pop(key, None)
 
     def standings(self, ranks: Iterable[int]) -> list[Standing]:
         """Per process group, where ``ranks`` stand (default group first); groups where all agree and completed
@@ -296,7 +337,7 @@ class Board:
             top = max((c for c in lasts.values() if c is not None), key=lambda c: (c.seq, -c.entered))
             ahead = tuple(r for r, c in lasts.items() if c is not None and c.seq == top.seq)
             first = min((c for r in ahead if (c := lasts[r]) is not None), key=lambda c: c.entered)
-            open_ = tuple(r for r in ahead if self.seen[r].completed.get(lane, -1) < top.seq)
+            open_ = tuple(r for r in ahead if self.seen[r].open(lane))
             behind = {r: c for r, c in lasts.items() if r not in ahead}
             out.append(Standing(first, ahead, behind, open_))
         told = [s for s in out if s.behind or s.open]
@@ -313,8 +354,12 @@ def _differs(row: dict[int, Call]) -> int | None:
 
 
 def _signature(call: Call) -> tuple[Any, ...]:
-    """What must be equal on every rank: the op, and for ops whose inputs match everywhere, shapes and types."""
-    return (call.op, call.sizes, call.dtypes) if call.op in _SAME_SHAPE else (call.op,)
+    """What must be equal on every rank: the op, and for ops whose inputs match everywhere, each input's number
+    of elements and type (torch asks no more: a broadcast into a buffer of another shape and as many elements
+    works)."""
+    if call.op not in _SAME_SHAPE:
+        return (call.op,)
+    return call.op, tuple(math.prod(s) for s in call.sizes), call.dtypes
 
 
 def standing_rows(standings: list[Standing], now_ns: int) -> list[str]:
@@ -325,16 +370,22 @@ def standing_rows(standings: list[Standing], now_ns: int) -> list[str]:
         ago = _ago(now_ns - s.top.entered)
         head = f"{_ranks(s.ahead)} entered {render(s.top)} {ago} ago"
         if s.behind:
-            where = [f"#{c.seq} ({c.op})" if c is not None else "no collective yet" for c in s.behind.values()]
-            verb = "is" if len(s.behind) == 1 else "are"
-            still = ", ".join(f"{_ranks([r])} at {w}" for r, w in zip(s.behind, where)) if len(set(where)) > 1 \
-                else f"{_ranks(list(s.behind))} {verb} still at {where[0]}"
+            at = {r: f"is still at #{c.seq} ({c.op})" if c is not None else "has entered none yet"
+                  for r, c in s.behind.items()}
+            if len(set(at.values())) == 1:
+                phrase = next(iter(at.values()))
+                if len(at) > 1:
+                    phrase = phrase.replace("is still", "are still", 1).replace("has entered", "have entered", 1)
+                still = f"{_ranks(at)} {phrase}"
+            else:
+                still = ", ".join(f"{_ranks([r])} {w}" for r, w in at.items())
             rows.append(f"{head}; {still}: {'it is' if len(s.behind) == 1 else 'they are'} the one"
                         f"{'' if len(s.behind) == 1 else 's'} to look at")
         elif s.open:
             rows.append(f"{head}, and it has not completed on {_ranks(s.open)}")
         else:
-            rows.append(f"{head}, and it completed: no rank is inside a collective")
+            rows.append(f"{head}, and it completed on every rank: what they wait for now is not in the recorder "
+                        "(point-to-point ops, monitored_barrier): see where each rank is")
     return rows
 
 

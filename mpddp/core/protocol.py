@@ -83,6 +83,9 @@ class Failure:
     pickled: bytes | None = None  # the exception itself (cloudpickle), for WorkerFailed.exception; None if it cannot
 
 
+Lane = tuple[str, str, int]  # what a collective's number counts in: (group name, backend, generation)
+
+
 @dataclass(frozen=True)
 class Call:
     """One collective a rank entered, as torch's flight recorder wrote it down (core/collectives.py)."""
@@ -94,11 +97,13 @@ class Call:
     dtypes: tuple[str, ...]  # "Float", "BFloat16", ... (torch's ScalarType names)
     entered: int  # when the rank entered it: the wall clock in ns (time_created_ns)
     backend: str = ""  # "gloo", "nccl": a group with both numbers each backend's collectives apart
+    generation: int = 0  # the group's name set up again (destroyed, then made anew): numbers start again
+    op_id: int = 0  # its number among all the group's ops, point-to-point ones too: what completion counts in
 
     @property
-    def lane(self) -> tuple[str, str]:
-        """What its number counts in: one process group's collectives on one backend."""
-        return self.group, self.backend
+    def lane(self) -> Lane:
+        """What its number counts in: one process group's collectives on one backend, in one generation."""
+        return self.group, self.backend, self.generation
 
 
 @dataclass(frozen=True)
@@ -106,7 +111,7 @@ class Collectives:
     """A rank's flight recorder, read again by its reader thread: sent only when something changed."""
 
     calls: tuple[Call, ...]  # the collectives it entered since its last report, oldest first
-    completed: tuple[tuple[tuple[str, str], int], ...]  # per lane (group, backend), the last number completed here
+    completed: tuple[tuple[Lane, int], ...]  # per lane, the op_id of the last op that completed here
 
 
 Message = Started | Joined | Result | Failure | Collectives

@@ -208,8 +208,10 @@ def failure_error(states: list[RankState]) -> WorkerFailed:
         names = ", ".join(str(s.slot.rank) for s in stuck)
         waiting = ", ".join(str(s.slot.rank) for s in states if s.outcome is Outcome.COLLECTIVE)
         first = root.failure.message.splitlines()[0][:200] if root.failure and root.failure.message else ""
-        lines = [f"mpddp: rank {names} made no progress: rank {waiting} timed out waiting for it in a collective "
-                 f"({first}); every rank was stopped. Raise --timeout if a step legitimately takes longer."]
+        failed = root.failure.where if root.failure and root.failure.where else "a collective"
+        kind = root.failure.error_type if root.failure else "an error"
+        lines = [f"mpddp: rank {names} had not arrived when rank {waiting}'s {failed} failed ({kind}: {first}); "
+                 "every rank was stopped. Rank " + names + " is the one to look at: where it was is below."]
         lines += _tail_block(stuck[0])
         ordered = [*stuck, *[s for s in states if s not in stuck]]
         return HangError("\n".join(lines), stuck[0].slot.rank, [s.record() for s in ordered])
@@ -287,6 +289,12 @@ def hang_error(states: list[RankState], seconds_idle: float, places: dict[int, s
         first = (f"mpddp: {_ranks(culprits)} exited (code 0) while {_ranks(waiting)} still waited in "
                  f"{wait_text}; every rank was stopped after {seconds} with no progress")
         outcome = Outcome.EARLY_EXIT
+    elif (stalled := next((st for st in standings if st.open and not st.behind), None)) is not None and not idle:
+        culprits = list(stalled.open)
+        first = (f"mpddp: no rank made progress for {seconds}: {_ranks(stalled.ahead)} entered "
+                 f"{collectives.render(stalled.top)} and it did not complete on {_ranks(stalled.open)}, although no "
+                 "rank is missing from it (a backend or network stall); every rank was stopped")
+        outcome = Outcome.HUNG
     elif waiting and idle:
         culprits = idle
         first = (f"mpddp: {_ranks(idle)} made no progress for {seconds} while {_ranks(waiting)} waited for it in "
@@ -294,7 +302,7 @@ def hang_error(states: list[RankState], seconds_idle: float, places: dict[int, s
         outcome = Outcome.HUNG
     else:
         culprits = idle or waiting
-        what = ("every rank waits in a collective that its peers do not reach" if waiting
+        what = ("every rank waits in torch.distributed" if waiting
                 else "no rank uses the CPU and none waits in a collective")
         first = f"mpddp: no rank made progress for {seconds}: {what}; every rank was stopped"
         outcome = Outcome.HUNG

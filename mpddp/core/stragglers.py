@@ -13,15 +13,17 @@ again and again, is the one the others wait for.
 
 The rule: a rank is a straggler when, over its last :data:`WINDOW`
 collectives (at least :data:`MIN_SAMPLES`), its *median* lag is above
-:data:`MIN_LAG` and above :data:`STEP_SHARE` of a step. The median, not
-the mean, so that a few hiccups (a garbage collection, a checkpoint, a
-busy machine) never name a rank: more than half of its arrivals must be
-late. The floor keeps scheduler noise of a few milliseconds out; the share
-of a step keeps a lag that costs nothing out (20 ms in a 10 s step). A
-step is estimated as the median time between two arrivals at the same
-kind of collective (op, shapes), which recurs once a step in a training
-loop. It is said once per job, with where the straggler's stack was while
-the others waited. Leaves reading the ranks to core/collectives.py and
+:data:`MIN_LAG` and above :data:`STEP_SHARE` of a step, and it arrived
+last at :data:`LAST_SHARE` of them. The median, not the mean, so that a few
+hiccups (a garbage collection, a checkpoint, a busy machine) never name a
+rank: more than half of its arrivals must be late. The floor keeps
+scheduler noise of a few milliseconds out; the share of a step keeps a lag
+that costs nothing out (20 ms in a 10 s step); the share of last arrivals
+keeps out two ranks that are late in turn (neither is *the* one the others
+wait for). A step is estimated from the arrivals: a step's collectives come
+in a burst (DDP's buckets during the backward pass), the bursts a step
+apart. It is said once per job, with where the straggler's stack was while
+the others waited in a collective. Leaves reading the ranks to core/collectives.py and
 sampling stacks to core/stacks.py.
 """
 
@@ -32,7 +34,6 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 from ..log import logger
 from .protocol import Call
@@ -41,6 +42,8 @@ WINDOW = 100  # collectives per rank the rule looks at
 MIN_SAMPLES = 50  # no verdict before this many
 MIN_LAG = 0.020  # seconds: a median lag below this is noise
 STEP_SHARE = 0.10  # ... and below this share of a step costs too little to tell
+LAST_SHARE = 0.75  # ... and the rank must be the last to arrive this often (two ranks late in turn are not)
+_BURST_GAP = 0.005  # seconds: a gap this long (and 4 times the typical one) starts a new step's burst
 _POINTS = 100_000  # arrivals kept for the timeline (halved, every other one, when full)
 SAMPLES = 5  # stack samples of a straggler, taken while the others wait
 
@@ -72,14 +75,14 @@ class Stragglers:
     """Arrival lags per rank, fed with complete rows (rank -> Call at one collective number)."""
 
     window: dict[int, collections.deque[float]] = field(default_factory=dict)
+    lasts: dict[int, collections.deque[bool]] = field(default_factory=dict)  # per rank: was it the last, each row
     all_lags: dict[int, list[float]] = field(default_factory=dict)
     last: dict[int, int] = field(default_factory=dict)  # rank -> collectives it reached last
     rows: int = 0
     points: list[tuple[float, int, float]] = field(default_factory=list)  # (arrival s, rank, lag s), timeline
     told: int | None = None  # the rank named as straggler
     told_at: float | None = None  # wall clock, s
-    _recurrence: dict[tuple[Any, ...], float] = field(default_factory=dict)
-    _periods: collections.deque[float] = field(default_factory=lambda: collections.deque(maxlen=WINDOW))
+    _arrivals: collections.deque[float] = field(default_factory=lambda: collections.deque(maxlen=4 * WINDOW))
 
     def add(self, rows: list[dict[int, Call]]) -> None:
         for row in rows:
@@ -90,25 +93,34 @@ class Stragglers:
             for rank, call in row.items():
                 lag = (call.entered - first) / 1e9
                 self.window.setdefault(rank, collections.deque(maxlen=WINDOW)).append(lag)
+                self.lasts.setdefault(rank, collections.deque(maxlen=WINDOW)).append(rank == latest)
                 self.all_lags.setdefault(rank, []).append(lag)
                 self.points.append((first / 1e9, rank, lag))
-            one = next(iter(row.values()))
-            kind = (one.group, one.op, one.sizes)  # recurs once a step in a training loop
-            if (before := self._recurrence.get(kind)) is not None and first / 1e9 > before:
-                self._periods.append(first / 1e9 - before)
-            self._recurrence[kind] = first / 1e9
+            self._arrivals.append(first / 1e9)
         if len(self.points) > _POINTS:
             self.points = self.points[::2]
 
     @property
     def step(self) -> float | None:
-        return statistics.median(self._periods) if len(self._periods) >= 5 else None
+        """A training step, estimated from the arrivals: a step's collectives come in a burst (DDP's buckets in
+        the backward pass), bursts a step apart; the median time between bursts, or between arrivals when they
+        come evenly (one collective a step)."""
+        times = sorted(self._arrivals)
+        gaps = [b - a for a, b in zip(times, times[1:])]
+        if len(gaps) < 5:
+            return None
+        typical = statistics.median(gaps)
+        starts = [t for t, gap in zip(times[1:], gaps) if gap > max(_BURST_GAP, 4 * typical)]
+        if len(starts) < 3:
+            return typical
+        return statistics.median(b - a for a, b in zip(starts, starts[1:]))
 
     def suspect(self) -> int | None:
         """The rank the rule names now (see the module's header), or None."""
         step = self.step or 0.0
         late = {rank: statistics.median(lags) for rank, lags in self.window.items() if len(lags) >= MIN_SAMPLES}
-        over = {rank: lag for rank, lag in late.items() if lag > MIN_LAG and lag > STEP_SHARE * step}
+        over = {rank: lag for rank, lag in late.items() if lag > MIN_LAG and lag > STEP_SHARE * step
+                and sum(self.lasts[rank]) >= LAST_SHARE * len(self.lasts[rank])}
         return max(over, key=lambda r: over[r]) if over else None
 
     def check(self, where: Callable[[int], list[str]]) -> None:

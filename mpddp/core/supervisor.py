@@ -191,8 +191,8 @@ def _watch(states: list[RankState], watchdog: Watchdog, lags: stragglers.Straggl
         if first_failure is not None and (now - first_failure > _FAILURE_WINDOW or all(
                 s.exitcode is not None for s in states)):
             return None
-        if first_failure is None and board.mismatch is not None:
-            return board.mismatch  # a bug in the program, whatever happens next: told now
+        if first_failure is None and (mismatch := board.found(now)) is not None:
+            return mismatch  # a bug in the program, whatever happens next: told now
         if stacks.ASKED.is_set():  # SIGUSR1 (core/stacks.py)
             stacks.ASKED.clear()
             _show_where(states, watchdog)
@@ -215,13 +215,20 @@ def _show_where(states: list[RankState], watchdog: Watchdog) -> None:
 
 
 def _sample(states: list[RankState], watchdog: Watchdog, rank: int) -> list[str]:
-    """Where a straggler is while the others wait: a few samples of its stack, its waits left out."""
-    state = next((s for s in states if s.slot.rank == rank and s.exitcode is None), None)
+    """Where a straggler is while the others wait: its place in each of a few samples of every rank's stack taken
+    while another rank waited in torch.distributed (samples where none waited are dropped); its own waits are ""."""
+    running = [s for s in states if s.exitcode is None]
+    if not any(s.slot.rank == rank for s in running):
+        return []
     places = []
-    for _ in range(stragglers.SAMPLES if state is not None else 0):
-        where = watchdog.where([state]).get(rank)  # type: ignore[list-item]
-        places.append(where.text if where is not None and not where.waiting else "")
-        time.sleep(0.05)
+    for _ in range(2 * stragglers.SAMPLES):
+        seen = watchdog.where(running)
+        if any(p is not None and p.waiting for r, p in seen.items() if r != rank):
+            here = seen.get(rank)
+            places.append(here.text if here is not None and not here.waiting else "")
+            if len(places) == stragglers.SAMPLES:
+                break
+        time.sleep(0.03)
     return places
 
 

@@ -126,12 +126,14 @@ class Watchdog:
         return seen is not None and state.slot.device.startswith("cuda") and seen.pending
 
     def _waits_at(self, state: RankState, place: stacks.Place) -> bool:
-        """Busy at ``place`` is waiting: inside a collective, a GPU rank's open collective, or a CUDA sync
-        (unless the flight recorder says no collective is open: then its GPU computes)."""
+        """Busy at ``place`` is waiting: a GPU rank's open collective; else a stack inside torch.distributed or a
+        CUDA sync, if the flight recorder (when there is one) has a collective open for it."""
         if self._open(state):
             return True
-        known = self.board is not None and state.slot.rank in self.board.seen
-        return place.spinning and not (place.at_sync and known)
+        seen = self.board.seen.get(state.slot.rank) if self.board is not None else None
+        if seen is not None:  # the recorder knows: busy in torch's code waits only while a collective is open
+            return place.spinning and seen.pending  # (torch.distributed.checkpoint computes; a sync's GPU works)
+        return place.spinning
 
     def where(self, running: list[RankState]) -> dict[int, stacks.Place | None]:
         """Every running rank's place, asked now (rank -> Place, None if it did not answer)."""

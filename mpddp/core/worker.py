@@ -148,7 +148,9 @@ def _failure(ctx: WorkerContext, exc: BaseException, init_group: bool = False) -
     if isinstance(exc, SystemExit):
         kind, where, code = Outcome.EXITED, None, _exit_code(exc)
     else:
-        where, code = _collective_call(exc), None
+        # fn's own init_process_group, where mpddp made the group: its own mistake, not a peer gone
+        twice = init_group and _raised_in(exc, "init_process_group")
+        where, code = (None if twice else _collective_call(exc)), None
         kind = Outcome.RAISED if where is None else Outcome.COLLECTIVE
     first = _original(exc) if kind is Outcome.RAISED else exc
     return protocol.Failure(
