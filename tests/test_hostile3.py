@@ -184,3 +184,39 @@ def test_worker_failed_carries_the_ranks_own_exception(no_leftovers):
     with pytest.raises(mpddp.WorkerFailed) as info:  # one that cannot be rebuilt: the report stands alone
         mpddp.launch(raises_unloadable, nprocs=1)
     assert info.value.exception is None and "Unloadable: x y" in str(info.value)
+
+
+def idle_forever(ctx):
+    import threading
+
+    threading.Event().wait()
+
+
+def test_a_hang_in_a_library_call_names_the_users_function_and_the_call(no_leftovers):
+    """Was: "ranks 0, 1 are all at wait at test_hostile3.py:N": wait is threading's, the function is idle_forever."""
+    with pytest.raises(mpddp.HangError) as info:
+        mpddp.launch(idle_forever, nprocs=2, timeout=2)
+    assert "  ranks 0, 1 are all at idle_forever at test_hostile3.py:" in str(info.value)
+    assert " (threading.Event().wait()), waiting in threading.wait" in str(info.value)
+
+
+def test_a_notebook_cells_line_is_told_with_its_function_and_source():
+    """A cell runs from the kernel's temporary file, which linecache holds (as IPython puts it there)."""
+    import linecache
+    import threading
+
+    from mpddp.core import stacks
+
+    cell = "/tmp/ipykernel_4242/594081203.py"
+    linecache.cache[cell] = (60, None, ["import threading\n", "\n", "def idle(ctx):\n",
+                                        "    threading.Event().wait()\n"], cell)
+    try:
+        dump = ("Current thread 0x00007f0000000001 (most recent call first):\n"
+                f'  File "{threading.__file__}", line 320 in wait\n'
+                f'  File "{threading.__file__}", line 629 in wait\n'
+                f'  File "{cell}", line 4 in idle\n')
+        place = stacks.place(dump, 0x7F0000000001)
+    finally:
+        del linecache.cache[cell]
+    assert place is not None and not place.waiting
+    assert place.text == "idle at 594081203.py:4 (threading.Event().wait()), waiting in threading.wait"

@@ -130,12 +130,25 @@ def place(dump: str, main_thread: int | None) -> Place | None:
         top = frames[0]
         return Place(f"{top.func} at {top.short}", waiting, dump, spinning, at_sync, top.short)
     user = frames[users[0]]
-    calls = [f.func for f in reversed(frames[: users[0]]) if f.func not in _DECORATORS]
-    if calls:  # inside a library call: name the call, e.g. barrier at train.py:40
-        return Place(f"{calls[0]} at {user.short}", waiting, dump, spinning, at_sync, user.short)
+    library = [f for f in reversed(frames[: users[0]]) if f.func not in _DECORATORS]
+    if library and waiting:  # inside torch's communication: name the call, e.g. barrier at train.py:40
+        return Place(f"{library[0].func} at {user.short}", waiting, dump, spinning, at_sync, user.short)
+    # the user's function, its line (a notebook cell's too: the kernel keeps cells in linecache) and, inside
+    # another library's call, that call: "idle_forever at idle.py:5 (done.wait()), waiting in threading.wait"
     source = linecache.getline(user.file, user.line).strip()  # a C call such as time.sleep has no frame
-    return Place(f"{user.func} at {user.short}" + (f" ({source})" if source else ""), waiting, dump, spinning,
-                 at_sync, user.short)
+    text = f"{user.func} at {user.short}" + (f" ({source})" if source else "")
+    if library:
+        text += f", waiting in {_module(library[0].file)}.{library[0].func}"
+    return Place(text, waiting, dump, spinning, at_sync, user.short)
+
+
+def _module(path: str) -> str:
+    """``threading`` for .../lib/python3.11/threading.py, ``requests.api`` for a site-packages file."""
+    for root in sorted(_LIBRARY, key=len, reverse=True):
+        if path.startswith(root):
+            path = path[len(root):]
+            break
+    return os.path.splitext(path)[0].replace(os.sep, ".").removesuffix(".__init__")
 
 
 def ask(pids: dict[int, int], fds: dict[int, int]) -> dict[int, str]:
