@@ -55,7 +55,7 @@ from .errors import (  # noqa: E402
 
 if TYPE_CHECKING:
     from .core.api import launch as launch
-    from .core.spawn import spawn as spawn
+    from .core.api import spawn as spawn
 
 __all__ = [
     "CollectiveMismatch",
@@ -83,7 +83,7 @@ def __getattr__(name: str) -> Any:
 
         return launch
     if name == "spawn":
-        from .core.spawn import spawn
+        from .core.api import spawn
 
         return spawn
     raise AttributeError(f"module 'mpddp' has no attribute {name!r}")

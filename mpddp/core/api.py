@@ -3,7 +3,8 @@
 Owns: checking ``launch``'s own arguments, building the one validated
 :class:`~mpddp.config.LaunchConfig` from options, an optional config and
 the job's layout (SLURM, MPI, PBS, LSF, Kubeflow; :func:`make_config`, used
-by the CLI too: one rule for both). Leaves start-up to core/startup.py,
+by the CLI too: one rule for both), and ``spawn()``, torch.multiprocessing.spawn's
+signature on top of ``launch()`` (core/spawn.py). Leaves start-up to core/startup.py,
 shipping ``fn`` to core/ship.py, the plan to core/plan.py and the job (its
 store, its rounds, the restart loop) to core/job.py.
 """
@@ -20,6 +21,7 @@ from ..config import LaunchConfig
 from ..errors import ConfigError
 from . import stacks
 from .ship import ship
+from .spawn import ByIndex, SpawnContext
 from .startup import TRAINING_PRELOAD, interrupts_deferred, refuse_bootstrap, start_context
 
 LAYOUT_KEYS = ("nnodes", "node_rank", "master_addr", "master_port")
@@ -115,3 +117,30 @@ def run_node(config: LaunchConfig, payload: bytes, init_process_group: bool, pre
 
     with stacks.on_demand():
         return run_job(plan, mp_context, payload, init_process_group, held)
+
+
+def spawn(fn: Callable[..., Any], args: tuple = (), nprocs: int = 1, join: bool = True, daemon: bool = False,
+          start_method: str | None = None, **options: Any) -> list[Any] | SpawnContext:
+    """``torch.multiprocessing.spawn``, with mpddp's launcher underneath: ``fn(i, *args)`` in ``nprocs``
+    processes, ``i`` from 0; ``fn`` makes its own process group, as under mp.spawn.
+
+    ``join=True`` waits and returns every process's value (mp.spawn returns None); ``join=False`` returns a
+    context whose ``join(timeout=None)`` waits. ``daemon`` is accepted for the signature: mpddp's processes
+    never outlive the launcher either way, and may start processes of their own (DataLoader workers).
+    ``start_method``: None is mpddp's forkserver (fast: torch is imported once); "spawn" and "fork" as in
+    mp.spawn. ``options``: any :class:`~mpddp.LaunchConfig` field (``timeout``, ``max_restarts``, ...).
+    """
+    if not callable(fn):
+        raise ConfigError(f"fn={fn!r} is not callable: pass a function such as `def main(rank, world_size): ...`")
+    if not isinstance(join, bool) or not isinstance(daemon, bool):
+        raise ConfigError(f"join={join!r}, daemon={daemon!r}: both are True or False, as in torch.multiprocessing.spawn")
+    if not isinstance(args, (tuple, list)):
+        raise ConfigError(f"args={args!r} is not a tuple: pass fn's extra arguments as a tuple, e.g. args=({args!r},)")
+    if start_method is not None:
+        options["start_method"] = start_method
+    config = make_config({**options, "nprocs": nprocs})  # bad input: one line now, also with join=False
+
+    def run() -> list[Any]:
+        return launch(ByIndex(fn), args=tuple(args), init_process_group=False, config=config)
+
+    return run() if join else SpawnContext(run)
