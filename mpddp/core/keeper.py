@@ -37,10 +37,10 @@ class Keeper:
     process: Any
     stop_end: Connection
     stopped: bool = False  # the launcher stopped it (else an exit is a loss)
+    pid: int = 0  # kept apart: the process object is closed once stopped
 
-    @property
-    def pid(self) -> int:
-        return int(self.process.pid)
+    def __post_init__(self) -> None:
+        self.pid = self.pid or int(self.process.pid)
 
     @property
     def lost(self) -> bool:
@@ -63,6 +63,10 @@ class Keeper:
         if self.process.exitcode is None:
             procs.kill_tree([self.pid], grace=0.2)
             self.process.join(1.0)
+        try:  # its sentinel now, not when the garbage collector frees a failed launch's traceback
+            self.process.close()
+        except ValueError:  # still running after the kill: the guardian reaps it
+            pass
 
 
 def start(mp_context: Any, sock: socket.socket, timeout: float, forked: bool) -> Keeper:

@@ -61,9 +61,7 @@ class RankState:
     lost_with: int | None = None  # the pid of the forkserver it was lost with (killed under it)
     tail: list[str] = field(default_factory=list)
 
-    @property
-    def pid(self) -> int | None:
-        return self.process.pid
+    pid: int | None = None  # kept apart: the process object is closed once the rank has ended (its fds freed)
 
     @property
     def failed(self) -> bool:

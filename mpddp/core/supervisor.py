@@ -126,7 +126,8 @@ def _start(job: Job, attempt: int, relay: Relay, states: list[RankState], error_
             process.start()
             LIVE.add(process.pid)
         os.set_blocking(ch.stack[0], False)
-        states.append(RankState(slot=slot, process=process, messages=ch.messages[0], stack_fd=ch.stack[0]))
+        states.append(RankState(slot=slot, process=process, messages=ch.messages[0], stack_fd=ch.stack[0],
+                                pid=process.pid))
         relay.add(slot.rank, ch.out[0], ch.err[0])
     for ch in channels:
         for conn in ch.worker_ends:
@@ -253,6 +254,16 @@ def _teardown(states: list[RankState], urgent: threading.Event | None = None) ->
             s.stack_fd = None
 
 
+def _release(state: RankState) -> None:
+    """Close a rank's channel and process object now, not when the garbage collector gets to them: a failed
+    launch's exception holds the states, and a notebook would keep their file descriptors per failed cell."""
+    state.messages.close()
+    try:
+        state.process.close()
+    except ValueError:  # still running (the teardown could not stop it): the guardian's to reap
+        pass
+
+
 def _sweep_orphans() -> None:
     """Stop what the forkserver adopted that is no running rank: a dead rank's children (call under LIVE_LOCK).
 
@@ -344,6 +355,7 @@ class Attempt:
         for s in self.states:  # what a rank said before it ended, also after the watch: its own failure
             if s.failure is None and not s.has_result:
                 _receive(s, self.board)
+            _release(s)
         self.relay.stop()
         for s in self.states:  # every rank is gone: its file is complete, or was never written
             s.error_file = errorfile.read(errorfile.path(self.error_dir.name, s.slot.rank))
