@@ -41,6 +41,7 @@ from .context import WorkerContext  # noqa: E402
 from .errors import (  # noqa: E402
     CollectiveMismatch,
     ConfigError,
+    ForkserverLost,
     HangError,
     MainGuardError,
     MpddpError,
@@ -60,6 +61,7 @@ if TYPE_CHECKING:
 __all__ = [
     "CollectiveMismatch",
     "ConfigError",
+    "ForkserverLost",
     "HangError",
     "LaunchConfig",
     "MainGuardError",

@@ -71,6 +71,10 @@ class MainGuardError(MpddpError):
     """``launch`` ran again in a worker because the script has no main guard."""
 
 
+class ForkserverLost(MpddpError):
+    """mpddp's forkserver, which starts every rank, was killed from outside while a launch started its processes."""
+
+
 class RendezvousError(MpddpError):
     """The nodes of a job did not all meet (a node missing, unreachable master)."""
 

@@ -245,3 +245,66 @@ def test_fifty_failed_launches_leave_no_file_descriptor_open(no_leftovers):
         assert count() - before <= 2  # a descriptor or two of the interpreter's own may come and go
     finally:
         gc.enable()
+
+
+def one(ctx):
+    return 1
+
+
+KILL_FORKSERVER = """
+import os, signal, sys, time
+from multiprocessing import forkserver
+import mpddp
+from mpddp.core import procs, startup
+
+real = forkserver.connect_to_new_process
+calls = []
+
+
+def killing(fds):  # the forkserver is killed from outside while it starts the first rank (the keeper is first)
+    read, write = real(fds)
+    calls.append(1)
+    if len(calls) == 2:
+        server = startup.forkserver_pid()
+        os.kill(server, signal.SIGKILL)
+        while procs.alive(server):
+            time.sleep(0.01)
+    return read, write
+
+
+def one(ctx):
+    return 1
+
+
+if __name__ == "__main__":
+    forkserver.connect_to_new_process = killing
+    if sys.argv[1] == "api":
+        try:
+            mpddp.launch(one, nprocs=2)
+        except mpddp.ForkserverLost as e:
+            print("LOST", e)
+        print("AGAIN", mpddp.launch(one, nprocs=2))  # the next launch starts a new forkserver
+    else:
+        from mpddp.cli import run_cli
+        sys.argv = ["mpddp", "run", "--nprocs", "2", sys.argv[2]]
+        run_cli()
+"""
+
+
+@pytest.mark.parametrize("how", ["api", "cli"])
+def test_a_forkserver_killed_while_the_ranks_start_is_named(tmp_path, how):
+    """Was: a raw EOFError from popen_forkserver; the command line printed a blank line and "interrupted
+    (SIGINT)", exit 130, although no signal was sent (click turns an EOFError into its Abort)."""
+    script, target = tmp_path / "kill.py", tmp_path / "target.py"
+    script.write_text(KILL_FORKSERVER)
+    target.write_text("print('ran')\n")
+    out = subprocess.run([sys.executable, str(script), how, str(target)], capture_output=True, text=True,
+                         timeout=120, cwd=tmp_path)
+    lost = ("mpddp's forkserver (pid ", "), which starts every rank, was killed from outside while the job "
+            "started its processes (a signal, or the out-of-memory killer; ")
+    if how == "api":
+        assert out.returncode == 0 and "LOST " + lost[0] in out.stdout and lost[1] in out.stdout, out
+        assert "AGAIN [1, 1]" in out.stdout
+    else:
+        assert out.returncode == 1 and "interrupted" not in out.stderr, out.stderr
+        assert out.stderr.startswith("mpddp: error: " + lost[0]) and lost[1] in out.stderr, out.stderr

@@ -78,9 +78,17 @@ def run_cli(args: list[str] | None = None) -> NoReturn:
     except MpddpError as e:
         click.echo(f"mpddp: error: {e}", err=True)
         code = 1
-    except (KeyboardInterrupt, click.exceptions.Abort):
+    except KeyboardInterrupt:
         click.echo("mpddp: interrupted (SIGINT); every worker was stopped", err=True)
         code = EXIT_SIGINT
+    except click.exceptions.Abort as e:  # click's word for a KeyboardInterrupt, and for an EOFError
+        if isinstance(e.__cause__ or e.__context__, KeyboardInterrupt):
+            click.echo("mpddp: interrupted (SIGINT); every worker was stopped", err=True)
+            code = EXIT_SIGINT
+        else:
+            cause = e.__cause__ or e.__context__
+            click.echo(f"mpddp: error: {type(cause).__name__} ({cause}): an input or a pipe ended early", err=True)
+            code = 1
     except Terminated as e:
         _say(f"mpddp: {_STOPPED[e.signum]}; every worker was stopped")
         code = 128 + e.signum  # 143 for SIGTERM, 129 for SIGHUP

@@ -26,6 +26,7 @@ from typing import Any
 
 from . import procs
 from .entry import main_hidden
+from .startup import start_process
 
 _STOP_GRACE = 1.0  # seconds the keeper has to exit once its pipe is closed
 
@@ -79,7 +80,7 @@ def start(mp_context: Any, sock: socket.socket, timeout: float, forked: bool) ->
     process = mp_context.Process(target=serve, args=(sock, timeout, wait_end, inherited), name="mpddp-store",
                                  daemon=True)
     with main_hidden(always=True):  # the keeper runs none of the user's code
-        process.start()
+        start_process(process)
     wait_end.close()
     return Keeper(process, stop_end)
 

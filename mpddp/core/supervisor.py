@@ -42,7 +42,7 @@ from .plan import Plan, node_env, rank_env
 from .relay import Relay
 from .report import RankState, failure_error, hang_error, mismatch_error, remote_error, root_cause
 from .rounds import NodeLink, RoundWatch
-from .startup import forkserver_pid
+from .startup import forkserver_pid, start_process
 from .watchdog import Hang, Watchdog
 
 _FAILURE_WINDOW = 0.3  # seconds to collect other ranks' reports after the first failure
@@ -123,7 +123,7 @@ def _start(job: Job, attempt: int, relay: Relay, states: list[RankState], error_
         )
         process = mp_context.Process(target=entry.rank, args=(spec, *ch.worker_ends), name=f"mpddp-rank-{slot.rank}")
         with LIVE_LOCK, entry.main_hidden(always=False):
-            process.start()
+            start_process(process)
             LIVE.add(process.pid)
         os.set_blocking(ch.stack[0], False)
         states.append(RankState(slot=slot, process=process, messages=ch.messages[0], stack_fd=ch.stack[0],
