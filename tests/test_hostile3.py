@@ -308,3 +308,24 @@ def test_a_forkserver_killed_while_the_ranks_start_is_named(tmp_path, how):
     else:
         assert out.returncode == 1 and "interrupted" not in out.stderr, out.stderr
         assert out.stderr.startswith("mpddp: error: " + lost[0]) and lost[1] in out.stderr, out.stderr
+
+
+def test_a_stopped_store_keeper_is_named_with_its_state(no_leftovers, monkeypatch):
+    """Was: a hang "in a collective that its peers do not reach", or a rank's store timeout, for a keeper that
+    SIGSTOP froze before the ranks connected."""
+    import signal as signals
+
+    from mpddp.core import keeper
+
+    real = keeper.start
+
+    def start_and_stop(*args, **kwargs):
+        started = real(*args, **kwargs)
+        os.kill(started.pid, signals.SIGSTOP)
+        return started
+
+    monkeypatch.setattr(keeper, "start", start_and_stop)
+    with pytest.raises(mpddp.StoreLost) as info:
+        mpddp.launch(one, nprocs=2, timeout=3)
+    assert str(info.value).startswith("the store keeper (pid ")
+    assert "does not answer: it is stopped (SIGSTOP, or a debugger), so the ranks could not meet" in str(info.value)

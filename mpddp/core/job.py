@@ -94,7 +94,7 @@ def _attempts(job: Job) -> list[Any]:
                 if final is failure:
                     raise  # as it is: its __cause__ is the failing rank's own exception
                 raise final from failure
-            if job.store is not None and job.store.lost:  # killed, alone or with the forkserver
+            if job.store is not None and (job.store.lost or job.store.stalled()):  # killed, or stopped
                 _replace_store(job)
             # the cause's line, so that a run that recovers still says what went wrong
             said = ("mpddp: " if isinstance(failure, StoreLost) else "") + str(failure).splitlines()[0]

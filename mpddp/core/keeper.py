@@ -24,6 +24,8 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
+import psutil
+
 from . import procs
 from .entry import main_hidden
 from .startup import start_process
@@ -47,6 +49,20 @@ class Keeper:
     def lost(self) -> bool:
         """It has ended by itself: only the launcher's :meth:`stop` may end it."""
         return not self.stopped and self.process.exitcode is not None
+
+    def stalled(self) -> str | None:
+        """The keeper's state when it is stopped (SIGSTOP, a debugger): it runs, but answers no rank."""
+        try:
+            status = psutil.Process(self.pid).status()
+        except psutil.Error:
+            return None
+        return status if status in (psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP) else None
+
+    def stall(self, status: str) -> str:
+        """What the launcher says of a stopped keeper."""
+        return (f"the store keeper (pid {self.pid}), the process that serves this job's rendezvous store, does not "
+                f"answer: it is {status} (SIGSTOP, or a debugger), so the ranks could not meet; every rank was stopped "
+                f"(`kill -CONT {self.pid}` resumes a keeper stopped by hand)")
 
     def loss(self) -> str:
         """What the launcher says of a lost keeper."""

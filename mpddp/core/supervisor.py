@@ -368,6 +368,9 @@ class Attempt:
             raise MainGuardError(_MAIN_GUARD_MESSAGE)
         # a keeper lost with the forkserver is not the cause: the ranks' report names the forkserver
         lost = store is not None and store.lost and _forkserver_gone() is None
+        stalled = store.stalled() if store is not None and not all(s.succeeded for s in states) else None
+        if stalled is not None:  # a keeper that does not answer explains whatever the ranks did
+            raise StoreLost(store.stall(stalled))  # type: ignore[union-attr]
         error = _report(states, self.hang, self.mismatch, self.relay) if self.failed_here and not lost else None
         remote = self.round_watch is not None and self.round_watch.remote_failure is not None and not all(
             s.succeeded for s in states)
