@@ -329,3 +329,42 @@ def test_a_stopped_store_keeper_is_named_with_its_state(no_leftovers, monkeypatc
         mpddp.launch(one, nprocs=2, timeout=3)
     assert str(info.value).startswith("the store keeper (pid ")
     assert "does not answer: it is stopped (SIGSTOP, or a debugger), so the ranks could not meet" in str(info.value)
+
+
+def leaves_early(ctx):
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    t = torch.ones(10)
+    dist.all_reduce(t)
+    if ctx.rank == 1:
+        dist.destroy_process_group()
+        time.sleep(60)
+        return None
+    dist.all_reduce(t)
+    return None
+
+
+def test_a_rank_that_destroys_its_group_early_is_named_for_leaving_not_for_a_timeout(no_leftovers):
+    """Was: "rank 1 made no progress: rank 0 timed out waiting for it in a collective (... bugs in the applic);
+    ... Raise --timeout": nothing timed out, and the quote was cut mid-word."""
+    with pytest.raises(mpddp.WorkerFailed) as info:
+        mpddp.launch(leaves_early, nprocs=2, timeout=30)
+    report = str(info.value)
+    assert type(info.value) is mpddp.WorkerFailed and info.value.rank == 1
+    assert info.value.failures[0].outcome is mpddp.Outcome.EARLY_EXIT
+    assert report.startswith("mpddp: rank 1 (node 0, local rank 1) left the process group (destroy_process_group at "
+                             "test_hostile3.py:")
+    assert "while rank 0 was in all_reduce at test_hostile3.py:" in report and "timed out" not in report
+    assert "--timeout" not in report
+
+
+def test_a_long_quote_is_cut_at_a_word_with_an_ellipsis():
+    from mpddp.core.report import _short
+
+    text = "Read error [127.0.0.1]:28358: Connection reset by peer and this is typically caused by a remote worker " \
+           "hanging or by bugs in the application code of some rank"
+    cut = _short(text, 120)
+    assert cut.endswith("…") and len(cut) <= 121 and text.startswith(cut[:-1]) and text[len(cut) - 1] == " "

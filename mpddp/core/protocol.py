@@ -2,7 +2,7 @@
 
 Owns: what the launcher sends each worker (:class:`WorkerSpec`), the
 messages a worker sends up its channel (:class:`Started`,
-:class:`Joined`, :class:`Result`, :class:`Failure`, and from its reader thread
+:class:`Joined`, :class:`Left`, :class:`Result`, :class:`Failure`, and from its reader thread
 :class:`Collectives`: where its flight recorder is; each pickled whole), how they are encoded
 and decoded, and every key mpddp writes in node 0's store (per attempt, that
 is per round: who arrived, who finished init, which launchers joined, each
@@ -55,6 +55,14 @@ class Started:
 @dataclass(frozen=True)
 class Joined:
     """The worker is through ``init_process_group``: node 0's store answered it (several nodes: it was up)."""
+
+
+@dataclass(frozen=True)
+class Left:
+    """The rank destroyed its default process group (fn's own ``destroy_process_group``): it left the world."""
+
+    where: str  # "destroy_process_group at train.py:12"
+    time: float  # CLOCK_MONOTONIC
 
 
 @dataclass(frozen=True)
@@ -114,7 +122,7 @@ class Collectives:
     completed: tuple[tuple[Lane, int], ...]  # per lane, the op_id of the last op that completed here
 
 
-Message = Started | Joined | Result | Failure | Collectives
+Message = Started | Joined | Left | Result | Failure | Collectives
 
 MAIN_GUARD_EXIT = 97  # a worker's exit code: it re-ran the user's script and met launch() again
 
@@ -125,7 +133,7 @@ def encode(message: Message) -> bytes:
 
 def decode(data: bytes) -> Message:
     message = pickle.loads(data)
-    if not isinstance(message, (Started, Joined, Result, Failure, Collectives)):
+    if not isinstance(message, (Started, Joined, Left, Result, Failure, Collectives)):
         raise TypeError(f"not an mpddp message: {type(message).__name__}")
     return message
 

@@ -52,6 +52,7 @@ class RankState:
     stopped: bool = False  # the launcher stopped this rank
     hung: bool = False  # the watchdog declared this rank hung
     early_exit: bool = False  # it returned while its peers still waited for it
+    left: Any = None  # protocol.Left: it destroyed its process group (and where)
     mismatched: bool = False  # it called another collective than its peers at the same number
     finished_at: float | None = None  # monotonic time its value arrived
     stack_fd: int | None = None  # read end of its stack-dump pipe (core/stacks.py)
@@ -147,12 +148,15 @@ def _how(s: RankState) -> str:
 
 
 def _short(message: str, width: int = 160) -> str:
-    """The first sentence (or line) of a long error message."""
+    """The first sentence (or line) of a long error message, cut at a word, never inside one."""
     line = message.splitlines()[0] if message else ""
     if len(line) <= width:
         return line
     cut = line.rfind(". ", 0, width)
-    return line[: cut + 1] if cut > 40 else line[:width] + "…"
+    if cut > 40:
+        return line[: cut + 1]
+    space = line.rfind(" ", 0, width)
+    return (line[:space] if space > 40 else line[:width]).rstrip(",;:") + "…"
 
 
 def _others(states: list[RankState], root: RankState | None, cause: int | None = None) -> list[str]:
@@ -201,11 +205,14 @@ def failure_error(states: list[RankState]) -> WorkerFailed:
     if root.outcome is Outcome.COLLECTIVE and early:  # its peers' collectives broke when it left
         return _early_exit_error(states, early, {s.slot.rank: s.failure.where if s.failure else None
                                                  for s in states if s.outcome is Outcome.COLLECTIVE})
+    gone = [s for s in states if s.left is not None and s.outcome in (Outcome.STOPPED, Outcome.OK)]
+    if root.outcome is Outcome.COLLECTIVE and gone:  # it destroyed its process group; its peers' collectives broke
+        return _left_error(states, gone, root)
     stuck = [s for s in states if s.outcome is Outcome.STOPPED] if root.outcome is Outcome.COLLECTIVE else []
     if stuck:  # the others timed out in a collective, waiting for ranks that were still running
         names = ", ".join(str(s.slot.rank) for s in stuck)
         waiting = ", ".join(str(s.slot.rank) for s in states if s.outcome is Outcome.COLLECTIVE)
-        first = root.failure.message.splitlines()[0][:200] if root.failure and root.failure.message else ""
+        first = _short(root.failure.message, 200) if root.failure and root.failure.message else ""
         failed = root.failure.where if root.failure and root.failure.where else "a collective"
         kind = root.failure.error_type if root.failure else "an error"
         lines = [f"mpddp: rank {names} had not arrived when rank {waiting}'s {failed} failed ({kind}: {first}); "
@@ -240,6 +247,25 @@ def _exception(s: RankState) -> BaseException | None:
     except Exception:  # noqa: BLE001 - a class only the worker had: the report's text stands alone
         return None
     return loaded if isinstance(loaded, BaseException) else None
+
+
+def _left_error(states: list[RankState], gone: list[RankState], root: RankState) -> WorkerFailed:
+    """A rank destroyed its process group (protocol.Left) while its peers still called collectives in it."""
+    for s in gone:
+        s.early_exit = True
+    left = gone[0]
+    assert left.left is not None
+    waiting = [s for s in states if s.outcome is Outcome.COLLECTIVE]
+    where = "; ".join(f"rank {s.slot.rank} was in {s.failure.where or 'a collective'}" for s in waiting if s.failure)
+    lines = [f"mpddp: {_where(left)} left the process group ({left.left.where}) while {where or 'its peers waited'}, "
+             "which then failed; every rank was stopped. Every rank must call the same collectives before it leaves "
+             "the group: look for a destroy_process_group (or a return) that only some ranks reach."]
+    lines += _tail_block(left)
+    others = _others(states, left)
+    if others:
+        lines += ["mpddp: the other ranks:", *others]
+    ordered = [*gone, *[s for s in states if s not in gone and s.outcome is not Outcome.OK]]
+    return WorkerFailed("\n".join(lines), left.slot.rank, [s.record() for s in ordered], exit_code=1)
 
 
 def _tail_block(s: RankState) -> list[str]:

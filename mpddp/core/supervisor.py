@@ -151,6 +151,8 @@ def _receive(state: RankState, board: Board) -> None:
             state.joined = True
         elif isinstance(message, protocol.Collectives):
             board.add(state.slot.rank, message)
+        elif isinstance(message, protocol.Left):
+            state.left = message
         elif isinstance(message, protocol.Result):
             state.payload, state.has_result, state.finished_at = message.payload, True, message.time
         else:

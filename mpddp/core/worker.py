@@ -23,6 +23,7 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -283,6 +284,24 @@ def _send(messages: Connection, message: protocol.Message) -> None:
         messages.send_bytes(data)
 
 
+def _tell_leaving(messages: Connection) -> Callable[..., Any]:
+    """Wrap torch.distributed's ``destroy_process_group``: a rank that destroys the default group (fn's own
+    call) says so first, and where, so that a peer's broken collective is told as the consequence of that;
+    returns the real function, for the worker's own cleanup."""
+    real = dist.destroy_process_group
+
+    def destroy_process_group(group: Any = None) -> None:
+        if group is None and dist.is_initialized():
+            caller = sys._getframe(1)
+            where = f"destroy_process_group at {os.path.basename(caller.f_code.co_filename)}:{caller.f_lineno}"
+            _send(messages, protocol.Left(where, time.monotonic()))
+        real(group)
+
+    dist.destroy_process_group = destroy_process_group
+    dist.distributed_c10d.destroy_process_group = destroy_process_group
+    return real
+
+
 def entry(spec: WorkerSpec, messages: Connection, out: Connection, err: Connection, stack: Connection) -> None:
     """Everything a rank does, once core/entry.py has given it its own session."""
     _redirect(out, err)
@@ -299,6 +318,7 @@ def entry(spec: WorkerSpec, messages: Connection, out: Connection, err: Connecti
     _send(messages, protocol.Started(os.getpid(), threading.get_ident()))
     # which collective this rank has reached, for the launcher's watchdog and straggler count (core/collectives.py)
     reader = collectives.Reader.start(lambda report: _send(messages, report), spec.env)
+    destroy = _tell_leaving(messages)
     if spec.banner:
         print(spec.banner, flush=True)
     code = 0
@@ -322,7 +342,7 @@ def entry(spec: WorkerSpec, messages: Connection, out: Connection, err: Connecti
         if reader is not None:
             reader.stop()
         if dist.is_initialized():
-            dist.destroy_process_group()
+            destroy()
         left = _wait_for_leftovers(ctx.rank, threads_too=spec.init_group)
         _stop_descendants()
         sys.stdout.flush()
