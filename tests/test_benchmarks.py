@@ -194,3 +194,10 @@ def test_bench_recovery(tmp_path):
     one = data["results"]["mpddp 1"]
     assert 0 < one["recovery_to_fn"][0] < one["recovery"][0]  # fn is called again before its first step
     assert one["ratio"][0] == one["recovery"][0] / one["startup"][0]
+
+
+def test_bench_interrupt(tmp_path):
+    stdout, data = tiny("bench_interrupt.py", tmp_path)
+    (delay,) = data["delays"].values()
+    assert data["import_s"] > 0 and delay["codes"] == [130] and delay["left"] == []
+    assert delay["median"] > 0 and "Ctrl-C during `mpddp train --nprocs 2` start-up" in stdout

@@ -50,18 +50,21 @@ def train(**options: Any) -> None:
     mpddp train --nprocs 2 --resume auto --epochs 15   continue the last run
     mpddp train --task scripts/example_task.py --nprocs 2
     """
-    from ..core.startup import TRAINING_PRELOAD, start_forkserver
+    from ..core.startup import TRAINING_PRELOAD, exit_on_interrupt, start_forkserver
     from ..errors import ConfigError
 
-    # every rank builds an optimizer and DDP, which import torch._dynamo, and runs the trainer:
-    # imported once in the forkserver, overlapping this process's torch import below
-    start_forkserver(options["start_method"] or "forkserver", preload=(*TRAINING_PRELOAD, "mpddp.trainer.loop"))
-    from ..trainer.config import TrainConfig
-    from ..trainer.loop import train as run_training
+    # A Ctrl-C before launch() starts its processes (imports of torch, scikit-learn, the task): out at once,
+    # since there it could be swallowed; once launch() runs, its teardown answers it.
+    with exit_on_interrupt():
+        # every rank builds an optimizer and DDP, which import torch._dynamo, and runs the trainer:
+        # imported once in the forkserver, overlapping this process's torch import below
+        start_forkserver(options["start_method"] or "forkserver", preload=(*TRAINING_PRELOAD, "mpddp.trainer.loop"))
+        from ..trainer.config import TrainConfig
+        from ..trainer.loop import train as run_training
 
-    launch = build_config(**pop_launch_options(options))
-    dataset, spec = options.pop("dataset"), options.pop("task_spec")
-    if dataset and spec:
-        raise ConfigError(f"--dataset {dataset} and --task {spec} both name the task: pass only one")
-    config = TrainConfig(task=spec or dataset or "digits", **options)
-    run_training(config, launch_config=launch)
+        launch = build_config(**pop_launch_options(options))
+        dataset, spec = options.pop("dataset"), options.pop("task_spec")
+        if dataset and spec:
+            raise ConfigError(f"--dataset {dataset} and --task {spec} both name the task: pass only one")
+        config = TrainConfig(task=spec or dataset or "digits", **options)
+        run_training(config, launch_config=launch)

@@ -22,7 +22,7 @@ from ..errors import ConfigError
 from . import stacks
 from .ship import ship
 from .spawn import ByIndex, SpawnContext
-from .startup import TRAINING_PRELOAD, interrupts_deferred, refuse_bootstrap, start_context
+from .startup import LAUNCHING, TRAINING_PRELOAD, interrupts_deferred, refuse_bootstrap, start_context
 
 LAYOUT_KEYS = ("nnodes", "node_rank", "master_addr", "master_port")
 
@@ -108,6 +108,7 @@ def run_node(config: LaunchConfig, payload: bytes, init_process_group: bool, pre
 
     ``held``: node 0's rendezvous socket, already listening (a ``--hosts`` node, core/node.py).
     """
+    LAUNCHING.set()  # the command line's start-up handler (exit_on_interrupt) now leaves Ctrl-C to the teardown
     with stacks.on_demand(), interrupts_deferred():  # SIGUSR1: where is every rank (from the first moment)
         mp_context = start_context(config.start_method, preload)
         from .plan import plan_launch

@@ -20,6 +20,7 @@ import gc
 import multiprocessing
 import os
 import signal
+import sys
 import threading
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -110,6 +111,7 @@ def start_forkserver(method: str = "forkserver", preload: Sequence[str] = ()) ->
             os.environ.pop(FORKSERVER_TEMP, None)
 
 
+_HELPER_PATIENCE = 0.15  # seconds an idle forkserver takes to exit once its pipe is closed, at most
 _SOCKET_PATH_MAX = 107  # bytes in an AF_UNIX socket path (sun_path, less its NUL)
 _SOCKET_NAME = len("/pymp-12345678/listener-12345678")  # what multiprocessing adds to the temp dir
 
@@ -167,8 +169,15 @@ def stop_helpers(timeout: float = 3.0) -> None:
                 if stop_helper is not None:
                     stop_helper()
 
+    server = forkserver_pid()
     worker = threading.Thread(target=stop, name="mpddp-stop-helpers", daemon=True)
     worker.start()
+    worker.join(_HELPER_PATIENCE)
+    if worker.is_alive() and server is not None and procs.alive(server):
+        # still importing torch (a Ctrl-C during start-up): it notices its closed pipe only once the import
+        # is done, seconds later; it has started nothing yet that needs it, so it is stopped now
+        with contextlib.suppress(OSError):
+            os.kill(server, signal.SIGKILL)
     worker.join(timeout)  # a helper that does not exit must not hold the launcher
 
 
@@ -191,6 +200,43 @@ def start_context(method: str, preload: Sequence[str] = ()) -> Any:
             importlib.import_module(module)
     start_forkserver(method, preload)
     return multiprocessing.get_context(method)
+
+
+LAUNCHING = threading.Event()  # set once launch() starts its processes: a Ctrl-C is then the teardown's
+
+
+@contextlib.contextmanager
+def exit_on_interrupt() -> Iterator[None]:
+    """A command's own start-up (``mpddp train`` importing torch and the trainer): a Ctrl-C exits at once.
+
+    Raised in the middle of ``import torch``, a KeyboardInterrupt can be swallowed (measured: a SIGINT 0.4 s
+    into ``mpddp train`` was lost, and the run trained to its end). Nothing has started but the forkserver,
+    so the handler stops it and ends this process itself, exit code 130. Only for the command line, whose
+    process is mpddp's own; ``launch()`` in a user's process uses :func:`interrupts_deferred`.
+    """
+    def leave(signum: int, frame: object) -> None:
+        import shutil
+
+        if LAUNCHING.is_set():  # launch() has begun: its teardown answers the interrupt
+            raise KeyboardInterrupt
+        server = forkserver_pid()
+        if server is not None:
+            with contextlib.suppress(OSError):
+                os.kill(server, signal.SIGKILL)
+        tempdir = multiprocessing.current_process()._config.get("tempdir")  # type: ignore[attr-defined]
+        # (the forkserver's socket is in it, and atexit, which removes it, will not run)
+        if tempdir:
+            shutil.rmtree(tempdir, ignore_errors=True)
+        with contextlib.suppress(OSError, ValueError):
+            sys.stderr.write("mpddp: interrupted (SIGINT) before any worker started\n")
+            sys.stderr.flush()
+        os._exit(130)
+
+    previous = signal.signal(signal.SIGINT, leave)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 @contextlib.contextmanager
