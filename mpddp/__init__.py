@@ -39,6 +39,7 @@ from ._version import __version__ as __version__  # noqa: E402  (re-exported)
 from .config import LaunchConfig  # noqa: E402
 from .context import WorkerContext  # noqa: E402
 from .errors import (  # noqa: E402
+    AddressError,
     CollectiveMismatch,
     ConfigError,
     ForkserverLost,
@@ -59,6 +60,7 @@ if TYPE_CHECKING:
     from .core.api import spawn as spawn
 
 __all__ = [
+    "AddressError",
     "CollectiveMismatch",
     "ConfigError",
     "ForkserverLost",

@@ -79,6 +79,10 @@ class RendezvousError(MpddpError):
     """The nodes of a job did not all meet (a node missing, unreachable master)."""
 
 
+class AddressError(ConfigError, RendezvousError):
+    """Node 0 cannot host the store at the address and port given (not this machine's, or taken): bad input."""
+
+
 class StoreLost(RendezvousError):
     """Node 0's store keeper ended while the ranks ran (killed from outside); ``max_restarts`` retries it."""
 

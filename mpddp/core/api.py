@@ -99,6 +99,10 @@ def launch(
         from ..machine.netif import resolve
 
         resolve(config.master_addr)  # a bad address: one line now, before any process or torch import
+    if config.node_rank == 0:  # node 0 hosts the store: an address not of this machine, or a port taken, now
+        from .rendezvous import listen
+
+        listen(config.master_addr, config.master_port).close()
     return run_node(config, payload, init_process_group, tuple(preload))
 
 

@@ -16,7 +16,7 @@ import ipaddress
 import socket
 from datetime import timedelta
 
-from ..errors import RendezvousError
+from ..errors import AddressError
 from ..machine.netif import resolve
 
 
@@ -32,12 +32,12 @@ def listen(addr: str, port: int) -> socket.socket:
     except OSError as e:
         sock.close()
         if e.errno == errno.EADDRINUSE:
-            raise RendezvousError(
+            raise AddressError(
                 f"master_port={port} is already in use on {addr}: another job holds it; "
                 "pick another --master-port (or 0 on a single node)"
             ) from e
         if e.errno == errno.EADDRNOTAVAIL:
-            raise RendezvousError(
+            raise AddressError(
                 f"master_addr={addr!r} ({numeric}) is not an address of this machine, but node 0 hosts the "
                 "store there: run node 0 on that machine, or pass one of its own addresses"
             ) from e
