@@ -250,10 +250,20 @@ def test_ctrl_c_while_ranks_start_stops_those_already_started(monkeypatch):
                 process.start = ctrl_c_once_rank_0_runs
             return process
 
+    from mpddp.core import supervisor
+
+    pids: list[int] = []  # kept apart: the launcher closes a process object once its rank is gone
+
+    def start_and_note(process):
+        real_start(process)
+        pids.append(process.pid)
+
+    real_start = supervisor.start_process
+    monkeypatch.setattr(supervisor, "start_process", start_and_note)
     monkeypatch.setattr(launcher, "start_context", lambda method, *rest: CtrlCOnSecondStart(real(method, *rest)))
     with pytest.raises(KeyboardInterrupt):
         mpddp.launch(wait_forever, nprocs=2, init_process_group=False)
-    assert gone([started[0].pid], wait=1.0), "rank 0, started before the Ctrl-C, is still running"
+    assert gone(pids[:1], wait=1.0), "rank 0, started before the Ctrl-C, is still running"
 
 
 def fail_on_first_attempt(ctx, record):
