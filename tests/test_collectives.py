@@ -463,7 +463,7 @@ def test_a_gpu_rank_in_cuda_synchronize_with_no_open_collective_computes():
             f'  File "{os.path.dirname(torch.__file__)}/cuda/__init__.py", line 1083 in synchronize\n'
             '  File "/home/u/train.py", line 40 in evaluate\n')
     place = stacks.place(dump, 0x7F0000000001)
-    assert place.spinning and place.at_sync and place.text == "synchronize at train.py:40"
+    assert place.spinning and place.at_sync and place.text == "evaluate at train.py:40, waiting in torch.cuda.synchronize"
     proc = _spinners(1)[0]
     try:
         state = _State(0, proc, "cuda:0")

@@ -103,8 +103,13 @@ def test_the_ddp_tutorial_runs_under_mpddp_spawn_with_mp_spawns_losses(tmp_path)
 
     runs = {}
     for which in ("mp", "mpddp"):
-        out = subprocess.run([sys.executable, str(TUTORIAL), which, str(free_port())], capture_output=True, text=True,
-                             timeout=120, cwd=tmp_path)
+        for _ in range(3 if which == "mp" else 1):  # mp.spawn's own run sometimes aborts at its exit (gloo's
+            out = subprocess.run([sys.executable, str(TUTORIAL), which, str(free_port())],  # teardown, SIGABRT)
+                                 capture_output=True, text=True, timeout=120, cwd=tmp_path)
+            if out.returncode == 0:
+                break
+        if which == "mp" and out.returncode != 0:
+            pytest.skip(f"the reference, mp.spawn's own run, failed 3 times: {out.stderr.strip().splitlines()[-1]}")
         assert out.returncode == 0, out.stderr
         runs[which] = _losses(out.stdout)
     assert len(runs["mp"]) == 6 and runs["mpddp"] == runs["mp"]

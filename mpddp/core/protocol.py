@@ -178,6 +178,11 @@ def calls_key(node: int) -> str:
     return f"calls/{node}"
 
 
+def waiting_key(node: int) -> str:
+    """Set by a node whose ranks only saw a peer vanish, while it waits for the record of the cause."""
+    return f"waiting/{node}"
+
+
 def ended_key(node: int) -> str:
     """Set by a node's launcher when its part of the round ended: its heartbeat stops then, by design."""
     return f"ended/{node}"

@@ -43,7 +43,7 @@ from .protocol import FailureRecord, full_key
 
 _INTERVAL = 0.25  # seconds between two beats (and two looks for another node's failure)
 _STALLED_AFTER = 6 * _INTERVAL  # a beat that did not move for this long: its launcher is gone
-_RECORD_WAIT = 10.0  # seconds a node whose ranks only saw a peer vanish waits for the record of the cause
+_RECORD_WAIT = 10.0  # seconds a node whose ranks only saw a peer vanish waits for the record of the cause, at least
 _POLL = 0.05
 _LEAVE_WAIT = 10.0  # seconds node 0 keeps the store for the other launchers to read the last round
 
@@ -194,6 +194,14 @@ class NodeLink:
         self.gone.update(lost)
         return lost
 
+    def busy(self, attempt: int) -> list[int]:
+        """The other nodes that still run the round: neither ended it, nor wait for its record, nor are lost."""
+        me, nnodes = self.config.node_rank, self.config.nnodes
+        keys = {n: (full_key(attempt, protocol.ended_key(n)), full_key(attempt, protocol.waiting_key(n)))
+                for n in range(nnodes) if n != me and n not in self.gone}
+        done = self.call(lambda s: {n: s.check([ended]) or s.check([waiting]) for n, (ended, waiting) in keys.items()})
+        return [n for n, finished in done.items() if not finished]
+
     def leave(self) -> None:
         """Done with the store. Node 0 keeps it until every other launcher has left too (or a short while)."""
         try:
@@ -333,9 +341,19 @@ def _store_gone(link: NodeLink, local: WorkerFailed) -> RendezvousError:
 
 
 def _wait_for(link: NodeLink, attempt: int, local: WorkerFailed) -> FailureRecord | list[int]:
-    """The round's record, once another node writes it; or the nodes found lost; or, after a while, ours."""
-    deadline = time.monotonic() + min(link.config.timeout, _RECORD_WAIT)
-    beats, since = link.beats(attempt), time.monotonic()
+    """The round's record, once another node writes it; or the nodes found lost; or ours, once no other node
+    can still write a better one.
+
+    The node whose rank failed by itself writes the record after its teardown, which takes seconds on a busy
+    machine (measured: more than 10 s with 8 launchers and 16 ranks on 2 loaded cores, and a victim's own
+    record then won). So a victim waits while any other node still runs its round without waiting itself;
+    after :data:`_RECORD_WAIT`, once every other node has ended its round or waits too, nobody has a better
+    cause; and never past ``--timeout``.
+    """
+    me = link.config.node_rank
+    link.call(lambda s: s.set(full_key(attempt, protocol.waiting_key(me)), "1"))
+    start = time.monotonic()
+    beats, since = link.beats(attempt), start
     while True:
         if (record := link.record(attempt)) is not None:
             return record
@@ -344,7 +362,7 @@ def _wait_for(link: NodeLink, attempt: int, local: WorkerFailed) -> FailureRecor
             if lost := link.stalled(attempt, beats):
                 return lost
             beats, since = link.beats(attempt), now
-        if now > deadline:
+        if now - start > link.config.timeout or (now - start > _RECORD_WAIT and not link.busy(attempt)):
             return link.publish(attempt, _record_of(local, Outcome.COLLECTIVE, link))
         time.sleep(_POLL)
 

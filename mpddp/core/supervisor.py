@@ -236,7 +236,9 @@ def _sample(states: list[RankState], watchdog: Watchdog, rank: int) -> list[str]
 
 
 def _teardown(states: list[RankState], urgent: threading.Event | None = None) -> None:
-    alive = [s for s in states if s.exitcode is None and s.process.is_alive()]
+    # A rank the forkserver has not reported yet may have died on its own already (a zombie, or gone: under
+    # load the forkserver writes its status late): that one was not stopped by mpddp, it died.
+    alive = [s for s in states if s.exitcode is None and s.process.is_alive() and procs.alive(s.process.pid)]
     for s in alive:
         s.stopped = True
     pids = [s.process.pid for s in states if s.process.pid]
@@ -248,9 +250,8 @@ def _teardown(states: list[RankState], urgent: threading.Event | None = None) ->
         s.process.join(2.0)
         if s.exitcode is None:
             s.exitcode = s.process.exitcode
-            # it ended between the watch and the teardown (its peers were already being stopped, perhaps on
-            # another node): a consequence, never "finished"
-            s.stopped = s.stopped or s.exitcode != 0
+            if not s.stopped and s.exitcode not in (0, None) and s.failed_at is None:
+                s.failed_at = time.monotonic()  # it ended by itself after the watch: its own message may follow
         if s.stack_fd is not None:
             os.close(s.stack_fd)
             s.stack_fd = None
