@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .protocol import Call, Collectives, Lane
+from .stacks import ranks_named
 
 ENV = ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")  # the recorder's size; the second is its older name
 BUFFER = 64  # entries kept per rank: 0.5 s of 128 collectives/s; more are sampled; reading costs grow with it
@@ -368,7 +369,7 @@ def standing_rows(standings: list[Standing], now_ns: int) -> list[str]:
     rows = []
     for s in standings:
         ago = _ago(now_ns - s.top.entered)
-        head = f"{_ranks(s.ahead)} entered {render(s.top)} {ago} ago"
+        head = f"{ranks_named(s.ahead)} entered {render(s.top)} {ago} ago"
         if s.behind:
             at = {r: f"is still at #{c.seq} ({c.op})" if c is not None else "has entered none yet"
                   for r, c in s.behind.items()}
@@ -376,13 +377,13 @@ def standing_rows(standings: list[Standing], now_ns: int) -> list[str]:
                 phrase = next(iter(at.values()))
                 if len(at) > 1:
                     phrase = phrase.replace("is still", "are still", 1).replace("has entered", "have entered", 1)
-                still = f"{_ranks(at)} {phrase}"
+                still = f"{ranks_named(at)} {phrase}"
             else:
-                still = ", ".join(f"{_ranks([r])} {w}" for r, w in at.items())
+                still = ", ".join(f"{ranks_named([r])} {w}" for r, w in at.items())
             rows.append(f"{head}; {still}: {'it is' if len(s.behind) == 1 else 'they are'} the one"
                         f"{'' if len(s.behind) == 1 else 's'} to look at")
         elif s.open:
-            rows.append(f"{head}, and it has not completed on {_ranks(s.open)}")
+            rows.append(f"{head}, and it has not completed on {ranks_named(s.open)}")
         else:
             rows.append(f"{head}, and it completed on every rank: what they wait for now is not in the recorder "
                         "(point-to-point ops, monitored_barrier): see where each rank is")
@@ -396,8 +397,8 @@ def mismatch_line(m: Mismatch) -> str:
     for rank, call in sorted(m.calls.items()):
         if rank != m.odd and _signature(call) != _signature(odd):
             others.setdefault(render(call), []).append(rank)
-    told = " and ".join(f"{_ranks(r)} called {text}" for text, r in others.items())
-    return f"{told} while {_ranks([m.odd])} called {render(odd)}"
+    told = " and ".join(f"{ranks_named(r)} called {text}" for text, r in others.items())
+    return f"{told} while {ranks_named([m.odd])} called {render(odd)}"
 
 
 def _ago(ns: int) -> str:
@@ -405,6 +406,3 @@ def _ago(ns: int) -> str:
     return f"{seconds:.0f} s" if seconds >= 10 else f"{seconds:.1f} s"
 
 
-def _ranks(ranks: Iterable[int]) -> str:
-    ranks = list(ranks)
-    return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))

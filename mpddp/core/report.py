@@ -27,6 +27,7 @@ from . import collectives, procs, stacks
 from .collectives import Mismatch, Standing
 from .errorfile import ErrorRecord
 from .protocol import Failure, FailureRecord
+from .stacks import ranks_named
 
 _TAIL_LINES = 10
 # The root cause is the first rank by this order, then by time.
@@ -305,23 +306,23 @@ def hang_error(states: list[RankState], seconds_idle: float, places: dict[int, s
     if lagging is not None and not (finished and not idle):
         culprits = [r for r in lagging.behind if r not in finished]
         line = next((p.line for r in lagging.ahead if (p := places.get(r)) is not None and p.waiting), "")
-        first = (f"mpddp: {_ranks(culprits)} made no progress for {seconds} while {_ranks(lagging.ahead)} waited "
+        first = (f"mpddp: {ranks_named(culprits)} made no progress for {seconds} while {ranks_named(lagging.ahead)} waited "
                  f"for it in {collectives.render(lagging.top)}{f' at {line}' if line else ''}; every rank was stopped")
         outcome = Outcome.HUNG
     elif finished and not idle:
         culprits = list(finished)
-        first = (f"mpddp: {_ranks(culprits)} exited (code 0) while {_ranks(waiting)} still waited in "
+        first = (f"mpddp: {ranks_named(culprits)} exited (code 0) while {ranks_named(waiting)} still waited in "
                  f"{wait_text}; every rank was stopped after {seconds} with no progress")
         outcome = Outcome.EARLY_EXIT
     elif (stalled := next((st for st in standings if st.open and not st.behind), None)) is not None and not idle:
         culprits = list(stalled.open)
-        first = (f"mpddp: no rank made progress for {seconds}: {_ranks(stalled.ahead)} entered "
-                 f"{collectives.render(stalled.top)} and it did not complete on {_ranks(stalled.open)}, although no "
+        first = (f"mpddp: no rank made progress for {seconds}: {ranks_named(stalled.ahead)} entered "
+                 f"{collectives.render(stalled.top)} and it did not complete on {ranks_named(stalled.open)}, although no "
                  "rank is missing from it (a backend or network stall); every rank was stopped")
         outcome = Outcome.HUNG
     elif waiting and idle:
         culprits = idle
-        first = (f"mpddp: {_ranks(idle)} made no progress for {seconds} while {_ranks(waiting)} waited for it in "
+        first = (f"mpddp: {ranks_named(idle)} made no progress for {seconds} while {ranks_named(waiting)} waited for it in "
                  f"{wait_text}; every rank was stopped")
         outcome = Outcome.HUNG
     else:
@@ -366,9 +367,6 @@ def mismatch_error(states: list[RankState], mismatch: Mismatch) -> CollectiveMis
     ordered = [s for s in states if s is odd] + [s for s in states if s is not odd and s.outcome is not Outcome.OK]
     return CollectiveMismatch("\n".join(lines), mismatch.odd, [s.record() for s in ordered], exit_code=1)
 
-
-def _ranks(ranks: list[int] | tuple[int, ...]) -> str:
-    return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
 
 
 def remote_error(record: FailureRecord, states: list[RankState], node_rank: int) -> WorkerFailed:

@@ -202,7 +202,7 @@ def grouped(places: dict[int, Place | None], finished: Iterable[int] = ()) -> li
     largest = max(groups.items(), key=lambda item: (item[0][1], len(item[1])), default=None)
     rows = []
     for (text, waiting), ranks in sorted(groups.items(), key=lambda item: item[1][0]):
-        who = _ranks(ranks)
+        who = ranks_named(ranks)
         many = len(ranks) > 1
         if len(groups) == 1:
             verb = ("wait together in" if many else "waits in") if waiting else ("are all at" if many else "is at")
@@ -211,10 +211,12 @@ def grouped(places: dict[int, Place | None], finished: Iterable[int] = ()) -> li
         odd = (not waiting) if waiting_somewhere else (largest is not None and ranks is not largest[1])
         verb = ("wait together in" if many else "waits in") if waiting else ("are elsewhere:" if many else "is elsewhere:")
         rows.append(f"{who} {verb} {text}" + ("  <- look here" if odd else ""))
-    rows += [f"{_ranks([r])} did not answer (it may be stopped or out of the interpreter)" for r in unknown]
-    rows += [f"{_ranks([r])} has already exited" for r in finished]
+    rows += [f"{ranks_named([r])} did not answer (it may be stopped or out of the interpreter)" for r in unknown]
+    rows += [f"{ranks_named([r])} has already exited" for r in finished]
     return rows
 
 
-def _ranks(ranks: list[int]) -> str:
+def ranks_named(ranks: Iterable[int]) -> str:
+    """``rank 3`` or ``ranks 0, 2``: how every report names ranks."""
+    ranks = list(ranks)
     return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
