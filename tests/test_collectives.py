@@ -518,3 +518,17 @@ def test_the_summary_and_the_table():
                         "at 100% of them, median lag 30 ms (p90 30 ms)")
     assert lines[1].split() == ["rank", "collectives", "mean", "lag", "median", "p90", "arrived", "last"]
     assert lines[3].split() == ["1", "100", "30", "ms", "30", "ms", "30", "ms", "100%"]
+
+
+def quick_collectives(ctx):
+    for _ in range(60):
+        dist.all_reduce(torch.ones(4))
+    return ctx.rank
+
+
+def test_a_run_shorter_than_one_read_still_reports_its_collectives(no_leftovers, caplog):
+    """The reader reads once more as the rank ends: 60 all_reduces done within its first half second count."""
+    with caplog.at_level(logging.INFO, logger="mpddp"):
+        assert mpddp.launch(quick_collectives, nprocs=2) == [0, 1]
+    summary = _said(caplog, "mpddp: collectives: ")
+    assert summary and summary[0].mpddp_collectives.collectives >= 50, caplog.text

@@ -107,8 +107,14 @@ class Reader:
         return reader
 
     def stop(self) -> None:
+        """Stop reading, after a last read: a rank that ends within one interval still reports its collectives."""
         self._stop.set()
         self._thread.join(1.0)
+        try:
+            if (report := self.read()) is not None:
+                self._send(report)
+        except (OSError, EOFError, ValueError, RuntimeError, pickle.UnpicklingError):
+            pass  # the channel is closed: the launcher stopped listening
 
     def _run(self) -> None:
         wait = _INTERVAL
