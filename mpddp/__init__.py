@@ -1,7 +1,8 @@
 """mpddp: launch PyTorch DistributedDataParallel training with no torchrun.
 
-The public API: :func:`launch`, :class:`LaunchConfig`, :class:`WorkerContext`
-and the errors. The layers, in data-flow order: this top level (config,
+The public API: :func:`launch`, :func:`spawn`, :class:`LaunchConfig`,
+:class:`WorkerContext`, the errors, and :class:`Task` (what a task file for
+``mpddp train --task`` returns). The layers, in data-flow order: this top level (config,
 ranks, context, errors, log: what every layer shares), ``machine/`` (GPUs,
 interfaces, SLURM, cores), ``core/`` (the launcher), ``trainer/`` (the example
 trainer, on the public API only) and ``cli/`` (on top). ``import mpddp``
@@ -58,6 +59,7 @@ from .errors import (  # noqa: E402
 if TYPE_CHECKING:
     from .core.api import launch as launch
     from .core.api import spawn as spawn
+    from .trainer.tasks import Task as Task
 
 __all__ = [
     "AddressError",
@@ -74,6 +76,7 @@ __all__ = [
     "RestartsExhausted",
     "ShipError",
     "StoreLost",
+    "Task",
     "WorkerContext",
     "WorkerFailed",
     "launch",
@@ -81,13 +84,12 @@ __all__ = [
 ]
 
 
+_LAZY = {"launch": "core.api", "spawn": "core.api", "Task": "trainer.tasks"}  # these load torch: on first use
+
+
 def __getattr__(name: str) -> Any:
-    if name == "launch":  # the core loads on first use
-        from .core.api import launch
+    if name not in _LAZY:
+        raise AttributeError(f"module 'mpddp' has no attribute {name!r}")
+    import importlib
 
-        return launch
-    if name == "spawn":
-        from .core.api import spawn
-
-        return spawn
-    raise AttributeError(f"module 'mpddp' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)

@@ -69,7 +69,7 @@ def gpu_task(seed: int = 0, samples: int = 65536) -> Any:
     from torch import nn
     from torch.utils.data import TensorDataset
 
-    from mpddp.tasks import Task
+    from mpddp import Task
 
     gen = torch.Generator().manual_seed(seed)
     # bf16 inputs and class-index targets: a batch is 8 MiB to load, not 32, so the

@@ -4,7 +4,7 @@ Run it on two CPU ranks::
 
     python -m mpddp train --task scripts/example_task.py --nprocs 2 --epochs 5
 
-The contract (see ``mpddp.tasks.Task``): a function ``make_task(seed)`` (or
+The contract (see ``mpddp.Task``): a function ``make_task(seed)`` (or
 any name, passed as ``file.py:name``) returns ``Task(model, train_set,
 test_set, loss_fn[, optimizer])``. It runs on every rank after
 ``torch.manual_seed(seed)``, so every rank builds the same weights and the
@@ -20,7 +20,7 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
-from mpddp.tasks import Task
+from mpddp import Task
 
 
 class Moons(Dataset):

@@ -483,7 +483,7 @@ def test_readme_scheduler_table_and_precedence() -> None:
     assert f"first present wins: {', '.join(cluster.PRECEDENCE)}" in text
     commands = {
         "srun --nodes=2 --ntasks-per-node=1": slurm.srun_line(
-            slurm.SlurmLayout(1, True, True, 2, 0, ("n1", "n2"), (1, 1), 0, None), MAIN),
+            slurm.SlurmJob(1, True, True, 2, 0, ("n1", "n2"), (1, 1), 0, None), MAIN),
         "mpirun -N 1": mpi.read_open_mpi(recorded("openmpi_two_hosts_rank1"), MAIN),
         "mpiexec -ppn 1": mpi.read_hydra(recorded("mpich_two_hosts_rank1"), MAIN),
         "pbsdsh -u": cluster.detect(recorded("torque_pbsdsh_node1"), MAIN, "n2"),

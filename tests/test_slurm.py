@@ -11,6 +11,8 @@ from mpddp.cli import build_config, main
 from mpddp.cli.options import LAUNCH_FIELDS
 from mpddp.errors import ConfigError
 from mpddp.machine import slurm
+from mpddp.machine.cluster import apply_cluster
+from mpddp.machine.joblayout import describe, port_for, user_command
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -62,7 +64,7 @@ def test_hostnames_prefers_scontrol_and_falls_back() -> None:
 
 @pytest.mark.parametrize(("job_id", "port"), [(0, 20000), (1, 20001), (1234, 21234), (9999, 29999), (123456, 23456)])
 def test_port_for_job(job_id: int, port: int) -> None:
-    assert slurm.port_for_job(job_id) == port
+    assert port_for(str(job_id)) == port
     assert 20000 <= port < 32768  # below Linux's ephemeral ports
 
 
@@ -102,16 +104,16 @@ STEP_N2 = {
 BATCH = {k: v for k, v in STEP_N2.items() if "STEP" not in k} | {"SLURM_NODEID": "0", "SLURMD_NODENAME": "n1"}
 
 
-def layout(env: dict[str, str]) -> slurm.SlurmLayout:
-    found = slurm.read_layout(env, no_scontrol)
+def layout(env: dict[str, str]) -> slurm.SlurmJob:
+    found = slurm.read_job(env, no_scontrol)
     assert found is not None
     return found
 
 
 def test_outside_slurm_there_is_no_layout() -> None:
-    assert slurm.read_layout({"PATH": "/bin", "CUDA_VISIBLE_DEVICES": "0"}, no_scontrol) is None
+    assert slurm.read_job({"PATH": "/bin", "CUDA_VISIBLE_DEVICES": "0"}, no_scontrol) is None
     options = {"nnodes": None, "node_rank": None, "master_addr": None, "master_port": None}
-    assert slurm.apply_slurm(options, {}, MAIN) == options
+    assert apply_cluster(options, {}, MAIN) == options
 
 
 def test_step_layout() -> None:
@@ -185,7 +187,7 @@ UNSET = {"nnodes": None, "node_rank": None, "master_addr": None, "master_port": 
 )
 def test_apply_slurm(env: dict[str, str], flags: dict[str, object], expected: dict[str, object]) -> None:
     options = UNSET | flags | {"nprocs": 2}
-    got = slurm.apply_slurm(options, env, MAIN)
+    got = apply_cluster(options, env, MAIN)
     assert got == expected | {"nprocs": 2}
 
 
@@ -193,9 +195,10 @@ def test_apply_slurm(env: dict[str, str], flags: dict[str, object], expected: di
     ("env", "flags", "words"),
     [
         (STEP_N2, {"nnodes": 3},
-         r"--nnodes 3 but SLURM runs this step on 2 node\(s\).*drop --nnodes, or ask srun for --nodes=3"),
+         r"--nnodes 3 but srun runs this job on 2 node\(s\).*drop --nnodes, or ask srun for --nodes=3"),
         (STEP_N2, {"node_rank": 0},
-         r"--node-rank 0 on SLURM node 1 of 2: .*every node would claim node rank 0; drop --node-rank"),
+         r"--node-rank 0 on SLURM node 1 of 2 \(SLURM_NODEID\): .*every node would claim node rank 0; drop "
+         r"--node-rank"),
         (STEP_N2 | {"SLURM_STEP_TASKS_PER_NODE": "2(x2)", "SLURM_NTASKS": "4"}, {},
          r"SLURM runs 2 mpddp tasks on one node \(tasks per node: 2,2\).*start it with: "
          r"srun --nodes=2 --ntasks-per-node=1 --gpus-per-node=2 python -m mpddp train --epochs 1$"),
@@ -209,7 +212,7 @@ def test_apply_slurm(env: dict[str, str], flags: dict[str, object], expected: di
 )
 def test_layouts_that_cannot_work(env: dict[str, str], flags: dict[str, object], words: str) -> None:
     with pytest.raises(ConfigError, match=words):
-        slurm.apply_slurm(UNSET | flags, env, MAIN)
+        apply_cluster(UNSET | flags, env, MAIN)
 
 
 @pytest.mark.parametrize(
@@ -223,11 +226,11 @@ def test_layouts_that_cannot_work(env: dict[str, str], flags: dict[str, object],
     ],
 )
 def test_user_command(argv: list[str], command: str) -> None:
-    assert slurm.user_command(argv) == command
+    assert user_command(argv) == command
 
 
 def test_describe_names_each_source() -> None:
-    text = slurm.describe(layout(STEP_N2))
+    text = describe(slurm.read_layout(STEP_N2, MAIN, scontrol=no_scontrol))
     assert "From SLURM job 1234 (inside srun):" in text
     assert "node_rank   = 1              (SLURM_NODEID)" in text
     assert "master_addr = n1             (first host of SLURM_STEP_NODELIST=n[1-2])" in text

@@ -86,7 +86,7 @@ def test_a_factory_function_passed_directly():
         ("nosuch.py", "task='nosuch.py': the file .*nosuch.py does not exist; check the path"),
         ("digitz", "task='digitz' is unknown: use digits, synthetic, package.module:factory or path/to/file.py"),
         ("nosuchpkg.mod:make", "task='nosuchpkg.mod:make': cannot import module 'nosuchpkg.mod' .*PYTHONPATH"),
-        (TINY + ":nothing", "has no function 'nothing'; define `def nothing\\(seed: int\\) -> mpddp.tasks.Task`"),
+        (TINY + ":nothing", "has no function 'nothing'; define `def nothing\\(seed: int\\) -> mpddp.Task`"),
     ],
 )
 def test_a_task_that_cannot_be_found_is_one_line(spec, message):
@@ -96,12 +96,12 @@ def test_a_task_that_cannot_be_found_is_one_line(spec, message):
 
 
 def test_a_factory_that_returns_the_wrong_thing(tmp_path):
-    with pytest.raises(ConfigError, match="the factory returned dict, not mpddp.tasks.Task; return Task"):
+    with pytest.raises(ConfigError, match="the factory returned dict, not mpddp.Task; return Task"):
         build_task(TINY + ":make_wrong", seed=0)
     bad = tmp_path / "bad_task.py"
     bad.write_text(textwrap.dedent("""
         import torch
-        from mpddp.tasks import Task
+        from mpddp import Task
         def make_task(seed):
             return Task(model="not a module", train_set=[1], test_set=[1], loss_fn=torch.nn.MSELoss())
     """))
@@ -144,14 +144,14 @@ def test_a_callable_that_is_not_a_task_factory_is_one_line():
         build_task("os:getcwd", seed=0)
     assert str(e.value) == ("task='os:getcwd': getcwd is not a task factory: getcwd(seed=0) fails (posix.getcwd() takes "
                             "no keyword arguments); point --task at a function `def make_task(seed: int) -> "
-                            "mpddp.tasks.Task`")
+                            "mpddp.Task`")
 
     def no_seed() -> Task:
         raise AssertionError("never called")
 
     with pytest.raises(ConfigError, match="task='no_seed': no_seed is not a task factory: no_seed\\(seed=0\\) fails"):
         build_task(no_seed, seed=0)
-    with pytest.raises(ConfigError, match="task='builtins:dict': the factory returned dict, not mpddp.tasks.Task"):
+    with pytest.raises(ConfigError, match="task='builtins:dict': the factory returned dict, not mpddp.Task"):
         build_task("builtins:dict", seed=0)  # takes seed=, returns something else
 
 

@@ -98,7 +98,7 @@ def test_bad_input_is_one_line_and_exit_2(in_process_cli, tmp_path):
     (tmp_path / "cut.pt").write_bytes(b"PK\x03\x04 not a whole file")
     cases = [
         (["--task", TINY + ":nope"], "tiny_task.py:nope': mpddp_task_tiny_task has no function 'nope'"),
-        (["--task", TINY + ":make_wrong"], "the factory returned dict, not mpddp.tasks.Task"),
+        (["--task", TINY + ":make_wrong"], "the factory returned dict, not mpddp.Task"),
         (["--task", "no.such.module:make"], "cannot import module 'no.such.module'"),
         (["--resume", "missing.pt"], "resume='missing.pt': no such checkpoint file; pass an existing ckpt-*.pt"),
         (["--resume", "foreign.pt"], "resume='foreign.pt' is not an mpddp checkpoint (missing format"),

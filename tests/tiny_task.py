@@ -11,7 +11,7 @@ import torch
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from mpddp.tasks import Task
+from mpddp import Task
 
 TINY = str(Path(__file__).resolve())
 TRAIN, TEST, FEATURES, CLASSES = 64, 21, 6, 3  # 21 test samples: shards of 11 and 10 on two ranks

@@ -3,20 +3,19 @@
 Owns: the teaching table (node, local rank, the formula, the device) and,
 inside a job (SLURM, MPI, PBS, LSF, Kubeflow), which environment was found
 and where each value came from. Leaves the formula to ranks.py and reading
-the job to machine/cluster.py (SLURM's GPUs to machine/slurm.py).
+the job to machine/cluster.py (a job's GPUs too).
 """
 
 from __future__ import annotations
 
 import os
-import sys
 
 import click
 
 from .. import ranks as rank_math
 from ..config import LaunchConfig, parse_gpus
 from ..errors import ConfigError
-from ..machine import cluster, slurm
+from ..machine import cluster
 
 
 @click.command()
@@ -36,13 +35,12 @@ def ranks(nprocs: int | None, nnodes: int | None, gpus: str | None) -> None:
     if found is not None:  # inside a job: show that job's layout
         click.echo(_header(found))
         nnodes = found.nnodes
-        allocation = found.layout
-        if isinstance(allocation, slurm.SlurmLayout):
-            if nprocs is None and ids is None and allocation.gpus_on_node:
-                ids = allocation.gpu_ids if len(allocation.gpu_ids or ()) == allocation.gpus_on_node else None
-                nprocs = allocation.gpus_on_node
+        job = found.layout
+        if nprocs is None and ids is None and job.gpus:  # one worker per GPU the job gave this node
+            ids = job.gpu_ids if len(job.gpu_ids or ()) == job.gpus else None
+            nprocs = job.gpus
         elif nprocs is None:
-            nprocs = allocation.nprocs
+            nprocs = job.nprocs
     if nprocs is None:
         nprocs = len(ids) if ids else 1
     nnodes = 1 if nnodes is None else nnodes
@@ -52,7 +50,7 @@ def ranks(nprocs: int | None, nnodes: int | None, gpus: str | None) -> None:
 
 def _header(found: cluster.Detected) -> str:
     """Where the values came from, and why the layout would not work (if so)."""
-    problem = cluster.note(found, sys.argv)
+    problem = cluster.note(found)
     note = f"\nnote: {problem}" if problem else ""
     return f"{cluster.describe(found)}{note}\n"
 

@@ -3,11 +3,11 @@
 Owns: telling which environments are present (Open MPI, MPICH/Intel MPI,
 SLURM, PBS, LSF, Kubeflow), the one precedence rule between them
 (:data:`PRECEDENCE`), :func:`apply_cluster` (what core/api.py's
-``make_config`` calls: the generalization of ``slurm.apply_slurm``, which
-stays for SLURM alone) and :func:`describe` for ``mpddp ranks`` and ``mpddp
+``make_config`` calls) and :func:`describe` for ``mpddp ranks`` and ``mpddp
 info``. Leaves reading each environment to slurm.py, mpi.py, pbs.py, lsf.py
-and kubeflow.py, the shared shape and the merge to joblayout.py, and the
-final validation to config.py.
+and kubeflow.py (each a ``read_layout`` that returns a
+:class:`~mpddp.machine.joblayout.JobLayout`), the shared shape and the
+merge to joblayout.py, and the final validation to config.py.
 
 The precedence, first present wins: the innermost launcher, the one that
 started *this* process. ``mpirun`` / ``mpiexec`` start their processes
@@ -31,12 +31,10 @@ from typing import Any
 from ..errors import ConfigError
 from . import joblayout, kubeflow, lsf, mpi, pbs, slurm
 
-SLURM = "SLURM"
-
 _PRESENT: dict[str, Callable[[Mapping[str, str]], bool]] = {
     mpi.OPEN_MPI: mpi.open_mpi_present,
     mpi.HYDRA: mpi.hydra_present,
-    SLURM: lambda environ: joblayout.pick(environ, "SLURM_JOB_ID", "SLURM_JOBID") is not None,
+    slurm.SLURM: slurm.present,
     pbs.PBS: pbs.present,
     lsf.LSF: lsf.present,
     kubeflow.KUBEFLOW: kubeflow.present,
@@ -46,6 +44,7 @@ PRECEDENCE = tuple(_PRESENT)  # first present wins: see the module's docstring
 _READERS: dict[str, Callable[[Mapping[str, str], Sequence[str], str | None], joblayout.JobLayout | None]] = {
     mpi.OPEN_MPI: mpi.read_open_mpi,
     mpi.HYDRA: mpi.read_hydra,
+    slurm.SLURM: slurm.read_layout,
     pbs.PBS: pbs.read_layout,
     lsf.LSF: lsf.read_layout,
     kubeflow.KUBEFLOW: kubeflow.read_layout,
@@ -57,7 +56,7 @@ class Detected:
     """The environment that started this process, its layout, and the ones it outranks."""
 
     name: str
-    layout: joblayout.JobLayout | slurm.SlurmLayout
+    layout: joblayout.JobLayout
     outranked: tuple[str, ...] = ()
 
     @property
@@ -78,28 +77,14 @@ def detect(environ: Mapping[str, str] | None = None, argv: Sequence[str] | None 
     if not names:
         return None
     name = names[0]
-    if name == SLURM:
-        layout: joblayout.JobLayout | slurm.SlurmLayout | None = slurm.read_layout(environ)
-    else:
-        layout = _READERS[name](environ, sys.argv if argv is None else argv, hostname)
+    layout = _READERS[name](environ, sys.argv if argv is None else argv, hostname)
     return None if layout is None else Detected(name, layout, tuple(names[1:]))
 
 
-def problem(found: Detected, argv: Sequence[str] | None = None) -> str | None:
-    """Why the detected layout cannot work as started (with the command line to use), or None."""
-    if isinstance(found.layout, slurm.SlurmLayout):
-        try:
-            slurm.check_layout(found.layout, sys.argv if argv is None else argv)
-        except ConfigError as e:
-            return str(e)
-        return None
-    return found.layout.problem
-
-
-def note(found: Detected, argv: Sequence[str] | None = None) -> str | None:
+def note(found: Detected) -> str | None:
     """What a launch with no layout flags would be refused with here (for ``mpddp ranks``), or None."""
-    why = problem(found, argv)
-    if why is None and isinstance(found.layout, joblayout.JobLayout):
+    why = found.layout.problem
+    if why is None:
         try:
             joblayout.merge({}, found.layout)
         except ConfigError as e:
@@ -122,19 +107,14 @@ def apply_cluster(options: Mapping[str, Any], environ: Mapping[str, str] | None 
     found = detect(environ, argv, hostname)
     if found is None:
         return dict(options)
-    if options.get("nnodes") is None and (why := problem(found, argv)):
-        raise ConfigError(why)
-    if isinstance(found.layout, slurm.SlurmLayout):
-        return {**options, **slurm.merge(options, found.layout)}
+    if options.get("nnodes") is None and found.layout.problem:
+        raise ConfigError(found.layout.problem)
     return {**options, **joblayout.merge(options, found.layout)}
 
 
 def describe(found: Detected) -> str:
     """Where each value came from, and which other environments lost, for ``mpddp ranks`` and ``mpddp info``."""
-    if isinstance(found.layout, slurm.SlurmLayout):
-        text = slurm.describe(found.layout)
-    else:
-        text = joblayout.describe(found.layout)
+    text = joblayout.describe(found.layout)
     if found.outranked:
         text += (f"\n  ({' and '.join(found.outranked)} variables are set too; {found.name} started this "
                  "process, so its layout wins)")

@@ -4,11 +4,14 @@ Owns: :class:`JobLayout` (node count, node rank, master, the command line
 that starts one launcher per node there, what would not work, and where each
 value came from), the small readers the scheduler modules share (a variable
 as a number, a job id as a port, a host file, this host's place among the
-job's hosts), merging a layout *under* explicit flags with the two
-conflicts that cannot work, and :func:`describe` for ``mpddp ranks``.
-Leaves reading each environment to mpi.py, pbs.py, lsf.py and kubeflow.py
-(SLURM keeps its own slurm.py), choosing among them to cluster.py and
-validating the final values to config.py.
+job's hosts, the user's command line for the fix), the one port formula
+every node of a job derives alike (:func:`port_for`), merging a layout
+*under* explicit flags with the two conflicts that cannot work, and
+:func:`describe` for ``mpddp ranks``. Leaves reading each environment to
+slurm.py, mpi.py, pbs.py, lsf.py and kubeflow.py (each one
+``read_layout(environ, argv, hostname) -> JobLayout`` plus what only it
+knows), choosing among them to cluster.py and validating the final values
+to config.py.
 
 Why one shape: every scheduler runs the *same* command on every node, so
 the same two mistakes are possible everywhere (a ``--nnodes`` the job does
@@ -18,14 +21,23 @@ printed: the launcher's own command line for one launcher per node.
 
 from __future__ import annotations
 
+import os
+import shlex
 import socket
 import zlib
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from ..errors import ConfigError
-from .slurm import PORT_BASE, PORT_SPAN, port_for_job, refuse_conflicts, under_flags
+
+# Port = PORT_BASE + job id % PORT_SPAN, so 20000..29999: every node of a job
+# derives the same port with no message passing; the range is above the
+# well-known ports and below Linux's ephemeral range (32768-60999), so an
+# outgoing connection never holds it. Two jobs collide only when their ids
+# differ by a multiple of 10000 *and* they share node 0; pass --master-port then.
+PORT_BASE = 20000
+PORT_SPAN = 10000
 
 
 @dataclass(frozen=True)
@@ -41,6 +53,11 @@ class JobLayout:
     raised only when the node count comes from the scheduler. ``launcher``
     names what runs the same command on every node (``mpirun``, ``pbsdsh``).
     ``nprocs`` is the workers per node the job asked for, if it says.
+    ``numbered`` is False where the node rank is not the job's to give (a
+    SLURM batch script outside ``srun``), so a ``--node-rank`` there is no
+    conflict; ``resize`` says how to ask for ``{n}`` nodes. ``gpus`` and
+    ``gpu_ids`` are the GPUs the job gave this node, for ``mpddp ranks`` (the
+    choice itself reaches machine/gpus.py through ``CUDA_VISIBLE_DEVICES``).
     """
 
     scheduler: str
@@ -55,6 +72,10 @@ class JobLayout:
     problem: str | None = None
     missing: str = ""
     sources: tuple[tuple[str, str], ...] = ()
+    numbered: bool = True
+    resize: str = "start the job on {n} nodes"
+    gpus: int = 0
+    gpu_ids: tuple[int, ...] | None = None
 
     def source(self, name: str) -> str:
         """Where the value ``name`` came from (a variable, a file, a default)."""
@@ -82,17 +103,17 @@ def int_var(environ: Mapping[str, str], scheduler: str, *names: str) -> tuple[in
 
 
 def port_for(job_id: str) -> int:
-    """The master port every node of job ``job_id`` derives alike: 20000-29999 (see slurm.PORT_BASE).
+    """The master port every node of job ``job_id`` derives alike, 20000-29999: the one formula for every scheduler.
 
-    A numeric id (``1234``, ``1234.server``) gives 20000 + id % 10000 as under
-    SLURM; any other id (an array job's ``1234[5].server``, Open MPI 5's
-    namespace) its CRC-32, which is the same on every node (Python's ``hash``
-    is not: it changes with each interpreter).
+    The job's number: a numeric id (SLURM's ``1234``, PBS's ``1234.server``)
+    is that number, so that consecutive jobs get distinct ports; any other id
+    (an array job's ``1234[5].server``, Open MPI 5's namespace) is numbered
+    by its CRC-32, which is the same on every node (Python's ``hash`` is
+    not: it changes with each interpreter). Port = PORT_BASE + number % PORT_SPAN.
     """
-    number = job_id.split(".", 1)[0]
-    if number.isdigit():
-        return port_for_job(int(number))
-    return PORT_BASE + zlib.crc32(job_id.encode()) % PORT_SPAN
+    head = job_id.split(".", 1)[0]
+    number = int(head) if head.isdigit() else zlib.crc32(job_id.encode())
+    return PORT_BASE + number % PORT_SPAN
 
 
 def port_source(name: str, job_id: str) -> str:
@@ -131,17 +152,52 @@ def read_hostfile(path: str, variable: str, scheduler: str) -> list[str]:
     return hosts
 
 
+def user_command(argv: Sequence[str]) -> str:
+    """How the user started this process, for the line that starts one launcher per node in messages."""
+    if not argv or argv[0] in ("", "-c"):
+        return "python your_script.py"
+    first = argv[0].replace(os.sep, "/")
+    if first.endswith("mpddp/__main__.py") or os.path.basename(first) == "mpddp":
+        return shlex.join(["python", "-m", "mpddp", *argv[1:]])
+    return shlex.join(["python", *argv])
+
+
 def check_conflicts(explicit: Mapping[str, Any], layout: JobLayout) -> None:
-    """:func:`refuse_conflicts` in the words of ``layout``'s scheduler."""
-    refuse_conflicts(
-        explicit, layout.nnodes, layout.node_rank, True,
-        lambda n: (f"--nnodes {n} but {layout.launcher} runs this job on {layout.nnodes} node(s) "
-                   f"({layout.source('nnodes')}): node ranks from {layout.source('node_rank')} cannot number {n} "
-                   f"nodes; drop --nnodes, or start the job on {n} nodes, or pass --node-rank on every node"),
-        lambda r: (f"--node-rank {r} on {layout.scheduler} node {layout.node_rank} of {layout.nnodes} "
-                   f"({layout.source('node_rank')}): {layout.launcher} runs the same command on every node, so every "
-                   f"node would claim node rank {r}; drop --node-rank"),
-    )
+    """Explicit flags win, except where one command line on every node cannot work.
+
+    ``--nnodes`` other than the job's with no ``--node-rank``: the job's node
+    ranks cannot number them. ``--node-rank`` on a job that runs the same
+    command on every node: every node would claim it.
+    """
+    want_nodes, want_rank = explicit.get("nnodes"), explicit.get("node_rank")
+    nnodes, node_rank = layout.nnodes, layout.node_rank
+    if want_nodes is not None and want_nodes not in (1, nnodes) and want_rank is None:
+        raise ConfigError(
+            f"--nnodes {want_nodes} but {layout.launcher} runs this job on {nnodes} node(s) "
+            f"({layout.source('nnodes')}): node ranks from {layout.source('node_rank')} cannot number {want_nodes} "
+            f"nodes; drop --nnodes, or {layout.resize.format(n=want_nodes)}, or pass --node-rank on every node")
+    if (want_rank is not None and want_rank != node_rank and want_nodes in (None, nnodes) and layout.numbered
+            and nnodes > 1):
+        raise ConfigError(
+            f"--node-rank {want_rank} on {layout.scheduler} node {node_rank} of {nnodes} "
+            f"({layout.source('node_rank')}): {layout.launcher} runs the same command on every node, so every "
+            f"node would claim node rank {want_rank}; drop --node-rank")
+
+
+def under_flags(explicit: Mapping[str, Any], layout: JobLayout) -> dict[str, Any]:
+    """The job's layout with the explicit values (not None) over it.
+
+    A node count of the user's other than the job's means the job is
+    described by hand: the job's node rank and master stay out of it. One
+    node keeps the loopback default and an OS-chosen port.
+    """
+    if explicit.get("nnodes") not in (None, layout.nnodes):
+        job: dict[str, Any] = {"nnodes": explicit["nnodes"], "node_rank": 0}
+    else:
+        job = {"nnodes": layout.nnodes, "node_rank": layout.node_rank}
+        if layout.nnodes > 1:
+            job |= {"master_addr": layout.master_addr, "master_port": layout.master_port}
+    return {name: explicit[name] if explicit.get(name) is not None else value for name, value in job.items()}
 
 
 def merge(explicit: Mapping[str, Any], layout: JobLayout) -> dict[str, Any]:
@@ -153,7 +209,7 @@ def merge(explicit: Mapping[str, Any], layout: JobLayout) -> dict[str, Any]:
     flags: refused with ``layout.missing``, naming what to pass.
     """
     check_conflicts(explicit, layout)
-    merged = under_flags(explicit, layout.nnodes, layout.node_rank, layout.master_addr, layout.master_port)
+    merged = under_flags(explicit, layout)
     if layout.nprocs is not None:
         merged["nprocs"] = explicit["nprocs"] if explicit.get("nprocs") is not None else layout.nprocs
     if "master_addr" in merged:
@@ -173,6 +229,7 @@ def describe(layout: JobLayout) -> str:
         "master_addr": layout.master_addr or "(not given)",
         "master_port": "(not given)" if layout.master_port is None else str(layout.master_port),
         "nprocs": "(default)" if layout.nprocs is None else str(layout.nprocs),
+        "gpus": str(layout.gpus),
     }
     lines = [f"From {layout.job}:"]
     lines += [f"  {name:<11} = {values[name]:<14} ({source})" for name, source in layout.sources]

@@ -36,8 +36,7 @@ import socket
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 
-from .joblayout import JobLayout, int_var, pick
-from .slurm import user_command
+from .joblayout import JobLayout, int_var, pick, user_command
 
 KUBEFLOW = "Kubeflow"
 

@@ -28,8 +28,7 @@ from __future__ import annotations
 import socket
 from collections.abc import Mapping, Sequence
 
-from .joblayout import JobLayout, int_var, pick, port_for, port_source
-from .slurm import user_command
+from .joblayout import JobLayout, int_var, pick, port_for, port_source, user_command
 
 OPEN_MPI = "Open MPI"
 HYDRA = "MPICH/Intel MPI"

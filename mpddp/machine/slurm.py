@@ -1,13 +1,15 @@
 """SLURM: what an allocation says about the job's layout, read once at the edge.
 
-Owns: expanding node lists (``gpu[01-03,7]``), the master host and the
-master port of a SLURM job, the per-node task counts (``2(x3),1``), the
-:class:`SlurmLayout` read from ``SLURM_*`` variables, the check that the
-layout can work (one mpddp task per node, inside ``srun``) and merging it
-*under* explicit flags. Leaves to others: validation of the final values
-(config.py), merging under launch() options (core/api.py), GPU choice
-(machine/gpus.py: SLURM's pick reaches it through ``CUDA_VISIBLE_DEVICES``),
-and the rendezvous itself (core/rendezvous.py).
+Owns: what only SLURM knows: expanding node lists (``gpu[01-03,7]``),
+the per-node task counts (``2(x3),1``), the :class:`SlurmJob` read from
+``SLURM_*`` variables, the check that it can work (one mpddp task per
+node, inside ``srun``) with the ``srun`` line that fixes it, and
+:func:`read_layout`, which turns it into the
+:class:`~mpddp.machine.joblayout.JobLayout` every scheduler gives. Leaves
+the shape, the port formula and the merge under flags to joblayout.py,
+choosing among schedulers to cluster.py, validation of the final values to
+config.py, and GPU choice to machine/gpus.py (SLURM's pick reaches it
+through ``CUDA_VISIBLE_DEVICES``).
 
 mpddp runs one launcher per node, each starting one worker per local GPU,
 so under SLURM it wants exactly one task per node::
@@ -25,25 +27,16 @@ batch script itself has ``SLURM_JOB_ID`` but no ``SLURM_STEP_ID``.
 
 from __future__ import annotations
 
-import os
 import re
-import shlex
 import shutil
 import subprocess
-import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 from ..errors import ConfigError
+from .joblayout import JobLayout, int_var, pick, port_for, port_source, user_command
 
-# Port = PORT_BASE + job id % PORT_SPAN, so 20000..29999: every node of a job
-# derives the same port with no message passing; the range is above the
-# well-known ports and below Linux's ephemeral range (32768-60999), so an
-# outgoing connection never holds it. Two jobs collide only when their ids
-# differ by a multiple of 10000 *and* they share node 0; pass --master-port then.
-PORT_BASE = 20000
-PORT_SPAN = 10000
+SLURM = "SLURM"
 SCONTROL_TIMEOUT = 5.0  # seconds; scontrol answers locally, never wait on a sick controller
 
 _NODELIST_ITEM = re.compile(r"([^\[\],]*)\[([^\]]*)\]")
@@ -123,11 +116,6 @@ def hostnames(spec: str, scontrol: Callable[[str], list[str] | None] = scontrol_
     return scontrol(spec) or expand_nodelist(spec)
 
 
-def port_for_job(job_id: int) -> int:
-    """The master port every node of job ``job_id`` derives alike (see PORT_BASE)."""
-    return PORT_BASE + job_id % PORT_SPAN
-
-
 def parse_tasks_per_node(spec: str) -> list[int]:
     """``2(x3),1`` -> ``[2, 2, 2, 1]``: SLURM's compressed per-node task counts."""
     counts: list[int] = []
@@ -139,8 +127,13 @@ def parse_tasks_per_node(spec: str) -> list[int]:
     return counts
 
 
+def present(environ: Mapping[str, str]) -> bool:
+    """Inside a SLURM job (its batch script, an salloc shell, or a step)."""
+    return pick(environ, "SLURM_JOB_ID", "SLURM_JOBID") is not None
+
+
 @dataclass(frozen=True)
-class SlurmLayout:
+class SlurmJob:
     """One node's view of its SLURM job: what mpddp takes from ``SLURM_*``.
 
     ``in_step`` is True inside ``srun`` (``SLURM_STEP_ID`` set), False in the
@@ -171,8 +164,8 @@ class SlurmLayout:
 
     @property
     def master_port(self) -> int:
-        """The port derived from the job id (see :func:`port_for_job`)."""
-        return port_for_job(self.job_id)
+        """The port derived from the job id (see :func:`~mpddp.machine.joblayout.port_for`)."""
+        return port_for(str(self.job_id))
 
     @property
     def tasks_here(self) -> int:
@@ -182,22 +175,8 @@ class SlurmLayout:
         return max(self.tasks_per_node, default=1)
 
 
-def _pick(environ: Mapping[str, str], *names: str) -> tuple[str, str] | None:
-    """The first of ``names`` that is set and not empty, as (name, value)."""
-    for name in names:
-        if environ.get(name, "").strip():
-            return name, environ[name].strip()
-    return None
-
-
 def _int_var(environ: Mapping[str, str], default: int, *names: str) -> tuple[int, str]:
-    found = _pick(environ, *names)
-    if found is None:
-        return default, f"default {default}"
-    name, text = found
-    if not text.isdigit():
-        raise ConfigError(f"{name}={text!r} is not a number: SLURM sets it to an integer; unset it or fix the job")
-    return int(text), name
+    return int_var(environ, SLURM, *names) or (default, f"default {default}")
 
 
 def _gpu_ids(text: str | None) -> tuple[int, ...] | None:
@@ -207,24 +186,23 @@ def _gpu_ids(text: str | None) -> tuple[int, ...] | None:
     return tuple(int(p) for p in parts) if all(p.isdigit() for p in parts) else None
 
 
-def read_layout(environ: Mapping[str, str],
-                scontrol: Callable[[str], list[str] | None] | None = None) -> SlurmLayout | None:
-    """The SLURM layout in ``environ``, or None outside a SLURM job (``scontrol``: see :func:`hostnames`)."""
-    job = _pick(environ, "SLURM_JOB_ID", "SLURM_JOBID")
+def read_job(environ: Mapping[str, str], scontrol: Callable[[str], list[str] | None] | None = None) -> SlurmJob | None:
+    """The SLURM job in ``environ``, or None outside a SLURM job (``scontrol``: see :func:`hostnames`)."""
+    job = pick(environ, "SLURM_JOB_ID", "SLURM_JOBID")
     if job is None:
         return None
     job_id, _ = _int_var(environ, 0, job[0])
     nnodes, nnodes_src = _int_var(environ, 1, "SLURM_STEP_NUM_NODES", "SLURM_NNODES", "SLURM_JOB_NUM_NODES")
     node_rank, rank_src = _int_var(environ, 0, "SLURM_NODEID")
-    nodelist = _pick(environ, "SLURM_STEP_NODELIST", "SLURM_NODELIST", "SLURM_JOB_NODELIST")
+    nodelist = pick(environ, "SLURM_STEP_NODELIST", "SLURM_NODELIST", "SLURM_JOB_NODELIST")
     hosts = tuple(hostnames(nodelist[1], scontrol or scontrol_hostnames)) if nodelist else ("127.0.0.1",)
-    tasks = _pick(environ, "SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE", "SLURM_NTASKS_PER_NODE")
-    gpus = _pick(environ, "SLURM_STEP_GPUS", "SLURM_JOB_GPUS")
+    tasks = pick(environ, "SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE", "SLURM_NTASKS_PER_NODE")
+    gpus = pick(environ, "SLURM_STEP_GPUS", "SLURM_JOB_GPUS")
     gpus_on_node, gpus_src = _int_var(environ, len(_gpu_ids(gpus[1]) or ()) if gpus else 0, "SLURM_GPUS_ON_NODE")
-    return SlurmLayout(
+    return SlurmJob(
         job_id=job_id,
-        in_step=_pick(environ, "SLURM_STEP_ID", "SLURM_STEPID") is not None,
-        on_node=_pick(environ, "SLURMD_NODENAME") is not None,
+        in_step=pick(environ, "SLURM_STEP_ID", "SLURM_STEPID") is not None,
+        on_node=pick(environ, "SLURMD_NODENAME") is not None,
         nnodes=nnodes,
         node_rank=node_rank,
         hosts=hosts,
@@ -235,125 +213,53 @@ def read_layout(environ: Mapping[str, str],
             ("nnodes", nnodes_src),
             ("node_rank", rank_src),
             ("master_addr", f"first host of {nodelist[0]}={nodelist[1]}" if nodelist else "default"),
-            ("master_port", f"{PORT_BASE} + {job[0]} % {PORT_SPAN}"),
+            ("master_port", port_source(job[0], str(job_id))),
             ("gpus", gpus_src if gpus_src.startswith("SLURM") else (gpus[0] if gpus else "none asked for")),
         ),
     )
 
 
-def user_command(argv: Sequence[str]) -> str:
-    """How the user started this process, for the ``srun`` line in messages."""
-    if not argv or argv[0] in ("", "-c"):
-        return "python your_script.py"
-    first = argv[0].replace(os.sep, "/")
-    if first.endswith("mpddp/__main__.py") or os.path.basename(first) == "mpddp":
-        return shlex.join(["python", "-m", "mpddp", *argv[1:]])
-    return shlex.join(["python", *argv])
-
-
-def srun_line(layout: SlurmLayout, argv: Sequence[str]) -> str:
+def srun_line(layout: SlurmJob, argv: Sequence[str]) -> str:
     """The ``srun`` line that runs this command as mpddp wants: one task per node."""
     gpus = f" --gpus-per-node={layout.gpus_on_node}" if layout.gpus_on_node else ""
     return f"srun --nodes={layout.nnodes} --ntasks-per-node=1{gpus} {user_command(argv)}"
 
 
-def check_layout(layout: SlurmLayout, argv: Sequence[str]) -> None:
-    """Raise :class:`ConfigError` with the right ``srun`` line when the layout cannot work."""
-    if not layout.in_step and (layout.nnodes > 1 or not layout.on_node):
-        where = f"{layout.nnodes} nodes" if layout.nnodes > 1 else "the submit host (an salloc shell)"
-        raise ConfigError(
-            f"SLURM job {layout.job_id} runs this command outside srun, on {where}: mpddp needs one launcher "
-            f"on every node of the job; start it with: {srun_line(layout, argv)}"
-        )
-    if layout.tasks_here > 1 or any(count > 1 for count in layout.tasks_per_node):
-        raise ConfigError(
-            f"SLURM runs {max(layout.tasks_per_node)} mpddp tasks on one node (tasks per node: "
-            f"{','.join(map(str, layout.tasks_per_node))}): mpddp wants one task per node and starts one "
-            f"worker per GPU itself; start it with: {srun_line(layout, argv)}"
-        )
+def problem(job: SlurmJob, argv: Sequence[str]) -> str | None:
+    """Why the job cannot work as started, ending with the right ``srun`` line; None when it can."""
+    if not job.in_step and (job.nnodes > 1 or not job.on_node):
+        where = f"{job.nnodes} nodes" if job.nnodes > 1 else "the submit host (an salloc shell)"
+        return (f"SLURM job {job.job_id} runs this command outside srun, on {where}: mpddp needs one launcher "
+                f"on every node of the job; start it with: {srun_line(job, argv)}")
+    if job.tasks_here > 1 or any(count > 1 for count in job.tasks_per_node):
+        return (f"SLURM runs {max(job.tasks_per_node)} mpddp tasks on one node (tasks per node: "
+                f"{','.join(map(str, job.tasks_per_node))}): mpddp wants one task per node and starts one "
+                f"worker per GPU itself; start it with: {srun_line(job, argv)}")
+    return None
 
 
-def refuse_conflicts(explicit: Mapping[str, Any], nnodes: int, node_rank: int, numbered: bool,
-                     too_many: Callable[[int], str], claimed: Callable[[int], str]) -> None:
-    """Explicit flags win, except where one command line on every node cannot work (every scheduler's: machine/joblayout.py).
+def read_layout(environ: Mapping[str, str], argv: Sequence[str], hostname: str | None = None,
+                scontrol: Callable[[str], list[str] | None] | None = None) -> JobLayout | None:
+    """The SLURM job in ``environ`` as every scheduler's :class:`JobLayout`, or None outside a SLURM job.
 
-    ``--nnodes`` other than the job's with no ``--node-rank``: the job's node
-    ranks cannot number them (``too_many``). ``--node-rank`` on a job that
-    runs the same command on every node (``numbered``): every node would
-    claim it (``claimed``).
+    ``hostname`` is not needed: SLURM numbers the nodes itself (``SLURM_NODEID``).
     """
-    want_nodes, want_rank = explicit.get("nnodes"), explicit.get("node_rank")
-    if want_nodes is not None and want_nodes not in (1, nnodes) and want_rank is None:
-        raise ConfigError(too_many(want_nodes))
-    if want_rank is not None and want_rank != node_rank and want_nodes in (None, nnodes) and numbered and nnodes > 1:
-        raise ConfigError(claimed(want_rank))
-
-
-def _check_conflicts(explicit: Mapping[str, Any], layout: SlurmLayout) -> None:
-    """Explicit flags win, except where srun's one command line on every node cannot work."""
-    refuse_conflicts(
-        explicit, layout.nnodes, layout.node_rank, layout.in_step,
-        lambda n: (f"--nnodes {n} but SLURM runs this step on {layout.nnodes} node(s) (SLURM_NNODES): node ranks "
-                   f"from SLURM_NODEID cannot number {n} nodes; drop --nnodes, or ask srun for --nodes={n}, or pass "
-                   "--node-rank on every node"),
-        lambda r: (f"--node-rank {r} on SLURM node {layout.node_rank} of {layout.nnodes}: srun runs the same command "
-                   f"on every node, so every node would claim node rank {r}; drop --node-rank (SLURM_NODEID numbers "
-                   "the nodes)"),
+    job = read_job(environ, scontrol)
+    if job is None:
+        return None
+    return JobLayout(
+        scheduler=SLURM,
+        job=f"SLURM job {job.job_id} ({'inside' if job.in_step else 'outside'} srun)",
+        nnodes=job.nnodes,
+        node_rank=job.node_rank,
+        master_addr=job.master_addr,
+        master_port=job.master_port,
+        launcher="srun",
+        command=srun_line(job, argv),
+        problem=problem(job, argv),
+        sources=job.sources,
+        numbered=job.in_step,  # a batch script's node rank is no one's to claim
+        resize="ask srun for --nodes={n}",
+        gpus=job.gpus_on_node,
+        gpu_ids=job.gpu_ids,
     )
-
-
-def merge(explicit: Mapping[str, Any], layout: SlurmLayout) -> dict[str, Any]:
-    """nnodes, node_rank, master_addr and master_port: explicit values (not None) win over SLURM's.
-
-    An explicit ``--nnodes`` other than SLURM's means the user describes the
-    job by hand, so SLURM's node rank and master stay out of it.
-    """
-    _check_conflicts(explicit, layout)
-    return under_flags(explicit, layout.nnodes, layout.node_rank, layout.master_addr, layout.master_port)
-
-
-def under_flags(explicit: Mapping[str, Any], nnodes: int, node_rank: int, master_addr: str | None,
-                master_port: int | None) -> dict[str, Any]:
-    """A job's layout with the explicit values (not None) over it (every scheduler's: machine/joblayout.py).
-
-    A node count of the user's other than the job's means the job is
-    described by hand: the job's node rank and master stay out of it. One
-    node keeps the loopback default and an OS-chosen port.
-    """
-    if explicit.get("nnodes") not in (None, nnodes):
-        job: dict[str, Any] = {"nnodes": explicit["nnodes"], "node_rank": 0}
-    else:
-        job = {"nnodes": nnodes, "node_rank": node_rank}
-        if nnodes > 1:
-            job |= {"master_addr": master_addr, "master_port": master_port}
-    return {name: explicit[name] if explicit.get(name) is not None else value for name, value in job.items()}
-
-
-def apply_slurm(options: Mapping[str, Any], environ: Mapping[str, str] | None = None,
-                argv: Sequence[str] | None = None) -> dict[str, Any]:
-    """``options`` with SLURM's values filled in where the user passed none (unchanged outside SLURM).
-
-    The edge function: it reads ``os.environ`` and ``sys.argv`` unless given,
-    checks the layout (one task per node, inside srun) when SLURM's node
-    count is used, and may run ``scontrol show hostnames``.
-    """
-    layout = read_layout(os.environ if environ is None else environ)
-    if layout is None:
-        return dict(options)
-    if options.get("nnodes") is None:
-        check_layout(layout, sys.argv if argv is None else argv)
-    return {**options, **merge(options, layout)}
-
-
-def describe(layout: SlurmLayout) -> str:
-    """Where each value came from, for ``mpddp ranks`` inside an allocation."""
-    lines = [f"From SLURM job {layout.job_id} ({'inside srun' if layout.in_step else 'outside srun'}):"]
-    values = {
-        "nnodes": str(layout.nnodes),
-        "node_rank": str(layout.node_rank),
-        "master_addr": layout.master_addr,
-        "master_port": str(layout.master_port),
-        "gpus": str(layout.gpus_on_node),
-    }
-    lines += [f"  {name:<11} = {values[name]:<14} ({source})" for name, source in layout.sources]
-    return "\n".join(lines)

@@ -184,7 +184,7 @@ def load_factory(spec: str) -> Callable[..., Any]:
     factory = getattr(module, attr, None)
     if not callable(factory):
         raise ConfigError(f"task={spec!r}: {module.__name__} has no function {attr!r}; "
-                          f"define `def {attr}(seed: int) -> mpddp.tasks.Task` or name yours after ':'")
+                          f"define `def {attr}(seed: int) -> mpddp.Task` or name yours after ':'")
     return factory
 
 
@@ -222,7 +222,7 @@ def _call(factory: Callable[..., Any], spec: object, seed: int) -> Any:
         if e.__traceback__ is not None and e.__traceback__.tb_next is None:  # the call itself failed: no seed=
             name = getattr(factory, "__name__", repr(factory))
             raise ConfigError(f"task={_label(spec)!r}: {name} is not a task factory: {name}(seed={seed}) fails "
-                              f"({e}); point --task at a function `def make_task(seed: int) -> mpddp.tasks.Task`"
+                              f"({e}); point --task at a function `def make_task(seed: int) -> mpddp.Task`"
                               ) from e
         raise
 
@@ -255,7 +255,7 @@ def task_name(spec: str | Callable[..., Any]) -> str:
 def _check_task(task: Any, spec: object) -> None:
     where = _label(spec)
     if not isinstance(task, Task):
-        raise ConfigError(f"task={where!r}: the factory returned {type(task).__name__}, not mpddp.tasks.Task; "
+        raise ConfigError(f"task={where!r}: the factory returned {type(task).__name__}, not mpddp.Task; "
                           "return Task(model, train_set, test_set, loss_fn)")
     problems = [
         (isinstance(task.model, nn.Module), "model must be a torch.nn.Module"),

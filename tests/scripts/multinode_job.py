@@ -12,7 +12,7 @@ import sys
 import time
 
 import mpddp
-import mpddp.slurm
+from mpddp.machine.cluster import apply_cluster
 
 
 def work(ctx: mpddp.WorkerContext, seconds: float) -> dict:
@@ -37,7 +37,7 @@ if __name__ == "__main__":
     seconds = float(sys.argv[5]) if len(sys.argv) > 5 else 0.0
     if node == "slurm":  # what SLURM says, as the CLI reads it; explicit values would win
         unset = {"nnodes": None, "node_rank": None, "master_addr": None, "master_port": None}
-        where = {k: v for k, v in mpddp.slurm.apply_slurm(unset).items() if v is not None}
+        where = {k: v for k, v in apply_cluster(unset).items() if v is not None}
     else:
         where = {"nnodes": 2, "node_rank": int(node), "master_addr": addr, "master_port": port}
     results = mpddp.launch(work, nprocs=2, args=(seconds,), backend="gloo", timeout=timeout, **where)
