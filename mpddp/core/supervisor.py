@@ -36,14 +36,15 @@ from ..errors import MainGuardError, Outcome, RendezvousError, StoreLost, Worker
 from ..log import logger
 from ..ranks import banner
 from . import collectives, entry, errorfile, procs, protocol, rounds, stacks, stragglers
+from .classify import Hang, RankState, Verdict, classify, root_cause
 from .collectives import Board, Mismatch
 from .keeper import Keeper
 from .plan import Plan, node_env, rank_env
 from .relay import Relay
-from .report import RankState, failure_error, hang_error, mismatch_error, remote_error, root_cause
+from .report import failure_error, hang_error, mismatch_error, remote_error
 from .rounds import NodeLink, RoundWatch
 from .startup import forkserver_pid, start_process
-from .watchdog import Hang, Watchdog
+from .watchdog import Watchdog
 
 _FAILURE_WINDOW = 0.3  # seconds to collect other ranks' reports after the first failure
 _TEARDOWN_GRACE = 0.5
@@ -374,10 +375,11 @@ class Attempt:
         stalled = store.stalled() if store is not None and not all(s.succeeded for s in states) else None
         if stalled is not None:  # a keeper that does not answer explains whatever the ranks did
             raise StoreLost(store.stall(stalled))  # type: ignore[union-attr]
-        error = _report(states, self.hang, self.mismatch, self.relay) if self.failed_here and not lost else None
+        verdict = classify(states, self.hang, self.mismatch)
+        error = _report(states, verdict, self.hang, self.mismatch, self.relay) if self.failed_here and not lost else None
         remote = self.round_watch is not None and self.round_watch.remote_failure is not None and not all(
             s.succeeded for s in states)
-        settled = _settle(job, self.number, states, error, self.hang, self.mismatch, self.round_watch) if job.link and (
+        settled = _settle(job, self.number, states, verdict, error, self.round_watch) if job.link and (
             error or remote) else error
         if lost:
             raise StoreLost(store.loss())  # type: ignore[union-attr]
@@ -400,7 +402,8 @@ class Attempt:
         self.round_watch.stop()
 
 
-def _report(states: list[RankState], hang: Hang | None, mismatch: Mismatch | None, relay: Relay) -> WorkerFailed:
+def _report(states: list[RankState], verdict: Verdict, hang: Hang | None, mismatch: Mismatch | None,
+            relay: Relay) -> WorkerFailed:
     """This node's own report of the failure: the root cause, with each rank's last lines and stacks."""
     _forkserver_lost(states)
     for s in states:
@@ -408,14 +411,14 @@ def _report(states: list[RankState], hang: Hang | None, mismatch: Mismatch | Non
         if s.place is not None:
             relay.note(s.slot.rank, f"mpddp: rank {s.slot.rank}'s stacks when it was stopped:\n{s.place.dump}")
     if mismatch is not None:
-        return mismatch_error(states, mismatch)
+        return mismatch_error(states, verdict, mismatch)
     if hang is not None:
-        return hang_error(states, hang.seconds, hang.places, hang.finished, hang.standings)
-    return failure_error(states)
+        return hang_error(states, verdict, hang)
+    return failure_error(states, verdict)
 
 
-def _settle(job: Job, attempt: int, states: list[RankState], local: WorkerFailed | None, hang: Hang | None,
-            mismatch: Mismatch | None, round_watch: RoundWatch | None) -> WorkerFailed | RendezvousError:
+def _settle(job: Job, attempt: int, states: list[RankState], verdict: Verdict, local: WorkerFailed | None,
+            round_watch: RoundWatch | None) -> WorkerFailed | RendezvousError:
     """Several nodes: the same first failure on every node (core/rounds.py), whichever node it happened on.
 
     What this node's own failure was comes from its ranks' outcomes (the first by the cause order), not from
@@ -426,13 +429,13 @@ def _settle(job: Job, attempt: int, states: list[RankState], local: WorkerFailed
     assert link is not None
     cause = None
     if local is not None:
-        cause = Outcome.HUNG if hang is not None else Outcome.MISMATCH if mismatch is not None else \
-            root_cause(states).outcome
+        cause = {"hang": Outcome.HUNG, "mismatch": Outcome.MISMATCH}.get(verdict.case) or \
+            verdict[root_cause(states, verdict).slot.rank]
     remote = round_watch.remote_failure if round_watch is not None and local is None else None
     node = job.config.node_rank
     link.reached |= any(s.joined for s in states)  # our ranks got through the store: it was up
     return rounds.settle(link, attempt, local, cause, remote,
-                         remote_error=lambda record: remote_error(record, states, node),
+                         remote_error=lambda record: remote_error(record, states, verdict, node),
                          missing=lambda: rounds.missing_ranks(link, attempt) if job.store and job.init_group else [])
 
 
@@ -458,7 +461,7 @@ def _value(state: RankState) -> Any:
             "it was pickled by reference to something only the worker had (a module it imported, a class "
             "defined under `if` in a worker); return plain data (numbers, lists, dicts, tensors) or make that "
             "module importable in the launching process",
-            rank, [state.record()], exit_code=1,
+            rank, [state.record(Outcome.RAISED)], exit_code=1,
         ) from None
 
 

@@ -30,28 +30,16 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import psutil
 
 from ..log import logger
 from . import stacks
+from .classify import Hang, RankState
 from .collectives import Board, Standing
 
-if TYPE_CHECKING:
-    from .report import RankState
-
 BUSY = 0.1  # fraction of one core over a sample: more is computing
-
-
-@dataclass(frozen=True)
-class Hang:
-    """No progress for ``seconds``: where each running rank was, and which ranks had already exited."""
-
-    seconds: float
-    places: dict[int, stacks.Place | None]
-    finished: tuple[int, ...]
-    standings: tuple[Standing, ...] = ()  # where the ranks stand in their collectives (flight recorder)
 
 
 @dataclass

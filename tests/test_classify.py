@@ -1,0 +1,132 @@
+"""classify(): every rank's outcome from the launcher's facts, one pure function (core/classify.py).
+
+The end-to-end reports are tested with real processes (tests/test_failure_model.py,
+tests/test_hostile3.py, tests/test_collectives.py); here the rule itself, as a table of
+facts, and that deciding changes nothing: the report only renders the verdict.
+"""
+
+from __future__ import annotations
+
+import ast
+import copy
+from dataclasses import fields
+from pathlib import Path
+
+import pytest
+
+from mpddp.core import classify as verdicts
+from mpddp.core.classify import Hang, RankState, classify, root_cause
+from mpddp.core.collectives import Mismatch
+from mpddp.core.protocol import Failure, Left
+from mpddp.core.stacks import Place
+from mpddp.errors import Outcome
+from mpddp.ranks import layout
+
+Out = Outcome
+
+
+def ranks(n: int = 3) -> list[RankState]:
+    return [RankState(slot=slot, process=None, messages=None) for slot in layout(1, n)]
+
+
+def raised(s: RankState, at: float, kind: Outcome = Out.RAISED) -> None:
+    s.failure = Failure(rank=s.slot.rank, kind=kind, error_type="ValueError", message="m", traceback="", time=at,
+                        where="all_reduce at t.py:3" if kind is Out.COLLECTIVE else None)
+    s.failed_at, s.exitcode = at, 1
+
+
+def returned(s: RankState, at: float) -> None:
+    s.has_result, s.exitcode, s.finished_at = True, 0, at
+
+
+def stopped(s: RankState) -> None:
+    s.stopped, s.exitcode, s.failed_at = True, -15, 99.0
+
+
+def test_the_user_error_is_the_cause_whatever_arrived_first() -> None:
+    states = ranks()
+    raised(states[0], 2.0, Out.COLLECTIVE)  # a victim, first
+    raised(states[1], 3.0)  # the cause, later
+    stopped(states[2])
+    verdict = classify(states)
+    assert verdict.outcomes == {0: Out.COLLECTIVE, 1: Out.RAISED, 2: Out.STOPPED}
+    assert (verdict.case, root_cause(states, verdict).slot.rank) == ("failed", 1)
+
+
+def test_a_rank_that_returned_before_the_collective_broke_is_the_cause() -> None:
+    states = ranks(2)
+    returned(states[0], 1.0)
+    raised(states[1], 2.0, Out.COLLECTIVE)
+    verdict = classify(states)
+    assert (verdict.case, verdict.culprits, verdict.outcomes) == ("returned", (0,), {0: Out.EARLY_EXIT, 1: Out.COLLECTIVE})
+    returned(states[0], 3.0)  # it returned after: not the cause
+    assert classify(states).outcomes == {0: Out.OK, 1: Out.COLLECTIVE}
+
+
+def test_a_rank_that_left_the_group_is_the_cause() -> None:
+    states = ranks(2)
+    states[0].left = Left(where="destroy_process_group at t.py:9", time=1.0)
+    stopped(states[0])
+    raised(states[1], 2.0, Out.COLLECTIVE)
+    verdict = classify(states)
+    assert (verdict.case, verdict.outcomes) == ("left", {0: Out.EARLY_EXIT, 1: Out.COLLECTIVE})
+
+
+def place(waiting: bool) -> Place:
+    return Place(text="all_reduce at t.py:3" if waiting else "compute at t.py:5", waiting=waiting, dump="")
+
+
+@pytest.mark.parametrize(("places", "finished", "case", "culprits", "outcome"), [
+    ({0: place(True), 1: place(False), 2: place(True)}, (), "idle", (1,), Out.HUNG),
+    ({0: place(True), 1: place(True)}, (2,), "returned", (2,), Out.EARLY_EXIT),
+    ({0: place(True), 1: place(True), 2: place(True)}, (), "nowhere", (0, 1, 2), Out.HUNG),
+])
+def test_a_hang_is_blamed_by_where_the_ranks_were(places: dict, finished: tuple, case: str, culprits: tuple,
+                                                  outcome: Outcome) -> None:
+    states = ranks()
+    for s in states:
+        stopped(s)
+    verdict = classify(states, Hang(60.0, places, finished))
+    assert (verdict.case, verdict.hang and verdict.hang.case, verdict.culprits) == ("hang", case, culprits)
+    assert [r for r, o in verdict.outcomes.items() if o is outcome] == list(culprits)
+
+
+def test_a_mismatch_names_the_odd_rank_and_a_rank_s_own_report_wins() -> None:
+    states = ranks()
+    raised(states[0], 1.0)
+    verdict = classify(states, mismatch=Mismatch(calls={}, odd=2))
+    assert verdict.outcomes == {0: Out.RAISED, 1: Out.OK, 2: Out.MISMATCH}
+    assert classify(states, mismatch=Mismatch(calls={}, odd=0)).outcomes[0] is Out.RAISED  # its own report wins
+
+
+def test_classify_changes_nothing() -> None:
+    states = ranks(2)
+    returned(states[0], 1.0)
+    raised(states[1], 2.0, Out.COLLECTIVE)
+    before = copy.deepcopy(states)
+    classify(states)
+    classify(states, Hang(60.0, {1: place(True)}, (0,)))
+    assert states == before
+
+
+def _assigned_attributes(path: Path) -> set[str]:
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target] \
+            if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else []
+        found |= {t.attr for t in targets if isinstance(t, ast.Attribute)}
+    return found
+
+
+def test_the_report_only_renders() -> None:
+    """No message builder of core/report.py (nor classify itself) assigns to a rank's state."""
+    state_fields = {f.name for f in fields(RankState)}
+    for module in ("report.py", "classify.py"):
+        path = Path(verdicts.__file__).parent / module
+        assert not (_assigned_attributes(path) & state_fields), module
+
+
+def test_the_rule_is_checked_on_real_assignments(tmp_path: Path) -> None:
+    sample = tmp_path / "x.py"
+    sample.write_text("def f(s):\n    s.stopped = True\n    s.tail += []\n")
+    assert _assigned_attributes(sample) == {"stopped", "tail"}
