@@ -68,3 +68,30 @@ def test_a_host_that_does_not_answer_is_named_before_anything_starts(no_leftover
         mpddp.launch(lambda ctx: 1, hosts=["127.0.0.2"], ssh="ssh -p 9 -o StrictHostKeyChecking=no")
     assert str(info.value).startswith("host 127.0.0.2 refused or failed ssh (ssh: connect to host 127.0.0.2 port 9: "
                                       "Connection refused): mpddp uses BatchMode")
+
+
+def test_the_hosts_wire_is_typed_both_ways():
+    """The head's request and the nodes' answers are frozen dataclasses, decoded with a type check."""
+    import io
+    import pickle
+
+    from mpddp.core import protocol
+
+    config = mpddp.LaunchConfig(hosts="a,b", nprocs=2)
+    request = protocol.NodeRequest(config, 1, 29500, b"fn", True, ("torch",), {"MPDDP_X": "1"})
+    assert protocol.read_request(io.BytesIO(protocol.encode_request(request))) == request
+    mine = request.node_config(29500)
+    assert (mine.hosts, mine.nnodes, mine.node_rank, mine.master_addr, mine.master_port) == (None, 2, 1, "a", 29500)
+    assert protocol.read_request(io.BytesIO(protocol.encode_request(request)[:5])) is None  # closed early
+    for message in (protocol.NodePort(29500), protocol.NodeResult([1, 2]),
+                    protocol.NodeFailed(mpddp.ConfigError("bad"))):
+        line = protocol.node_line(message)
+        assert line.startswith(protocol.NODE_MARK) and line.endswith("\n") and line.count("\n") == 1
+        back = protocol.read_node_line(line)
+        assert type(back) is type(message)
+    untyped = {"config": {}, "payload": b""}  # the old dict wire is refused, not half-read
+    data = pickle.dumps(untyped)
+    with pytest.raises(TypeError, match="not an mpddp node request: dict"):
+        protocol.read_request(io.BytesIO(len(data).to_bytes(8, "big") + data))
+    with pytest.raises(TypeError, match="not an mpddp node message: tuple"):
+        protocol.read_node_line(protocol.NODE_MARK + __import__("base64").b64encode(pickle.dumps(("port", 1))).decode())

@@ -21,10 +21,8 @@ import os
 import signal
 import sys
 import threading
-from dataclasses import replace
 from typing import Any, NoReturn
 
-from ..config import LaunchConfig
 from ..errors import MpddpError
 from . import protocol
 
@@ -53,9 +51,9 @@ class _Lines(io.TextIOBase):
         return False
 
 
-def send(kind: str, value: Any) -> None:
+def send(message: protocol.NodeMessage) -> None:
     """One message to the head, as one whole line on stdout."""
-    sys.stdout.write(protocol.node_line(kind, value))
+    sys.stdout.write(protocol.node_line(message))
 
 
 def _raise_stopped(signum: int, frame: object) -> NoReturn:
@@ -76,23 +74,22 @@ def serve(stdin: Any) -> int:
     request = protocol.read_request(stdin)
     if request is None:
         raise Stopped()
-    os.environ.update(request["environ"])
+    os.environ.update(request.environ)
     threading.Thread(target=_watch_stdin, args=(stdin,), name="mpddp-node-stdin", daemon=True).start()
-    fields = request["config"]
-    sock = None
-    if fields["node_rank"] == 0:  # hold the rendezvous port, then tell the head which one it is
+    port, sock = request.master_port, None
+    if request.node_rank == 0:  # hold the rendezvous port, then tell the head which one it is
         from .rendezvous import listen
 
-        sock = listen(fields["master_addr"], fields["master_port"])
-        fields = {**fields, "master_port": sock.getsockname()[1]}
-        send("port", fields["master_port"])
-    config = replace(LaunchConfig(), **fields)
+        sock = listen(request.config.master_addr, port)
+        port = sock.getsockname()[1]
+        send(protocol.NodePort(port))
+    config = request.node_config(port)
     try:
-        values = run_node(config, request["payload"], request["init_process_group"], request["preload"], sock)
+        values = run_node(config, request.payload, request.init_process_group, request.preload, sock)
     except MpddpError as failure:
-        send("failed", failure)
+        send(protocol.NodeFailed(failure))
         return 0
-    send("result", values)
+    send(protocol.NodeResult(values))
     return 0
 
 

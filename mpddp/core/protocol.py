@@ -10,7 +10,8 @@ node's heartbeat, the round's first failure as a :class:`FailureRecord`). A fail
 :class:`~mpddp.errors.Outcome` set in the worker, from the exception's type
 and the frame it was raised in, never recovered from its message. Also the
 few messages between the head of a ``--hosts`` launch and each node's
-launcher. Leaves sending to core/worker.py and core/node.py, receiving to
+launcher (:class:`NodeRequest` down, :class:`NodePort`, :class:`NodeResult`,
+:class:`NodeFailed` up). Leaves sending to core/worker.py and core/node.py, receiving to
 core/supervisor.py and core/remote.py, the store to core/rendezvous.py.
 """
 
@@ -20,11 +21,12 @@ import base64
 import json
 import pickle
 import struct
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
+from ..config import LaunchConfig
 from ..context import WorkerContext
-from ..errors import Outcome
+from ..errors import MpddpError, Outcome
 
 
 @dataclass(frozen=True)
@@ -219,19 +221,68 @@ class FailureRecord:
 
 
 # ---- between the head of a --hosts launch and each node's launcher (core/remote.py, core/node.py) ----
-# The head writes one request on the node's stdin (length, then a pickle); the node answers on stdout
-# with lines that start with NODE_MARK (kind and value, pickled, base64), between its ranks' lines.
+# The head writes one NodeRequest on the node's stdin (length, then a pickle); the node answers on stdout
+# with lines that start with NODE_MARK (a NodeMessage, pickled, base64), between its ranks' lines. Both
+# ends decode with a type check, as the rank wire does.
 
 NODE_MARK = "\x1empddp-node "  # an ASCII record separator, then a word: no rank's line starts so
 _LENGTH = struct.Struct("!Q")
 
 
-def encode_request(request: dict[str, Any]) -> bytes:
+@dataclass(frozen=True)
+class NodeRequest:
+    """What the head sends one node's launcher: the job, and this node's whole config."""
+
+    config: LaunchConfig  # the head's: see :meth:`node_config`
+    node_rank: int
+    master_port: int  # node 0's, or 0 for node 0 itself: it binds a free one and tells it (NodePort)
+    payload: bytes  # cloudpickle of (fn, args, kwargs, notebook cells' linecache entries), as for a rank
+    init_process_group: bool
+    preload: tuple[str, ...]
+    environ: dict[str, str]  # the head's MPDDP_* variables
+
+    def node_config(self, master_port: int) -> LaunchConfig:
+        """This node's config: the head's, without its hosts (a node starts no ssh), at its rank and port."""
+        return replace(self.config, hosts=None, hostfile=None, node_rank=self.node_rank, master_port=master_port)
+
+
+@dataclass(frozen=True)
+class NodePort:
+    """Node 0 holds the rendezvous port: the other nodes are started with it."""
+
+    port: int
+
+
+@dataclass(frozen=True)
+class NodeResult:
+    """Every value of this node's ranks, in local rank order."""
+
+    values: list[Any]
+
+
+@dataclass(frozen=True)
+class NodeFailed:
+    """This node's report of the job's failure (an :class:`~mpddp.errors.MpddpError`: they pickle)."""
+
+    error: MpddpError
+
+
+@dataclass(frozen=True)
+class NodeEnded:
+    """Not on the wire: the head's own note that a node's launcher exited (its ssh session ended)."""
+
+    exit_code: int
+
+
+NodeMessage = NodePort | NodeResult | NodeFailed
+
+
+def encode_request(request: NodeRequest) -> bytes:
     data = pickle.dumps(request)
     return _LENGTH.pack(len(data)) + data
 
 
-def read_request(stream: Any) -> dict[str, Any] | None:
+def read_request(stream: Any) -> NodeRequest | None:
     """The head's request from ``stream``; None if it closed first."""
     head = stream.read(_LENGTH.size)
     if len(head) < _LENGTH.size:
@@ -240,15 +291,19 @@ def read_request(stream: Any) -> dict[str, Any] | None:
     data = stream.read(size)
     if len(data) < size:
         return None
-    request: dict[str, Any] = pickle.loads(data)
+    request = pickle.loads(data)
+    if not isinstance(request, NodeRequest):
+        raise TypeError(f"not an mpddp node request: {type(request).__name__}")
     return request
 
 
-def node_line(kind: str, value: Any) -> str:
-    """A node's message as one line: ``port``, ``result`` or ``failed``, with a picklable value."""
-    return f"{NODE_MARK}{base64.b64encode(pickle.dumps((kind, value))).decode('ascii')}\n"
+def node_line(message: NodeMessage) -> str:
+    """A node's message as one line on its stdout."""
+    return f"{NODE_MARK}{base64.b64encode(pickle.dumps(message)).decode('ascii')}\n"
 
 
-def read_node_line(line: str) -> tuple[str, Any]:
-    kind, value = pickle.loads(base64.b64decode(line[len(NODE_MARK):]))
-    return str(kind), value
+def read_node_line(line: str) -> NodeMessage:
+    message = pickle.loads(base64.b64decode(line[len(NODE_MARK):]))
+    if not isinstance(message, (NodePort, NodeResult, NodeFailed)):
+        raise TypeError(f"not an mpddp node message: {type(message).__name__}")
+    return message

@@ -27,13 +27,23 @@ import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import IO, Any
 
 from .._version import __version__
 from ..config import LaunchConfig
 from ..errors import ConfigError, MpddpError, Outcome, RendezvousError, WorkerFailed
-from .protocol import NODE_MARK, encode_request, read_node_line
+from .protocol import (
+    NODE_MARK,
+    NodeEnded,
+    NodeFailed,
+    NodeMessage,
+    NodePort,
+    NodeRequest,
+    NodeResult,
+    encode_request,
+    read_node_line,
+)
 
 CHECK_TIMEOUT = 20.0  # seconds a host has to answer the environment check over ssh
 _STOP_GRACE = 10.0  # seconds a node has to stop its ranks after its stdin closed
@@ -104,7 +114,7 @@ class _Node:
     rank: int
     host: str
     proc: subprocess.Popen[bytes]
-    messages: queue.Queue[tuple[int, str, Any]]
+    messages: queue.Queue[tuple[int, NodeMessage | NodeEnded]]
     threads: list[threading.Thread] = field(default_factory=list)
     stopped: bool = False  # the head asked it to stop: an end without a report is then no failure
 
@@ -123,8 +133,7 @@ def _pump(node: _Node, stream: IO[bytes], out: Any, messages: bool) -> None:
     for raw in iter(stream.readline, b""):
         line = raw.decode("utf-8", "replace")
         if messages and line.startswith(NODE_MARK):
-            kind, value = read_node_line(line)
-            node.messages.put((node.rank, kind, value))
+            node.messages.put((node.rank, read_node_line(line)))
             continue
         target = sys.stdout if out == "out" else sys.stderr
         try:
@@ -133,14 +142,12 @@ def _pump(node: _Node, stream: IO[bytes], out: Any, messages: bool) -> None:
         except (OSError, ValueError):
             pass
     if messages:
-        node.messages.put((node.rank, "eof", node.proc.wait()))
+        node.messages.put((node.rank, NodeEnded(node.proc.wait())))
 
 
-def _start(config: LaunchConfig, rank: int, port: int, request: dict[str, Any],
-           messages: queue.Queue[tuple[int, str, Any]]) -> _Node:
+def _start(config: LaunchConfig, rank: int, port: int, request: NodeRequest,
+           messages: queue.Queue[tuple[int, NodeMessage | NodeEnded]]) -> _Node:
     host = (config.hosts or ())[rank]
-    fields = {k: v for k, v in asdict(config).items() if k not in ("hosts", "hostfile", "ssh")}
-    fields |= {"node_rank": rank, "master_port": port}
     argv = _ssh(config, host, _remote_command(["-m", "mpddp.core.node"]))
     proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             start_new_session=True)  # the terminal's Ctrl-C reaches the head only
@@ -151,7 +158,7 @@ def _start(config: LaunchConfig, rank: int, port: int, request: dict[str, Any],
         thread.start()
         node.threads.append(thread)
     assert proc.stdin is not None
-    proc.stdin.write(encode_request({**request, "config": fields}))
+    proc.stdin.write(encode_request(replace(request, node_rank=rank, master_port=port)))
     proc.stdin.flush()
     return node
 
@@ -159,9 +166,9 @@ def _start(config: LaunchConfig, rank: int, port: int, request: dict[str, Any],
 def launch_hosts(config: LaunchConfig, payload: bytes, init_process_group: bool, preload: tuple[str, ...]) -> list:
     """Run the job on every host; return every rank's value of every node, in global rank order."""
     check_hosts(config)
-    request = {"payload": payload, "init_process_group": init_process_group, "preload": preload,
-               "environ": {k: v for k, v in os.environ.items() if k.startswith("MPDDP_")}}
-    messages: queue.Queue[tuple[int, str, Any]] = queue.Queue()
+    request = NodeRequest(config, 0, config.master_port, payload, init_process_group, preload,
+                          environ={k: v for k, v in os.environ.items() if k.startswith("MPDDP_")})
+    messages: queue.Queue[tuple[int, NodeMessage | NodeEnded]] = queue.Queue()
     nodes: list[_Node] = []
     with _stopping(nodes):
         nodes.append(_start(config, 0, config.master_port, request, messages))
@@ -172,39 +179,40 @@ def launch_hosts(config: LaunchConfig, payload: bytes, init_process_group: bool,
     raise AssertionError("unreachable")
 
 
-def _wait_for_port(node: _Node, messages: queue.Queue[tuple[int, str, Any]], config: LaunchConfig) -> int:
+def _wait_for_port(node: _Node, messages: queue.Queue[tuple[int, NodeMessage | NodeEnded]], config: LaunchConfig) -> int:
     deadline = time.monotonic() + max(config.timeout, CHECK_TIMEOUT)
     while time.monotonic() < deadline:
         try:
-            _, kind, value = messages.get(timeout=0.2)
+            _, message = messages.get(timeout=0.2)
         except queue.Empty:
             continue
-        if kind == "port":
-            return int(value)
-        if kind == "failed":
-            raise value
-        if kind == "eof":
-            raise RendezvousError(f"node 0's launcher on host {node.host} exited (code {value}) before it held the "
-                                  "rendezvous port: see its lines above")
+        if isinstance(message, NodePort):
+            return message.port
+        if isinstance(message, NodeFailed):
+            raise message.error
+        if isinstance(message, NodeEnded):
+            raise RendezvousError(f"node 0's launcher on host {node.host} exited (code {message.exit_code}) before "
+                                  "it held the rendezvous port: see its lines above")
     raise RendezvousError(f"node 0's launcher on host {node.host} did not start within {config.timeout:g} s")
 
 
-def _collect(nodes: list[_Node], messages: queue.Queue[tuple[int, str, Any]], config: LaunchConfig) -> list:
+def _collect(nodes: list[_Node], messages: queue.Queue[tuple[int, NodeMessage | NodeEnded]], config: LaunchConfig) -> list:
     """Wait for every node's values; on the first failure, give the others a moment to report, then stop."""
     results: dict[int, list[Any]] = {}
     failures: dict[int, MpddpError] = {}
     first: float | None = None
     while len(results) < len(nodes):
         try:
-            rank, kind, value = messages.get(timeout=0.2)
+            rank, message = messages.get(timeout=0.2)
         except queue.Empty:
-            rank, kind, value = -1, "", None
-        if kind == "result":
-            results[rank] = value
-        elif kind == "failed":
-            failures[rank] = value
-        elif kind == "eof" and rank not in results and rank not in failures and not nodes[rank].stopped:
-            failures[rank] = _lost(nodes[rank], value, config)  # killed, or its host or ssh session lost
+            rank, message = -1, None
+        if isinstance(message, NodeResult):
+            results[rank] = message.values
+        elif isinstance(message, NodeFailed):
+            failures[rank] = message.error
+        elif (isinstance(message, NodeEnded) and rank not in results and rank not in failures
+              and not nodes[rank].stopped):
+            failures[rank] = _lost(nodes[rank], message.exit_code, config)  # killed, or its host or ssh session lost
         if failures and first is None:
             first = time.monotonic()
             for node in nodes:
