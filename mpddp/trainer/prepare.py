@@ -12,6 +12,7 @@ trainer/tasks.py and reading checkpoints to trainer/checkpoint.py.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import time
 from pathlib import Path
 from typing import Any
@@ -33,6 +34,9 @@ def resolve(config: TrainConfig) -> TrainConfig:
     from .tasks import build_task_before_launch, load_factory, task_name
 
     given = task = config.task
+    if task == "digits" and importlib.util.find_spec("sklearn") is None:
+        raise ConfigError("task 'digits' reads its images from scikit-learn, which is not installed: "
+                          "pip install 'mpddp[train]' (or scikit-learn), or pass --dataset synthetic")
     if isinstance(task, str) and task not in BUILTIN_TASKS:
         load_factory(task)
         target, colon, attr = task.rpartition(":")
