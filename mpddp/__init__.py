@@ -57,8 +57,8 @@ from .errors import (  # noqa: E402
 )
 
 if TYPE_CHECKING:
-    from .core.api import launch as launch
-    from .core.api import spawn as spawn
+    from .core.launcher.api import launch as launch
+    from .core.launcher.api import spawn as spawn
     from .trainer.tasks import Task as Task
 
 __all__ = [
@@ -84,7 +84,8 @@ __all__ = [
 ]
 
 
-_LAZY = {"launch": "core.api", "spawn": "core.api", "Task": "trainer.tasks"}  # these load torch: on first use
+# these load torch: on first use
+_LAZY = {"launch": "core.launcher.api", "spawn": "core.launcher.api", "Task": "trainer.tasks"}
 
 
 def __getattr__(name: str) -> Any:

@@ -6,6 +6,6 @@ and ``run_cli`` takes SIGINT over once it runs.
 """
 
 if __name__ == "__main__":
-    from mpddp.cli import run_cli
+    from .cli import run_cli
 
     run_cli()

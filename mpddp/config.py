@@ -7,8 +7,8 @@ limits allow before anything starts (open files and processes for the local
 ranks, a log directory that can be created). Each violation raises
 :class:`~mpddp.errors.ConfigError` naming the value, what is allowed and the
 fix. Leaves to others: values that need the machine (GPU count, backend
-``auto``) to core/plan.py, reading SLURM to machine/slurm.py, merging the two
-to core/api.py.
+``auto``) to core/launcher/plan.py, reading SLURM to machine/slurm.py, merging the two
+to core/launcher/api.py.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ _FREE_GPUS = re.compile(r"^free(:[1-9][0-9]*)?$")
 
 MAX_TIMEOUT = 1e7  # seconds (115 days): beyond it timedelta and the C++ clocks overflow
 MIN_TIMEOUT = 1.0  # seconds: a shorter window cannot tell a hang from a slow start
-FDS_PER_RANK = 8  # core/supervisor.py opens 4 pipes a local rank (messages, stdout, stderr, stacks) up front
+FDS_PER_RANK = 8  # core/launcher/attempt.py opens 4 pipes a local rank (messages, stdout, stderr, stacks) up front
 FD_HEADROOM = 64  # the launcher's own files, sockets and torch's
 # File systems where no directory of a user's can be made, whatever os.access says (it says yes to root)
 _NO_USER_DIRS = frozenset({"proc", "sysfs", "cgroup", "cgroup2", "debugfs", "tracefs", "securityfs", "pstore",
@@ -302,7 +302,7 @@ class LaunchConfig:
                 )
 
     def _check_output_ranks(self, ranks: tuple[int, ...]) -> None:
-        # without nprocs the world's size is known only once core/plan.py has counted the GPUs
+        # without nprocs the world's size is known only once core/launcher/plan.py has counted the GPUs
         world = None if self.nprocs is None else self.nnodes * self.nprocs
         if world is not None and max(ranks) >= world:
             raise ConfigError(f"output_ranks={','.join(map(str, ranks))} names rank {max(ranks)}, but the world has "

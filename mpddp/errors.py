@@ -6,7 +6,7 @@ not finish. Each message names the value, what is allowed and the fix, on
 one line where the input was bad. Every error survives pickling (a launch
 run under submitit or a process pool hands its error to another process):
 it holds data only, never a live process. Leaves deciding *when* to raise
-to config.py, core/api.py and core/report.py.
+to config.py, core/launcher/api.py and core/launcher/report.py.
 """
 
 from __future__ import annotations

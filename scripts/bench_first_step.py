@@ -90,7 +90,7 @@ if __name__ == "__main__":
     fn = ddp_step if sys.argv[1] == "ddp" else all_reduce
     options = {}
     if sys.argv[3] == "preload" and "preload" in inspect.signature(mpddp.launch).parameters:
-        from mpddp.core.startup import TRAINING_PRELOAD
+        from mpddp.core.launcher.startup import TRAINING_PRELOAD
 
         options["preload"] = TRAINING_PRELOAD
     assert len(mpddp.launch(fn, nprocs=int(sys.argv[2]), **options)) == int(sys.argv[2])

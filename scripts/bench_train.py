@@ -124,9 +124,9 @@ def run_trainer(ctx: Any, spec: Spec) -> tuple[list[tuple[int, float]], float | 
                          batch_size=spec.batch, lr=spec.lr, seed=spec.seed, num_workers=spec.num_workers,
                          precision="bf16" if spec.gpu else "fp32", run_dir=spec.run_dir)
     TimedTrainer(config, ctx).fit()
-    from mpddp.core import collectives
+    from mpddp.core.rank import recorder
 
-    reader = collectives.RUNNING  # its own clock: what the reader thread took of this rank's time
+    reader = recorder.RUNNING  # its own clock: what the reader thread took of this rank's time
     return epochs, (reader.busy / (time.perf_counter() - reader.since) if reader is not None else None)
 
 
@@ -232,7 +232,7 @@ def flight_recorder(results: dict[str, Any], buffer: str) -> dict[str, Any]:
 def fr_buffer() -> str:
     """The flight recorder's size in the "on" variant: mpddp's default, unless this environment sets it
     (the ranks inherit it, and mpddp then leaves it alone)."""
-    from mpddp.core.collectives import BUFFER
+    from mpddp.core.rank.recorder import BUFFER
 
     for name in FR_SIZE:
         if name in os.environ:

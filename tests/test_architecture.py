@@ -48,7 +48,7 @@ def imports_of(module: str) -> set[str]:
         elif isinstance(node, ast.ImportFrom):
             target = _resolve(module, node)
             subs = {f"{target}.{alias.name}" for alias in node.names} & MODULES.keys()
-            found |= subs or {target}  # `from . import procs` imports the module mpddp.core.procs
+            found |= subs or {target}  # `from . import procs` imports the module mpddp.core.launcher.teardown
     return {name for name in found if name in MODULES and name != module}
 
 
@@ -79,9 +79,9 @@ def _cycle() -> list[str] | None:
 
 def test_the_walk_sees_imports_inside_functions():
     # mpddp's __getattr__ imports the core lazily; the trainer's resolve imports tasks inside a function
-    assert "mpddp.core.api" in GRAPH["mpddp"]
+    assert "mpddp.core.launcher.api" in GRAPH["mpddp"]
     assert "mpddp.trainer.tasks" in GRAPH["mpddp.trainer.prepare"]
-    assert "mpddp.core.procs" in GRAPH["mpddp.core.report"]
+    assert "mpddp.core.launcher.teardown" in GRAPH["mpddp.core.launcher.report"]
 
 
 def test_no_import_circle():
@@ -89,7 +89,7 @@ def test_no_import_circle():
 
 
 def test_a_circle_would_be_found(monkeypatch):
-    monkeypatch.setitem(GRAPH, "mpddp.errors", GRAPH["mpddp.errors"] | {"mpddp.core.api"})
+    monkeypatch.setitem(GRAPH, "mpddp.errors", GRAPH["mpddp.errors"] | {"mpddp.core.launcher.api"})
     assert _cycle() is not None
 
 
@@ -108,7 +108,7 @@ def test_layer_imports_only_what_it_may(layer, allowed):
 def test_top_level_imports_no_layer_but_the_lazy_front_door():
     for module in TOP:
         deeper = {t for t in GRAPH[module] if t not in TOP}
-        assert deeper <= ({"mpddp.core.api", "mpddp.trainer.tasks"} if module == "mpddp" else set()), (module, deeper)
+        assert deeper <= ({"mpddp.core.launcher.api", "mpddp.trainer.tasks"} if module == "mpddp" else set()), (module, deeper)
 
 
 def test_nothing_imports_the_cli():

@@ -138,7 +138,7 @@ with open(os.environ["MPDDP_TEST_PROBE"], "w") as f:
 LAUNCHER = """\
 import json
 import mpddp
-from mpddp.core.startup import TRAINING_PRELOAD
+from mpddp.core.launcher.startup import TRAINING_PRELOAD
 
 
 def fn(ctx):
@@ -173,7 +173,7 @@ def test_training_preload_keeps_the_forkserver_clean(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     forkserver = json.loads((tmp_path / "probe.json").read_text())
     # the threads a process has once torch is imported (BLAS may start its own): the preload adds none
-    torch_only = subprocess.run([sys.executable, "-c", "import psutil, mpddp.core.worker; "
+    torch_only = subprocess.run([sys.executable, "-c", "import psutil, mpddp.core.rank.worker; "
                                  "print(psutil.Process().num_threads())"], capture_output=True, text=True, timeout=120)
     assert forkserver == {"threads": 1, "os_threads": int(torch_only.stdout), "cuda_initialized": False,
                           "gc_enabled": False, "dynamo": True}

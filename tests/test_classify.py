@@ -1,4 +1,4 @@
-"""classify(): every rank's outcome from the launcher's facts, one pure function (core/classify.py).
+"""classify(): every rank's outcome from the launcher's facts, one pure function (core/launcher/classify.py).
 
 The end-to-end reports are tested with real processes (tests/test_failure_model.py,
 tests/test_hostile3.py, tests/test_collectives.py); here the rule itself, as a table of
@@ -14,11 +14,11 @@ from pathlib import Path
 
 import pytest
 
-from mpddp.core import classify as verdicts
-from mpddp.core.classify import Hang, RankState, classify, root_cause
-from mpddp.core.collectives import Mismatch
-from mpddp.core.protocol import Failure, Left
-from mpddp.core.stacks import Place
+from mpddp.core.launcher import classify as verdicts
+from mpddp.core.launcher.board import Mismatch
+from mpddp.core.launcher.classify import Hang, RankState, classify, root_cause
+from mpddp.core.wire.protocol import Failure, Left
+from mpddp.core.wire.stacks import Location
 from mpddp.errors import Outcome
 from mpddp.ranks import layout
 
@@ -72,21 +72,21 @@ def test_a_rank_that_left_the_group_is_the_cause() -> None:
     assert (verdict.case, verdict.outcomes) == ("left", {0: Out.EARLY_EXIT, 1: Out.COLLECTIVE})
 
 
-def place(waiting: bool) -> Place:
-    return Place(text="all_reduce at t.py:3" if waiting else "compute at t.py:5", waiting=waiting, dump="")
+def locate(waiting: bool) -> Location:
+    return Location(text="all_reduce at t.py:3" if waiting else "compute at t.py:5", waiting=waiting, dump="")
 
 
-@pytest.mark.parametrize(("places", "finished", "case", "culprits", "outcome"), [
-    ({0: place(True), 1: place(False), 2: place(True)}, (), "idle", (1,), Out.HUNG),
-    ({0: place(True), 1: place(True)}, (2,), "returned", (2,), Out.EARLY_EXIT),
-    ({0: place(True), 1: place(True), 2: place(True)}, (), "nowhere", (0, 1, 2), Out.HUNG),
+@pytest.mark.parametrize(("locations", "finished", "case", "culprits", "outcome"), [
+    ({0: locate(True), 1: locate(False), 2: locate(True)}, (), "idle", (1,), Out.HUNG),
+    ({0: locate(True), 1: locate(True)}, (2,), "returned", (2,), Out.EARLY_EXIT),
+    ({0: locate(True), 1: locate(True), 2: locate(True)}, (), "nowhere", (0, 1, 2), Out.HUNG),
 ])
-def test_a_hang_is_blamed_by_where_the_ranks_were(places: dict, finished: tuple, case: str, culprits: tuple,
+def test_a_hang_is_blamed_by_where_the_ranks_were(locations: dict, finished: tuple, case: str, culprits: tuple,
                                                   outcome: Outcome) -> None:
     states = ranks()
     for s in states:
         stopped(s)
-    verdict = classify(states, Hang(60.0, places, finished))
+    verdict = classify(states, Hang(60.0, locations, finished))
     assert (verdict.case, verdict.hang and verdict.hang.case, verdict.culprits) == ("hang", case, culprits)
     assert [r for r, o in verdict.outcomes.items() if o is outcome] == list(culprits)
 
@@ -105,7 +105,7 @@ def test_classify_changes_nothing() -> None:
     raised(states[1], 2.0, Out.COLLECTIVE)
     before = copy.deepcopy(states)
     classify(states)
-    classify(states, Hang(60.0, {1: place(True)}, (0,)))
+    classify(states, Hang(60.0, {1: locate(True)}, (0,)))
     assert states == before
 
 
@@ -119,7 +119,7 @@ def _assigned_attributes(path: Path) -> set[str]:
 
 
 def test_the_report_only_renders() -> None:
-    """No message builder of core/report.py (nor classify itself) assigns to a rank's state."""
+    """No message builder of core/launcher/report.py (nor classify itself) assigns to a rank's state."""
     state_fields = {f.name for f in fields(RankState)}
     for module in ("report.py", "classify.py"):
         path = Path(verdicts.__file__).parent / module

@@ -21,7 +21,10 @@ import torch
 import torch.distributed as dist
 
 import mpddp
-from mpddp.core import collectives, stragglers
+from mpddp.core.launcher import stragglers
+from mpddp.core.launcher.board import Board, standing_rows
+from mpddp.core.rank import recorder
+from mpddp.core.wire.protocol import Call, Collectives
 
 from runs import Run
 
@@ -238,7 +241,7 @@ def test_sigusr1_shows_the_collective_view_first(tmp_path):
     run.assert_nothing_left()
 
 
-_NAMES = (*collectives.ENV, "TORCH_NCCL_DUMP_ON_TIMEOUT")
+_NAMES = (*recorder.ENV, "TORCH_NCCL_DUMP_ON_TIMEOUT")
 
 
 def recorder_env(ctx):
@@ -251,7 +254,7 @@ def _env(fr=None, nccl=None, dump=None):
 
 
 @pytest.mark.parametrize(("env", "expected", "reader"), [
-    ((), _env(str(collectives.BUFFER), dump="0"), True),  # on, and NCCL's dump files off: nothing left in /tmp
+    ((), _env(str(recorder.BUFFER), dump="0"), True),  # on, and NCCL's dump files off: nothing left in /tmp
     ((("TORCH_FR_BUFFER_SIZE", "2000"),), _env("2000"), True),
     ((("TORCH_NCCL_TRACE_BUFFER_SIZE", "5"), ("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")), _env(None, "5", "1"), True),
     ((("TORCH_FR_BUFFER_SIZE", "0"),), _env("0"), False),
@@ -336,13 +339,13 @@ class Recorder:
 
 def test_the_reader_sends_only_what_changed():
     recorder, sent = Recorder(), []
-    reader = collectives.Reader([recorder.dump], sent.append)
-    assert reader.read() == collectives.Collectives((), ())  # a first status, no collective yet
+    reader = recorder.Reader([recorder.dump], sent.append)
+    assert reader.read() == Collectives((), ())  # a first status, no collective yet
     recorder.enter(1, t=10)
     recorder.entries.append(_entry(0, op="nccl:send", p2p=True))  # point-to-point: numbered apart, left out
     first = reader.read()
     assert [c.seq for c in first.calls] == [1] and first.completed == ((("0", "nccl", 0), 0),)
-    assert first.calls[0] == collectives.Call("0", 1, "all_reduce", ((1000,),), ("Float",), 10, "nccl", 0, 1)
+    assert first.calls[0] == Call("0", 1, "all_reduce", ((1000,),), ("Float",), 10, "nccl", 0, 1)
     assert reader.read() is None  # nothing moved: nothing sent
     recorder.complete(1)
     second = reader.read()
@@ -356,26 +359,26 @@ def test_nccls_own_recorder_and_the_other_backends_are_two_lanes():
     nccl.enter(1, t=5)
     gloo.enter(1, op="gloo:broadcast", sizes=((3,),), t=7)
     gloo.enter(2, op="gloo:broadcast", sizes=((3,),), t=8)
-    report = collectives.Reader([nccl.dump, gloo.dump], lambda r: None).read()
+    report = recorder.Reader([nccl.dump, gloo.dump], lambda r: None).read()
     assert sorted((c.lane, c.seq) for c in report.calls) == [(("0", "gloo", 0), 1), (("0", "gloo", 0), 2),
                                                             (("0", "nccl", 0), 1)]
     assert dict(report.completed) == {("0", "nccl", 0): 0, ("0", "gloo", 0): 1}
-    board = collectives.Board([0, 1])
+    board = Board([0, 1])
     board.add(0, report)
-    board.add(1, collectives.Collectives((_c(1, t=6, backend="nccl"), _c(1, "broadcast", ((3,),), backend="gloo")),
+    board.add(1, Collectives((_c(1, t=6, backend="nccl"), _c(1, "broadcast", ((3,),), backend="gloo")),
                                          ()))
     assert board.mismatch is None and len(board.take()) == 2
 
 
 def _board(*reports):
-    board = collectives.Board([0, 1])
+    board = Board([0, 1])
     for rank, calls, completed in reports:
-        board.add(rank, collectives.Collectives(tuple(calls), ((("0", "", 0), completed),)))
+        board.add(rank, Collectives(tuple(calls), ((("0", "", 0), completed),)))
     return board
 
 
 def _c(seq, op="all_reduce", sizes=((1000,),), t=0, group="0", backend=""):
-    return collectives.Call(group, seq, op, sizes, ("Float",), t, backend, 0, seq)
+    return Call(group, seq, op, sizes, ("Float",), t, backend, 0, seq)
 
 
 def test_an_nccl_rank_whose_all_reduce_did_not_complete_is_open():
@@ -383,14 +386,14 @@ def test_an_nccl_rank_whose_all_reduce_did_not_complete_is_open():
     assert board.seen[0].pending and not board.seen[1].pending
     (standing,) = board.standings([0, 1])
     assert standing.ahead == (0,) and list(standing.behind) == [1] and standing.open == (0,)
-    assert collectives.standing_rows([standing], 12 * 10**9) == [
+    assert standing_rows([standing], 12 * 10**9) == [
         "rank 0 entered all_reduce #2 (float32[1000]) 12 s ago; rank 1 is still at #1 (all_reduce): it is the one to "
         "look at"]
 
 
 def test_every_rank_in_a_collective_that_does_not_complete():
     board = _board((0, [_c(3, t=0)], 2), (1, [_c(3, t=5 * 10**8)], 2))
-    assert collectives.standing_rows(board.standings([0, 1]), 2 * 10**9) == [
+    assert standing_rows(board.standings([0, 1]), 2 * 10**9) == [
         "ranks 0, 1 entered all_reduce #3 (float32[1000]) 2.0 s ago, and it has not completed on ranks 0, 1"]
 
 
@@ -433,7 +436,7 @@ def _spinners(n):
 @pytest.mark.parametrize(("device", "hangs"), [("cuda:0", True), ("cpu", False)])
 def test_a_gpu_rank_spinning_while_its_collective_is_open_is_waiting(device, hangs):
     """NCCL returns at once; the rank spins at its next sync (loss.item()): CPU, but waiting."""
-    from mpddp.core.watchdog import Watchdog
+    from mpddp.core.launcher.watchdog import Watchdog
 
     board = _board((0, [_c(1), _c(2)], 1), (1, [_c(1), _c(2)], 1))  # #2 entered everywhere, completed nowhere
     procs = _spinners(2)
@@ -455,14 +458,14 @@ def test_a_gpu_rank_spinning_while_its_collective_is_open_is_waiting(device, han
 
 def test_a_gpu_rank_in_cuda_synchronize_with_no_open_collective_computes():
     """A long evaluation on rank 0's GPU: its CPU spins in torch.cuda.synchronize, the GPU works: no hang."""
-    from mpddp.core import stacks
-    from mpddp.core.watchdog import Watchdog
+    from mpddp.core.launcher.watchdog import Watchdog
+    from mpddp.core.wire import stacks
 
     board = _board((0, [_c(1)], 1), (1, [_c(1)], 1))  # every collective completed
     dump = ("Current thread 0x00007f0000000001 (most recent call first):\n"
             f'  File "{os.path.dirname(torch.__file__)}/cuda/__init__.py", line 1083 in synchronize\n'
             '  File "/home/u/train.py", line 40 in evaluate\n')
-    place = stacks.place(dump, 0x7F0000000001)
+    place = stacks.locate(dump, 0x7F0000000001)
     assert place.spinning and place.at_sync and place.text == "evaluate at train.py:40, waiting in torch.cuda.synchronize"
     proc = _spinners(1)[0]
     try:

@@ -1,4 +1,4 @@
-"""A hostile pass over the collectives watch (core/collectives.py, core/stragglers.py, core/watchdog.py).
+"""A hostile pass over the collectives watch (core/rank/recorder.py, core/launcher/board.py, core/launcher/stragglers.py, core/launcher/watchdog.py).
 
 Correct programs must never be stopped as a mismatch, ranks that progress must never be called hung, the
 straggler named must be the rank the others wait for, and every report must say only what happened.
@@ -25,8 +25,10 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import mpddp
-from mpddp.core import collectives, stacks
-from mpddp.core.protocol import Call, Collectives
+from mpddp.core.launcher.board import Board
+from mpddp.core.rank import recorder
+from mpddp.core.wire import stacks
+from mpddp.core.wire.protocol import Call, Collectives
 
 from runs import Run
 
@@ -298,7 +300,7 @@ def test_a_broadcast_into_a_buffer_of_the_same_size_but_another_shape_is_not_a_m
     sleep after it).
 
     Should: return [15.0, 15.0]. For broadcast (and reduce/all_reduce, which are element-wise) compare the
-    number of elements and the dtype, not the shape (``_signature`` in core/collectives.py).
+    number of elements and the dtype, not the shape (``_signature`` in core/launcher/board.py).
     """
     assert mpddp.launch(reshaped_broadcast, nprocs=2, timeout=30) == [15.0, 15.0]
 
@@ -447,8 +449,8 @@ def test_the_status_of_a_group_is_found_by_its_id_not_its_name():
             out["entries"] = [entry]
         return pickle.dumps(out)
 
-    report = collectives.Reader([dump], lambda r: None).read()
-    board = collectives.Board([0, 1])
+    report = recorder.Reader([dump], lambda r: None).read()
+    board = Board([0, 1])
     board.add(1, report)
     assert [c.lane for c in report.calls] == [("2", "gloo", 0)]
     assert not board.seen[1].pending, report.completed
@@ -493,7 +495,7 @@ def test_ranks_that_all_entered_the_same_collective_are_not_said_to_wait_for_one
     Was, before the fix: the first line says "no rank made progress for 2 s: every rank waits in a collective that its
     peers do not reach", and the next lines say "ranks 0, 1 entered broadcast #3 (float32[3]) ..., and it has not
     completed on ranks 0, 1" and "ranks 0, 1 wait together in broadcast": the peers did reach it. ``hang_error``
-    (core/report.py) picks that sentence from the stacks alone (every rank waiting, none behind).
+    (core/launcher/report.py) picks that sentence from the stacks alone (every rank waiting, none behind).
 
     Should: when the standings show every rank in the same collective, say so (e.g. "every rank waits in
     broadcast #3, which does not complete"), not that the peers do not reach it.
@@ -553,7 +555,7 @@ def test_a_rank_computing_in_torch_distributed_code_outside_any_collective_is_no
     torch/distributed/checkpoint's Python code (about 70 % of stack samples of a 20,000-entry save). Its
     collectives have all completed (the flight recorder knows it).
 
-    Was, before the fix: ``stacks.place`` marks any stack whose innermost frame is under torch/distributed/ as
+    Was, before the fix: ``stacks.location`` marks any stack whose innermost frame is under torch/distributed/ as
     ``spinning`` and ``Watchdog._waits_at`` takes that as waiting on a CPU rank, whatever the recorder says. The
     watchdog's sample at the moment of its "has computed for N s" check decides: when it lands in the planner the
     rank is marked spinning and no longer counts as progress, and the group can be declared hung while rank 0
@@ -562,16 +564,16 @@ def test_a_rank_computing_in_torch_distributed_code_outside_any_collective_is_no
     Should: on a rank whose every collective completed (the recorder is on and knows the rank), busy in
     torch.distributed code outside a collective is computing, as a CUDA sync is on a GPU rank.
     """
-    from mpddp.core.watchdog import Watchdog
+    from mpddp.core.launcher.watchdog import Watchdog
 
     root = os.path.dirname(torch.__file__)
     dump = ("Current thread 0x00007f0000000001 (most recent call first):\n"
             f'  File "{root}/distributed/checkpoint/default_planner.py", line 300 in create_local_plan\n'
             f'  File "{root}/distributed/checkpoint/state_dict_saver.py", line 196 in save\n'
             '  File "/home/u/train.py", line 40 in save_checkpoint\n')
-    place = stacks.place(dump, 0x7F0000000001)
+    place = stacks.locate(dump, 0x7F0000000001)
     assert place is not None and place.text == "save at train.py:40"
-    board = collectives.Board([0, 1])
+    board = Board([0, 1])
     call = Call("0", 1, "all_reduce", ((4,),), ("Float",), 0, "gloo", 0, 1)
     for rank in (0, 1):
         board.add(rank, Collectives((call,), ((("0", "gloo", 0), 1),)))  # #1 entered and completed on both ranks
@@ -727,10 +729,10 @@ def test_where_the_straggler_is_while_the_others_wait_is_sampled_while_they_wait
     Was, before the fix: the message ends "while the others wait it is in late_then_together at
     test_collectives_hostile.py:N (time.sleep(0.17)  # both ranks: nobody waits for anybody here) (k of 5
     samples)" (or the sleep after the loop, when the rows that tip the rule come in last). ``_sample`` in
-    core/supervisor.py takes 5 stacks of the straggler 50 ms apart whenever the rule fires, without looking
+    core/launcher/attempt.py takes 5 stacks of the straggler 50 ms apart whenever the rule fires, without looking
     at whether the others wait then; the most common place is wherever the rank spends most of its time.
 
-    Should: sample (or keep) only the straggler's places taken while another rank waits in a collective, here
+    Should: sample (or keep) only the straggler's locations taken while another rank waits in a collective, here
     the line marked "only rank 1"; else leave the "while the others wait" part out.
     """
     with caplog.at_level(logging.INFO, logger="mpddp"):

@@ -180,7 +180,7 @@ def forgets_a_process(ctx):
 
 
 def test_a_forgotten_child_process_does_not_keep_the_launch_alive(no_leftovers, capfd):
-    from mpddp.core.worker import THREAD_GRACE
+    from mpddp.core.rank.worker import THREAD_GRACE
 
     start = time.monotonic()
     pids = mpddp.launch(forgets_a_process, nprocs=2)

@@ -210,7 +210,7 @@ def test_a_notebook_cells_line_is_told_with_its_function_and_source():
     import linecache
     import threading
 
-    from mpddp.core import stacks
+    from mpddp.core.wire import stacks
 
     cell = "/tmp/ipykernel_4242/594081203.py"
     linecache.cache[cell] = (60, None, ["import threading\n", "\n", "def idle(ctx):\n",
@@ -220,7 +220,7 @@ def test_a_notebook_cells_line_is_told_with_its_function_and_source():
                 f'  File "{threading.__file__}", line 320 in wait\n'
                 f'  File "{threading.__file__}", line 629 in wait\n'
                 f'  File "{cell}", line 4 in idle\n')
-        place = stacks.place(dump, 0x7F0000000001)
+        place = stacks.locate(dump, 0x7F0000000001)
     finally:
         del linecache.cache[cell]
     assert place is not None and not place.waiting
@@ -320,16 +320,16 @@ def test_a_stopped_store_keeper_is_named_with_its_state(no_leftovers, monkeypatc
     SIGSTOP froze before the ranks connected."""
     import signal as signals
 
-    from mpddp.core import keeper
+    from mpddp.core.nodes import store_server
 
-    real = keeper.start
+    real = store_server.start
 
     def start_and_stop(*args, **kwargs):
         started = real(*args, **kwargs)
         os.kill(started.pid, signals.SIGSTOP)
         return started
 
-    monkeypatch.setattr(keeper, "start", start_and_stop)
+    monkeypatch.setattr(store_server, "start", start_and_stop)
     with pytest.raises(mpddp.StoreLost) as info:
         mpddp.launch(one, nprocs=2, timeout=3)
     assert str(info.value).startswith("the store keeper (pid ")
@@ -367,7 +367,7 @@ def test_a_rank_that_destroys_its_group_early_is_named_for_leaving_not_for_a_tim
 
 
 def test_a_long_quote_is_cut_at_a_word_with_an_ellipsis():
-    from mpddp.core.report import _short
+    from mpddp.core.launcher.report import _short
 
     text = "Read error [127.0.0.1]:28358: Connection reset by peer and this is typically caused by a remote worker " \
            "hanging or by bugs in the application code of some rank"

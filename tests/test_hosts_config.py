@@ -75,7 +75,7 @@ def test_the_hosts_wire_is_typed_both_ways():
     import io
     import pickle
 
-    from mpddp.core import protocol
+    from mpddp.core.wire import protocol
 
     config = mpddp.LaunchConfig(hosts="a,b", nprocs=2)
     request = protocol.NodeRequest(config, 1, 29500, b"fn", True, ("torch",), {"MPDDP_X": "1"})

@@ -1,4 +1,4 @@
-"""Edge cases of the store keeper (core/keeper.py) with real processes.
+"""Edge cases of the store keeper (core/nodes/store_server.py) with real processes.
 
 Each case attacks the keeper that serves node 0's TCPStore: stopped, killed
 inside ``init_process_group``, its launcher SIGKILLed under every start
@@ -379,7 +379,7 @@ if __name__ == "__main__":
 @pytest.mark.parametrize("how", ["file", "stdin", "-c"])
 def test_a_fresh_interpreter_never_imports_torch_and_the_keeper_runs_no_top_level(tmp_path, how):
     script = write(tmp_path, "top.py", TOP_SCRIPT)
-    # fork last: a fork launcher imports torch on purpose, for its children to inherit (core/startup.py)
+    # fork last: a fork launcher imports torch on purpose, for its children to inherit (core/launcher/startup.py)
     methods = {"file": "forkserver,spawn,fork", "stdin": "spawn,forkserver", "-c": "forkserver,fork"}[how]
     argv = {"file": [str(script), methods], "stdin": ["-", methods], "-c": ["-c", script.read_text(), methods]}[how]
     out = subprocess.run([sys.executable, *argv], capture_output=True, text=True, timeout=100, cwd=tmp_path,
@@ -532,7 +532,7 @@ time.sleep(100)
         run.kill()
     assert rc == 130, run.stderr
     assert run.stderr.strip().splitlines()[-1] == "mpddp: interrupted (SIGINT); every worker was stopped"
-    assert "Process mpddp-store" not in run.stderr and "keeper.py" not in run.stderr, run.stderr
+    assert "Process mpddp-store" not in run.stderr and "store_server.py" not in run.stderr, run.stderr
 
 
 def test_fork_ranks_of_a_torch_free_launcher_do_not_pay_a_torch_import_each_launch(tmp_path):

@@ -210,7 +210,7 @@ def leave_a_thread(ctx):
 def test_a_forgotten_non_daemon_thread_does_not_keep_the_launch_alive(capsys):
     import time
 
-    from mpddp.core.worker import THREAD_GRACE
+    from mpddp.core.rank.worker import THREAD_GRACE
 
     start = time.monotonic()
     assert mpddp.launch(leave_a_thread, nprocs=2) == [0, 1]

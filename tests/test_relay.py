@@ -5,7 +5,7 @@ import os
 import sys
 import time
 
-from mpddp.core.relay import Relay
+from mpddp.core.launcher.output import Relay
 
 
 def relay_bytes(chunks_by_rank: dict[int, list[bytes]], monkeypatch, **kwargs) -> tuple[str, str, Relay]:

@@ -227,7 +227,7 @@ def wait_forever(ctx):
 
 def test_ctrl_c_while_ranks_start_stops_those_already_started(monkeypatch):
     """Ctrl-C between two ranks' starts (a notebook's stop button) leaves no rank behind."""
-    from mpddp.core import api as launcher
+    from mpddp.core.launcher import api as launcher
 
     real = launcher.start_context
     started = []
@@ -250,7 +250,7 @@ def test_ctrl_c_while_ranks_start_stops_those_already_started(monkeypatch):
                 process.start = ctrl_c_once_rank_0_runs
             return process
 
-    from mpddp.core import supervisor
+    from mpddp.core.launcher import attempt
 
     pids: list[int] = []  # kept apart: the launcher closes a process object once its rank is gone
 
@@ -258,8 +258,8 @@ def test_ctrl_c_while_ranks_start_stops_those_already_started(monkeypatch):
         real_start(process)
         pids.append(process.pid)
 
-    real_start = supervisor.start_process
-    monkeypatch.setattr(supervisor, "start_process", start_and_note)
+    real_start = attempt.start_process
+    monkeypatch.setattr(attempt, "start_process", start_and_note)
     monkeypatch.setattr(launcher, "start_context", lambda method, *rest: CtrlCOnSecondStart(real(method, *rest)))
     with pytest.raises(KeyboardInterrupt):
         mpddp.launch(wait_forever, nprocs=2, init_process_group=False)

@@ -19,7 +19,7 @@ from click.testing import CliRunner
 
 from mpddp.cli import main
 from mpddp.cli.info import cluster_lines
-from mpddp.core.api import make_config
+from mpddp.core.launcher.api import make_config
 from mpddp.errors import ConfigError
 from mpddp.machine import cluster, joblayout, lsf, mpi, slurm
 

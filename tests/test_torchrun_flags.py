@@ -19,7 +19,7 @@ from click.testing import CliRunner
 from mpddp.cli import main
 from mpddp.cli.run import REFUSED
 from mpddp.config import LaunchConfig
-from mpddp.core.plan import node_env, plan_launch, rank_env
+from mpddp.core.launcher.plan import node_env, plan_launch, rank_env
 from mpddp.errors import ConfigError
 
 from runs import Run
@@ -39,7 +39,7 @@ def parse(monkeypatch, tmp_path):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "x.py").write_text("raise SystemExit('never runs')\n")
     seen: dict = {}
-    monkeypatch.setattr("mpddp.core.api.launch", lambda fn, config, args, init_process_group: seen.update(
+    monkeypatch.setattr("mpddp.core.launcher.api.launch", lambda fn, config, args, init_process_group: seen.update(
         config=config, args=args))
 
     def parse(argv: list[str], target: str = "x.py") -> tuple[LaunchConfig, dict[str, str], tuple]:

@@ -17,7 +17,7 @@ from typing import NoReturn
 import click
 
 from .. import __version__
-from ..core import stacks
+from ..core.wire import stacks
 from ..errors import ConfigError, MpddpError, WorkerFailed
 from . import info, ranks, run, train
 from .options import EXIT_BAD_INPUT, EXIT_SIGINT, build_config, launch_options
@@ -109,7 +109,7 @@ def _exit_process(code: int) -> NoReturn:
     """
     import atexit
 
-    from ..core.startup import stop_helpers
+    from ..core.launcher.startup import stop_helpers
 
     stop_helpers()  # the forkserver and the resource tracker are gone too when the shell goes on
     atexit._run_exitfuncs()

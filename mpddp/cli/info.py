@@ -3,7 +3,7 @@
 Owns: the report itself (torch build, CUDA and NCCL, the GPUs with their
 memory and processes, the cores, the cluster environment found, the
 launch's choices). Leaves the facts to machine/gpus.py, machine/cores.py and
-machine/cluster.py and the choices to core/plan.py.
+machine/cluster.py and the choices to core/launcher/plan.py.
 
 It must never initialize CUDA, so that ``mpddp info`` in a notebook does not
 poison a later fork: torch is asked only ``cuda.device_count()`` (never
@@ -108,7 +108,7 @@ def cluster_lines() -> list[str]:
 
 def choice_lines(config: LaunchConfig, query: GpuQuery) -> list[str]:
     """What a one-node launch with ``config`` would choose here, and why."""
-    from ..core.plan import choose
+    from ..core.launcher.plan import choose
 
     ids = resolve_gpus(config.gpus, config.nprocs, query)  # a ConfigError ends the report, exit code 2
     nprocs, chosen = choose(config, ids)  # what the launch itself decides (a ConfigError, too)

@@ -4,7 +4,7 @@ Owns: the click options made from :class:`~mpddp.config.LaunchConfig`'s
 fields (their help and type live in each field's ``metadata``, so a new
 launch option appears in every command at once and the two cannot drift
 apart), turning the parsed values into one validated config, and the exit
-codes. Leaves validation to config.py and the SLURM rule to core/api.py.
+codes. Leaves validation to config.py and the SLURM rule to core/launcher/api.py.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import Any
 import click
 
 from ..config import LaunchConfig
-from ..core.api import make_config
+from ..core.launcher.api import make_config
 
 EXIT_BAD_INPUT = 2
 EXIT_SIGINT = 130

@@ -6,7 +6,7 @@ launch option's spelling (torchrun's names of launch options, such as
 command has them): each becomes a launch option or a worker variable, is
 accepted as what mpddp always does, or is refused in one line that says
 what to use instead, before anything starts. The worker side is
-core/script.py; the launch itself is the same as for every other command.
+core/rank/script.py; the launch itself is the same as for every other command.
 """
 
 from __future__ import annotations
@@ -96,8 +96,8 @@ def run(target: str, script_args: tuple[str, ...], is_module: bool, **options: A
     torchrun: below); any other is refused with what to use instead. The
     exit code is the failing rank's (torchrun's is 1).
     """
-    from ..core.api import launch
-    from ..core.script import run_script
+    from ..core.launcher.api import launch
+    from ..core.rank.script import run_script
 
     if target.startswith("-") and (is_module or not os.path.isfile(target)):
         raise _no_such_option(target)

@@ -50,7 +50,7 @@ def train(**options: Any) -> None:
     mpddp train --nprocs 2 --resume auto --epochs 15   continue the last run
     mpddp train --task scripts/example_task.py --nprocs 2
     """
-    from ..core.startup import TRAINING_PRELOAD, exit_on_interrupt, start_forkserver
+    from ..core.launcher.startup import TRAINING_PRELOAD, exit_on_interrupt, start_forkserver
     from ..errors import ConfigError
 
     # A Ctrl-C before launch() starts its processes (imports of torch, scikit-learn, the task): out at once,

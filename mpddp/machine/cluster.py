@@ -2,7 +2,7 @@
 
 Owns: telling which environments are present (Open MPI, MPICH/Intel MPI,
 SLURM, PBS, LSF, Kubeflow), the one precedence rule between them
-(:data:`PRECEDENCE`), :func:`apply_cluster` (what core/api.py's
+(:data:`PRECEDENCE`), :func:`apply_cluster` (what core/launcher/api.py's
 ``make_config`` calls) and :func:`describe` for ``mpddp ranks`` and ``mpddp
 info``. Leaves reading each environment to slurm.py, mpi.py, pbs.py, lsf.py
 and kubeflow.py (each a ``read_layout`` that returns a

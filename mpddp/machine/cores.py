@@ -2,7 +2,7 @@
 
 Owns: counting physical cores and the threads-per-rank rule. Leaves GPUs to
 machine/gpus.py, the rank formula to ranks.py and writing the workers'
-environment to core/plan.py; no torch here.
+environment to core/launcher/plan.py; no torch here.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ Owns: asking the driver about GPUs *without initializing CUDA* (NVML through
 ``CUDA_VISIBLE_DEVICES``, turning ``--gpus`` (ids, ``free``, ``free:N``,
 nothing) into physical ids, and warning about GPUs another process fills.
 Leaves to others: setting the children's ``CUDA_VISIBLE_DEVICES`` and the
-device of each rank (core/plan.py, core/worker.py).
+device of each rank (core/launcher/plan.py, core/rank/worker.py).
 
 Why no torch here: in the launcher's parent, ``torch.cuda.is_available()``
 or ``get_device_properties`` is enough to make every forked child fail with

@@ -28,7 +28,17 @@ from collections.abc import Mapping, Sequence
 from dataclasses import replace
 
 from ..errors import ConfigError
-from .joblayout import JobLayout, host_index, int_var, pick, port_for, port_source, read_hostfile, unique, user_command
+from .joblayout import (
+    JobLayout,
+    host_index,
+    int_var,
+    pick,
+    port_for,
+    port_source,
+    read_hostfile,
+    unique,
+    user_command,
+)
 
 LSF = "LSF"
 

@@ -25,7 +25,17 @@ import socket
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 
-from .joblayout import JobLayout, host_index, int_var, pick, port_for, port_source, read_hostfile, unique, user_command
+from .joblayout import (
+    JobLayout,
+    host_index,
+    int_var,
+    pick,
+    port_for,
+    port_source,
+    read_hostfile,
+    unique,
+    user_command,
+)
 
 PBS = "PBS"
 

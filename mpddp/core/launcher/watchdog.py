@@ -5,7 +5,7 @@ timeout (frameworks pass their own, and a rank stuck outside a collective
 never trips one). Every ``interval`` it looks for progress, which is any of:
 
 - a rank entered or completed a collective (its flight recorder moved,
-  core/collectives.py);
+  core/rank/recorder.py, lined up by core/launcher/board.py);
 - a rank wrote output (a rank held back by the relay while it floods its
   stdout spends its time in ``write()``, not on the CPU);
 - a rank used more than :data:`BUSY` of a core (its whole process tree,
@@ -16,13 +16,13 @@ never trips one). Every ``interval`` it looks for progress, which is any of:
   A GPU rank spinning in ``torch.cuda.synchronize`` with no collective
   open waits for its own GPU, which computes: that is progress.
 
-Other nodes' progress arrives through the round's beat (core/rounds.py).
+Other nodes' progress arrives through the round's beat (core/nodes/rounds.py).
 When no rank has progressed for ``timeout`` seconds it asks every rank for
 its stack and declares a :class:`Hang`, with where each rank stands in its
 collectives. A rank that computes is never a hang, however long the others
 wait; it is told once, with where the others wait. Leaves the stacks to
-core/stacks.py, acting on a hang to core/supervisor.py and the report to
-core/report.py.
+core/wire/stacks.py, acting on a hang to core/launcher/attempt.py and the report to
+core/launcher/report.py.
 """
 
 from __future__ import annotations
@@ -34,10 +34,10 @@ from typing import Any
 
 import psutil
 
-from ..log import logger
-from . import stacks
+from ...log import logger
+from ..wire import stacks
+from .board import Board, Standing
 from .classify import Hang, RankState
-from .collectives import Board, Standing
 
 BUSY = 0.1  # fraction of one core over a sample: more is computing
 
@@ -56,9 +56,9 @@ class Watchdog:
     """Call :meth:`check` often (the supervisor's watch loop does); it samples every ``interval``."""
 
     timeout: float
-    heartbeat: Any = None  # core/rounds.py's RoundWatch on several nodes: progress travels between nodes
-    board: Board | None = None  # the ranks' collectives (core/collectives.py)
-    output: Callable[[], int] | None = None  # bytes relayed so far, every rank together (core/relay.py)
+    heartbeat: Any = None  # core/nodes/rounds.py's RoundWatch on several nodes: progress travels between nodes
+    board: Board | None = None  # the ranks' collectives (core/launcher/board.py)
+    output: Callable[[], int] | None = None  # bytes relayed so far, every rank together (core/launcher/output.py)
     interval: float = 0.0
     _moves: object = None
     _ranks: dict[int, _Rank] = field(default_factory=dict)
@@ -84,12 +84,12 @@ class Watchdog:
             self._last_progress = now
         if not running or now - self._last_progress < self.timeout:
             return None
-        places = self.where(running)
-        if any((p := places.get(s.slot.rank)) is not None and not self._waits_at(s, p) for s in busy):
+        locations = self.where(running)
+        if any((p := locations.get(s.slot.rank)) is not None and not self._waits_at(s, p) for s in busy):
             self._progressed(now)  # a busy rank seen spinning earlier computes after all
             return None
         finished = tuple(s.slot.rank for s in states if s.succeeded)
-        return Hang(now - self._last_progress, places, finished, self.standings(states))
+        return Hang(now - self._last_progress, locations, finished, self.standings(states))
 
     def standings(self, states: list[RankState]) -> tuple[Standing, ...]:
         """Where the ranks stand in their collectives (empty without a flight recorder): on several nodes,
@@ -113,7 +113,7 @@ class Watchdog:
         seen = self.board.seen.get(state.slot.rank) if self.board is not None else None
         return seen is not None and state.slot.device.startswith("cuda") and seen.pending
 
-    def _waits_at(self, state: RankState, place: stacks.Place) -> bool:
+    def _waits_at(self, state: RankState, place: stacks.Location) -> bool:
         """Busy at ``place`` is waiting: a GPU rank's open collective; else a stack inside torch.distributed or a
         CUDA sync, if the flight recorder (when there is one) has a collective open for it."""
         if self._open(state):
@@ -123,11 +123,11 @@ class Watchdog:
             return place.spinning and seen.pending  # (torch.distributed.checkpoint computes; a sync's GPU works)
         return place.spinning
 
-    def where(self, running: list[RankState]) -> dict[int, stacks.Place | None]:
-        """Every running rank's place, asked now (rank -> Place, None if it did not answer)."""
+    def where(self, running: list[RankState]) -> dict[int, stacks.Location | None]:
+        """Every running rank's place, asked now (rank -> Location, None if it did not answer)."""
         fds = {s.slot.rank: s.stack_fd for s in running if s.stack_fd is not None and s.started}
         dumps = stacks.ask({s.slot.rank: s.process.pid for s in running if s.slot.rank in fds}, fds)
-        return {s.slot.rank: stacks.place(dumps.get(s.slot.rank, ""), s.main_thread) for s in running}
+        return {s.slot.rank: stacks.locate(dumps.get(s.slot.rank, ""), s.main_thread) for s in running}
 
     def _busy(self, state: RankState, dt: float, now: float) -> bool:
         rank = self._ranks.get(state.slot.rank)
@@ -165,15 +165,15 @@ class Watchdog:
                and now - (rank.busy_since or now) >= self.timeout]
         if not idle or not due:
             return
-        places = self.where(due + idle)
+        locations = self.where(due + idle)
         for s in due:
             rank = self._ranks[s.slot.rank]
-            here = places.get(s.slot.rank)
+            here = locations.get(s.slot.rank)
             if here is not None and self._waits_at(s, here):
                 rank.spinning = True  # busy inside a collective or a CUDA sync: waiting, not computing
                 continue
             rank.told = True
-            others = "; ".join(stacks.grouped({i.slot.rank: places.get(i.slot.rank) for i in idle}))
+            others = "; ".join(stacks.grouped({i.slot.rank: locations.get(i.slot.rank) for i in idle}))
             logger.warning("mpddp: rank %d has computed for %.0f s while the others wait (%s); not a hang: the job "
                            "goes on", s.slot.rank, now - (rank.busy_since or now), others)
 

@@ -8,8 +8,8 @@ where a forked child fails or hangs, and the environment every worker gets:
 every variable torchrun's elastic agent sets (compared with a real torchrun
 in tests/test_torchrun_flags.py), plus mpddp's own (threads, pinned
 interfaces and GPUs). Leaves the machine's facts to machine/, the rank
-formula to ranks.py, the error file to core/errorfile.py and starting the
-processes to core/supervisor.py.
+formula to ranks.py, the error file to core/wire/errorfile.py and starting the
+processes to core/launcher/attempt.py.
 """
 
 from __future__ import annotations
@@ -22,13 +22,14 @@ from dataclasses import dataclass
 
 import psutil
 
-from .. import ranks as rank_math
-from ..config import LaunchConfig
-from ..errors import ConfigError
-from ..log import logger
-from ..machine.cores import physical_cores, threads_per_rank
-from ..machine.gpus import child_cuda_env
-from . import collectives, errorfile
+from ... import ranks as rank_math
+from ...config import LaunchConfig
+from ...errors import ConfigError
+from ...log import logger
+from ...machine.cores import physical_cores, threads_per_rank
+from ...machine.gpus import child_cuda_env
+from ..rank import recorder
+from ..wire import errorfile
 
 # What the launcher does on these signals (stop every worker), as torchrun's TORCHELASTIC_SIGNALS_TO_HANDLE says it
 SIGNALS_HANDLED = "SIGTERM,SIGINT,SIGHUP"
@@ -55,7 +56,7 @@ def _gpus(config: LaunchConfig) -> tuple[tuple[int, ...] | None, bool]:
     is the fallback (it creates no CUDA context), never is_available(), and
     only for a torch built for GPUs: on a CPU build the launcher imports no torch.
     """
-    from ..machine.gpus import busy_warnings, query_gpus, resolve_gpus, torch_builds_for_gpus
+    from ...machine.gpus import busy_warnings, query_gpus, resolve_gpus, torch_builds_for_gpus
 
     query = query_gpus()
     if config.gpus is None and not query.visible:
@@ -153,7 +154,7 @@ def node_env(plan: Plan, port: int, attempt: int) -> dict[str, str]:
         MPDDP_STDOUT_ISATTY="1" if _interactive() else "0",
     )
     env.update(dict(config.env))
-    collectives.env_defaults(env)  # the flight recorder, unless the user set its size
+    recorder.env_defaults(env)  # the flight recorder, unless the user set its size
     if plan.threads is not None:
         env["OMP_NUM_THREADS"] = str(plan.threads)
     if plan.pin_visible and plan.gpus:
@@ -163,7 +164,7 @@ def node_env(plan: Plan, port: int, attempt: int) -> dict[str, str]:
         env.setdefault("GLOO_SOCKET_IFNAME", "lo")
         env.setdefault("NCCL_SOCKET_IFNAME", "lo")
     else:
-        from ..machine.netif import interface_env
+        from ...machine.netif import interface_env
 
         for key, value in interface_env(config.master_addr, os.environ).items():
             env.setdefault(key, value)

@@ -1,9 +1,9 @@
-"""One node of a ``--hosts`` launch, on its machine: ``python -m mpddp.core.node``, started over ssh.
+"""One node of a ``--hosts`` launch, on its machine: ``python -m mpddp.core.nodes.hosts_node``, started over ssh.
 
-Owns: the remote end of core/remote.py's protocol. It reads one request on
+Owns: the remote end of core/nodes/hosts.py's protocol. It reads one request on
 stdin (the node's launch options, ``fn`` already shipped by value, a few
 variables), runs this node's ranks exactly as a local launch would
-(core/api.py's :func:`~mpddp.core.api.run_node`), and answers on stdout
+(core/launcher/api.py's :func:`~mpddp.core.launcher.api.run_node`), and answers on stdout
 with typed messages between the ranks' ``[rank N]`` lines: node 0 first
 tells the rendezvous port it holds (the OS picked it, and it stays bound),
 then every node tells its ranks' values or its failure (a picklable
@@ -11,7 +11,7 @@ then every node tells its ranks' values or its failure (a picklable
 under one lock, so a message never splits a rank's line. When stdin closes
 (the head stopped the job, or the head or its ssh died), the node stops its
 ranks as on SIGTERM and exits: nothing is left on this host. Leaves the
-head's side to core/remote.py.
+head's side to core/nodes/hosts.py.
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ import sys
 import threading
 from typing import Any, NoReturn
 
-from ..errors import MpddpError
-from . import protocol
+from ...errors import MpddpError
+from ..wire import protocol
 
 
 class Stopped(BaseException):
@@ -69,7 +69,7 @@ def _watch_stdin(stream: Any) -> None:
 
 def serve(stdin: Any) -> int:
     """Run this node for the head; the exit code says only whether the protocol held (0) or not."""
-    from .api import run_node
+    from ..launcher.api import run_node
 
     request = protocol.read_request(stdin)
     if request is None:
@@ -106,7 +106,7 @@ def main() -> None:
         code = 0  # the ranks were stopped in the launch's own teardown
     for signum in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
         signal.signal(signum, signal.SIG_IGN)  # done: the head closing our stdin now is the normal end
-    from .startup import stop_helpers
+    from ..launcher.startup import stop_helpers
 
     stop_helpers()
     sys.stdout.flush()

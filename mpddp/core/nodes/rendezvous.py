@@ -6,7 +6,7 @@ it to ``torch.distributed.TCPStore`` through ``master_listen_fd``, and the
 client connection workers make. A single-node job listens on 127.0.0.1 only:
 ``TCPStore("127.0.0.1", 0, is_master=True)`` would listen on every address.
 Leaves resolving names to machine/netif.py, the process that serves the
-store to core/keeper.py and starting workers to core/supervisor.py.
+store to core/nodes/store_server.py and starting workers to core/launcher/attempt.py.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ import ipaddress
 import socket
 from datetime import timedelta
 
-from ..errors import AddressError
-from ..machine.netif import resolve
+from ...errors import AddressError
+from ...machine.netif import resolve
 
 
 def listen(addr: str, port: int) -> socket.socket:

@@ -8,12 +8,12 @@ pipe buffer), notices a store keeper that died or another node's failure
 (on several nodes) and asks the watchdog each turn, SIGUSR1's "where is
 every rank", noting where each rank was before it is stopped, the teardown
 that always runs, and loading the ranks' return values. Leaves the job's
-store and the restart loop to core/job.py, the plan to core/plan.py, hangs
-to core/watchdog.py, stacks to core/stacks.py, the report to
-core/report.py, which node's failure came first to core/rounds.py, killing
-to core/procs.py, lines to core/relay.py and reading the ranks' ``@record``
+store and the restart loop to core/launcher/job.py, the plan to core/launcher/plan.py, hangs
+to core/launcher/watchdog.py, stacks to core/wire/stacks.py, the report to
+core/launcher/report.py, which node's failure came first to core/nodes/rounds.py, killing
+to core/launcher/teardown.py, lines to core/launcher/output.py and reading the ranks' ``@record``
 error files (in a directory of this attempt's, removed when it ends) to
-core/errorfile.py.
+core/wire/errorfile.py.
 """
 
 from __future__ import annotations
@@ -30,19 +30,22 @@ from typing import Any
 import cloudpickle
 import psutil
 
-from ..config import LaunchConfig
-from ..context import WorkerContext
-from ..errors import MainGuardError, Outcome, RendezvousError, StoreLost, WorkerFailed
-from ..log import logger
-from ..ranks import banner
-from . import collectives, entry, errorfile, procs, protocol, rounds, stacks, stragglers
+from ...config import LaunchConfig
+from ...context import WorkerContext
+from ...errors import MainGuardError, Outcome, RendezvousError, StoreLost, WorkerFailed
+from ...log import logger
+from ...ranks import banner
+from ..nodes import rounds
+from ..nodes.rounds import NodeLink, RoundWatch
+from ..nodes.store_server import StoreServer
+from ..rank import boot
+from ..wire import errorfile, protocol, stacks
+from . import board, stragglers, teardown
+from .board import Board, Mismatch
 from .classify import Hang, RankState, Verdict, classify, root_cause
-from .collectives import Board, Mismatch
-from .keeper import Keeper
+from .output import Relay
 from .plan import Plan, node_env, rank_env
-from .relay import Relay
 from .report import failure_error, hang_error, mismatch_error, remote_error
-from .rounds import NodeLink, RoundWatch
 from .startup import forkserver_pid, start_process
 from .watchdog import Watchdog
 
@@ -66,11 +69,11 @@ class Job:
     payload: bytes  # cloudpickle of (fn, args, kwargs, notebook cells' lines)
     init_group: bool  # False: fn (or the script) calls init_process_group itself
     port: int  # node 0's store, for the whole job
-    store: Keeper | None = None  # node 0 only
+    store: StoreServer | None = None  # node 0 only
     # A script that calls init_process_group("env://") itself (init_group False) uses MASTER_PORT's store with no
-    # prefix of its own: from the second round on it gets a fresh store of the round's (core/job.py).
+    # prefix of its own: from the second round on it gets a fresh store of the round's (core/launcher/job.py).
     script_port: int | None = None
-    script_store: Keeper | None = None  # node 0 only
+    script_store: StoreServer | None = None  # node 0 only
     link: NodeLink | None = None  # several nodes only: this launcher's client of the store
     lags: stragglers.Stragglers = field(default_factory=stragglers.Stragglers)  # arrivals at collectives, job-wide
 
@@ -87,7 +90,7 @@ def _pipe() -> tuple[int, Connection]:
 
 @dataclass
 class _Channels:
-    """One rank's four pipes: typed messages (core/protocol.py), stdout, stderr and stack dumps."""
+    """One rank's four pipes: typed messages (core/wire/protocol.py), stdout, stderr and stack dumps."""
 
     messages: tuple[Connection, Connection]
     out: tuple[int, Connection]
@@ -122,8 +125,8 @@ def _start(job: Job, attempt: int, relay: Relay, states: list[RankState], error_
             close_fds=tuple(sorted(all_fds - {c.fileno() for c in ch.worker_ends}))
             if config.start_method == "fork" else (),
         )
-        process = mp_context.Process(target=entry.rank, args=(spec, *ch.worker_ends), name=f"mpddp-rank-{slot.rank}")
-        with LIVE_LOCK, entry.main_hidden(always=False):
+        process = mp_context.Process(target=boot.rank_process, args=(spec, *ch.worker_ends), name=f"mpddp-rank-{slot.rank}")
+        with LIVE_LOCK, boot.main_hidden(always=False):
             start_process(process)
             LIVE.add(process.pid)
         os.set_blocking(ch.stack[0], False)
@@ -160,7 +163,7 @@ def _receive(state: RankState, board: Board) -> None:
             state.failure, state.failed_at = message, message.time
 
 
-def _watch(states: list[RankState], watchdog: Watchdog, lags: stragglers.Stragglers, store: Keeper | None = None,
+def _watch(states: list[RankState], watchdog: Watchdog, lags: stragglers.Stragglers, store: StoreServer | None = None,
            round_watch: RoundWatch | None = None) -> Hang | Mismatch | None:
     """Wait until every rank succeeded, a failure window has closed, the store's keeper is gone,
     another node wrote the round's first failure, the watchdog found a hang, or two ranks called
@@ -197,7 +200,7 @@ def _watch(states: list[RankState], watchdog: Watchdog, lags: stragglers.Straggl
             return None
         if first_failure is None and (mismatch := board.found(now)) is not None:
             return mismatch  # a bug in the program, whatever happens next: told now
-        if stacks.ASKED.is_set():  # SIGUSR1 (core/stacks.py)
+        if stacks.ASKED.is_set():  # SIGUSR1 (core/wire/stacks.py)
             stacks.ASKED.clear()
             _show_where(states, watchdog)
         lags.add(board.take())
@@ -209,13 +212,13 @@ def _watch(states: list[RankState], watchdog: Watchdog, lags: stragglers.Straggl
 def _show_where(states: list[RankState], watchdog: Watchdog) -> None:
     """SIGUSR1: every rank's place, grouped, on stderr; the job goes on."""
     running = [s for s in states if s.exitcode is None]
-    places = watchdog.where(running)
-    rows = collectives.standing_rows(list(watchdog.standings(states)), time.time_ns())
-    rows += stacks.grouped(places, finished=[s.slot.rank for s in states if s.succeeded])
+    locations = watchdog.where(running)
+    rows = board.standing_rows(list(watchdog.standings(states)), time.time_ns())
+    rows += stacks.grouped(locations, finished=[s.slot.rank for s in states if s.succeeded])
     logger.warning("mpddp: where every rank is (SIGUSR1; the job goes on):\n%s", "\n".join(f"  {r}" for r in rows))
     for s in running:
-        if (where := places.get(s.slot.rank)) is not None:
-            s.place = where
+        if (where := locations.get(s.slot.rank)) is not None:
+            s.location = where
 
 
 def _sample(states: list[RankState], watchdog: Watchdog, rank: int) -> list[str]:
@@ -224,26 +227,26 @@ def _sample(states: list[RankState], watchdog: Watchdog, rank: int) -> list[str]
     running = [s for s in states if s.exitcode is None]
     if not any(s.slot.rank == rank for s in running):
         return []
-    places = []
+    locations = []
     for _ in range(2 * stragglers.SAMPLES):
         seen = watchdog.where(running)
         if any(p is not None and p.waiting for r, p in seen.items() if r != rank):
             here = seen.get(rank)
-            places.append(here.text if here is not None and not here.waiting else "")
-            if len(places) == stragglers.SAMPLES:
+            locations.append(here.text if here is not None and not here.waiting else "")
+            if len(locations) == stragglers.SAMPLES:
                 break
         time.sleep(0.03)
-    return places
+    return locations
 
 
 def _teardown(states: list[RankState], urgent: threading.Event | None = None) -> None:
     # A rank the forkserver has not reported yet may have died on its own already (a zombie, or gone: under
     # load the forkserver writes its status late): that one was not stopped by mpddp, it died.
-    alive = [s for s in states if s.exitcode is None and s.process.is_alive() and procs.alive(s.process.pid)]
+    alive = [s for s in states if s.exitcode is None and s.process.is_alive() and teardown.alive(s.process.pid)]
     for s in alive:
         s.stopped = True
     pids = [s.process.pid for s in states if s.process.pid]
-    procs.kill_tree([s.process.pid for s in alive], _TEARDOWN_GRACE, groups=pids, urgent=urgent)
+    teardown.kill_tree([s.process.pid for s in alive], _TEARDOWN_GRACE, groups=pids, urgent=urgent)
     with LIVE_LOCK:
         LIVE.difference_update(pids)
         _sweep_orphans()
@@ -271,7 +274,7 @@ def _release(state: RankState) -> None:
 def _sweep_orphans() -> None:
     """Stop what the forkserver adopted that is no running rank: a dead rank's children (call under LIVE_LOCK).
 
-    A rank killed by a signal cannot take its children along (core/worker.py
+    A rank killed by a signal cannot take its children along (core/rank/worker.py
     does on any other exit); one started with ``start_new_session=True`` is in
     no process group the teardown stops, and is re-parented to the forkserver.
     """
@@ -283,13 +286,13 @@ def _sweep_orphans() -> None:
     except psutil.Error:
         return
     if orphans:
-        procs.kill_tree(orphans, grace=0.2)
+        teardown.kill_tree(orphans, grace=0.2)
 
 
 def _forkserver_gone() -> int | None:
     """The pid of a forkserver that was killed from outside (every rank and the keeper go with it), or None."""
     server = forkserver_pid()
-    return server if server is not None and not procs.alive(server) else None
+    return server if server is not None and not teardown.alive(server) else None
 
 
 def _forkserver_lost(states: list[RankState]) -> None:
@@ -314,7 +317,7 @@ def run_group(job: Job, attempt: int) -> list[Any]:
             stopped_by = e
             raise
         finally:
-            with procs.shielded() as urgent:  # a second Ctrl-C must not leave the ranks running
+            with teardown.shielded() as urgent:  # a second Ctrl-C must not leave the ranks running
                 this.stop(urgent)
         return this.report()
     finally:
@@ -408,8 +411,8 @@ def _report(states: list[RankState], verdict: Verdict, hang: Hang | None, mismat
     _forkserver_lost(states)
     for s in states:
         s.tail = relay.tail(s.slot.rank)
-        if s.place is not None:
-            relay.note(s.slot.rank, f"mpddp: rank {s.slot.rank}'s stacks when it was stopped:\n{s.place.dump}")
+        if s.location is not None:
+            relay.note(s.slot.rank, f"mpddp: rank {s.slot.rank}'s stacks when it was stopped:\n{s.location.dump}")
     if mismatch is not None:
         return mismatch_error(states, verdict, mismatch)
     if hang is not None:
@@ -419,7 +422,7 @@ def _report(states: list[RankState], verdict: Verdict, hang: Hang | None, mismat
 
 def _settle(job: Job, attempt: int, states: list[RankState], verdict: Verdict, local: WorkerFailed | None,
             round_watch: RoundWatch | None) -> WorkerFailed | RendezvousError:
-    """Several nodes: the same first failure on every node (core/rounds.py), whichever node it happened on.
+    """Several nodes: the same first failure on every node (core/nodes/rounds.py), whichever node it happened on.
 
     What this node's own failure was comes from its ranks' outcomes (the first by the cause order), not from
     the report's type: "rank 3 made no progress while rank 2 timed out in a collective" is still a collective
@@ -443,11 +446,11 @@ def _locate(states: list[RankState], watchdog: Watchdog, hang: Hang | None) -> N
     """Before the teardown: where each rank that is about to be stopped is, for the report."""
     if hang is not None:
         for s in states:
-            s.place = hang.places.get(s.slot.rank)
+            s.location = hang.locations.get(s.slot.rank)
         return
     by_rank = {s.slot.rank: s for s in states}
     for rank, where in watchdog.where([s for s in states if s.exitcode is None and s.process.is_alive()]).items():
-        by_rank[rank].place = where
+        by_rank[rank].location = where
 
 
 def _value(state: RankState) -> Any:

@@ -2,7 +2,7 @@
 
 Owns: each rank's lag at every collective that all of this node's ranks
 reached (its arrival minus the first rank's, from the flight recorder's
-times, core/collectives.py), the rule that names a straggler while the job
+times, core/launcher/board.py), the rule that names a straggler while the job
 runs, the one-line summary at the end of a run and the table per rank
 (``-v``), and the timeline picture (``--timeline FILE.png``, matplotlib).
 
@@ -23,8 +23,8 @@ keeps out two ranks that are late in turn (neither is *the* one the others
 wait for). A step is estimated from the arrivals: a step's collectives come
 in a burst (DDP's buckets during the backward pass), the bursts a step
 apart. It is said once per job, with where the straggler's stack was while
-the others waited in a collective. Leaves reading the ranks to core/collectives.py and
-sampling stacks to core/stacks.py.
+the others waited in a collective. Leaves reading the ranks to core/rank/recorder.py and
+sampling stacks to core/wire/stacks.py.
 """
 
 from __future__ import annotations
@@ -35,8 +35,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from ..log import logger
-from .protocol import Call
+from ...log import logger
+from ..wire.protocol import Call
 
 WINDOW = 100  # collectives per rank the rule looks at
 MIN_SAMPLES = 50  # no verdict before this many
@@ -124,14 +124,14 @@ class Stragglers:
         return max(over, key=lambda r: over[r]) if over else None
 
     def check(self, where: Callable[[int], list[str]]) -> None:
-        """Name a straggler once, with where its stack was sampled (``where(rank)``: places, one per sample)."""
+        """Name a straggler once, with where its stack was sampled (``where(rank)``: locations, one per sample)."""
         if self.told is not None or (rank := self.suspect()) is None:
             return
         self.told, self.told_at = rank, time.time()
         lags = list(self.window[rank])
-        places = [p for p in where(rank) if p]
-        common = collections.Counter(places).most_common(1)
-        seen = (f"; while the others wait it is in {common[0][0]} ({common[0][1]} of {len(places)} samples)"
+        locations = [p for p in where(rank) if p]
+        common = collections.Counter(locations).most_common(1)
+        seen = (f"; while the others wait it is in {common[0][0]} ({common[0][1]} of {len(locations)} samples)"
                 if common else "")
         step = f", a step takes about {_ms(self.step)}" if self.step else ""
         logger.warning("mpddp: rank %d is a straggler: it reaches collectives %s after the first rank (median of its "

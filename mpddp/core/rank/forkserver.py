@@ -1,11 +1,11 @@
 """The forkserver's second job: nothing of a launch outlives its launcher, even one killed by SIGKILL.
 
-Owns: what the forkserver does besides forking (it imports core/worker.py
+Owns: what the forkserver does besides forking (it imports core/rank/worker.py
 first, which calls :func:`serve_if_forkserver`). The forkserver starts every
 worker, so it is every rank's parent. It becomes a *child subreaper*: the
 orphans of a rank that died (a child started with
 ``start_new_session=True``, a DataLoader worker) are re-parented to it
-instead of to init, where core/supervisor.py finds and stops them. When its
+instead of to init, where core/launcher/attempt.py finds and stops them. When its
 launcher process is gone (even killed by SIGKILL, which no handler of the
 launcher ever sees), it kills every process below it, removes the launcher's
 multiprocessing temporary directory, and leaves at once (``os._exit``: no
@@ -22,7 +22,7 @@ re-arms the signal for the next parent thread). When the pipe does close (a
 normal exit, every rank gone), the stdlib raises SystemExit and the same
 clean-up runs from atexit. No thread is started here: the forkserver forks,
 and a thread could hold a lock at the moment of a fork. Leaves the ranks'
-own parent-death signal to core/worker.py.
+own parent-death signal to core/rank/worker.py.
 """
 
 from __future__ import annotations
@@ -36,10 +36,10 @@ import signal
 import time
 import warnings
 
-from . import signals
-from .signals import LAUNCHER_GONE
+from ..wire import signals
+from ..wire.signals import LAUNCHER_GONE
 
-FORKSERVER_PARENT = "MPDDP_FORKSERVER_PARENT"  # set by core/startup.py while it starts the forkserver
+FORKSERVER_PARENT = "MPDDP_FORKSERVER_PARENT"  # set by core/launcher/startup.py while it starts the forkserver
 FORKSERVER_TEMP = "MPDDP_FORKSERVER_TEMP"  # the launcher's multiprocessing temporary directory
 
 

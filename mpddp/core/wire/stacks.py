@@ -14,8 +14,8 @@ collective, a sleep, a lock), where a Python-level handler would wait for
 the call to return; it needs nothing installed, unlike py-spy (which also
 needs ptrace rights that containers often withhold). A real-time signal is
 used, not SIGUSR1, which frameworks (Lightning's SLURM requeue) take for
-themselves. Leaves deciding *when* to look to core/watchdog.py and
-core/supervisor.py.
+themselves. Leaves deciding *when* to look to core/launcher/watchdog.py and
+core/launcher/attempt.py.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ _SPINS = tuple(os.path.join("torch", part, "") for part in ("distributed", "cuda
 _CUDA = os.path.join("torch", "cuda", "")
 
 
-ASKED = threading.Event()  # set by SIGUSR1 (the user asks where every rank is); core/supervisor.py answers
+ASKED = threading.Event()  # set by SIGUSR1 (the user asks where every rank is); core/launcher/attempt.py answers
 
 
 def request(signum: int = 0, frame: object = None) -> None:
@@ -88,7 +88,7 @@ class Frame:
 
 
 @dataclass(frozen=True)
-class Place:
+class Location:
     """Where one rank's main thread is: ``text`` such as ``barrier at train.py:40``."""
 
     text: str
@@ -117,7 +117,7 @@ def _is_user(frame: Frame) -> bool:
     return not frame.file.startswith(_LIBRARY) and not frame.file.startswith("<")
 
 
-def place(dump: str, main_thread: int | None) -> Place | None:
+def locate(dump: str, main_thread: int | None) -> Location | None:
     """Where the main thread is, told by the user's innermost frame and the call it is in."""
     frames = main_frames(dump, main_thread)
     if not frames:
@@ -128,18 +128,18 @@ def place(dump: str, main_thread: int | None) -> Place | None:
     users = [i for i, f in enumerate(frames) if _is_user(f)]
     if not users:
         top = frames[0]
-        return Place(f"{top.func} at {top.short}", waiting, dump, spinning, at_sync, top.short)
+        return Location(f"{top.func} at {top.short}", waiting, dump, spinning, at_sync, top.short)
     user = frames[users[0]]
     library = [f for f in reversed(frames[: users[0]]) if f.func not in _DECORATORS]
     if library and waiting:  # inside torch's communication: name the call, e.g. barrier at train.py:40
-        return Place(f"{library[0].func} at {user.short}", waiting, dump, spinning, at_sync, user.short)
+        return Location(f"{library[0].func} at {user.short}", waiting, dump, spinning, at_sync, user.short)
     # the user's function, its line (a notebook cell's too: the kernel keeps cells in linecache) and, inside
     # another library's call, that call: "idle_forever at idle.py:5 (done.wait()), waiting in threading.wait"
     source = linecache.getline(user.file, user.line).strip()  # a C call such as time.sleep has no frame
     text = f"{user.func} at {user.short}" + (f" ({source})" if source else "")
     if library:
         text += f", waiting in {_module(library[0].file)}.{library[0].func}"
-    return Place(text, waiting, dump, spinning, at_sync, user.short)
+    return Location(text, waiting, dump, spinning, at_sync, user.short)
 
 
 def _module(path: str) -> str:
@@ -189,11 +189,11 @@ def _drain(fd: int) -> str:
     return b"".join(chunks).decode("utf-8", "replace")
 
 
-def grouped(places: dict[int, Place | None], finished: Iterable[int] = ()) -> list[str]:
+def grouped(locations: dict[int, Location | None], finished: Iterable[int] = ()) -> list[str]:
     """One row per frame: ranks stopped at the same place together; the odd ones out marked."""
     groups: dict[tuple[str, bool], list[int]] = {}
     unknown = []
-    for rank, where in sorted(places.items()):
+    for rank, where in sorted(locations.items()):
         if where is None:
             unknown.append(rank)
         else:

@@ -2,7 +2,7 @@
 
 Owns: starting the keeper (forked from the torch-loaded forkserver in
 milliseconds, under the other start methods a process like the ranks),
-handing it the rendezvous socket that core/rendezvous.py bound, what the
+handing it the rendezvous socket that core/nodes/rendezvous.py bound, what the
 keeper does (serve the store until the launcher closes its pipe or dies),
 and stopping it. Why a process of its own: the store is the only thing on
 a single node that needed torch in the launcher, and a launcher that never
@@ -11,7 +11,7 @@ torch's interpreter teardown when a ``launch()`` script exits (about 0.45 s
 on 2 cores, measured: scripts/bench_first_step.py). The store still
 outlives every rank, so a rank that exits early never takes the store from
 its peers. Leaves the socket and the store's construction to
-core/rendezvous.py, watching the keeper to core/supervisor.py.
+core/nodes/rendezvous.py, watching the keeper to core/launcher/attempt.py.
 """
 
 from __future__ import annotations
@@ -26,15 +26,15 @@ from typing import Any
 
 import psutil
 
-from . import procs
-from .entry import main_hidden
-from .startup import start_process
+from ..launcher import teardown
+from ..launcher.startup import start_process
+from ..rank.boot import main_hidden
 
 _STOP_GRACE = 1.0  # seconds the keeper has to exit once its pipe is closed
 
 
 @dataclass
-class Keeper:
+class StoreServer:
     """The launcher's handle: the process, and the pipe whose closing stops it."""
 
     process: Any
@@ -67,7 +67,7 @@ class Keeper:
     def loss(self) -> str:
         """What the launcher says of a lost keeper."""
         code = self.process.exitcode
-        how = f"was killed by {procs.signal_name(code)}" if code is not None and code < 0 else f"exited with code {code}"
+        how = f"was killed by {teardown.signal_name(code)}" if code is not None and code < 0 else f"exited with code {code}"
         return (f"the store keeper (pid {self.pid}), the process that serves this job's rendezvous store, {how} "
                 "while the ranks ran: it was stopped from outside (a signal, or the out-of-memory killer); every rank "
                 "was stopped, and their errors were its consequences")
@@ -78,7 +78,7 @@ class Keeper:
         self.stop_end.close()
         self.process.join(_STOP_GRACE)
         if self.process.exitcode is None:
-            procs.kill_tree([self.pid], grace=0.2)
+            teardown.kill_tree([self.pid], grace=0.2)
             self.process.join(1.0)
         try:  # its sentinel now, not when the garbage collector frees a failed launch's traceback
             self.process.close()
@@ -86,7 +86,7 @@ class Keeper:
             pass
 
 
-def start(mp_context: Any, sock: socket.socket, timeout: float, forked: bool) -> Keeper:
+def start(mp_context: Any, sock: socket.socket, timeout: float, forked: bool) -> StoreServer:
     """Start the keeper with the listening ``sock`` (the caller may close its own copy once this returns).
 
     ``forked``: the ``fork`` start method, whose child inherits the launcher's end of the pipe.
@@ -98,12 +98,12 @@ def start(mp_context: Any, sock: socket.socket, timeout: float, forked: bool) ->
     with main_hidden(always=True):  # the keeper runs none of the user's code
         start_process(process)
     wait_end.close()
-    return Keeper(process, stop_end)
+    return StoreServer(process, stop_end)
 
 
 def serve(sock: socket.socket, timeout: float, wait_end: Connection, inherited: tuple[int, ...]) -> None:
     """In the keeper: serve the store until the launcher closes its end of the pipe, or dies."""
-    from .entry import detach
+    from ..rank.boot import detach
 
     detach(inherited)  # own session (Ctrl-C is the launcher's), and gone with its parent: before torch loads
     # SIGTERM keeps its default: multiprocessing's exit handler terminates a daemon child it still

@@ -4,9 +4,9 @@ Owns: checking ``launch``'s own arguments, building the one validated
 :class:`~mpddp.config.LaunchConfig` from options, an optional config and
 the job's layout (SLURM, MPI, PBS, LSF, Kubeflow; :func:`make_config`, used
 by the CLI too: one rule for both), and ``spawn()``, torch.multiprocessing.spawn's
-signature on top of ``launch()`` (core/spawn.py). Leaves start-up to core/startup.py,
-shipping ``fn`` to core/ship.py, the plan to core/plan.py and the job (its
-store, its rounds, the restart loop) to core/job.py.
+signature on top of ``launch()`` (core/launcher/mp_spawn.py). Leaves start-up to core/launcher/startup.py,
+shipping ``fn`` to core/wire/payload.py, the plan to core/launcher/plan.py and the job (its
+store, its rounds, the restart loop) to core/launcher/job.py.
 """
 
 from __future__ import annotations
@@ -17,11 +17,11 @@ from collections.abc import Callable, Mapping
 from dataclasses import fields, replace
 from typing import Any
 
-from ..config import LaunchConfig
-from ..errors import ConfigError
-from . import stacks
-from .ship import ship
-from .spawn import ByIndex, SpawnContext
+from ...config import LaunchConfig
+from ...errors import ConfigError
+from ..wire import stacks
+from ..wire.payload import pack_call
+from .mp_spawn import ByIndex, SpawnContext
 from .startup import LAUNCHING, TRAINING_PRELOAD, interrupts_deferred, refuse_bootstrap, start_context
 
 LAYOUT_KEYS = ("nnodes", "node_rank", "master_addr", "master_port")
@@ -41,7 +41,7 @@ def make_config(options: Mapping[str, Any], config: LaunchConfig | None = None) 
         raise ConfigError(f"launch() got an unexpected keyword argument {name!r}: {hint}"
                           "see help(mpddp.LaunchConfig) for the launch options")
     if config is None and given.get("hosts") is None and given.get("hostfile") is None:  # --hosts: the layout
-        from ..machine.cluster import apply_cluster
+        from ...machine.cluster import apply_cluster
 
         # SLURM, MPI, PBS, LSF or Kubeflow (machine/cluster.py); unchanged outside them
         layout = apply_cluster({k: given.get(k) for k in (*LAYOUT_KEYS, "nprocs")})
@@ -66,7 +66,7 @@ def launch(
     ``max_restarts``, ...). ``init_process_group=False`` leaves the process
     group to ``fn`` (torchrun-style code calling ``init_process_group("env://")``).
     ``preload``: modules every rank imports anyway, imported once in the
-    forkserver instead (``mpddp.core.startup.TRAINING_PRELOAD`` when ``fn``
+    forkserver instead (``mpddp.core.launcher.startup.TRAINING_PRELOAD`` when ``fn``
     builds an optimizer or DDP; added by itself when ``max_restarts`` > 0, so
     that a restarted rank's first step is not one more import); it counts
     when the forkserver starts, at the interpreter's first launch.
@@ -90,27 +90,27 @@ def launch(
     config = make_config({**options, "nprocs": nprocs}, config)
     if config.max_restarts:  # a job that may restart trains: a restarted rank must not import torch._dynamo again
         preload = (*preload, *(m for m in TRAINING_PRELOAD if m not in preload))
-    payload = ship(fn, tuple(args), dict(kwargs or {}))
-    if config.hosts is not None:  # a launcher on every host, over ssh (core/remote.py)
-        from .remote import launch_hosts
+    payload = pack_call(fn, tuple(args), dict(kwargs or {}))
+    if config.hosts is not None:  # a launcher on every host, over ssh (core/nodes/hosts.py)
+        from ..nodes.hosts import launch_hosts
 
         return launch_hosts(config, payload, init_process_group, tuple(preload))
     if config.nnodes > 1:
-        from ..machine.netif import resolve
+        from ...machine.netif import resolve
 
         resolve(config.master_addr)  # a bad address: one line now, before any process or torch import
     if config.node_rank == 0:  # node 0 hosts the store: an address not of this machine, or a port taken, now
-        from .rendezvous import listen
+        from ..nodes.rendezvous import listen
 
         listen(config.master_addr, config.master_port).close()
     return run_node(config, payload, init_process_group, tuple(preload))
 
 
 def run_node(config: LaunchConfig, payload: bytes, init_process_group: bool, preload: tuple[str, ...],
-             held: socket.socket | None = None) -> list[Any]:
+             listening: socket.socket | None = None) -> list[Any]:
     """This node's ranks, from a checked config and a shipped ``fn``: the forkserver, the plan, the attempts.
 
-    ``held``: node 0's rendezvous socket, already listening (a ``--hosts`` node, core/node.py).
+    ``listening``: node 0's rendezvous socket, already listening (a ``--hosts`` node, core/nodes/hosts_node.py).
     """
     LAUNCHING.set()  # the command line's start-up handler (exit_on_interrupt) now leaves Ctrl-C to the teardown
     with stacks.on_demand(), interrupts_deferred():  # SIGUSR1: where is every rank (from the first moment)
@@ -118,10 +118,10 @@ def run_node(config: LaunchConfig, payload: bytes, init_process_group: bool, pre
         from .plan import plan_launch
 
         plan = plan_launch(config)
-    from .job import run_job  # the supervisor and what it imports: at the first launch, not at `import mpddp`
+    from .job import run_job  # the attempt and what it imports: at the first launch, not at `import mpddp`
 
     with stacks.on_demand():
-        return run_job(plan, mp_context, payload, init_process_group, held)
+        return run_job(plan, mp_context, payload, init_process_group, listening)
 
 
 def spawn(fn: Callable[..., Any], args: tuple = (), nprocs: int = 1, join: bool = True, daemon: bool = False,

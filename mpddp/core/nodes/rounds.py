@@ -9,7 +9,7 @@ wrote it), and :func:`settle`, which decides what this node reports once
 its round failed. The rule, so that every node names the same rank:
 
 * a node whose own rank failed by itself (raised, exited, died, hung)
-  writes a :class:`~mpddp.core.protocol.FailureRecord` into the store; the
+  writes a :class:`~mpddp.core.wire.protocol.FailureRecord` into the store; the
   first node to write one wins, and every node's report starts with its
   line and exits with its code;
 * a node whose ranks only saw a peer vanish (an error inside a collective)
@@ -17,10 +17,10 @@ its round failed. The rule, so that every node names the same rank:
   failure started, and says "node N went away" only when node N's launcher
   stopped beating without ending its round (killed, machine lost).
 
-Leaves the store's process to core/keeper.py, the key names and the
-record's wire form to core/protocol.py, the restart loop to core/job.py,
-watching the local ranks to core/supervisor.py and the words of a report
-to core/report.py.
+Leaves the store's process to core/nodes/store_server.py, the key names and the
+record's wire form to core/wire/protocol.py, the restart loop to core/launcher/job.py,
+watching the local ranks to core/launcher/attempt.py and the words of a report
+to core/launcher/report.py.
 """
 
 from __future__ import annotations
@@ -35,11 +35,11 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
-from .. import ranks as rank_math
-from ..config import LaunchConfig
-from ..errors import Outcome, RendezvousError, StoreLost, WorkerFailed
-from . import protocol
-from .protocol import FailureRecord, full_key
+from ... import ranks as rank_math
+from ...config import LaunchConfig
+from ...errors import Outcome, RendezvousError, StoreLost, WorkerFailed
+from ..wire import protocol
+from ..wire.protocol import FailureRecord, full_key
 
 _INTERVAL = 0.25  # seconds between two beats (and two looks for another node's failure)
 _STALLED_AFTER = 6 * _INTERVAL  # a beat that did not move for this long: its launcher is gone
@@ -146,7 +146,7 @@ class NodeLink:
             time.sleep(_POLL)
 
     def script_port(self, attempt: int) -> int:
-        """The port of the round's own store for env:// scripts, which node 0 set before it joined (core/job.py)."""
+        """The port of the round's own store for env:// scripts, which node 0 set before it joined (core/launcher/job.py)."""
         return int(self.call(lambda s: s.get(full_key(attempt, protocol.SCRIPT_PORT))))
 
     def record(self, attempt: int) -> FailureRecord | None:
@@ -180,15 +180,15 @@ class NodeLink:
         except StoreGone:
             pass
 
-    def beats(self, attempt: int) -> dict[int, int]:
+    def heartbeats(self, attempt: int) -> dict[int, int]:
         """Every other node's beat counter now."""
         others = [n for n in range(self.config.nnodes) if n != self.config.node_rank]
-        return dict(zip(others, self.call(lambda s: [s.add(full_key(attempt, protocol.beat_key(n)), 0)
+        return dict(zip(others, self.call(lambda s: [s.add(full_key(attempt, protocol.heartbeat_key(n)), 0)
                                                       for n in others])))
 
     def stalled(self, attempt: int, before: dict[int, int]) -> list[int]:
         """Nodes whose beat did not move since ``before`` although they did not end the round."""
-        after = self.beats(attempt)
+        after = self.heartbeats(attempt)
         ended = self.call(lambda s: {n: s.check([full_key(attempt, protocol.ended_key(n))]) for n in before})
         lost = [n for n in before if after[n] == before[n] and not ended[n]]
         self.gone.update(lost)
@@ -219,7 +219,7 @@ class NodeLink:
 class RoundWatch:
     """One round's heartbeat, from a daemon thread: a beat, progress between nodes, another node's failure.
 
-    The watchdog (core/watchdog.py) calls :meth:`progressed` when a local rank
+    The watchdog (core/launcher/watchdog.py) calls :meth:`progressed` when a local rank
     computed and reads :attr:`remote_progress`, which moves when a rank on
     another node did, so that no node declares a hang while another node's
     ranks compute. :attr:`remote_failure` is set when another node wrote the
@@ -228,7 +228,7 @@ class RoundWatch:
 
     def __init__(self, link: NodeLink, attempt: int, share: Callable[[], bytes | None] | None = None) -> None:
         self.link, self.attempt = link, attempt
-        self.share = share  # this node's ranks' collectives when they moved (core/collectives.py's snapshot)
+        self.share = share  # this node's ranks' collectives when they moved (core/launcher/board.py's snapshot)
         self.remote_progress = 0  # the other nodes' progress, as last read
         self.remote_failure: FailureRecord | None = None
         self._progress = threading.Event()
@@ -241,7 +241,7 @@ class RoundWatch:
 
     def _run(self) -> None:
         node, attempt = self.link.config.node_rank, self.attempt
-        beat, progress, failure = (full_key(attempt, k) for k in (protocol.beat_key(node), protocol.PROGRESS,
+        beat, progress, failure = (full_key(attempt, k) for k in (protocol.heartbeat_key(node), protocol.PROGRESS,
                                                                    protocol.FAILURE))
         mine = 0
 
@@ -353,7 +353,7 @@ def _wait_for(link: NodeLink, attempt: int, local: WorkerFailed) -> FailureRecor
     me = link.config.node_rank
     link.call(lambda s: s.set(full_key(attempt, protocol.waiting_key(me)), "1"))
     start = time.monotonic()
-    beats, since = link.beats(attempt), start
+    beats, since = link.heartbeats(attempt), start
     while True:
         if (record := link.record(attempt)) is not None:
             return record
@@ -361,7 +361,7 @@ def _wait_for(link: NodeLink, attempt: int, local: WorkerFailed) -> FailureRecor
         if now - since >= _STALLED_AFTER:  # a launcher whose beat stood still all this while is gone
             if lost := link.stalled(attempt, beats):
                 return lost
-            beats, since = link.beats(attempt), now
+            beats, since = link.heartbeats(attempt), now
         if now - start > link.config.timeout or (now - start > _RECORD_WAIT and not link.busy(attempt)):
             return link.publish(attempt, _record_of(local, Outcome.COLLECTIVE, link))
         time.sleep(_POLL)
@@ -388,7 +388,7 @@ def _missing_message(missing: list[int], link: NodeLink) -> str:
 
 
 def missing_ranks(link: NodeLink, attempt: int) -> list[int]:
-    """Ranks that never reached node 0's store (their node never arrived); see core/worker.py."""
+    """Ranks that never reached node 0's store (their node never arrived); see core/rank/worker.py."""
     world_size = link.config.nnodes * link.nprocs
     try:
         return link.call(lambda s: [r for r in range(world_size)

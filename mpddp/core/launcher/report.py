@@ -1,27 +1,28 @@
-"""Failure reports: what the user is told, rendered from a :class:`~mpddp.core.classify.Verdict`.
+"""Failure reports: what the user is told, rendered from a :class:`~mpddp.core.launcher.classify.Verdict`.
 
 Owns: the words of every report (a rank failed first, a hang, a mismatch,
 a rank that left its peers waiting, another node's failure), down to the
 plain :class:`~mpddp.errors.RankFailure` records the error carries, in the
 order of the verdict (the cause first), and the exit code. It decides
 nothing: which outcome each rank had and which rank is the cause is
-core/classify.py's ``classify``, and nothing here changes a rank's state.
-A rank's ``@record`` error file (core/errorfile.py) adds the exception as
+core/launcher/classify.py's ``classify``, and nothing here changes a rank's state.
+A rank's ``@record`` error file (core/wire/errorfile.py) adds the exception as
 the rank saw it: its traceback where the worker's own report has none (the
 script caught it and called ``sys.exit``), else its line and time.
-Leaves watching to core/supervisor.py and deciding which node's failure came first to core/rounds.py.
+Leaves watching to core/launcher/attempt.py and deciding which node's failure came first to core/nodes/rounds.py.
 """
 
 from __future__ import annotations
 
 import time
 
-from ..errors import CollectiveMismatch, HangError, Outcome, RankFailure, WorkerFailed
-from . import collectives, procs, stacks
+from ...errors import CollectiveMismatch, HangError, Outcome, RankFailure, WorkerFailed
+from ..wire import stacks
+from ..wire.protocol import FailureRecord
+from ..wire.stacks import ranks_named
+from . import board, teardown
+from .board import Mismatch
 from .classify import Hang, RankState, Verdict, has_traceback, root_cause
-from .collectives import Mismatch
-from .protocol import FailureRecord
-from .stacks import ranks_named
 
 _TAIL_LINES = 10
 
@@ -55,7 +56,7 @@ def _how(s: RankState) -> str:
                 "no rank of the job is left, and the next launch starts a new one")
     code = s.exitcode
     if code is not None and code < 0:
-        name = procs.signal_name(code)
+        name = teardown.signal_name(code)
         hint = " — the kernel's out-of-memory killer is a common cause (see `dmesg`; lower the batch size)" \
             if name == "SIGKILL" else ""
         return f"was killed by {name}{hint}"
@@ -83,7 +84,7 @@ def _others(states: list[RankState], verdict: Verdict, root: RankState | None, c
             continue
         outcome = verdict[s.slot.rank]
         if outcome is Outcome.STOPPED:
-            where = f", in {s.place.text}" if s.place is not None else ""
+            where = f", in {s.location.text}" if s.location is not None else ""
             lines.append(f"  rank {s.slot.rank}: stopped by mpddp after rank {first} failed{where}")
         elif outcome is Outcome.COLLECTIVE and s.failure is not None:
             lines.append(f"  rank {s.slot.rank}: failed after rank {first} ({s.failure.error_type}: "
@@ -210,27 +211,27 @@ def _early_exit_error(states: list[RankState], verdict: Verdict, early: list[Ran
 
 
 def hang_error(states: list[RankState], verdict: Verdict, hang: Hang) -> HangError:
-    """No rank made progress for ``hang.seconds`` (core/watchdog.py): who (``verdict.hang``), where each rank
+    """No rank made progress for ``hang.seconds`` (core/launcher/watchdog.py): who (``verdict.hang``), where each rank
     stands in its collectives (the flight recorder, when there is one), and where every rank's stack was."""
     judged = verdict.hang
     assert judged is not None
-    places, finished, standings = hang.places, hang.finished, hang.standings
+    locations, finished, standings = hang.locations, hang.finished, hang.standings
     by_rank = {s.slot.rank: s for s in states}
     seconds = f"{hang.seconds:.0f} s"
     culprits, waiting, idle = list(judged.culprits), judged.waiting, judged.idle
-    wait_text = next((p.text for r in waiting if (p := places[r]) is not None), "a collective")
+    wait_text = next((p.text for r in waiting if (p := locations[r]) is not None), "a collective")
     if judged.case == "behind" and judged.standing is not None:
         lagging = judged.standing
-        line = next((p.line for r in lagging.ahead if (p := places.get(r)) is not None and p.waiting), "")
+        line = next((p.line for r in lagging.ahead if (p := locations.get(r)) is not None and p.waiting), "")
         first = (f"mpddp: {ranks_named(culprits)} made no progress for {seconds} while {ranks_named(lagging.ahead)} waited "
-                 f"for it in {collectives.render(lagging.top)}{f' at {line}' if line else ''}; every rank was stopped")
+                 f"for it in {board.render(lagging.top)}{f' at {line}' if line else ''}; every rank was stopped")
     elif judged.case == "returned":
         first = (f"mpddp: {ranks_named(culprits)} exited (code 0) while {ranks_named(list(waiting))} still waited in "
                  f"{wait_text}; every rank was stopped after {seconds} with no progress")
     elif judged.case == "stalled" and judged.standing is not None:
         stalled = judged.standing
         first = (f"mpddp: no rank made progress for {seconds}: {ranks_named(stalled.ahead)} entered "
-                 f"{collectives.render(stalled.top)} and it did not complete on {ranks_named(stalled.open)}, although no "
+                 f"{board.render(stalled.top)} and it did not complete on {ranks_named(stalled.open)}, although no "
                  "rank is missing from it (a backend or network stall); every rank was stopped")
     elif judged.case == "idle":
         first = (f"mpddp: {ranks_named(list(idle))} made no progress for {seconds} while {ranks_named(list(waiting))} "
@@ -244,9 +245,9 @@ def hang_error(states: list[RankState], verdict: Verdict, hang: Hang) -> HangErr
              "a lock)."]
     if standings:
         lines.append("mpddp: the collectives each rank reached (torch's flight recorder):")
-        lines += [f"  {row}" for row in collectives.standing_rows(list(standings), time.time_ns())]
+        lines += [f"  {row}" for row in board.standing_rows(list(standings), time.time_ns())]
     lines.append("mpddp: where each rank was:")
-    lines += [f"  {row}" for row in stacks.grouped(places, finished=finished)]
+    lines += [f"  {row}" for row in stacks.grouped(locations, finished=finished)]
     if culprits[0] in by_rank:
         lines += _tail_block(by_rank[culprits[0]])
     ordered = [by_rank[r] for r in culprits if r in by_rank]
@@ -254,14 +255,14 @@ def hang_error(states: list[RankState], verdict: Verdict, hang: Hang) -> HangErr
 
 
 def mismatch_error(states: list[RankState], verdict: Verdict, mismatch: Mismatch) -> CollectiveMismatch:
-    """Ranks called different collectives at the same number (core/collectives.py): told as soon as it was seen."""
+    """Ranks called different collectives at the same number (core/launcher/board.py): told as soon as it was seen."""
     odd = next((s for s in states if s.slot.rank == mismatch.odd), None)
-    lines = [f"mpddp: {collectives.mismatch_line(mismatch)}; every rank was stopped at once. Every rank must call "
+    lines = [f"mpddp: {board.mismatch_line(mismatch)}; every rank was stopped at once. Every rank must call "
              "the same collectives in the same order, with the same shapes: look for a branch that only some ranks "
              "take (if rank == 0: ...) or inputs of different sizes on different ranks."]
-    places: dict[int, stacks.Place | None] = {s.slot.rank: s.place for s in states if s.place is not None}
-    if places:
-        lines += ["mpddp: where each rank was:", *(f"  {row}" for row in stacks.grouped(places))]
+    locations: dict[int, stacks.Location | None] = {s.slot.rank: s.location for s in states if s.location is not None}
+    if locations:
+        lines += ["mpddp: where each rank was:", *(f"  {row}" for row in stacks.grouped(locations))]
     if odd is not None:
         lines += _tail_block(odd)
     records = _records(states, verdict, [odd] if odd is not None else [])
@@ -270,7 +271,7 @@ def mismatch_error(states: list[RankState], verdict: Verdict, mismatch: Mismatch
 
 
 def remote_error(record: FailureRecord, states: list[RankState], verdict: Verdict, node_rank: int) -> WorkerFailed:
-    """This node's report when the round's first failure happened on another node (core/rounds.py).
+    """This node's report when the round's first failure happened on another node (core/nodes/rounds.py).
 
     It starts with the very line that node's report starts with, and exits with the failing rank's code;
     that node's report has the traceback and the last lines.

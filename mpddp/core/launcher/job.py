@@ -4,12 +4,12 @@ Owns: what lives for the whole job and is built once (:class:`Job`: the
 config, the plan, the start method's context, ``fn`` shipped by value, and
 on node 0 the store's keeper on the one port every node finds for the
 whole job), the attempts (each a round that every node joins before its
-ranks start, core/rounds.py) and what a failed attempt becomes: a restart
+ranks start, core/nodes/rounds.py) and what a failed attempt becomes: a restart
 while ``max_restarts`` allows, else the report. On a single node a keeper
 that was lost is replaced by a fresh one for the next attempt; on several
 nodes the others could not find a new one, so the job ends there. Leaves
-one attempt (start, watch, stop, report) to core/supervisor.py, the keeper's
-process to core/keeper.py and the words of a report to core/report.py.
+one attempt (start, watch, stop, report) to core/launcher/attempt.py, the keeper's
+process to core/nodes/store_server.py and the words of a report to core/launcher/report.py.
 """
 
 from __future__ import annotations
@@ -17,21 +17,23 @@ from __future__ import annotations
 import socket
 from typing import Any
 
-from ..errors import RestartsExhausted, StoreLost, WorkerFailed
-from ..log import logger
-from . import keeper, protocol, stragglers
-from .keeper import Keeper
+from ...errors import RestartsExhausted, StoreLost, WorkerFailed
+from ...log import logger
+from ..nodes import store_server
+from ..nodes.rounds import NodeLink
+from ..nodes.store_server import StoreServer
+from ..wire import protocol
+from . import stragglers
+from .attempt import LIVE, LIVE_LOCK, Job, run_group
 from .plan import Plan
-from .rounds import NodeLink
-from .supervisor import LIVE, LIVE_LOCK, Job, run_group
 
 
-def run_job(plan: Plan, mp_context: Any, payload: bytes, init_group: bool, held: socket.socket | None) -> list[Any]:
+def run_job(plan: Plan, mp_context: Any, payload: bytes, init_group: bool, listening: socket.socket | None) -> list[Any]:
     """Every attempt of this node's part of the job, with the store up from the first to the last."""
-    from . import rendezvous
+    from ..nodes import rendezvous
 
     config = plan.config
-    sock = held or (rendezvous.listen(config.master_addr, config.master_port) if config.node_rank == 0 else None)
+    sock = listening or (rendezvous.listen(config.master_addr, config.master_port) if config.node_rank == 0 else None)
     port = sock.getsockname()[1] if sock is not None else config.master_port
     job = Job(plan, mp_context, payload, init_group, port)
     if config.nnodes > 1:
@@ -118,16 +120,16 @@ def _final(failure: WorkerFailed | StoreLost, max_restarts: int, several_nodes: 
     return exhausted
 
 
-def _start_store(mp_context: Any, sock: socket.socket, config: Any) -> Keeper:
-    """Node 0's store, in its own process (core/keeper.py), counted among this process's live children."""
+def _start_store(mp_context: Any, sock: socket.socket, config: Any) -> StoreServer:
+    """Node 0's store, in its own process (core/nodes/store_server.py), counted among this process's live children."""
     with LIVE_LOCK:
-        store = keeper.start(mp_context, sock, config.timeout, forked=config.start_method == "fork")
+        store = store_server.start(mp_context, sock, config.timeout, forked=config.start_method == "fork")
         LIVE.add(store.pid)
     sock.close()  # the keeper's copy listens; were it to die, clients are refused, not left waiting
     return store
 
 
-def _stop_store(store: Keeper) -> None:
+def _stop_store(store: StoreServer) -> None:
     store.stop()
     with LIVE_LOCK:
         LIVE.discard(store.pid)
@@ -135,7 +137,7 @@ def _stop_store(store: Keeper) -> None:
 
 def _replace_store(job: Job) -> None:
     """One node: a fresh keeper on a fresh port after the last one was lost (every rank is this node's)."""
-    from . import rendezvous
+    from ..nodes import rendezvous
 
     assert job.store is not None
     _stop_store(job.store)
@@ -152,7 +154,7 @@ def _new_script_store(job: Job, attempt: int) -> None:
     would read the dead ranks' addresses. mpddp's own ranks use a prefix of the round and need none of this.
     The other nodes read its port from the job's store once they have joined the round.
     """
-    from . import rendezvous
+    from ..nodes import rendezvous
 
     if job.store is None:
         return

@@ -1,15 +1,15 @@
 """The worker side: from a fresh process to ``fn(ctx)`` and back.
 
 Owns: what happens inside each worker process, in order (after
-core/entry.py gave it its own session and parent-death signal):
+core/rank/boot.py gave it its own session and parent-death signal):
 stdout/stderr onto the relay pipes, environment and
 threads, ``set_device``, connecting to node 0's store, an explicit
 ``init_process_group(rank=..., world_size=...)``, calling ``fn``, sending
-the result or a typed failure back (core/protocol.py: its kind comes from
+the result or a typed failure back (core/wire/protocol.py: its kind comes from
 the exception's type and frame), and always ``destroy_process_group``;
-meanwhile a thread reads torch's flight recorder (core/collectives.py).
+meanwhile a thread reads torch's flight recorder (core/rank/recorder.py).
 The forkserver preloads this module, so importing torch here is paid once.
-Leaves running a script (``mpddp run``) to core/script.py.
+Leaves running a script (``mpddp run``) to core/rank/script.py.
 """
 
 from __future__ import annotations
@@ -32,20 +32,22 @@ import psutil
 import torch
 import torch.distributed as dist
 
-from ..context import WorkerContext
-from ..errors import Outcome, ReturnValueError
-from ..log import logger
-from . import collectives, procs, protocol, stacks
-from .guardian import serve_if_forkserver
-from .protocol import WorkerSpec
-from .spawn import ByIndex
+from ...context import WorkerContext
+from ...errors import Outcome, ReturnValueError
+from ...log import logger
+from ..launcher import teardown
+from ..launcher.mp_spawn import ByIndex
+from ..wire import protocol, stacks
+from ..wire.protocol import WorkerSpec
+from . import recorder
+from .forkserver import serve_if_forkserver
 
 THREAD_GRACE = 5.0  # seconds a worker waits for threads and child processes fn left running
 _IOLBF = 1  # glibc's setvbuf mode for line buffering
 
 
 # The forkserver imports this module first: there it also adopts orphans and cleans up
-# after the launcher, even one killed by SIGKILL (core/guardian.py).
+# after the launcher, even one killed by SIGKILL (core/rank/forkserver.py).
 serve_if_forkserver()
 
 
@@ -113,10 +115,10 @@ _DECORATORS = ("wrapper", "_wrapper", "inner")  # torch.distributed wraps its co
 
 
 def _user_traceback(exc: BaseException) -> BaseException:
-    """``exc`` with its traceback starting at the user's fn or script, not at entry or runpy."""
+    """``exc`` with its traceback starting at the user's fn or script, not at run_rank or runpy."""
     tb = exc.__traceback__
     while tb is not None and tb.tb_next is not None and (
-            tb.tb_frame.f_code in (entry.__code__, ByIndex.__call__.__code__)
+            tb.tb_frame.f_code in (run_rank.__code__, ByIndex.__call__.__code__)
             or tb.tb_frame.f_code.co_filename.endswith(_PLUMBING)):
         tb = tb.tb_next
     return exc.with_traceback(tb)
@@ -228,7 +230,7 @@ def _init_group(spec: WorkerSpec) -> None:
 
 
 def _connect(addr: str, port: int, timeout: float) -> Any:
-    from .rendezvous import connect
+    from ..nodes.rendezvous import connect
 
     return connect(addr, port, timeout)
 
@@ -272,7 +274,7 @@ def _stop_descendants() -> None:
     except psutil.Error:
         return
     if below:
-        procs.kill_tree(below, grace=0.2)
+        teardown.kill_tree(below, grace=0.2)
 
 
 _SEND_LOCK = threading.Lock()  # the main thread and the collectives reader share the channel
@@ -302,8 +304,8 @@ def _tell_leaving(messages: Connection) -> Callable[..., Any]:
     return real
 
 
-def entry(spec: WorkerSpec, messages: Connection, out: Connection, err: Connection, stack: Connection) -> None:
-    """Everything a rank does, once core/entry.py has given it its own session."""
+def run_rank(spec: WorkerSpec, messages: Connection, out: Connection, err: Connection, stack: Connection) -> None:
+    """Everything a rank does, once core/rank/boot.py has given it its own session."""
     _redirect(out, err)
     stacks.install(os.dup(stack.fileno()))  # the launcher can ask where this rank is, even when it blocks in C
     stack.close()
@@ -316,8 +318,8 @@ def entry(spec: WorkerSpec, messages: Connection, out: Connection, err: Connecti
     multiprocessing.set_start_method(None, force=True)
     ctx = spec.ctx
     _send(messages, protocol.Started(os.getpid(), threading.get_ident()))
-    # which collective this rank has reached, for the launcher's watchdog and straggler count (core/collectives.py)
-    reader = collectives.Reader.start(lambda report: _send(messages, report), spec.env)
+    # which collective this rank has reached, for the launcher's watchdog and straggler count (core/rank/recorder.py)
+    reader = recorder.Reader.start(lambda report: _send(messages, report), spec.env)
     destroy = _tell_leaving(messages)
     if spec.banner:
         print(spec.banner, flush=True)

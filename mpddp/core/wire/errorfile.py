@@ -1,14 +1,14 @@
 """The error file of torchelastic's ``@record``: where each rank's lies, and what it says.
 
 Owns: each rank's ``TORCHELASTIC_ERROR_FILE`` path, in a directory that
-core/supervisor.py creates for one attempt and removes after it (nothing is
+core/launcher/attempt.py creates for one attempt and removes after it (nothing is
 left in TMPDIR), and reading a file that
 ``torch.distributed.elastic.multiprocessing.errors.record`` (or a handler
 of the user's) wrote into a plain :class:`ErrorRecord`. A script decorated
 with ``@record`` writes the exception as the rank saw it, also where the
 worker's own report has no traceback (the script caught it and called
 ``sys.exit``, or a process it started failed). Leaves the report to
-core/report.py and the worker's environment to core/plan.py.
+core/launcher/report.py and the worker's environment to core/launcher/plan.py.
 """
 
 from __future__ import annotations

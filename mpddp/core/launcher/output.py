@@ -8,8 +8,8 @@ files, and the last lines of each rank for reports. One thread writes every
 line, so two ranks' lines never glue (under torchrun, ranks share one
 stream and a partial write of one lands inside another's line); a progress
 bar that another rank interrupts is ended first.
-Leaves what a worker writes to core/worker.py, and when to stop to
-core/supervisor.py.
+Leaves what a worker writes to core/rank/worker.py, and when to stop to
+core/launcher/attempt.py.
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ class Relay:
         self._tail = tail
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
-        self.received = 0  # bytes read from every rank: output written is progress (core/watchdog.py)
+        self.received = 0  # bytes read from every rank: output written is progress (core/launcher/watchdog.py)
 
     def add(self, rank: int, out_fd: int, err_fd: int) -> None:
         """Watch one rank's stdout and stderr read ends (the relay closes them)."""

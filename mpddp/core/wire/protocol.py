@@ -11,8 +11,8 @@ node's heartbeat, the round's first failure as a :class:`FailureRecord`). A fail
 and the frame it was raised in, never recovered from its message. Also the
 few messages between the head of a ``--hosts`` launch and each node's
 launcher (:class:`NodeRequest` down, :class:`NodePort`, :class:`NodeResult`,
-:class:`NodeFailed` up). Leaves sending to core/worker.py and core/node.py, receiving to
-core/supervisor.py and core/remote.py, the store to core/rendezvous.py.
+:class:`NodeFailed` up). Leaves sending to core/rank/worker.py and core/nodes/hosts_node.py, receiving to
+core/launcher/attempt.py and core/nodes/hosts.py, the store to core/nodes/rendezvous.py.
 """
 
 from __future__ import annotations
@@ -24,9 +24,9 @@ import struct
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
-from ..config import LaunchConfig
-from ..context import WorkerContext
-from ..errors import MpddpError, Outcome
+from ...config import LaunchConfig
+from ...context import WorkerContext
+from ...errors import MpddpError, Outcome
 
 
 @dataclass(frozen=True)
@@ -37,7 +37,7 @@ class WorkerSpec:
     store_addr: str
     store_port: int
     store_prefix: str
-    timeout: float  # for reaching node 0's store; collectives keep torch's default (core/watchdog.py finds hangs)
+    timeout: float  # for reaching node 0's store; collectives keep torch's default (core/launcher/watchdog.py finds hangs)
     env: dict[str, str]
     threads: int | None
     payload: bytes  # cloudpickle of (fn, args, kwargs, notebook cells' linecache entries)
@@ -51,7 +51,7 @@ class Started:
     """The worker runs (its session and pipes are set up) and is about to call ``fn``."""
 
     pid: int
-    main_thread: int  # its ident, to find the main thread in a stack dump (core/stacks.py)
+    main_thread: int  # its ident, to find the main thread in a stack dump (core/wire/stacks.py)
 
 
 @dataclass(frozen=True)
@@ -98,7 +98,7 @@ Lane = tuple[str, str, int]  # what a collective's number counts in: (group name
 
 @dataclass(frozen=True)
 class Call:
-    """One collective a rank entered, as torch's flight recorder wrote it down (core/collectives.py)."""
+    """One collective a rank entered, as torch's flight recorder wrote it down (core/rank/recorder.py)."""
 
     group: str  # the process group's name: "0" is the default group; the same on every member
     seq: int  # the collective's number in that group: the same collective has the same number on every rank
@@ -158,10 +158,10 @@ def arrived_key(rank: int) -> str:
 
 INITIALIZED = "initialized"  # a counter: ranks through init_process_group
 ALL_INITIALIZED = "all_initialized"  # set by the last of them
-JOINED = "joined"  # a counter: the node launchers that joined this round (core/rounds.py)
+JOINED = "joined"  # a counter: the node launchers that joined this round (core/nodes/rounds.py)
 FAILURE = "failure"  # the round's first failure, a FailureRecord: the first node to write it wins
-PROGRESS = "progress"  # a counter every node's watchdog bumps while its ranks compute (core/watchdog.py)
-SCRIPT_PORT = "script_port"  # the round's own store for env:// scripts, from the second round on (core/job.py)
+PROGRESS = "progress"  # a counter every node's watchdog bumps while its ranks compute (core/launcher/watchdog.py)
+SCRIPT_PORT = "script_port"  # the round's own store for env:// scripts, from the second round on (core/launcher/job.py)
 LEFT = "mpddp/job/left"  # a counter, job-wide: the launchers that are done with the store (node 0 waits for them)
 
 
@@ -170,13 +170,13 @@ def joined_key(node: int) -> str:
     return f"joined/{node}"
 
 
-def beat_key(node: int) -> str:
+def heartbeat_key(node: int) -> str:
     """One node launcher's heartbeat counter."""
-    return f"beat/{node}"
+    return f"heartbeat/{node}"
 
 
 def calls_key(node: int) -> str:
-    """A node's ranks' last collectives (core/collectives.py's snapshot): any node's hang report sees them all."""
+    """A node's ranks' last collectives (core/launcher/board.py's snapshot): any node's hang report sees them all."""
     return f"calls/{node}"
 
 
@@ -220,7 +220,7 @@ class FailureRecord:
         return cls(**{**fields, "outcome": Outcome(fields["outcome"])})
 
 
-# ---- between the head of a --hosts launch and each node's launcher (core/remote.py, core/node.py) ----
+# ---- between the head of a --hosts launch and each node's launcher (core/nodes/hosts.py, core/nodes/hosts_node.py) ----
 # The head writes one NodeRequest on the node's stdin (length, then a pickle); the node answers on stdout
 # with lines that start with NODE_MARK (a NodeMessage, pickled, base64), between its ranks' lines. Both
 # ends decode with a type check, as the rank wire does.

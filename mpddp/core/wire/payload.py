@@ -4,7 +4,7 @@ Owns: serializing ``(fn, args, kwargs)`` with cloudpickle before any worker
 starts (so a function from a notebook cell or a lambda works under every
 start method), keeping code objects' file names so that worker tracebacks
 point at the user's file, the notebook cells' source lines, and naming the
-one thing that cannot be pickled. Leaves unpickling to core/worker.py.
+one thing that cannot be pickled. Leaves unpickling to core/rank/worker.py.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import ShipError
+from ...errors import ShipError
 
 
 @dataclass(frozen=True)
@@ -47,7 +47,7 @@ def _dumps(value: Any) -> bytes:
     return buffer.getvalue()
 
 
-def ship(fn: Callable[..., Any], args: tuple, kwargs: dict[str, Any]) -> bytes:
+def pack_call(fn: Callable[..., Any], args: tuple, kwargs: dict[str, Any]) -> bytes:
     """Serialize ``fn`` and its arguments by value, before any worker starts."""
     try:
         return _dumps((fn, args, kwargs, _cell_sources()))

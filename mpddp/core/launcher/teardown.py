@@ -5,7 +5,7 @@ making sure none survives, and shielding a teardown from the signals that
 would cut it short: a second Ctrl-C (or a SIGTERM, a SIGHUP) while the
 ranks get their grace escalates to SIGKILL at once instead of leaving them
 running, and is raised again once they are gone. Leaves deciding *when* to
-stop to core/supervisor.py. Workers run in their own session, so their
+stop to core/launcher/attempt.py. Workers run in their own session, so their
 process group catches grandchildren that were re-parented before we could
 list them.
 """

@@ -11,8 +11,8 @@ from __future__ import annotations
 import ctypes
 import signal
 
-STACK_SIGNAL = signal.SIGRTMIN + 4  # "print your stacks" to a rank (core/stacks.py)
-LAUNCHER_GONE = signal.SIGRTMIN + 5  # the forkserver's parent-death signal: its launcher died (core/guardian.py)
+STACK_SIGNAL = signal.SIGRTMIN + 4  # "print your stacks" to a rank (core/wire/stacks.py)
+LAUNCHER_GONE = signal.SIGRTMIN + 5  # the forkserver's parent-death signal: its launcher died (core/rank/forkserver.py)
 
 PR_SET_PDEATHSIG = 1
 PR_SET_CHILD_SUBREAPER = 36

@@ -6,7 +6,7 @@ script.py args`` would. The script calls ``init_process_group("env://")``
 itself; the launcher's environment (RANK, LOCAL_RANK, WORLD_SIZE,
 MASTER_ADDR/PORT, TORCHELASTIC_USE_AGENT_STORE) makes rank 0 join the
 launcher's store instead of binding the port. Leaves the command's options
-to cli/run.py and the rest of the worker's life to core/worker.py.
+to cli/run.py and the rest of the worker's life to core/rank/worker.py.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import runpy
 import sys
 from typing import Any
 
-from ..context import WorkerContext
+from ...context import WorkerContext
 
 
 def run_script(ctx: WorkerContext, target: str, argv: tuple[str, ...], is_module: bool) -> Any:

@@ -5,20 +5,20 @@ facts it observed, never a verdict), what the watchdog found
 (:class:`Hang`), the order in which failures are causes
 (:data:`CAUSE_ORDER`), and :func:`classify`, which turns the facts into an
 :class:`~mpddp.errors.Outcome` for every rank and names the case the report
-tells. Nothing here writes text or changes a rank's state: core/report.py
-only renders a :class:`Verdict`, core/supervisor.py gathers the facts.
+tells. Nothing here writes text or changes a rank's state: core/launcher/report.py
+only renders a :class:`Verdict`, core/launcher/attempt.py gathers the facts.
 
 The rule, in order:
 
 1. A rank's own report wins: its worker decided, from its frames
-   (core/worker.py's ``_failure``), whether it raised, called
+   (core/rank/worker.py's ``_failure``), whether it raised, called
    ``sys.exit``, or failed inside a torch.distributed call (COLLECTIVE: a
    consequence of a peer). Else what the launcher saw: stopped by mpddp,
    or died (a signal, an exit without a result).
 2. The job's verdict, for ranks that did not report themselves:
 
-   * a mismatch (core/collectives.py): the odd rank is MISMATCH;
-   * a hang (core/watchdog.py): :func:`judge_hang` names the culprits, HUNG,
+   * a mismatch (core/launcher/board.py): the odd rank is MISMATCH;
+   * a hang (core/launcher/watchdog.py): :func:`judge_hang` names the culprits, HUNG,
      or EARLY_EXIT when they had returned while the others still waited;
    * else, when the first cause is a broken collective, the rank that broke
      it by leaving: one that returned before that collective failed
@@ -34,12 +34,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..errors import Outcome, RankFailure
-from ..ranks import RankSlot
-from . import stacks
-from .collectives import Mismatch, Standing
-from .errorfile import ErrorRecord
-from .protocol import Failure
+from ...errors import Outcome, RankFailure
+from ...ranks import RankSlot
+from ..wire import stacks
+from ..wire.errorfile import ErrorRecord
+from ..wire.protocol import Failure
+from .board import Mismatch, Standing
 
 # The root cause is the first rank by this order, then by time; an outcome missing here is no cause.
 CAUSE_ORDER = {Outcome.RAISED: 0, Outcome.EXITED: 0, Outcome.DIED: 1, Outcome.EARLY_EXIT: 2, Outcome.MISMATCH: 2,
@@ -63,9 +63,9 @@ class RankState:
     stopped: bool = False  # the launcher stopped this rank
     left: Any = None  # protocol.Left: it destroyed its process group (and where)
     finished_at: float | None = None  # monotonic time its value arrived
-    stack_fd: int | None = None  # read end of its stack-dump pipe (core/stacks.py)
+    stack_fd: int | None = None  # read end of its stack-dump pipe (core/wire/stacks.py)
     main_thread: int | None = None  # its main thread's ident, from Started
-    place: stacks.Place | None = None  # where it was when it was stopped
+    location: stacks.Location | None = None  # where it was when it was stopped
     error_file: ErrorRecord | None = None  # what its TORCHELASTIC_ERROR_FILE said (@record), read after it ended
     lost_with: int | None = None  # the pid of the forkserver it was lost with (killed under it)
     tail: list[str] = field(default_factory=list)
@@ -89,7 +89,7 @@ class RankState:
                            error_type=f.error_type if f else None,
                            message=f.message if f else (recorded.message if recorded else None),
                            traceback=traceback or (f.traceback if f else None),
-                           where=self.place.text if self.place else (f.where if f else None))
+                           where=self.location.text if self.location else (f.where if f else None))
 
 
 def has_traceback(s: RankState) -> bool:
@@ -102,7 +102,7 @@ class Hang:
     """No progress for ``seconds``: where each running rank was, and which ranks had already exited."""
 
     seconds: float
-    places: dict[int, stacks.Place | None]
+    locations: dict[int, stacks.Location | None]
     finished: tuple[int, ...]
     standings: tuple[Standing, ...] = ()  # where the ranks stand in their collectives (flight recorder)
 
@@ -131,9 +131,9 @@ class HangVerdict:
 
 def judge_hang(hang: Hang) -> HangVerdict:
     """The culprits of a hang, from where each rank was and where each stands in its collectives."""
-    places, finished = hang.places, hang.finished
-    waiting = tuple(r for r, p in places.items() if p is not None and p.waiting)
-    idle = tuple(r for r in places if r not in waiting)
+    locations, finished = hang.locations, hang.finished
+    waiting = tuple(r for r, p in locations.items() if p is not None and p.waiting)
+    idle = tuple(r for r in locations if r not in waiting)
     lagging = next((st for st in hang.standings if [r for r in st.behind if r not in finished]), None)
     if lagging is not None and not (finished and not idle):
         return HangVerdict("behind", tuple(r for r in lagging.behind if r not in finished), waiting, idle, lagging)

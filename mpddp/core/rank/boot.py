@@ -1,18 +1,18 @@
 """Where every process the launcher starts begins, before it imports torch.
 
 Owns: the targets multiprocessing runs first in a rank's process (and the
-first step of the store keeper's, core/keeper.py), what of the launcher's
+first step of the store keeper's, core/nodes/store_server.py), what of the launcher's
 ``__main__`` such a process imports: its own session, so that
 the terminal's Ctrl-C reaches the launcher only, and its parent-death
 signal, both taken before anything slow. Under spawn a process imports torch
 for a second or more; a Ctrl-C in that time used to reach it, and print its
 traceback beside the launcher's report. And the targets live here, in a
 module without torch, because pickling a process's target imports the module
-it lives in (to check it by name): a target in core/worker.py, which imports
+it lives in (to check it by name): a target in core/rank/worker.py, which imports
 torch, would import torch into the launcher, about a second of CPU beside the
 forkserver's own import and torch's interpreter teardown when a ``launch()``
-script exits. Leaves everything the rank does to core/worker.py (which the
-forkserver has imported already) and the keeper's work to core/keeper.py.
+script exits. Leaves everything the rank does to core/rank/worker.py (which the
+forkserver has imported already) and the keeper's work to core/nodes/store_server.py.
 """
 
 from __future__ import annotations
@@ -25,16 +25,16 @@ from collections.abc import Iterator
 from multiprocessing.connection import Connection
 from typing import Any
 
-from .protocol import WorkerSpec
-from .signals import LAUNCHER_GONE, on_parent_death
+from ..wire.protocol import WorkerSpec
+from ..wire.signals import LAUNCHER_GONE, on_parent_death
 
 
-def rank(spec: WorkerSpec, messages: Connection, out: Connection, err: Connection, stack: Connection) -> None:
+def rank_process(spec: WorkerSpec, messages: Connection, out: Connection, err: Connection, stack: Connection) -> None:
     """The target of every rank's process."""
     detach(spec.close_fds)
-    from .worker import entry
+    from .worker import run_rank
 
-    entry(spec, messages, out, err, stack)
+    run_rank(spec, messages, out, err, stack)
 
 
 def detach(close_fds: tuple[int, ...]) -> None:

@@ -1,4 +1,4 @@
-"""What ``mpddp.spawn`` (core/api.py) adds to ``launch()`` for ``torch.multiprocessing.spawn``'s contract.
+"""What ``mpddp.spawn`` (core/launcher/api.py) adds to ``launch()`` for ``torch.multiprocessing.spawn``'s contract.
 
 Owns: calling ``fn(i, *args)``, ``i`` the process's index as an int, with
 no process group made for it (``fn`` makes its own, as under
@@ -7,7 +7,7 @@ no process group made for it (``fn`` makes its own, as under
 the others did), the teardown of every process tree (DataLoader workers
 too), safety in a notebook, the hang watchdog, and every process's return
 value (``mp.spawn`` returns None). Leaves the signature and everything
-else to core/api.py's ``spawn`` and ``launch``.
+else to core/launcher/api.py's ``spawn`` and ``launch``.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from ..context import WorkerContext
+from ...context import WorkerContext
 
 
 class ByIndex:

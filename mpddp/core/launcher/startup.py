@@ -9,8 +9,8 @@ optimizer and DDP constructor imports), the forkserver's garbage collector
 Ctrl-C back while torch is imported, refusing a launch that a worker
 reached by re-importing a script with no main guard, and stopping the
 helpers (forkserver, resource tracker) before the launcher exits. Leaves
-what the forkserver does besides forking to core/guardian.py, the launch
-itself to core/api.py and the worker's side to core/worker.py.
+what the forkserver does besides forking to core/rank/forkserver.py, the launch
+itself to core/launcher/api.py and the worker's side to core/rank/worker.py.
 """
 
 from __future__ import annotations
@@ -25,12 +25,12 @@ import threading
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from ..errors import ForkserverLost
-from . import procs
-from .guardian import FORKSERVER_PARENT, FORKSERVER_TEMP
+from ...errors import ForkserverLost
+from ..rank.forkserver import FORKSERVER_PARENT, FORKSERVER_TEMP
+from . import teardown
 
 # In this order: this module first (it pauses the forkserver's collector, below), then the worker (torch).
-FORKSERVER_PRELOAD = ("mpddp.core.startup", "mpddp.core.worker")
+FORKSERVER_PRELOAD = ("mpddp.core.launcher.startup", "mpddp.core.rank.worker")
 # What a training step imports besides: torch.optim's Optimizer and DDP's constructor import
 # torch._dynamo, which costs as much as torch itself. A command whose every rank trains preloads
 # it; a launch() whose fn never builds one would pay it for nothing (README, Performance).
@@ -42,7 +42,7 @@ _START_LOCK = threading.Lock()  # launches from several threads: one forkserver,
 def refuse_bootstrap() -> None:
     """A worker importing a script without a main guard reaches launch() again."""
     if getattr(multiprocessing.current_process(), "_inheriting", False):
-        from .protocol import MAIN_GUARD_EXIT
+        from ..wire.protocol import MAIN_GUARD_EXIT
 
         os._exit(MAIN_GUARD_EXIT)
 
@@ -76,7 +76,7 @@ def _collect_in_child() -> None:
         gc.enable()
 
 
-# core/api.py's process leaves the variable unset; only a forkserver it starts sees its own parent's pid
+# core/launcher/api.py's process leaves the variable unset; only a forkserver it starts sees its own parent's pid
 if os.environ.get(FORKSERVER_PARENT) == str(os.getppid()):
     _pause_gc_while_preloading()
 
@@ -101,7 +101,7 @@ def start_forkserver(method: str = "forkserver", preload: Sequence[str] = ()) ->
     from multiprocessing import forkserver, util
 
     with _START_LOCK:
-        # read by core/guardian.py when the forkserver imports the worker module: it cleans up after us
+        # read by core/rank/forkserver.py when the forkserver imports the worker module: it cleans up after us
         os.environ[FORKSERVER_PARENT] = str(os.getpid())
         os.environ[FORKSERVER_TEMP] = util.get_temp_dir()
         try:
@@ -120,7 +120,7 @@ def _check_socket_room() -> None:
     """The forkserver listens on a socket in TMPDIR: a TMPDIR too long for one is one line, not a crash."""
     import tempfile
 
-    from ..errors import ConfigError
+    from ...errors import ConfigError
 
     base = tempfile.gettempdir()
     if len(os.fsencode(base)) + _SOCKET_NAME > _SOCKET_PATH_MAX:
@@ -138,7 +138,7 @@ def start_process(process: Any) -> None:
         process.start()
     except (EOFError, OSError) as e:
         server = forkserver_pid()
-        if server is None or procs.alive(server):
+        if server is None or teardown.alive(server):
             raise
         raise ForkserverLost(
             f"mpddp's forkserver (pid {server}), which starts every rank, was killed from outside while the job "
@@ -173,7 +173,7 @@ def stop_helpers(timeout: float = 3.0) -> None:
     worker = threading.Thread(target=stop, name="mpddp-stop-helpers", daemon=True)
     worker.start()
     worker.join(_HELPER_PATIENCE)
-    if worker.is_alive() and server is not None and procs.alive(server):
+    if worker.is_alive() and server is not None and teardown.alive(server):
         # still importing torch (a Ctrl-C during start-up): it notices its closed pipe only once the import
         # is done, seconds later; it has started nothing yet that needs it, so it is stopped now
         with contextlib.suppress(OSError):
@@ -188,7 +188,7 @@ def start_context(method: str, preload: Sequence[str] = ()) -> Any:
     and torch's tensor reductions are registered by any ``import torch``, so
     a launcher whose caller sends tensors has them. Under the forkserver and
     spawn this process imports no torch for the launch (the store is served
-    by core/keeper.py). Under ``fork`` it imports what the forkserver would
+    by core/nodes/store_server.py). Under ``fork`` it imports what the forkserver would
     have: the point of a fork is that every child inherits it, instead of
     each importing torch again, on every launch (measured: a second launch of
     2 forked ranks took 4 s instead of 0.1 s).
