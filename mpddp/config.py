@@ -206,7 +206,7 @@ class LaunchConfig:
     ``master_port=0`` lets the OS pick a free port (single node only).
     """
 
-    # The extra spellings are torchrun's (README.rst, "torchrun next to self-spawning")
+    # The extra spellings are torchrun's (docs/torchrun.rst)
     nprocs: int | None = field(default=None, metadata=_cli(
         "Workers on this node: N, or gpu/auto (one per GPU, else 1), cpu (one per CPU) [default: one per GPU, "
         "else 1].", parse_nprocs, "--nproc-per-node", "--nproc_per_node"))
@@ -245,7 +245,9 @@ class LaunchConfig:
     timeline: str | None = field(default=None, metadata=_cli(
         "Draw every rank's arrival lag at each collective over time into this picture (.png, .svg or .pdf), "
         "to see a straggler and when it started; needs matplotlib (pip install 'mpddp[plot]')."))
-    env: tuple[tuple[str, str], ...] = field(default=())  # extra worker variables (no flag)
+    env: tuple[tuple[str, str], ...] = field(default=(), metadata={"doc": (  # no flag: `mpddp run` fills it
+        "Extra environment variables for every worker, as (name, value) pairs, set over mpddp's own; no "
+        "command-line option (``mpddp run`` passes torchrun's variables through it).")})
 
     def __post_init__(self) -> None:
         if self.hosts is not None or self.hostfile is not None:

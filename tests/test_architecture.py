@@ -213,3 +213,70 @@ def test_hang_and_main_guard_errors_pickle(no_leftovers, tmp_path):
         error = pickle.loads(out.read_bytes())
         assert type(error) is expected, error
         _round_trip(error)
+
+
+CODE_MAP = PACKAGE.parent / "docs" / "codemap.rst"
+
+
+def _mapped() -> list[str]:
+    """The modules docs/codemap.rst lists, one a line: ``- ``mpddp/…py``: …``."""
+    import re
+
+    return re.findall(r"^- ``(mpddp/[\w/]+\.py)``:", CODE_MAP.read_text(encoding="utf-8"), re.M)
+
+
+def test_the_code_map_lists_exactly_the_modules_on_disk():
+    on_disk = {str(p.relative_to(PACKAGE.parent)) for p in PACKAGE.rglob("*.py")
+               if p.name != "__init__.py" or p.parent == PACKAGE}
+    mapped = _mapped()
+    assert len(mapped) == len(set(mapped)), "a module is listed twice"
+    assert not on_disk - set(mapped), f"docs/codemap.rst leaves out {sorted(on_disk - set(mapped))}"
+    assert not set(mapped) - on_disk, f"docs/codemap.rst lists modules that are gone: {sorted(set(mapped) - on_disk)}"
+
+
+def test_the_package_docstrings_point_to_the_one_map():
+    import mpddp.core
+
+    for package in ("mpddp.core", "mpddp.core.launcher", "mpddp.core.rank", "mpddp.core.wire", "mpddp.core.nodes"):
+        doc = __import__(package, fromlist=["_"]).__doc__ or ""
+        assert "docs/codemap.rst" in doc, package
+
+
+def test_the_wire_imports_nothing_else_of_the_core():
+    """Both ends import core/wire/; it imports only the top level (a message type, an error)."""
+    for module, targets in GRAPH.items():
+        if module.startswith("mpddp.core.wire"):
+            assert all(not t.startswith("mpddp.core.") or t.startswith("mpddp.core.wire") for t in targets), module
+
+
+SCHEDULERS = ("slurm", "mpi", "pbs", "lsf", "kubeflow")
+
+
+def test_no_scheduler_module_imports_another():
+    for name in SCHEDULERS:
+        others = {f"mpddp.machine.{o}" for o in SCHEDULERS if o != name}
+        assert not GRAPH[f"mpddp.machine.{name}"] & others, name
+    assert not {f"mpddp.machine.{o}" for o in SCHEDULERS} & GRAPH["mpddp.machine.joblayout"]
+
+
+def test_every_scheduler_reader_returns_a_joblayout(monkeypatch, tmp_path):
+    """cluster's one table of readers: each gives the one shape, from a job's own variables."""
+    from mpddp.machine import cluster, joblayout, slurm
+
+    nodefile = tmp_path / "nodes"
+    nodefile.write_text("n1\nn2\n")
+    monkeypatch.setattr(slurm, "scontrol_hostnames", lambda spec: None)
+    jobs = {
+        "SLURM": {"SLURM_JOB_ID": "1234", "SLURM_STEP_ID": "0", "SLURM_NNODES": "2", "SLURM_NODEID": "1",
+                  "SLURM_STEP_NODELIST": "n[1-2]", "SLURMD_NODENAME": "n2"},
+        "Open MPI": {"OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_LOCAL_SIZE": "1",
+                     "OMPI_COMM_WORLD_LOCAL_RANK": "0"},
+        "PBS": {"PBS_JOBID": "77.server", "PBS_NODEFILE": str(nodefile), "PBS_NODENUM": "1", "PBS_TASKNUM": "2"},
+        "Kubeflow": {"KUBERNETES_SERVICE_HOST": "10.0.0.1", "PET_NNODES": "2", "PET_NODE_RANK": "1",
+                     "MASTER_ADDR": "n1", "MASTER_PORT": "23456"},
+    }
+    assert set(cluster.PRECEDENCE) >= set(jobs)
+    for name, environ in jobs.items():
+        found = cluster.detect(environ, ["train.py"], "n2")
+        assert found is not None and found.name == name, (name, found)
+        assert isinstance(found.layout, joblayout.JobLayout) and (found.nnodes, found.layout.node_rank) == (2, 1), name

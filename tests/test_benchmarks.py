@@ -3,7 +3,7 @@
 The script tests are not benchmarks: each script runs once in --tiny mode
 (one repetition, small sizes) and the test checks that it prints its table
 of ratios and writes its JSON; no test asserts a timing. The figures
-themselves come from full runs (README, Performance).
+themselves come from full runs (docs/performance.rst).
 """
 
 import json

@@ -320,7 +320,7 @@ def rank_0_differs(ctx):
 
 def test_the_odd_one_out_is_rank_0_when_ranks_1_and_2_agree(no_leftovers):
     """Three ranks; ranks 1 and 2 call broadcast #3, rank 0 calls all_reduce #3: rank 0 is "the rank
-    whose call differs from most others'" (README).
+    whose call differs from most others'" (docs/failures.rst).
 
     Was, before the fix: ``CollectiveMismatch`` with ``rank`` 1: "rank 0 called all_reduce #3 (float32[8]) while rank 1
     called broadcast #3 (float32[8])". ``Board.add`` decides as soon as a row holds two different calls; with two
@@ -389,7 +389,7 @@ def writes_a_file(ctx, path):
 
 
 def test_a_rank_writing_a_file_silently_is_a_hang_told_as_it_is(no_leftovers, tmp_path):
-    """By design (README "When it is wrong"): output to a file is not progress. The report must name rank 0."""
+    """By design (docs/failures.rst, "When it is wrong"): output to a file is not progress. The report must name rank 0."""
     with pytest.raises(mpddp.HangError) as info:
         mpddp.launch(writes_a_file, nprocs=2, args=(str(tmp_path / "ckpt.txt"),), timeout=2)
     report = str(info.value)

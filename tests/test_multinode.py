@@ -122,7 +122,7 @@ def test_two_namespace_hosts(cluster: Cluster, netns_hosts: Path) -> None:
 @pytest.mark.netns
 @pytest.mark.timeout(150)
 def test_train_by_hand_on_two_namespace_hosts(cluster: Cluster, netns_hosts: Path) -> None:
-    """The `python -m mpddp train` command of the README, once on each host, with the master named n1."""
+    """The `python -m mpddp train` command of docs/machines.rst, once on each host, with the master named n1."""
     port = free_port()
     nodes = []
     for node_rank in (0, 1):

@@ -1,7 +1,8 @@
-"""README.rst's commands run, and print what README.rst shows.
+"""README.rst's and the manual's commands run, and print what the pages show.
 
 A comment ``.. readme-check: MODE`` marks the next block (a ``code-block``
-directive or a ``::`` literal block):
+directive or a ``::`` literal block), in README.rst and in every page of
+docs/:
 
 - ``exact``: every ``$ command`` prints exactly the lines shown;
 - ``runs``: every ``$ command`` prints each line shown, compared with every
@@ -9,7 +10,11 @@ directive or a ``::`` literal block):
   ``...`` in a line matches anything, a line of its own stands for lines left
   out; ``$ echo $?`` gives the exit status expected (else 0);
 - ``python``: the Python block runs and prints the literal block after it;
-- ``file NAME``: the block is written to NAME where the commands run.
+- ``file NAME``: the block is written to NAME where the commands run (every
+  page's files, for every check: a name is given once).
+
+A page that shows one of README's checked blocks includes it
+(``.. include:: ../README.rst`` between markers), so each runs once.
 """
 
 from __future__ import annotations
@@ -23,7 +28,9 @@ from pathlib import Path
 
 import pytest
 
-README = Path(__file__).parent.parent / "README.rst"
+ROOT = Path(__file__).parent.parent
+README = ROOT / "README.rst"
+PAGES = [README, *sorted(p for p in (ROOT / "docs").rglob("*.rst") if "_build" not in p.parts)]
 CHECK = re.compile(r"^\.\. readme-check: (exact|runs|python|file (\S+))\s*$")
 
 
@@ -48,25 +55,28 @@ def _next_block(lines: list[str], start: int) -> tuple[list[str], int]:
     return _block(lines, j)
 
 
-def checks() -> tuple[list[tuple[str, int, list[str], list[str]]], dict[str, str]]:
-    lines = README.read_text(encoding="utf-8").splitlines()
+def checks(pages: list[Path]) -> tuple[list[tuple[str, str, list[str], list[str]]], dict[str, list[tuple[str, str]]]]:
+    """Every checked block as (mode, "page:line", body, shown), and every file block as name -> [(page:line, text)]."""
     found, files = [], {}
-    for n, line in enumerate(lines):
-        m = CHECK.match(line)
-        if not m:
-            continue
-        body, end = _next_block(lines, n + 1)
-        if m.group(2):
-            files[m.group(2)] = "\n".join(body) + "\n"
-        elif m.group(1) == "python":
-            shown, _ = _next_block(lines, end)
-            found.append(("python", n + 1, body, shown))
-        else:
-            found.append((m.group(1), n + 1, body, []))
+    for page in pages:
+        lines = page.read_text(encoding="utf-8").splitlines()
+        for n, line in enumerate(lines):
+            m = CHECK.match(line)
+            if not m:
+                continue
+            where = f"{page.relative_to(ROOT)}:{n + 1}"
+            body, end = _next_block(lines, n + 1)
+            if m.group(2):
+                files.setdefault(m.group(2), []).append((where, "\n".join(body) + "\n"))
+            elif m.group(1) == "python":
+                shown, _ = _next_block(lines, end)
+                found.append(("python", where, body, shown))
+            else:
+                found.append((m.group(1), where, body, []))
     return found, files
 
 
-CHECKS, FILES = checks()
+CHECKS, FILES = checks(PAGES)
 
 
 def _commands(body: list[str]) -> list[tuple[str, list[str], int]]:
@@ -106,9 +116,9 @@ def _argv(command: str) -> list[str]:
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("mode,line,body,shown", CHECKS, ids=[f"README.rst:{c[1]}" for c in CHECKS])
-def test_readme_block(mode, line, body, shown, tmp_path):
-    for name, text in FILES.items():
+@pytest.mark.parametrize("mode,where,body,shown", CHECKS, ids=[c[1] for c in CHECKS])
+def test_readme_block(mode, where, body, shown, tmp_path):
+    for name, [(_, text), *_] in FILES.items():
         (tmp_path / name).write_text(text)
     if mode == "python":
         script = tmp_path / "example.py"
@@ -118,7 +128,7 @@ def test_readme_block(mode, line, body, shown, tmp_path):
         assert sorted(out.stdout.splitlines()) == sorted(shown)  # ranks print concurrently
         return
     commands = _commands(body)
-    assert commands, f"README.rst:{line}: a checked block with no `$ ` command"
+    assert commands, f"{where}: a checked block with no `$ ` command"
     for command, expected, status in commands:
         out = subprocess.run(_argv(command), capture_output=True, text=True, timeout=240, env=_env(), cwd=tmp_path)
         assert out.returncode == status, f"{command}\n{out.stdout}\n{out.stderr}"
@@ -133,12 +143,24 @@ def test_readme_block(mode, line, body, shown, tmp_path):
             assert any(pattern.fullmatch(a) for a in actual), f"{command}: {text!r} not printed:\n{out.stderr}"
 
 
-def test_readme_has_checked_blocks():
-    assert len(CHECKS) >= 2
-    text = README.read_text(encoding="utf-8")
-    ci = (Path(__file__).parent.parent / ".ci" / "run").read_text()
-    test_command = re.search(r"python -m pip install -q -e '\.\[test\]'.*pytest -q", text)
-    assert test_command and test_command.group(0) in ci, "README's test command and .ci/run differ"
+def test_readme_and_the_manual_have_checked_blocks():
+    pages = {where.split(":")[0] for _, where, _, _ in CHECKS}
+    assert len([c for c in CHECKS if c[1].startswith("README.rst:")]) >= 4
+    assert {"docs/failures.rst", "docs/torchrun.rst"} <= pages, pages
+
+
+def test_each_file_block_is_named_once():
+    twice = {name: [where for where, _ in found] for name, found in FILES.items() if len(found) > 1}
+    assert not twice, f"a file block's name is given on two pages: {twice}"
+
+
+def test_the_pages_include_readme_blocks_that_exist():
+    # a page shows README's checked block between its markers, and does not check it again
+    readme = README.read_text(encoding="utf-8")
+    for page in PAGES[1:]:
+        for marker in re.findall(r":start-after: (\.\. include-start: .+)", page.read_text(encoding="utf-8")):
+            assert marker in readme, f"{page.name}: README has no {marker!r}"
+            assert marker.replace("start", "end") in readme, f"{page.name}: README has no end for {marker!r}"
 
 
 def test_the_comparison_is_not_blind():

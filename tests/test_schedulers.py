@@ -26,7 +26,7 @@ from mpddp.machine import cluster, joblayout, lsf, mpi, slurm
 pytestmark = pytest.mark.timeout(30)
 
 DATA = Path(__file__).parent / "data" / "scheduler_env"
-README = Path(__file__).parent.parent / "README.rst"
+GUIDE = Path(__file__).parent.parent / "docs" / "machines.rst"  # the manual's guide to several machines
 MAIN = ["/site-packages/mpddp/__main__.py", "train", "--epochs", "1"]
 UNSET = {"nnodes": None, "node_rank": None, "master_addr": None, "master_port": None, "nprocs": None}
 
@@ -475,11 +475,11 @@ def test_info_reports_an_unreadable_job(job_env: Callable[[dict[str, str]], None
     assert "A launch here would choose:" in result.output
 
 
-# ---- README: each scheduler row is one of the lines tested here -------------------------------------
+# ---- the manual: each scheduler row is one of the lines tested here -------------------------------
 
 
-def test_readme_scheduler_table_and_precedence() -> None:
-    text = re.sub(r"\s+", " ", README.read_text(encoding="utf-8"))
+def test_manual_scheduler_table_and_precedence() -> None:
+    text = re.sub(r"\s+", " ", GUIDE.read_text(encoding="utf-8"))
     assert f"first present wins: {', '.join(cluster.PRECEDENCE)}" in text
     commands = {
         "srun --nodes=2 --ntasks-per-node=1": slurm.srun_line(
@@ -492,4 +492,4 @@ def test_readme_scheduler_table_and_precedence() -> None:
     for command, source in commands.items():
         line = source if isinstance(source, str) else getattr(source, "layout", source).command
         assert line.startswith(command), (command, line)
-        assert f"``{command}" in text, f"README's scheduler table lacks {command}"
+        assert f"``{command}" in text, f"docs/machines.rst's scheduler table lacks {command}"

@@ -1,6 +1,6 @@
 """torchrun's command line under ``mpddp run``: every spelling is accepted (and reaches the config and the
 worker's environment) or refused in one line, and each worker's environment is a real torchrun's, plus
-mpddp's documented additions (README.rst, "torchrun next to self-spawning")."""
+mpddp's documented additions (docs/torchrun.rst)."""
 
 from __future__ import annotations
 

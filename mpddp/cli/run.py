@@ -23,7 +23,7 @@ from ..ranks import global_rank
 from .options import build_config, launch_options
 
 C10D_PORT = 29400  # torchrun's port for an --rdzv-endpoint without one
-# torchrun's flags that mpddp takes but that name no launch option (README.rst, "torchrun next to self-spawning")
+# torchrun's flags that mpddp takes but that name no launch option (docs/torchrun.rst)
 TORCHRUN_OPTIONS = (
     click.option("--standalone", is_flag=True, help="torchrun: one node on a free port, which is mpddp's default."),
     click.option("--rdzv-endpoint", "--rdzv_endpoint", "rdzv_endpoint", metavar="HOST[:PORT]",

@@ -1,32 +1,19 @@
-"""Which collective each rank has reached: torch's flight recorder, on in every rank and read while it runs.
+"""In the launcher: every rank's collectives lined up by number (what core/rank/recorder.py sends).
 
-Owns: turning the flight recorder on (``TORCH_FR_BUFFER_SIZE``, unless the
-user set it or its older NCCL name), the reader thread in each rank that
-sends the launcher every collective the rank entered since its last report
-and how far each process group completed
-(:class:`~mpddp.core.wire.protocol.Collectives`), and in the launcher the board
-that lines the ranks' reports up by collective number: whether a rank moved
-(progress), whether it waits for a collective that did not complete, two
-ranks that called different collectives at the same number (a mismatch, told
-at once), and where each rank stands when the group hangs:
+Owns: the board that lines the ranks' reports up by collective number:
+whether a rank moved (progress), whether it waits for a collective that did
+not complete, two ranks that called different collectives at the same
+number (a :class:`Mismatch`, told at once), and where each rank stands when
+the group hangs (:class:`Standing`):
 
     ranks 0, 2, 3 entered all_reduce #57 (float32[1000]) 12 s ago; rank 1 is still at #56 (all_reduce)
 
-Why the flight recorder: it is PyTorch's own record of the collectives each
-rank entered (DDP's bucket all_reduces too), numbered per process group, and
-the same collective has the same number on every rank: so "which rank did not
-arrive at #N" and "did they call the same thing at #N" are questions of
-bookkeeping, not of guessing from stacks. Measured (torch 2.13, CPU, gloo):
-reading its entries costs about 11 µs per entry kept, reading its status
-(last entered and completed number per group) about 10 µs in all. So the
-buffer is small (:data:`BUFFER`), the entries are read only when the status
-changed, and no more often than keeps the reader under 0.5 % of a core.
 On several nodes each node's launcher shares its board's snapshot through
 node 0's store (core/nodes/rounds.py), so that a hang report names a rank on
-another node by collective too.
-Leaves the arrival lags and stragglers to core/launcher/stragglers.py, deciding that
-the group hangs to core/launcher/watchdog.py, and the report's wording to
-core/launcher/report.py.
+another node by collective too. Leaves reading the recorder to
+core/rank/recorder.py, the arrival lags and stragglers to
+core/launcher/stragglers.py, deciding that the group hangs to
+core/launcher/watchdog.py, and the report's wording to core/launcher/report.py.
 """
 
 from __future__ import annotations

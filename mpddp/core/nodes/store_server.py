@@ -1,4 +1,4 @@
-"""The store keeper: node 0's TCPStore, served by a process of its own.
+"""The store server (the "store keeper" of reports): node 0's TCPStore, served by a process of its own.
 
 Owns: starting the keeper (forked from the torch-loaded forkserver in
 milliseconds, under the other start methods a process like the ranks),

@@ -1,16 +1,10 @@
-"""Which collective each rank has reached: torch's flight recorder, on in every rank and read while it runs.
+"""In each rank: torch's flight recorder, turned on and read while the rank runs.
 
 Owns: turning the flight recorder on (``TORCH_FR_BUFFER_SIZE``, unless the
-user set it or its older NCCL name), the reader thread in each rank that
-sends the launcher every collective the rank entered since its last report
-and how far each process group completed
-(:class:`~mpddp.core.wire.protocol.Collectives`), and in the launcher the board
-that lines the ranks' reports up by collective number: whether a rank moved
-(progress), whether it waits for a collective that did not complete, two
-ranks that called different collectives at the same number (a mismatch, told
-at once), and where each rank stands when the group hangs:
-
-    ranks 0, 2, 3 entered all_reduce #57 (float32[1000]) 12 s ago; rank 1 is still at #56 (all_reduce)
+user set it or its older NCCL name) in the ranks' environment, and the
+reader thread in each rank that sends the launcher every collective the rank
+entered since its last report and how far each process group completed
+(:class:`~mpddp.core.wire.protocol.Collectives`).
 
 Why the flight recorder: it is PyTorch's own record of the collectives each
 rank entered (DDP's bucket all_reduces too), numbered per process group, and
@@ -21,12 +15,7 @@ reading its entries costs about 11 µs per entry kept, reading its status
 (last entered and completed number per group) about 10 µs in all. So the
 buffer is small (:data:`BUFFER`), the entries are read only when the status
 changed, and no more often than keeps the reader under 0.5 % of a core.
-On several nodes each node's launcher shares its board's snapshot through
-node 0's store (core/nodes/rounds.py), so that a hang report names a rank on
-another node by collective too.
-Leaves the arrival lags and stragglers to core/launcher/stragglers.py, deciding that
-the group hangs to core/launcher/watchdog.py, and the report's wording to
-core/launcher/report.py.
+Leaves lining the ranks up to core/launcher/board.py.
 """
 
 from __future__ import annotations

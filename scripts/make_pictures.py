@@ -1,0 +1,150 @@
+"""Make the manual's pictures again: ``python scripts/make_pictures.py`` writes them into docs/_static/.
+
+Each picture comes from mpddp itself, never drawn by hand:
+
+- ``ranks.png``: two nodes of four GPUs, every worker's local rank and global
+  rank, from :func:`mpddp.ranks.layout` (the same table ``mpddp ranks`` prints);
+- ``stragglers.png``: the ``--timeline`` picture of a real 2-rank ``mpddp run``
+  whose rank 1 turns slow on purpose at step 150 (it sleeps 30 ms more than
+  rank 0 before each all_reduce from there on);
+- ``curves.png``: the curves of a real ``mpddp train`` run on the digits, where
+  this mpddp draws them (``mpddp.trainer.curves``); otherwise it is skipped
+  with a line saying so.
+
+The runs take a temporary directory and this checkout's mpddp. The docs build
+(``python -m sphinx ...``) only shows the PNGs committed here: it runs nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from mpddp.ranks import layout  # noqa: E402
+
+OUT = ROOT / "docs" / "_static"
+PICTURES = ("ranks", "stragglers", "curves")
+
+# A torchrun-style script: steps of 10 ms on every rank, and from step 150 on rank 1 reaches every
+# all_reduce 30 ms after rank 0.
+SLOW_RANK = """\
+import time
+import torch
+import torch.distributed as dist
+
+dist.init_process_group("gloo")
+t = torch.ones(1)
+for step in range(300):
+    time.sleep(0.01)  # the step's work, the same on every rank
+    if dist.get_rank() == 1 and step >= 150:
+        time.sleep(0.03)  # from step 150 on, rank 1 reads its data from a slow disk
+    dist.all_reduce(t)
+dist.destroy_process_group()
+"""
+
+
+def draw_ranks(path: Path, nnodes: int = 2, nprocs: int = 4, highlight: tuple[int, int] = (1, 2)) -> None:
+    """Each node a box, each GPU a cell with its local rank and its global rank; one rank's formula worked out."""
+    import matplotlib
+
+    matplotlib.use("Agg", force=False)
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import FancyBboxPatch, Rectangle
+
+    slots = layout(nnodes, nprocs, list(range(nprocs)))
+    cell, height, gap, pad, between = 1.5, 1.8, 0.15, 0.25, 0.8
+    node_w = nprocs * cell + (nprocs - 1) * gap + 2 * pad
+    width = nnodes * node_w + (nnodes - 1) * between
+    fig, ax = plt.subplots(figsize=(width * 0.78, 4.0), dpi=110)
+    for node in range(nnodes):
+        x0 = node * (node_w + between)
+        ax.add_patch(FancyBboxPatch((x0, 0), node_w, height + 2 * pad, boxstyle="round,pad=0.02",
+                                    facecolor="#f3f3f3", edgecolor="#555555"))
+        ax.text(x0 + node_w / 2, height + 2 * pad + 0.2, f"node {node} (node_rank {node})", ha="center",
+                fontsize=12, weight="bold")
+        for slot in (s for s in slots if s.node_rank == node):
+            x = x0 + pad + slot.local_rank * (cell + gap)
+            marked = (slot.node_rank, slot.local_rank) == highlight
+            ax.add_patch(Rectangle((x, pad), cell, height, facecolor="#ffd27f" if marked else "#cfe2f3",
+                                   edgecolor="#c47f00" if marked else "#3d6fa5", linewidth=2 if marked else 1))
+            ax.text(x + cell / 2, pad + 1.4, f"GPU {slot.gpu}", ha="center", fontsize=10)
+            ax.text(x + cell / 2, pad + 0.95, f"local rank {slot.local_rank}", ha="center", fontsize=10)
+            ax.text(x + cell / 2, pad + 0.35, f"rank {slot.rank}", ha="center", fontsize=13, weight="bold")
+    node, local = highlight
+    rank = next(s for s in slots if (s.node_rank, s.local_rank) == highlight)
+    ax.text(width / 2, -0.45, "rank = node_rank × nprocs_per_node + local_rank", ha="center", fontsize=12)
+    ax.text(width / 2, -0.95, f"GPU {rank.gpu} of node {node}: {node} × {nprocs} + {local} = {rank.rank}     "
+            f"world_size = nnodes × nprocs_per_node = {nnodes} × {nprocs} = {rank.world_size}", ha="center",
+            fontsize=11, color="#8a5a00")
+    ax.set_xlim(-0.1, width + 0.1)
+    ax.set_ylim(-1.2, height + 2 * pad + 0.6)
+    ax.axis("off")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def _env() -> dict[str, str]:
+    """This checkout's mpddp for the runs; a job's SLURM variables would make them a multi-node launch."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [env.get("PYTHONPATH")])])
+    return env
+
+
+def _run(argv: list[str], cwd: str) -> None:
+    print("$ " + " ".join(argv[1:] if argv[0] == sys.executable else argv), flush=True)
+    done = subprocess.run(argv, cwd=cwd, env=_env(), timeout=600)
+    if done.returncode != 0:
+        raise SystemExit(f"make_pictures: {' '.join(argv)} exited with {done.returncode}")
+
+
+def draw_stragglers(path: Path) -> None:
+    """A real 2-rank run whose rank 1 turns slow, drawn by mpddp's own ``--timeline``."""
+    with tempfile.TemporaryDirectory(prefix="mpddp-pictures-") as tmp:
+        Path(tmp, "slow.py").write_text(SLOW_RANK)
+        _run([sys.executable, "-m", "mpddp", "run", "--nprocs", "2", "--timeline", "timeline.png", "slow.py"], tmp)
+        shutil.copyfile(Path(tmp, "timeline.png"), path)
+
+
+def draw_curves(path: Path) -> bool:
+    """The curves of a real digits run, drawn by ``mpddp train`` itself; False where this mpddp cannot."""
+    if importlib.util.find_spec("mpddp.trainer.curves") is None:
+        print("make_pictures: skipping curves.png: this mpddp has no mpddp.trainer.curves (mpddp train draws "
+              "no curves yet)", flush=True)
+        return False
+    with tempfile.TemporaryDirectory(prefix="mpddp-pictures-") as tmp:
+        _run([sys.executable, "-m", "mpddp", "train", "--nprocs", "2", "--epochs", "10", "--run-dir", "run"], tmp)
+        shutil.copyfile(Path(tmp, "run", "curves.png"), path)
+    return True
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", default=",".join(PICTURES), help=f"comma-separated, of {', '.join(PICTURES)}")
+    parser.add_argument("--out", type=Path, default=OUT, help="where the PNGs go [default: docs/_static]")
+    args = parser.parse_args(argv)
+    wanted = [name.strip() for name in args.only.split(",") if name.strip()]
+    unknown = sorted(set(wanted) - set(PICTURES))
+    if unknown:
+        parser.error(f"--only {','.join(unknown)}: the pictures are {', '.join(PICTURES)}")
+    args.out.mkdir(parents=True, exist_ok=True)
+    drawers = {"ranks": lambda p: draw_ranks(p) or True, "stragglers": lambda p: draw_stragglers(p) or True,
+               "curves": draw_curves}
+    for name in wanted:
+        target = args.out / f"{name}.png"
+        if drawers[name](target):
+            print(f"make_pictures: wrote {target}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
