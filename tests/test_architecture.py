@@ -235,10 +235,10 @@ def test_the_code_map_lists_exactly_the_modules_on_disk():
 
 
 def test_the_package_docstrings_point_to_the_one_map():
-    import mpddp.core
+    import importlib
 
     for package in ("mpddp.core", "mpddp.core.launcher", "mpddp.core.rank", "mpddp.core.wire", "mpddp.core.nodes"):
-        doc = __import__(package, fromlist=["_"]).__doc__ or ""
+        doc = importlib.import_module(package).__doc__ or ""
         assert "docs/codemap.rst" in doc, package
 
 

@@ -59,7 +59,7 @@ def test_digits_on_two_ranks_reaches_95_percent_and_resume_auto_continues(tmp_pa
     accuracy = float(re.search(r"test acc\s+([\d.]+)%", epochs[-1]).group(1))
     assert accuracy > 95.0, epochs[-1]
     final = run.stdout.strip().splitlines()[-1]
-    match = re.fullmatch(r"checkpoint: (\S+)  metrics: (\S+)", final)
+    match = re.fullmatch(r"checkpoint: (\S+)  metrics: (\S+)  curves: (\S+)", final)
     assert match, final
     ckpt, metrics = tmp_path / match.group(1), tmp_path / match.group(2)
     assert ckpt.is_file() and ckpt.name == "ckpt-000000230.pt"  # 1,437 samples / (32 × 2) = 23 steps per epoch

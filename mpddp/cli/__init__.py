@@ -1,8 +1,8 @@
 """The command line: thin click commands over the Python API, on top of everything.
 
 Owns: the ``mpddp`` group, registering each command (one module each:
-cli/ranks.py, cli/info.py, cli/run.py, cli/train.py, all plain click
-commands that import nothing back from here), and turning errors and signals
+cli/ranks.py, cli/info.py, cli/run.py, cli/train.py, cli/plot.py, all plain
+click commands that import nothing back from here), and turning errors and signals
 into one line and an exit code. The shared launch options are in
 cli/options.py. Nothing in mpddp imports this package but ``__main__``.
 """
@@ -19,7 +19,7 @@ import click
 from .. import __version__
 from ..core.wire import stacks
 from ..errors import ConfigError, MpddpError, WorkerFailed
-from . import info, ranks, run, train
+from . import info, plot, ranks, run, train
 from .options import EXIT_BAD_INPUT, EXIT_SIGINT, build_config, launch_options
 
 __all__ = ["build_config", "launch_options", "main", "run_cli"]
@@ -47,6 +47,7 @@ def main() -> None:
 
     \b
     mpddp train --nprocs 2          train a CNN on the digits set with DDP
+    mpddp plot RUN_DIR              redraw a training run's curves.png
     mpddp ranks --nnodes 2 --nprocs 4   see how every worker's rank is computed
     """
 
@@ -128,5 +129,5 @@ def _say(line: str) -> None:
         pass
 
 
-for _command in (train.train, run.run, ranks.ranks, info.info):  # each module's one click command
+for _command in (train.train, plot.plot, run.run, ranks.ranks, info.info):  # each module's one click command
     main.add_command(_command)

@@ -21,6 +21,7 @@ from .faults import Fault, parse_fault
 
 PRECISIONS = ("auto", "bf16", "fp32")
 RUNS_ROOT = "runs"
+METRICS_FILE = "metrics.jsonl"  # in the run directory; trainer/curves.py draws from it
 BUILTIN_TASKS = ("digits", "synthetic")  # built by trainer/tasks.py; --dataset offers these
 
 
@@ -103,4 +104,4 @@ class TrainConfig:
     @property
     def metrics_path(self) -> Path:
         """The JSON-lines metrics file, one line per epoch."""
-        return Path(self.run_dir or ".") / "metrics.jsonl"
+        return Path(self.run_dir or ".") / METRICS_FILE

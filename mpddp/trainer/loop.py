@@ -8,7 +8,7 @@ Owns the DDP delta over a single-process training loop, and nothing else:
 - gradient accumulation with ``no_sync()`` on all but the last micro-step;
 - evaluation sharded over ranks, metrics all-reduced as sums and counts;
 - rank-0 checkpoints of ``model.module``, a barrier, exact resume;
-- rank-0 progress, summary lines and a JSON-lines metrics file.
+- rank-0 progress, summary lines, a JSON-lines metrics file and curves.
 
 Leaves the task to trainer/tasks.py, options to trainer/config.py, seeds
 and the checkpoint's content to trainer/state.py, the file format to
@@ -57,6 +57,8 @@ class TrainResult:
     checkpoint: str | None
     metrics: str
     run_dir: str
+    curves: str | None = None  # rank 0's curves.png; None: not drawn (other ranks, or see curves_note)
+    curves_note: str = ""  # why rank 0 drew none, e.g. what to install
 
 
 class ResumableSampler(DistributedSampler):
@@ -165,19 +167,29 @@ class Trainer:
         if self.epoch >= self.config.epochs:
             test = self.evaluate()
             self.report.say(f"already trained {self.epoch} epochs: pass --epochs N > {self.epoch} to train more")
-        while self.epoch < self.config.epochs:
-            samples, seconds = self._train_epoch()
-            train_loss = self.last_train_loss = self._epoch_loss()
-            test = self.evaluate()
-            self.epoch, self.batches_done = self.epoch + 1, 0
-            self.loss_sum.zero_()
-            self.loss_count = 0
-            self.report.end_epoch({
-                "epoch": self.epoch, "step": self.global_step, "train_loss": train_loss, "test_loss": test["loss"],
-                "test_accuracy": test["accuracy"], "samples_per_s": samples / seconds,
-                "elapsed_s": time.perf_counter() - start, "world_size": self.world, "global_batch": self.global_batch})
-            self.save()
-        return self._result(test)
+        self.report.start_run(self.global_step)
+        try:
+            while self.epoch < self.config.epochs:
+                test = self._fit_epoch(start)
+        finally:
+            self.report.end_run()
+        return self._result(test, *self.report.draw_curves())
+
+    def _fit_epoch(self, start: float) -> dict[str, Any]:
+        """Train, evaluate, record and checkpoint one epoch; return its test metrics."""
+        samples, seconds = self._train_epoch()
+        train_loss = self.last_train_loss = self._epoch_loss()
+        test = self.evaluate()
+        self.epoch, self.batches_done = self.epoch + 1, 0
+        self.loss_sum.zero_()
+        self.loss_count = 0
+        self.report.end_epoch({
+            "epoch": self.epoch, "step": self.global_step, "train_loss": train_loss, "test_loss": test["loss"],
+            "test_accuracy": test["accuracy"], "lr": self.optimizer.param_groups[0]["lr"],  # the first group's
+            "samples_per_s": samples / seconds, "elapsed_s": time.perf_counter() - start, "world_size": self.world,
+            "global_batch": self.global_batch})
+        self.save()
+        return test
 
     def _train_epoch(self) -> tuple[int, float]:
         """Train the rest of ``self.epoch``; return (global samples, seconds)."""
@@ -316,11 +328,12 @@ class Trainer:
         """Samples per optimizer step over all ranks: batch_size × world_size × accumulate."""
         return self.config.batch_size * self.world * self.config.accumulate
 
-    def _result(self, test: dict[str, Any]) -> TrainResult:
+    def _result(self, test: dict[str, Any], curves: str | None, curves_note: str) -> TrainResult:
         return TrainResult(epochs=self.epoch, global_step=self.global_step, train_loss=self.last_train_loss,
                            test_loss=test["loss"], test_accuracy=test["accuracy"],
                            checkpoint=str(self.last_checkpoint) if self.last_checkpoint else None,
-                           metrics=str(self.config.metrics_path), run_dir=str(self.config.run_dir))
+                           metrics=str(self.config.metrics_path), run_dir=str(self.config.run_dir),
+                           curves=curves, curves_note=curves_note)
 
 
 def train_worker(ctx: WorkerContext, config: TrainConfig, owner: str = "") -> TrainResult:
@@ -352,7 +365,8 @@ def train(config: TrainConfig | None = None, *, launch_config: LaunchConfig | No
                                            **launch_options)[0]
     finally:
         checkpoint.remove_temporaries(config.checkpoint_path, owner)
-    print(f"checkpoint: {result.checkpoint}  metrics: {result.metrics}", flush=True)
+    print(f"checkpoint: {result.checkpoint}  metrics: {result.metrics}  curves: {result.curves or result.curves_note}",
+          flush=True)
     return result
 
 

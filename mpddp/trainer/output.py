@@ -1,11 +1,13 @@
-"""What the user sees of a training run: progress, one line per epoch, a metrics file.
+"""What the user sees of a training run: progress, one line per epoch, a metrics file, curves.
 
 Owns: rank 0's voice (other ranks stay quiet unless ``verbose``), the tqdm
 bar per epoch (only when the launcher says the user's stdout is a terminal
-or notebook, ``MPDDP_STDOUT_ISATTY=1``), the per-epoch summary line and the
-JSON-lines metrics file. It reads losses at most every
-:data:`PROGRESS_INTERVAL` seconds, so the bar costs no GPU sync per step.
-Leaves computing the numbers to trainer/loop.py.
+or notebook, ``MPDDP_STDOUT_ISATTY=1``), the per-epoch summary line, the
+JSON-lines metrics file, and when rank 0 writes the curves: TensorBoard's
+points every epoch, ``curves.png`` at the end, and what the run's last line
+says of them. It reads losses at most every :data:`PROGRESS_INTERVAL`
+seconds, so the bar costs no GPU sync per step. Leaves computing the numbers
+to trainer/loop.py, and the event files and the drawing to trainer/curves.py.
 """
 
 from __future__ import annotations
@@ -20,6 +22,9 @@ from typing import Any
 
 import torch
 
+from ..errors import ConfigError
+from . import curves
+
 PROGRESS_INTERVAL = 0.5  # seconds between progress-bar refreshes (and loss.item() syncs)
 
 
@@ -30,11 +35,33 @@ class Reporter:
         self.rank, self.epochs, self.metrics_path = rank, epochs, metrics_path
         self.talks = rank == 0 or verbose
         self.bar: Any = None
+        self.tensorboard: curves.TensorBoard | None = None
 
     def say(self, line: str) -> None:
         """One line on this rank's stdout (relayed as ``[rank N] line``)."""
         if self.talks:
             print(line, flush=True)
+
+    def start_run(self, global_step: int) -> None:
+        """Training starts, or resumes, at ``global_step``: rank 0 keeps TensorBoard's curves from there."""
+        if self.rank == 0:
+            self.tensorboard = curves.TensorBoard(self.metrics_path.parent, since_step=global_step)
+
+    def end_run(self) -> None:
+        """Close TensorBoard's files (also after a failure: every finished epoch is in them)."""
+        if self.tensorboard is not None:
+            self.tensorboard.close()
+            self.tensorboard = None
+
+    def draw_curves(self) -> tuple[str | None, str]:
+        """Rank 0 draws ``curves.png`` from the metrics file: (its path, "") or (None, why not)."""
+        if self.rank != 0:
+            return None, ""
+        try:
+            drawn = curves.redraw(self.metrics_path.parent)
+        except ConfigError as e:  # no metrics file (nothing trained here) or a damaged one: the run itself went well
+            return None, f"not drawn: {e}"
+        return (str(drawn), "") if drawn else (None, f"{curves.INSTALL} to draw them (matplotlib)")
 
     def start_epoch(self, epoch: int, total: int, done: int) -> None:
         """Open the epoch's progress bar when stdout reaches a terminal."""
@@ -69,3 +96,5 @@ class Reporter:
             self.metrics_path.parent.mkdir(parents=True, exist_ok=True)
             with open(self.metrics_path, "a") as f:
                 f.write(json.dumps(record) + "\n")
+        if self.tensorboard is not None:
+            self.tensorboard.add(record)
