@@ -1,3 +1,4 @@
+import signal
 import sys
 from pathlib import Path
 
@@ -6,6 +7,13 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 
 from helpers import leftovers  # noqa: E402
+
+# A test suite started as a background job of a non-interactive shell (POSIX: with SIGINT ignored) would
+# pass that on to every launcher it starts, and a test's Ctrl-C would then do nothing. An ignored signal
+# stays ignored across exec, a handled one starts at its default action: so handle it here, as Python's
+# own default does, and every launcher starts as from a terminal.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.fixture

@@ -38,7 +38,7 @@ class Run:
         full_env.pop("PYTEST_CURRENT_TEST", None)
         full_env.update(env or {})
         with open(self.out_path, "wb") as out, open(self.err_path, "wb") as err:
-            # its own session, SIGINT at its default action: as a launcher started from a terminal
+            # its own session, SIGINT at its default action (tests/conftest.py): as from a terminal
             self.proc = subprocess.Popen([sys.executable, *argv], stdout=out, stderr=err, env=full_env, cwd=tmp_path,
                                          start_new_session=True, restore_signals=True)
         self.pids: set[int] = set()

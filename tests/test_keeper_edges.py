@@ -497,6 +497,14 @@ def test_two_nodes_restart_on_the_same_fixed_port_with_a_fresh_keeper(tmp_path):
 # ----------------------------------------------------------------- found by this pass, fixed since
 
 
+def _cmdline(proc: psutil.Process) -> str:
+    """A child's command line; "" for one that just ended (a zombie until its parent reaps it) or is gone."""
+    try:
+        return " ".join(proc.cmdline())
+    except psutil.Error:
+        return ""
+
+
 def test_ctrl_c_while_the_spawned_keeper_imports_torch_is_the_launchers_alone(tmp_path):
     script = write(tmp_path, "block.py", """
 import time
@@ -510,8 +518,7 @@ time.sleep(100)
         deadline = time.monotonic() + 60
         keeper = None
         while time.monotonic() < deadline:  # the first spawned child is the keeper (the ranks start after it)
-            spawned = [p for p in psutil.Process(run.proc.pid).children()
-                       if "spawn_main" in " ".join(p.cmdline())]
+            spawned = [p for p in psutil.Process(run.proc.pid).children() if "spawn_main" in _cmdline(p)]
             if spawned:
                 keeper = min(spawned, key=lambda p: (p.create_time(), p.pid))
                 break

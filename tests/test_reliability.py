@@ -166,8 +166,10 @@ API_JOBS = textwrap.dedent("""
 
     if __name__ == "__main__":
         job = {"hang": hang, "block": block}[sys.argv[1]]
+        # block: the test interrupts it; on a loaded machine that can take longer than a hang's 3 s
+        timeout = {"hang": 3, "block": 120}[sys.argv[1]]
         try:
-            mpddp.launch(job, nprocs=2, timeout=3)
+            mpddp.launch(job, nprocs=2, timeout=timeout)
         except mpddp.HangError as e:
             print("HangError rank", e.rank, "|", str(e).splitlines()[0], flush=True)
         except KeyboardInterrupt:
