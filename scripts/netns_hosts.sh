@@ -55,6 +55,7 @@ down() {
     ip link show v-mpddp-h1 >/dev/null 2>&1 || ip link show v-mpddp-h2 >/dev/null 2>&1 || return 0
     sleep 0.1
   done
+  for i in 1 2; do ip link del "v-mpddp-h$i" 2>/dev/null || true; done  # a run killed midway left its end
 }
 
 case "${1:-}" in

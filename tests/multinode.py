@@ -10,6 +10,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from collections.abc import Iterator
@@ -142,11 +143,40 @@ def namespace_hosts(work: Path) -> Iterator[Path]:
 
     if os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("nsenter") is None:
         pytest.skip("network namespaces need root, iproute2 and nsenter")
-    up = subprocess.run([str(NETNS), "up", str(work)], capture_output=True, text=True, timeout=30)
-    if up.returncode == 3:
-        pytest.skip(f"cannot make network namespaces here: {up.stderr.strip()}")
-    try:
-        assert up.returncode == 0, up.stderr
-        yield work
-    finally:
-        subprocess.run([str(NETNS), "down"], timeout=30, check=False)
+    with machine_lock():
+        up = subprocess.run([str(NETNS), "up", str(work)], capture_output=True, text=True, timeout=30)
+        if up.returncode == 3:
+            pytest.skip(f"cannot make network namespaces here: {up.stderr.strip()}")
+        try:
+            assert up.returncode == 0, up.stderr
+            yield work
+        finally:
+            subprocess.run([str(NETNS), "down"], timeout=30, check=False)
+
+
+NETNS_LOCK = Path(tempfile.gettempdir()) / "mpddp-ci-netns.lock"
+LOCK_WAIT = 45.0  # seconds, within the first test's timeout (which counts its fixtures); then skip
+
+
+@contextlib.contextmanager
+def machine_lock() -> Iterator[None]:
+    """This machine's namespace hosts and SLURM daemons, for one test run at a time.
+
+    They are the machine's (one bridge, fixed names): a second test run beside this one would fail to
+    make them, or bring them down under this one. The lock waits :data:`LOCK_WAIT`, then skips.
+    """
+    import fcntl
+
+    import pytest
+
+    with open(NETNS_LOCK, "w") as lock:
+        deadline = time.monotonic() + LOCK_WAIT
+        while True:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    pytest.skip(f"another test run holds this machine's namespace hosts ({NETNS_LOCK})")
+                time.sleep(1.0)
+        yield

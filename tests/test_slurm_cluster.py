@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from multinode import JOB, REPO
+from multinode import JOB, REPO, machine_lock
 
 pytestmark = pytest.mark.slurm
 CI_SLURM = REPO / "scripts" / "ci_slurm.sh"
@@ -85,11 +85,12 @@ def slurm_ci(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SlurmCI]:
         pytest.skip("the SLURM cluster needs root (daemons, namespaces)")
     if shutil.which("apt-get") is None and shutil.which("slurmctld") is None:
         pytest.skip("no slurmctld and no apt-get to install it")
-    ci = SlurmCI(tmp_path_factory.mktemp("slurmci"))
-    try:
-        yield ci
-    finally:
-        ci.down()
+    with machine_lock():  # its namespace nodes and daemons are the machine's: one test run at a time
+        ci = SlurmCI(tmp_path_factory.mktemp("slurmci"))
+        try:
+            yield ci
+        finally:
+            ci.down()
 
 
 def banners(output: str) -> set[str]:
