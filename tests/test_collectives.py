@@ -409,6 +409,39 @@ def test_a_mismatch_is_two_calls_that_differ_at_one_number(a, b, odd):
     assert (board.mismatch.odd if board.mismatch else None) == odd
 
 
+def _three(*reports):
+    board = Board([0, 1, 2])
+    for rank, calls in reports:
+        board.add(rank, Collectives(tuple(calls), ((("0", "", 0), 0),)))
+    return board
+
+
+def test_a_tie_waits_for_a_late_member_that_breaks_it():
+    """Ranks 0 and 1 differ at #3 and rank 2 has not said: its report may only be late (a starved reader)."""
+    start = time.monotonic()
+    board = _three((0, [_c(3)]), (1, [_c(3, "broadcast")]))
+    assert board.found(start + 2.0) is None  # after the grace, still: rank 2 could side with either
+    board.add(2, Collectives((_c(3, "broadcast"),), ()))  # late, and it sides with rank 1
+    assert board.found(start + 2.0).odd == 0
+
+
+def test_a_tie_is_told_once_the_missing_member_reports_without_the_row_or_after_the_longest_wait():
+    start = time.monotonic()
+    board = _three((0, [_c(3)]), (1, [_c(3, "broadcast")]))
+    board.add(2, Collectives((), ((("0", "", 0), 2),)))  # alive, and not at #3: it hangs elsewhere
+    assert board.found(start + 0.5) is None and board.found(start + 1.5).odd == 1  # the grace, then the tie's
+    silent = _three((0, [_c(3)]), (1, [_c(3, "broadcast")]))
+    assert silent.found(start + 4.0) is None and silent.found(start + 6.0).odd == 1
+
+
+def test_a_majority_names_the_odd_one_without_the_missing_members():
+    start = time.monotonic()
+    board = Board([0, 1, 2, 3, 4])
+    for rank, op in ((0, "all_reduce"), (1, "broadcast"), (2, "broadcast"), (3, "broadcast")):
+        board.add(rank, Collectives((_c(3, op),), ()))
+    assert board.found(start + 0.5) is None and board.found(start + 1.5).odd == 0
+
+
 def test_rows_every_rank_reached_go_to_the_straggler_count_once():
     board = _board((0, [_c(1, t=0), _c(2, t=100)], 2), (1, [_c(1, t=30)], 1))
     rows = board.take()

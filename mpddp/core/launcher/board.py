@@ -33,6 +33,7 @@ _DTYPES = {"Float": "float32", "Double": "float64", "Half": "float16", "BFloat16
            "Int": "int32", "Short": "int16", "Char": "int8", "Byte": "uint8", "Bool": "bool"}
 _WINDOW = 512  # collectives per lane (group and backend) the board keeps to line ranks up
 _GRACE = 1.0  # seconds a differing row waits for its other members before the mismatch is told
+_GRACE_MAX = 5.0  # ... when those it has cannot name the odd one and a missing member said nothing since
 
 
 
@@ -90,7 +91,8 @@ class Board:
         self.mismatch: Mismatch | None = None
         self._rows: dict[tuple[Lane, int], dict[int, Call]] = {}
         self._members: dict[Lane, set[int]] = {}  # the default group: every rank; others: those seen
-        self._suspects: dict[tuple[Lane, int], float] = {}  # rows that differ, not yet complete: since when
+        # rows that differ, not yet complete: since when, and how many reports each rank had sent by then
+        self._suspects: dict[tuple[Lane, int], tuple[float, dict[int, int]]] = {}
         self._done: list[dict[int, Call]] = []  # rows every member has reached, not yet taken
         self._version = self._shared = 0  # reports added; the count at the last snapshot
 
@@ -111,8 +113,8 @@ class Board:
             if self.mismatch is None and (odd := _differs(row)) is not None:
                 if complete:  # every member's call is known: the odd one out is the one most others disagree with
                     self.mismatch = Mismatch(dict(row), odd)
-                else:
-                    self._suspects.setdefault(key, time.monotonic())
+                elif key not in self._suspects:
+                    self._suspects[key] = (time.monotonic(), {r: seen.reports for r, seen in self.seen.items()})
             if complete:
                 self._done.append(self._rows.pop(key))
                 self._suspects.pop(key, None)
@@ -120,14 +122,32 @@ class Board:
             self._prune()
 
     def found(self, now: float) -> Mismatch | None:
-        """The mismatch, once the row's every member has reported, or :data:`_GRACE` seconds after two ranks'
-        calls differed (a member that never reports it hangs: told with the ranks there are)."""
+        """The mismatch, once the row's every member has reported, or once the members it lacks cannot change it.
+
+        A member that never reports the row hangs elsewhere: after :data:`_GRACE` seconds the mismatch is
+        told with the ranks there are, when their calls already name the odd one (a majority of all members
+        agree) or every missing member has reported since (its reader runs: it has not reached the row).
+        Else a missing member's report may only be late (its reader starved on a loaded machine) and could
+        break a tie: it is waited for up to :data:`_GRACE_MAX` seconds.
+        """
         if self.mismatch is None:
-            for key, since in self._suspects.items():
-                if now - since >= _GRACE and (row := self._rows.get(key)) and (odd := _differs(row)) is not None:
+            for key, (since, reports) in self._suspects.items():
+                row = self._rows.get(key)
+                if not row or now - since < _GRACE or (odd := _differs(row)) is None:
+                    continue
+                if now - since >= _GRACE_MAX or self._settled(key, row, reports):
                     self.mismatch = Mismatch(dict(row), odd)
                     break
         return self.mismatch
+
+    def _settled(self, key: tuple[Lane, int], row: dict[int, Call], reports: dict[int, int]) -> bool:
+        """Whether the members missing from ``row`` cannot change its odd one out."""
+        members = self._members.get(key[0], set())
+        signatures = [_signature(call) for call in row.values()]
+        if max(signatures.count(s) for s in signatures) * 2 > len(members):
+            return True
+        missing = members - row.keys()
+        return all(r in self.seen and self.seen[r].reports > reports.get(r, 0) for r in missing)
 
     def snapshot(self) -> bytes | None:
         """This node's ranks' last collective per lane and how far each completed, for the other nodes (JSON);
