@@ -234,3 +234,43 @@ def test_a_launcher_stopped_by_ctrl_c_is_named_by_the_other_node(cluster: Cluste
                                            "taking rank(s) 2, 3 with it"), nodes[0].stderr
     assert time.monotonic() - started < 15  # told at once, not after waiting for a record that never comes
     assert cluster.leftovers(wait=5) == []
+
+
+class _Beats:
+    """A store with only the keys the beat check reads: every node's beat counter, and who ended."""
+
+    def __init__(self, beats: dict[int, int], ended: set[int] = frozenset()) -> None:
+        from mpddp.core.wire import protocol
+
+        self.values = {protocol.full_key(0, protocol.heartbeat_key(n)): b for n, b in beats.items()}
+        self.values |= {protocol.full_key(0, protocol.ended_key(n)): 1 for n in ended}
+
+    def add(self, key: str, amount: int) -> int:
+        self.values[key] = self.values.get(key, 0) + amount
+        return self.values[key]
+
+    def check(self, keys: list[str]) -> bool:
+        return all(k in self.values for k in keys)
+
+
+def _link(node: int, beats: _Beats) -> object:
+    import mpddp
+    from mpddp.core.nodes.rounds import NodeLink
+
+    link = NodeLink(mpddp.LaunchConfig(nnodes=3, node_rank=node, master_addr="127.0.0.1", master_port=29500), 29500, 1)
+    link._store = beats
+    return link
+
+
+@pytest.mark.parametrize(("now", "ended", "lost"), [
+    ({0: 16, 1: 10, 2: 16}, set(), [1]),  # node 1 stood still while nodes 0 and 2 beat: gone
+    ({0: 16, 1: 10, 2: 16}, {1}, []),  # ... unless it ended its round: its beat stops then, by design
+    ({0: 11, 1: 10, 2: 10}, set(), None),  # every beat (this node's too) nearly still: a starved machine, no verdict
+    ({0: 10, 1: 10, 2: 10}, set(), None),
+    ({0: 16, 1: 16, 2: 16}, set(), []),
+])
+def test_a_node_is_lost_only_when_its_beat_stood_still_while_others_beat(now, ended, lost) -> None:
+    before = {0: 10, 1: 10, 2: 10}
+    link = _link(0, _Beats(now, ended))
+    assert link.stalled(0, before) == lost
+    assert link.gone == set(lost or [])

@@ -42,7 +42,8 @@ from ..wire import protocol
 from ..wire.protocol import FailureRecord, full_key
 
 _INTERVAL = 0.25  # seconds between two beats (and two looks for another node's failure)
-_STALLED_AFTER = 6 * _INTERVAL  # a beat that did not move for this long: its launcher is gone
+_STALLED_AFTER = 6 * _INTERVAL  # a beat that did not move for this long, while others moved: its launcher is gone
+_LIVE_BEATS = 3  # ... by at least this many beats (on a loaded machine every beat can stand still a while)
 _RECORD_WAIT = 10.0  # seconds a node whose ranks only saw a peer vanish waits for the record of the cause, at least
 _POLL = 0.05
 _LEAVE_WAIT = 10.0  # seconds node 0 keeps the store for the other launchers to read the last round
@@ -181,16 +182,26 @@ class NodeLink:
             pass
 
     def heartbeats(self, attempt: int) -> dict[int, int]:
-        """Every other node's beat counter now."""
-        others = [n for n in range(self.config.nnodes) if n != self.config.node_rank]
-        return dict(zip(others, self.call(lambda s: [s.add(full_key(attempt, protocol.heartbeat_key(n)), 0)
-                                                      for n in others])))
+        """Every node's beat counter now, this node's own too (its round watch beats while it waits)."""
+        nodes = range(self.config.nnodes)
+        return dict(zip(nodes, self.call(lambda s: [s.add(full_key(attempt, protocol.heartbeat_key(n)), 0)
+                                                     for n in nodes])))
 
-    def stalled(self, attempt: int, before: dict[int, int]) -> list[int]:
-        """Nodes whose beat did not move since ``before`` although they did not end the round."""
+    def stalled(self, attempt: int, before: dict[int, int]) -> list[int] | None:
+        """Other nodes whose beat did not move since ``before`` although they did not end the round.
+
+        None when that cannot be told yet: no node's beat, this one's included, moved by
+        :data:`_LIVE_BEATS` meanwhile. Then the beats stood still everywhere (a loaded machine starves the
+        beating threads, or node 0's store), which says nothing about any one node. A node is lost only when
+        its beat stood still while another's moved.
+        """
+        me = self.config.node_rank
         after = self.heartbeats(attempt)
-        ended = self.call(lambda s: {n: s.check([full_key(attempt, protocol.ended_key(n))]) for n in before})
-        lost = [n for n in before if after[n] == before[n] and not ended[n]]
+        still = [n for n in before if n != me and after[n] == before[n]]
+        if max((after[n] - before[n] for n in before if n not in still), default=0) < _LIVE_BEATS:
+            return None
+        ended = self.call(lambda s: {n: s.check([full_key(attempt, protocol.ended_key(n))]) for n in still})
+        lost = [n for n in still if not ended[n]]
         self.gone.update(lost)
         return lost
 
@@ -358,10 +369,12 @@ def _wait_for(link: NodeLink, attempt: int, local: WorkerFailed) -> FailureRecor
         if (record := link.record(attempt)) is not None:
             return record
         now = time.monotonic()
-        if now - since >= _STALLED_AFTER:  # a launcher whose beat stood still all this while is gone
-            if lost := link.stalled(attempt, beats):
+        if now - since >= _STALLED_AFTER:  # a launcher whose beat stood still while others beat is gone
+            lost = link.stalled(attempt, beats)
+            if lost:
                 return lost
-            beats, since = link.heartbeats(attempt), now
+            if lost is not None:  # every node beat: look again over a new window (else the same, longer)
+                beats, since = link.heartbeats(attempt), now
         if now - start > link.config.timeout or (now - start > _RECORD_WAIT and not link.busy(attempt)):
             return link.publish(attempt, _record_of(local, Outcome.COLLECTIVE, link))
         time.sleep(_POLL)
