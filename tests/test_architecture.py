@@ -280,3 +280,12 @@ def test_every_scheduler_reader_returns_a_joblayout(monkeypatch, tmp_path):
         found = cluster.detect(environ, ["train.py"], "n2")
         assert found is not None and found.name == name, (name, found)
         assert isinstance(found.layout, joblayout.JobLayout) and (found.nnodes, found.layout.node_rank) == (2, 1), name
+
+
+def test_no_frame_of_the_core_is_taken_for_the_users():
+    """A rank's location names the user's frame: mpddp's own (any folder of core/) are skipped like torch's."""
+    from mpddp.core.wire import stacks
+
+    for module, path in MODULES.items():
+        frame = stacks.Frame(str(path), 1, "f")
+        assert stacks._is_user(frame) is (not module.startswith("mpddp.core")), module

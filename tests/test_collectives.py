@@ -338,16 +338,16 @@ class Recorder:
 
 
 def test_the_reader_sends_only_what_changed():
-    recorder, sent = Recorder(), []
-    reader = recorder.Reader([recorder.dump], sent.append)
+    fake, sent = Recorder(), []
+    reader = recorder.Reader([fake.dump], sent.append)
     assert reader.read() == Collectives((), ())  # a first status, no collective yet
-    recorder.enter(1, t=10)
-    recorder.entries.append(_entry(0, op="nccl:send", p2p=True))  # point-to-point: numbered apart, left out
+    fake.enter(1, t=10)
+    fake.entries.append(_entry(0, op="nccl:send", p2p=True))  # point-to-point: numbered apart, left out
     first = reader.read()
     assert [c.seq for c in first.calls] == [1] and first.completed == ((("0", "nccl", 0), 0),)
     assert first.calls[0] == Call("0", 1, "all_reduce", ((1000,),), ("Float",), 10, "nccl", 0, 1)
     assert reader.read() is None  # nothing moved: nothing sent
-    recorder.complete(1)
+    fake.complete(1)
     second = reader.read()
     assert second.calls == () and second.completed == ((("0", "nccl", 0), 1),)
 

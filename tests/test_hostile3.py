@@ -260,7 +260,7 @@ KILL_FORKSERVER = """
 import os, signal, sys, time
 from multiprocessing import forkserver
 import mpddp
-from mpddp.core import procs, startup
+from mpddp.core.launcher import startup, teardown
 
 real = forkserver.connect_to_new_process
 calls = []
@@ -272,7 +272,7 @@ def killing(fds):  # the forkserver is killed from outside while it starts the f
     if len(calls) == 2:
         server = startup.forkserver_pid()
         os.kill(server, signal.SIGKILL)
-        while procs.alive(server):
+        while teardown.alive(server):
             time.sleep(0.01)
     return read, write
 

@@ -104,7 +104,7 @@ def _pickled(rank: int, value: Any) -> bytes:
             "list(...) of a generator, or the state_dict() of a model") from None  # pickle's frames tell nothing
 
 
-_PLUMBING = (os.path.join("mpddp", "core", "script.py"), "<frozen runpy>", "runpy.py")
+_PLUMBING = (os.path.join("mpddp", "core", "rank", "script.py"), "<frozen runpy>", "runpy.py")
 # Where torch's communication surfaces in Python: its collectives and store, DDP, and the autograd
 # engine (DDP all-reduces gradients from C++ hooks during backward, so a peer lost mid-backward is
 # raised by the engine's call).

@@ -38,9 +38,10 @@ _WAIT = 0.5  # seconds to wait for the dumps of every rank asked
 _THREAD = re.compile(r"^(?:Current thread|Thread) (0x[0-9a-f]+)")
 _FRAME = re.compile(r'^\s+File "(.*)", line (\d+) in (.*)$')
 _DECORATORS = ("wrapper", "_wrapper", "inner")  # torch.distributed wraps its collectives for logging
+_CORE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # mpddp/core: the launcher's own frames
 _LIBRARY = tuple(dict.fromkeys(
     os.path.join(p, "") for p in (sysconfig.get_paths()["stdlib"], sysconfig.get_paths()["purelib"],
-                                  sysconfig.get_paths()["platlib"], os.path.dirname(__file__))))  # not the trainer
+                                  sysconfig.get_paths()["platlib"], _CORE)))  # not the trainer
 # Where a rank that uses no CPU waits for its peers: a collective or the store, DDP's reducer, or the
 # autograd engine (DDP all-reduces gradients from C++ hooks during backward).
 _WAITS = tuple(os.path.join("torch", *part.split("/"), "") for part in ("distributed", "nn/parallel", "autograd"))
