@@ -72,11 +72,12 @@ def write(tmp_path: Path, name: str, text: str) -> Path:
 
 def freeze_then_use_the_store(ctx, tmp):
     store = dist.distributed_c10d._get_default_store()
+    Path(tmp, f"rank{ctx.rank}.pid").write_text(str(os.getpid()))
+    dist.barrier()  # both ranks are through init_process_group, which reads the store, before it stops
     if ctx.rank == 0:
         pid = keeper_pid()
         Path(tmp, "keeper.pid").write_text(str(pid))
         os.kill(pid, signal.SIGSTOP)
-    Path(tmp, f"rank{ctx.rank}.pid").write_text(str(os.getpid()))
     dist.barrier()  # gloo: needs no store, so both ranks are past the SIGSTOP
     store.set(f"key{ctx.rank}", "v")  # blocks: the keeper does not answer
     return store.get(f"key{1 - ctx.rank}").decode()
