@@ -43,7 +43,7 @@ from ..wire.protocol import FailureRecord, full_key
 
 _INTERVAL = 0.25  # seconds between two beats (and two looks for another node's failure)
 _STALLED_AFTER = 6 * _INTERVAL  # a beat that did not move for this long, while others moved: its launcher is gone
-_LIVE_BEATS = 3  # ... by at least this many beats (on a loaded machine every beat can stand still a while)
+_LIVE_BEATS = 12  # ... by at least this many beats (3 s of them): a starved launcher beats again before that
 _RECORD_WAIT = 10.0  # seconds a node whose ranks only saw a peer vanish waits for the record of the cause, at least
 _POLL = 0.05
 _LEAVE_WAIT = 10.0  # seconds node 0 keeps the store for the other launchers to read the last round
