@@ -24,3 +24,22 @@ def no_leftovers():
     for proc in left:
         proc.kill()
     assert not left, f"processes left running: {[p.cmdline() for p in left]}"
+
+
+@pytest.fixture
+def cli(monkeypatch, tmp_path, capsys):
+    """Run `mpddp ...` in this process: returns (exit code, stdout, stderr); run_cli's signal handlers undone."""
+    from mpddp.cli import run_cli
+
+    monkeypatch.chdir(tmp_path)
+    kept = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT, signal.SIGUSR1)}
+
+    def run(*args):
+        with pytest.raises(SystemExit) as e:
+            run_cli(list(args))
+        out = capsys.readouterr()
+        return e.value.code, out.out, out.err
+
+    yield run
+    for s, handler in kept.items():
+        signal.signal(s, handler)

@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import signal
 import struct
 import subprocess
 import sys
@@ -18,7 +17,6 @@ from pathlib import Path
 import pytest
 from tiny_task import TINY
 
-from mpddp.cli import run_cli
 from mpddp.errors import ConfigError
 from mpddp.trainer import curves
 from mpddp.trainer.config import TrainConfig
@@ -56,23 +54,6 @@ def without(monkeypatch: pytest.MonkeyPatch, *packages: str) -> None:
             monkeypatch.setitem(sys.modules, name, None)
     for p in packages:
         monkeypatch.setitem(sys.modules, p, None)
-
-
-@pytest.fixture
-def cli(monkeypatch, tmp_path, capsys):
-    """Run `mpddp ...` in this process: returns (exit code, stdout, stderr); run_cli's signal handlers undone."""
-    monkeypatch.chdir(tmp_path)
-    kept = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT, signal.SIGUSR1)}
-
-    def run(*args):
-        with pytest.raises(SystemExit) as e:
-            run_cli(list(args))
-        out = capsys.readouterr()
-        return e.value.code, out.out, out.err
-
-    yield run
-    for s, handler in kept.items():
-        signal.signal(s, handler)
 
 
 # ---- the metrics file as the curves read it --------------------------------------------------------------------

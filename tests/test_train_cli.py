@@ -13,7 +13,7 @@ import torch
 from click.testing import CliRunner
 from tiny_task import TINY
 
-from mpddp.cli import main, run_cli
+from mpddp.cli import main
 
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLE = REPO / "scripts" / "example_task.py"
@@ -23,22 +23,6 @@ def mpddp_cli(args, cwd, timeout=120):
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     return subprocess.run([sys.executable, "-m", "mpddp", *args], cwd=cwd, env=env, capture_output=True,
                           text=True, timeout=timeout)
-
-
-@pytest.fixture
-def in_process_cli(monkeypatch, tmp_path, capsys):
-    """Run `mpddp ...` in this process: returns (exit code, stdout, stderr)."""
-    monkeypatch.chdir(tmp_path)
-    previous = signal.getsignal(signal.SIGTERM)
-
-    def run(*args):
-        with pytest.raises(SystemExit) as e:
-            run_cli(list(args))
-        out = capsys.readouterr()
-        return e.value.code, out.out, out.err
-
-    yield run
-    signal.signal(signal.SIGTERM, previous)
 
 
 def test_help_names_the_global_batch():
@@ -93,7 +77,7 @@ def test_a_missing_task_file_is_one_line_exit_2_and_writes_nothing(tmp_path):
     assert run.stdout == "" and list(tmp_path.iterdir()) == []
 
 
-def test_bad_input_is_one_line_and_exit_2(in_process_cli, tmp_path):
+def test_bad_input_is_one_line_and_exit_2(cli, tmp_path):
     torch.save({"weights": torch.zeros(1)}, tmp_path / "foreign.pt")
     (tmp_path / "cut.pt").write_bytes(b"PK\x03\x04 not a whole file")
     cases = [
@@ -110,21 +94,21 @@ def test_bad_input_is_one_line_and_exit_2(in_process_cli, tmp_path):
         (["--epochs", "many"], "Invalid value for '--epochs': 'many' is not a valid integer"),
     ]
     for args, message in cases:
-        code, out, err = in_process_cli("train", "--nprocs", "2", *args)
+        code, out, err = cli("train", "--nprocs", "2", *args)
         assert code == 2, (args, err)
         assert err.startswith("mpddp: error: ") and message in err and err.count("\n") == 1, (args, err)
         assert "Traceback" not in err and out == ""
     assert sorted(p.name for p in tmp_path.iterdir()) == ["cut.pt", "foreign.pt"]  # nothing written
 
 
-def test_resume_from_another_model_is_one_line(in_process_cli, tmp_path):
+def test_resume_from_another_model_is_one_line(cli, tmp_path):
     from mpddp.trainer.config import TrainConfig
     from mpddp.trainer.loop import Trainer
     from mpddp.trainer.prepare import resolve
 
     Trainer(resolve(TrainConfig(task="synthetic", samples=40, features=4, epochs=1, run_dir="syn"))).fit()
     ckpt = next((tmp_path / "syn" / "checkpoints").glob("ckpt-*.pt"))
-    code, _, err = in_process_cli("train", "--resume", str(ckpt), "--nprocs", "2")
+    code, _, err = cli("train", "--resume", str(ckpt), "--nprocs", "2")
     assert code == 2 and err.count("\n") == 1
     assert "holds a different model (Sequential vs DigitsCNN); pass a checkpoint of this task's model" in err
 
