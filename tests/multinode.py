@@ -10,7 +10,6 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 import uuid
 from collections.abc import Iterator
@@ -154,7 +153,8 @@ def namespace_hosts(work: Path) -> Iterator[Path]:
             subprocess.run([str(NETNS), "down"], timeout=30, check=False)
 
 
-NETNS_LOCK = Path(tempfile.gettempdir()) / "mpddp-ci-netns.lock"
+# The machine's own path, not TMPDIR's: two test runs with TMPDIRs of their own still share one bridge
+NETNS_LOCK = Path("/tmp/mpddp-ci-netns.lock")
 LOCK_WAIT = 45.0  # seconds, within the first test's timeout (which counts its fixtures); then skip
 
 
