@@ -252,12 +252,23 @@ class _Beats:
     def check(self, keys: list[str]) -> bool:
         return all(k in self.values for k in keys)
 
+    def set(self, key: str, value: str | bytes) -> None:
+        self.values[key] = value
 
-def _link(node: int, beats: _Beats) -> object:
+    def get(self, key: str) -> object:
+        return self.values[key]
+
+    def compare_set(self, key: str, expected: str, desired: bytes) -> object:  # TCPStore's, for a new key
+        self.values.setdefault(key, desired)
+        return self.values[key]
+
+
+def _link(node: int, beats: _Beats, timeout: float = 180.0) -> object:
     import mpddp
     from mpddp.core.nodes.rounds import NodeLink
 
-    link = NodeLink(mpddp.LaunchConfig(nnodes=3, node_rank=node, master_addr="127.0.0.1", master_port=29500), 29500, 1)
+    config = mpddp.LaunchConfig(nnodes=3, node_rank=node, master_addr="127.0.0.1", master_port=29500, timeout=timeout)
+    link = NodeLink(config, 29500, 1)
     link._store = beats
     return link
 
@@ -275,3 +286,43 @@ def test_a_node_is_lost_only_when_its_beat_stood_still_while_others_beat(now, en
     link = _link(0, _Beats(now, ended))
     assert link.stalled(0, before) == lost
     assert link.gone == set(lost or [])
+
+
+@pytest.mark.parametrize(("now", "ended", "lost"), [
+    ({0: 12, 1: 0, 2: 12}, set(), []),  # node 1 never beat: its launcher may still import torch to connect
+    ({0: 12, 1: 0, 2: 0}, set(), []),  # only this node beat, the others never did: none lost yet
+    ({0: 5, 1: 0, 2: 0}, set(), None),  # too few beats to tell anything
+    ({0: 12, 1: 0, 2: 5}, set(), []),  # node 2 beat, then stood still: lost; node 1 never beat: not yet
+])
+def test_a_node_that_never_beat_is_not_lost_by_a_window_of_beats(now, ended, lost) -> None:
+    before = {0: 0, 1: 0, 2: 0}
+    link = _link(0, _Beats(now, ended))
+    assert link.stalled(0, before) == lost
+    assert link.gone == set(lost or [])
+
+
+@pytest.mark.parametrize(("now", "ended", "silent"), [
+    ({0: 12, 1: 0, 2: 12}, set(), [1]),  # asked after --timeout: a node that never beat is lost then
+    ({0: 12, 1: 0, 2: 12}, {1}, []),  # ... unless it ended the round (it ended before its first beat)
+    ({0: 12, 1: 3, 2: 12}, set(), []),
+])
+def test_a_node_that_never_beat_is_silent(now, ended, silent) -> None:
+    link = _link(0, _Beats(now, ended))
+    assert link.silent(0) == silent
+    assert link.gone == set(silent)
+
+
+def test_a_node_that_never_beat_is_named_gone_once_its_peers_waited_the_timeout() -> None:
+    import mpddp
+    from mpddp.core.nodes import rounds
+
+    link = _link(0, _Beats({0: 12, 1: 0, 2: 12}), timeout=1.0)  # node 2 ended its round, node 1 never beat
+    link._store.set(rounds.full_key(0, rounds.protocol.ended_key(2)), "1")
+    victim = mpddp.WorkerFailed("mpddp: rank 0 failed in all_reduce: Connection closed by peer", rank=0)
+    started = time.monotonic()
+    said = rounds.settle(link, 0, victim, mpddp.Outcome.COLLECTIVE, None, lambda record: None, lambda: [])
+    assert 1.0 < time.monotonic() - started < 10
+    assert str(said).splitlines()[0] == (
+        "mpddp: node(s) 1 went away (the launcher never beat in this round, for --timeout 1 s, without ending its "
+        "round: killed, preempted or its machine lost), taking rank(s) 1; the failures below are consequences")
+    assert link.gone == {1}

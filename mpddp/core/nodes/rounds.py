@@ -15,7 +15,8 @@ its round failed. The rule, so that every node names the same rank:
 * a node whose ranks only saw a peer vanish (an error inside a collective)
   writes nothing at first: it waits for the record of the node where the
   failure started, and says "node N went away" only when node N's launcher
-  stopped beating without ending its round (killed, machine lost).
+  stopped beating without ending its round (killed, machine lost), or never
+  beat in it for --timeout.
 
 Leaves the store's process to core/nodes/store_server.py, the key names and the
 record's wire form to core/wire/protocol.py, the restart loop to core/launcher/job.py,
@@ -32,6 +33,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
@@ -194,14 +196,29 @@ class NodeLink:
         :data:`_LIVE_BEATS` meanwhile. Then the beats stood still everywhere (a loaded machine starves the
         beating threads, or node 0's store), which says nothing about any one node. A node is lost only when
         its beat stood still while another's moved.
+
+        A node that never beat in this round is not lost by that alone: its launcher may still be making its
+        first connection to node 0's store, which imports torch at the lowest priority (``connect_soon``),
+        while its ranks already run; on a loaded machine that takes longer than any window of beats. Such a
+        node is lost only by :meth:`silent`, after --timeout.
         """
         me = self.config.node_rank
         after = self.heartbeats(attempt)
         still = [n for n in before if n != me and after[n] == before[n]]
         if max((after[n] - before[n] for n in before if n not in still), default=0) < _LIVE_BEATS:
             return None
-        ended = self.call(lambda s: {n: s.check([full_key(attempt, protocol.ended_key(n))]) for n in still})
-        lost = [n for n in still if not ended[n]]
+        return self._not_ended(attempt, [n for n in still if after[n] > 0])
+
+    def silent(self, attempt: int) -> list[int]:
+        """Other nodes that never beat in this round and did not end it: lost, once this node waited --timeout
+        for them (the time every other wait of a launcher for another node is given)."""
+        me = self.config.node_rank
+        return self._not_ended(attempt, [n for n, beat in self.heartbeats(attempt).items() if n != me and beat == 0])
+
+    def _not_ended(self, attempt: int, nodes: list[int]) -> list[int]:
+        """Of ``nodes``, those that did not end the round: found lost from now on."""
+        ended = self.call(lambda s: {n: s.check([full_key(attempt, protocol.ended_key(n))]) for n in nodes})
+        lost = [n for n in nodes if not ended[n]]
         self.gone.update(lost)
         return lost
 
@@ -327,10 +344,11 @@ def _settle_local(link: NodeLink, attempt: int, local: WorkerFailed, cause: Outc
     found = _wait_for(link, attempt, local)
     if isinstance(found, FailureRecord):
         return remote_error(found) if found.node_rank != config.node_rank else local
-    lost_ranks = [s.rank for s in rank_math.layout(config.nnodes, link.nprocs) if s.node_rank in found]
-    line = (f"mpddp: node(s) {_names(found)} went away (the launcher stopped beating without ending its round: "
+    lost_ranks = [s.rank for s in rank_math.layout(config.nnodes, link.nprocs) if s.node_rank in found.nodes]
+    how = ("stopped beating" if found.beat else f"never beat in this round, for --timeout {config.timeout:g} s,")
+    line = (f"mpddp: node(s) {_names(found.nodes)} went away (the launcher {how} without ending its round: "
             f"killed, preempted or its machine lost), taking rank(s) {_names(lost_ranks)}")
-    went = FailureRecord(lost_ranks[0], found[0], 0, Outcome.DIED, 1, line, time.time())
+    went = FailureRecord(lost_ranks[0], found.nodes[0], 0, Outcome.DIED, 1, line, time.time())
     winner = link.publish(attempt, went)
     if winner.line != line:
         return remote_error(winner)
@@ -351,7 +369,15 @@ def _store_gone(link: NodeLink, local: WorkerFailed) -> RendezvousError:
                      f"launcher was killed, or its machine lost); the failures below are consequences\n{local}")
 
 
-def _wait_for(link: NodeLink, attempt: int, local: WorkerFailed) -> FailureRecord | list[int]:
+@dataclass(frozen=True)
+class Lost:
+    """Nodes found lost while this one waited for the round's record: ``beat``, they had beaten in it."""
+
+    nodes: list[int]
+    beat: bool
+
+
+def _wait_for(link: NodeLink, attempt: int, local: WorkerFailed) -> FailureRecord | Lost:
     """The round's record, once another node writes it; or the nodes found lost; or ours, once no other node
     can still write a better one.
 
@@ -359,7 +385,8 @@ def _wait_for(link: NodeLink, attempt: int, local: WorkerFailed) -> FailureRecor
     machine (measured: more than 10 s with 8 launchers and 16 ranks on 2 loaded cores, and a victim's own
     record then won). So a victim waits while any other node still runs its round without waiting itself;
     after :data:`_RECORD_WAIT`, once every other node has ended its round or waits too, nobody has a better
-    cause; and never past ``--timeout``.
+    cause; and never past ``--timeout``, when a node that never beat in the round is found lost (see
+    :meth:`NodeLink.stalled`).
     """
     me = link.config.node_rank
     link.call(lambda s: s.set(full_key(attempt, protocol.waiting_key(me)), "1"))
@@ -372,9 +399,11 @@ def _wait_for(link: NodeLink, attempt: int, local: WorkerFailed) -> FailureRecor
         if now - since >= _STALLED_AFTER:  # a launcher whose beat stood still while others beat is gone
             lost = link.stalled(attempt, beats)
             if lost:
-                return lost
+                return Lost(lost, beat=True)
             if lost is not None:  # every node beat: look again over a new window (else the same, longer)
                 beats, since = link.heartbeats(attempt), now
+        if now - start > link.config.timeout and (silent := link.silent(attempt)):
+            return Lost(silent, beat=False)
         if now - start > link.config.timeout or (now - start > _RECORD_WAIT and not link.busy(attempt)):
             return link.publish(attempt, _record_of(local, Outcome.COLLECTIVE, link))
         time.sleep(_POLL)
