@@ -323,6 +323,6 @@ def test_a_node_that_never_beat_is_named_gone_once_its_peers_waited_the_timeout(
     said = rounds.settle(link, 0, victim, mpddp.Outcome.COLLECTIVE, None, lambda record: None, lambda: [])
     assert 1.0 < time.monotonic() - started < 10
     assert str(said).splitlines()[0] == (
-        "mpddp: node(s) 1 went away (the launcher never beat in this round, for --timeout 1 s, without ending its "
-        "round: killed, preempted or its machine lost), taking rank(s) 1; the failures below are consequences")
+        "mpddp: node(s) 1 went away (the launcher never beat in this round within --timeout 1 s, nor ended it: "
+        "killed, preempted or its machine lost), taking rank(s) 1; the failures below are consequences")
     assert link.gone == {1}

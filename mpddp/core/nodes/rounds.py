@@ -345,9 +345,10 @@ def _settle_local(link: NodeLink, attempt: int, local: WorkerFailed, cause: Outc
     if isinstance(found, FailureRecord):
         return remote_error(found) if found.node_rank != config.node_rank else local
     lost_ranks = [s.rank for s in rank_math.layout(config.nnodes, link.nprocs) if s.node_rank in found.nodes]
-    how = ("stopped beating" if found.beat else f"never beat in this round, for --timeout {config.timeout:g} s,")
-    line = (f"mpddp: node(s) {_names(found.nodes)} went away (the launcher {how} without ending its round: "
-            f"killed, preempted or its machine lost), taking rank(s) {_names(lost_ranks)}")
+    how = ("stopped beating without ending its round" if found.beat else
+           f"never beat in this round within --timeout {config.timeout:g} s, nor ended it")
+    line = (f"mpddp: node(s) {_names(found.nodes)} went away (the launcher {how}: killed, preempted or its machine "
+            f"lost), taking rank(s) {_names(lost_ranks)}")
     went = FailureRecord(lost_ranks[0], found.nodes[0], 0, Outcome.DIED, 1, line, time.time())
     winner = link.publish(attempt, went)
     if winner.line != line:
