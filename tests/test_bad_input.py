@@ -10,8 +10,10 @@ The CLI cases run at the same time (a module fixture) to keep the suite fast.
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import uuid
@@ -156,9 +158,10 @@ class CliResult:
 
 
 def run_cli_case(case: Case, base: Path) -> CliResult:
-    directory, tmpdir = base / case.id, base / f"{case.id}-tmp"
+    directory = base / case.id
     before = prepare(directory, case)
-    tmpdir.mkdir()
+    # short, whatever this run's TMPDIR: the forkserver's socket lies in it (107 bytes at most, checked first)
+    tmpdir = Path(tempfile.mkdtemp(prefix="bad-"))
     marker = uuid.uuid4().hex
     env = dict(os.environ, MPDDP_TEST_RUN=marker, TMPDIR=str(tmpdir))
     for name in [k for k in env if k.startswith("SLURM_")]:
@@ -172,8 +175,10 @@ def run_cli_case(case: Case, base: Path) -> CliResult:
     deadline = time.monotonic() + 3.0
     while (left := marked(marker)) and time.monotonic() < deadline:
         time.sleep(0.05)
-    return CliResult(out.returncode, out.stderr, out.stdout, seconds, before, listing(directory),
-                     [p.name for p in tmpdir.iterdir()], [" ".join(p.cmdline()) for p in left])
+    tmp_left = [p.name for p in tmpdir.iterdir()]
+    shutil.rmtree(tmpdir)
+    return CliResult(out.returncode, out.stderr, out.stdout, seconds, before, listing(directory), tmp_left,
+                     [" ".join(p.cmdline()) for p in left])
 
 
 @pytest.fixture(scope="module")

@@ -214,7 +214,8 @@ def _reports(stdout: str) -> dict[int, dict]:
 @pytest.mark.parametrize("argv", [STANDALONE, SPELLED_OUT], ids=["standalone", "spelled-out"])
 def test_the_environment_is_torchruns_plus_documented_additions(tmp_path, argv):
     own = set(SAME + OWN_VALUES + MPDDP_ADDS)
-    env = {k: v for k, v in os.environ.items() if k not in own and not k.startswith(("TORCHELASTIC", "SLURM_"))}
+    env = {k: v for k, v in os.environ.items()
+           if k not in own and k != "TMPDIR" and not k.startswith(("TORCHELASTIC", "SLURM_"))}  # each its own TMPDIR
     (tmp_path / "torchrun").mkdir()
     theirs = subprocess.run([sys.executable, "-m", "torch.distributed.run", *argv, ENV_SCRIPT], capture_output=True,
                             text=True, timeout=90, env={**env, "TMPDIR": str(tmp_path / "torchrun")})
