@@ -13,7 +13,9 @@ import asyncio
 import json
 import os
 import re
+import shutil
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -81,7 +83,10 @@ class Kernel:
         self.nb = nbformat.v4.new_notebook()
         self.km = AsyncKernelManager(kernel_name=KERNEL_NAME,
                                      kernel_spec_manager=KernelSpecManager(kernel_dirs=[str(spec_dir)]))
-        self.loop.run_until_complete(self.km.start_kernel(env=kernel_env(cpu_only), cwd=str(cwd)))
+        # a TMPDIR of its own, short (the forkserver's socket lies in it), where nothing may be left at the end
+        self.tmpdir = Path(tempfile.mkdtemp(prefix="kernel-"))
+        env = {**kernel_env(cpu_only), "TMPDIR": str(self.tmpdir)}
+        self.loop.run_until_complete(self.km.start_kernel(env=env, cwd=str(cwd)))
         self.client = NotebookClient(self.nb, km=self.km, timeout=120, allow_errors=True)
         self.loop.run_until_complete(self.client.async_start_new_kernel_client())
         self.pid: int = self.km.provisioner.pid  # type: ignore[union-attr]
@@ -164,6 +169,14 @@ class Kernel:
             for proc in alive:
                 proc.kill()
             assert not alive, f"left behind by the kernel: {[p.cmdline() for p in alive]}"
+            # Jupyter kills the kernel's process group when it does not exit in time (the standard library's
+            # resource tracker ignores the SIGTERM): the forkserver, in a group of its own, outlives it and
+            # removes the kernel's multiprocessing directory (its socket, the ranks' error files)
+            deadline = time.monotonic() + 5
+            while (left := sorted(p.name for p in self.tmpdir.iterdir())) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            shutil.rmtree(self.tmpdir, ignore_errors=True)
+            assert not left, f"left behind in the kernel's TMPDIR: {left}"
 
 
 @pytest.fixture(scope="session")

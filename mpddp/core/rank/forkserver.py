@@ -57,6 +57,10 @@ def serve_if_forkserver() -> None:
             _clean_up(me, parent, temp, cache)
 
     signal.signal(LAUNCHER_GONE, launcher_gone)
+    # A process group of its own: a Jupyter kernel's shutdown signals the children in the kernel's group and
+    # its manager then kills that group with SIGKILL, which would take the forkserver before it cleans up
+    with contextlib.suppress(OSError):
+        os.setpgid(0, 0)
     signals.prctl(signals.PR_SET_CHILD_SUBREAPER, 1)
     signals.on_parent_death(LAUNCHER_GONE)
     if os.getppid() != parent:  # the launcher died before the signal was armed
