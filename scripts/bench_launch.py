@@ -35,6 +35,7 @@ reused at once can still be in TIME_WAIT.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import itertools
 import json
@@ -360,7 +361,7 @@ def bench(ranks: list[int], reps: int, warmup: bool, port_base: int, timeout: fl
           launchers: list[Launcher], quiet: tuple[float, float]) -> dict[str, Any]:
     results: dict[str, Any] = {}
     ports = itertools.count(port_base + 1)
-    with tempfile.TemporaryDirectory(prefix="mpddp-bench-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="mpddp-bench-") as tmp, _tmpdir(os.path.join(tmp, "t")):
         files = {}
         for name, text in SCRIPTS.items():
             files[name] = os.path.join(tmp, f"bench_{name}.py")  # not torchrunx.py: it would shadow the package
@@ -370,6 +371,22 @@ def bench(ranks: list[int], reps: int, warmup: bool, port_base: int, timeout: fl
             results[str(n)] = rows_of(m, launchers)
             results[f"busy_before_runs_{n}"] = summary(m.busy)
     return results
+
+
+@contextlib.contextmanager
+def _tmpdir(path: str) -> Iterator[None]:
+    """Every launcher's TMPDIR is ``path`` meanwhile: what one leaves there (torchrun's torchelastic_*
+    directories) goes with the benchmark's own directory, not into this machine's /tmp."""
+    os.makedirs(path)
+    before = os.environ.get("TMPDIR")
+    os.environ["TMPDIR"] = path
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["TMPDIR"]
+        else:
+            os.environ["TMPDIR"] = before
 
 
 def report(results: dict[str, Any]) -> str:

@@ -122,7 +122,11 @@ def one_run(kind: str, nnodes: int, workdir: Path, limit: float, fail_after: flo
                  "--fail-after", str(fail_after)] for n in range(nnodes)]
     outs = [workdir / f"{kind}-{i}.out" for i in range(len(cmds))]
     started = time.time()
-    procs = [subprocess.Popen(cmd, stdout=out.open("w"), stderr=subprocess.STDOUT) for cmd, out in zip(cmds, outs)]
+    tmpdir = workdir / f"{kind}-tmp"  # what a launcher leaves in its TMPDIR (torchrun's torchelastic_*) goes with workdir
+    tmpdir.mkdir(exist_ok=True)
+    env = dict(os.environ, TMPDIR=str(tmpdir))
+    procs = [subprocess.Popen(cmd, stdout=out.open("w"), stderr=subprocess.STDOUT, env=env)
+             for cmd, out in zip(cmds, outs)]
     deadline = time.monotonic() + limit
     codes = []
     for proc in procs:

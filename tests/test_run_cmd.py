@@ -1,6 +1,7 @@
 """`mpddp run` against `torchrun --standalone` on the same torchrun-style script."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -19,14 +20,19 @@ def results(stdout: str) -> list[dict]:
     return sorted(found, key=lambda r: r["rank"])
 
 
-def run(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=120, cwd=cwd)
+def run(*args: str, cwd: Path | None = None, tmpdir: Path | None = None) -> subprocess.CompletedProcess:
+    env = None if tmpdir is None else dict(os.environ, TMPDIR=str(tmpdir))
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=120, cwd=cwd, env=env)
 
 
-def test_same_ranks_and_result_as_torchrun():
-    ours = run("-m", "mpddp", "run", "--nprocs", "2", SCRIPT, "--lr", "0.1")
+def test_same_ranks_and_result_as_torchrun(tmp_path):
+    (tmp_path / "ours").mkdir()
+    (tmp_path / "theirs").mkdir()
+    ours = run("-m", "mpddp", "run", "--nprocs", "2", SCRIPT, "--lr", "0.1", tmpdir=tmp_path / "ours")
     assert ours.returncode == 0, ours.stderr
-    theirs = run("-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", SCRIPT, "--lr", "0.1")
+    assert list((tmp_path / "ours").iterdir()) == []  # torchrun leaves a torchelastic_* directory in its own
+    theirs = run("-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", SCRIPT, "--lr", "0.1",
+                 tmpdir=tmp_path / "theirs")
     assert theirs.returncode == 0, theirs.stderr
     a, b = results(ours.stdout), results(theirs.stdout)
     assert len(a) == len(b) == 2
