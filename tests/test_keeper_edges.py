@@ -78,6 +78,11 @@ def freeze_then_use_the_store(ctx, tmp):
         pid = keeper_pid()
         Path(tmp, "keeper.pid").write_text(str(pid))
         os.kill(pid, signal.SIGSTOP)
+        # what the ranks' parent holds now, for the report should the store still answer (seen once, beside a
+        # second suite: the launch returned; not reproduced since)
+        family = [(p.pid, p.status(), [c.laddr.port for c in p.net_connections("tcp") if c.status == psutil.CONN_LISTEN])
+                  for p in psutil.Process(os.getppid()).children()]
+        Path(tmp, "family.txt").write_text(f"rank 0 {os.getpid()}, port {os.environ['MASTER_PORT']}: {family}")
     dist.barrier()  # gloo: needs no store, so both ranks are past the SIGSTOP
     store.set(f"key{ctx.rank}", "v")  # blocks: the keeper does not answer
     return store.get(f"key{1 - ctx.rank}").decode()
@@ -86,7 +91,8 @@ def freeze_then_use_the_store(ctx, tmp):
 def test_a_stopped_keeper_is_found_as_a_hang_not_waited_on_forever(tmp_path):
     start = time.monotonic()
     with pytest.raises(mpddp.StoreLost) as caught:  # the keeper named, with its state (was: a hang in the ranks)
-        mpddp.launch(freeze_then_use_the_store, nprocs=2, args=(str(tmp_path),), timeout=3)
+        returned = mpddp.launch(freeze_then_use_the_store, nprocs=2, args=(str(tmp_path),), timeout=3)
+        pytest.fail(f"returned {returned}; the stopped one and its siblings: {(tmp_path / 'family.txt').read_text()}")
     elapsed = time.monotonic() - start
     assert elapsed < 60, elapsed  # found by the watchdog (3 s), not by torch's 30-minute default
     assert "does not answer: it is stopped (SIGSTOP, or a debugger)" in str(caught.value)
