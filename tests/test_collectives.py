@@ -434,12 +434,12 @@ def test_a_tie_is_told_once_the_missing_member_entered_another_collective_or_aft
     assert silent.found(start + 4.0) is None and silent.found(start + 6.0).odd == 1
 
 
-def test_a_member_that_only_completed_the_collective_before_may_still_come_to_the_row():
-    """Rank 2's report that it completed #2 can arrive after ranks 0 and 1 entered #3: it is between two calls
-    (tests/test_collectives_hostile.py: rank 2 sleeps 1 s there), and the tie waits for it."""
+def test_a_member_that_only_reached_the_collective_before_may_still_come_to_the_row():
+    """Rank 2's report that it entered and completed #2 can arrive after ranks 0 and 1 entered #3: it is between
+    two calls (tests/test_collectives_hostile.py: rank 2 sleeps 1 s there), and the tie waits for it."""
     start = time.monotonic()
     board = _three((0, [_c(3)]), (1, [_c(3, "broadcast")]))
-    board.add(2, Collectives((), ((("0", "", 0), 2),)))
+    board.add(2, Collectives((_c(2),), ((("0", "", 0), 2),)))
     assert board.found(start + 2.0) is None
     board.add(2, Collectives((_c(3, "broadcast"),), ()))
     assert board.found(start + 2.0).odd == 0

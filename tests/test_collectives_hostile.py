@@ -546,7 +546,30 @@ def alone_in_a_group(ctx):
 
 
 def test_collectives_in_a_group_of_one_rank_are_progress(no_leftovers):
+    """Was (half the runs on a quiet machine): a hang, because the reader waited took/0.5 % after a read, and
+    its first read (about 10 ms) meant 2 s without a report while --timeout was 2 s."""
     assert mpddp.launch(alone_in_a_group, nprocs=2, timeout=2) == [0, 1]
+
+
+def test_the_reader_reads_four_times_per_timeout_however_slow_a_read():
+    import pickle
+
+    from mpddp.core.rank.recorder import Reader
+
+    reads = []
+
+    def slow_dump(**what):  # 20 ms a read: at 0.5 % of a core the next read would come 4 s later
+        time.sleep(0.02)
+        reads.append(time.monotonic())
+        return pickle.dumps({"pg_status": {"0": {"last_completed_collective": len(reads)}}, "entries": []})
+
+    reader = Reader([slow_dump], lambda report: None, timeout=2.0)
+    reader._thread.start()
+    time.sleep(2.0)
+    reader._stop.set()
+    reader._thread.join(2.0)
+    gaps = [b - a for a, b in zip(reads, reads[1:])]
+    assert len(reads) >= 4 and max(gaps) < 0.5 + 0.2, gaps  # a read every 0.5 s (a quarter of 2 s), two dumps each
 
 
 def test_a_rank_computing_in_torch_distributed_code_outside_any_collective_is_not_waiting():

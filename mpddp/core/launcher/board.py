@@ -52,7 +52,6 @@ class Seen:
     last: dict[Lane, Call] = field(default_factory=dict)  # per lane, the latest collective it entered
     completed: dict[Lane, int] = field(default_factory=dict)  # per lane, the op_id of the last op completed
     reports: int = 0  # one more with every report: the rank entered or completed a collective
-    entered: int = 0  # one more with every report of a collective it entered
 
     @property
     def pending(self) -> bool:
@@ -92,17 +91,19 @@ class Board:
         self.mismatch: Mismatch | None = None
         self._rows: dict[tuple[Lane, int], dict[int, Call]] = {}
         self._members: dict[Lane, set[int]] = {}  # the default group: every rank; others: those seen
-        # rows that differ, not yet complete: since when, and how many collectives each rank had said it entered then
-        self._suspects: dict[tuple[Lane, int], tuple[float, dict[int, int]]] = {}
+        # rows that differ, not yet complete: since when, and the ranks seen in another lane's collective since
+        self._suspects: dict[tuple[Lane, int], tuple[float, set[int]]] = {}
         self._done: list[dict[int, Call]] = []  # rows every member has reached, not yet taken
         self._version = self._shared = 0  # reports added; the count at the last snapshot
 
     def add(self, rank: int, report: Collectives) -> None:
         seen = self.seen.setdefault(rank, Seen())
         seen.reports += 1
-        seen.entered += bool(report.calls)
         self._version += 1
         seen.completed.update(report.completed)
+        for (lane, _), (_, elsewhere) in self._suspects.items():
+            if any(call.lane != lane for call in report.calls):
+                elsewhere.add(rank)  # it entered a collective of another group (or backend): it is not on its way
         for call in report.calls:
             if call.seq >= getattr(seen.last.get(call.lane), "seq", 0):
                 seen.last[call.lane] = call
@@ -116,7 +117,7 @@ class Board:
                 if complete:  # every member's call is known: the odd one out is the one most others disagree with
                     self.mismatch = Mismatch(dict(row), odd)
                 elif key not in self._suspects:
-                    self._suspects[key] = (time.monotonic(), {r: seen.entered for r, seen in self.seen.items()})
+                    self._suspects[key] = (time.monotonic(), set())
             if complete:
                 self._done.append(self._rows.pop(key))
                 self._suspects.pop(key, None)
@@ -128,30 +129,29 @@ class Board:
 
         A member that never reports the row hangs elsewhere: after :data:`_GRACE` seconds the mismatch is
         told with the ranks there are, when their calls already name the odd one (a majority of all members
-        agree) or every missing member has entered another collective since (it is elsewhere). A report that
-        a missing member only completed a collective is no such sign: the rank may be between two calls, on
-        its way to this row (its last report, of the collective before, can arrive after the row's first).
+        agree) or every missing member has entered a collective of another lane since (it is elsewhere). A
+        report of this lane's earlier collectives, entered or completed, is no such sign: the rank may be
+        between two calls, on its way to this row (its reader's last report can arrive after the row's first).
         Else a missing member's report may only be late (its reader starved on a loaded machine) and could
         break a tie: it is waited for up to :data:`_GRACE_MAX` seconds.
         """
         if self.mismatch is None:
-            for key, (since, entered) in self._suspects.items():
+            for key, (since, elsewhere) in self._suspects.items():
                 row = self._rows.get(key)
                 if not row or now - since < _GRACE or (odd := _differs(row)) is None:
                     continue
-                if now - since >= _GRACE_MAX or self._settled(key, row, entered):
+                if now - since >= _GRACE_MAX or self._settled(key, row, elsewhere):
                     self.mismatch = Mismatch(dict(row), odd)
                     break
         return self.mismatch
 
-    def _settled(self, key: tuple[Lane, int], row: dict[int, Call], entered: dict[int, int]) -> bool:
+    def _settled(self, key: tuple[Lane, int], row: dict[int, Call], elsewhere: set[int]) -> bool:
         """Whether the members missing from ``row`` cannot change its odd one out."""
         members = self._members.get(key[0], set())
         signatures = [_signature(call) for call in row.values()]
         if max(signatures.count(s) for s in signatures) * 2 > len(members):
             return True
-        missing = members - row.keys()
-        return all(r in self.seen and self.seen[r].entered > entered.get(r, 0) for r in missing)
+        return members - row.keys() <= elsewhere
 
     def snapshot(self) -> bytes | None:
         """This node's ranks' last collective per lane and how far each completed, for the other nodes (JSON);

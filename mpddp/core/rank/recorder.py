@@ -20,6 +20,7 @@ Leaves lining the ranks up to core/launcher/board.py.
 
 from __future__ import annotations
 
+import math
 import pickle
 import threading
 import time
@@ -31,7 +32,8 @@ from ..wire.protocol import Call, Collectives, Lane
 ENV = ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")  # the recorder's size; the second is its older name
 BUFFER = 64  # entries kept per rank: 0.5 s of 128 collectives/s; more are sampled; reading costs grow with it
 _INTERVAL = 0.5  # seconds between two reads, at least (a mismatch is told within about this)
-_DUTY = 0.005  # the reader's share of one core, at most
+_DUTY = 0.005  # the reader's share of one core, at most ...
+_REPORTS_PER_TIMEOUT = 4  # ... unless a read then comes later than a quarter of the watchdog's --timeout
 
 
 def env_defaults(env: dict[str, str]) -> None:
@@ -58,8 +60,12 @@ class Reader:
     apart from the one other backends write to (``_dump_fr_trace``): both are read.
     """
 
-    def __init__(self, dumps: list[Callable[..., bytes]], send: Callable[[Collectives], None]) -> None:
+    def __init__(self, dumps: list[Callable[..., bytes]], send: Callable[[Collectives], None],
+                 timeout: float = math.inf) -> None:
         self._dumps, self._send = dumps, send
+        # the longest wait between two reads: the launcher's watchdog counts a report as progress, and a rank
+        # whose collectives move must report within its --timeout (a first read of ~10 ms meant 2 s of wait)
+        self._longest = max(_INTERVAL, timeout / _REPORTS_PER_TIMEOUT)
         self._status: object = None
         self._newest: dict[int, int] = {}  # per recorder, the newest record id sent
         # A process group is named the same on every member but numbered (pg_id) by each process; a name set up
@@ -72,7 +78,8 @@ class Reader:
         self.since = time.perf_counter()
 
     @classmethod
-    def start(cls, send: Callable[[Collectives], None], environ: dict[str, str]) -> Reader | None:
+    def start(cls, send: Callable[[Collectives], None], environ: dict[str, str],
+              timeout: float = math.inf) -> Reader | None:
         """A running reader, or None where this torch has no flight recorder or the user turned it off."""
         import torch
 
@@ -82,7 +89,7 @@ class Reader:
         if not dumps or not size.strip().isdigit() or int(size) <= 0:
             return None
         global RUNNING
-        reader = RUNNING = cls(dumps, send)
+        reader = RUNNING = cls(dumps, send, timeout)
         reader._thread.start()
         return reader
 
@@ -108,7 +115,7 @@ class Reader:
                 return  # the channel closed (the rank ends), or this torch's recorder differs: stop quietly
             took = time.perf_counter() - started
             self.busy += took
-            wait = max(_INTERVAL, took / _DUTY)
+            wait = min(max(_INTERVAL, took / _DUTY), self._longest)
 
     def read(self) -> Collectives | None:
         """What changed since the last read, or None: the status first (cheap), the entries only if it moved."""

@@ -319,7 +319,7 @@ def run_rank(spec: WorkerSpec, messages: Connection, out: Connection, err: Conne
     ctx = spec.ctx
     _send(messages, protocol.Started(os.getpid(), threading.get_ident()))
     # which collective this rank has reached, for the launcher's watchdog and straggler count (core/rank/recorder.py)
-    reader = recorder.Reader.start(lambda report: _send(messages, report), spec.env)
+    reader = recorder.Reader.start(lambda report: _send(messages, report), spec.env, spec.timeout)
     destroy = _tell_leaving(messages)
     if spec.banner:
         print(spec.banner, flush=True)
