@@ -180,3 +180,24 @@ def test_a_tmpdir_too_long_for_the_forkservers_socket_is_one_line(tmp_path):
     assert out.stderr.startswith(f"mpddp: error: TMPDIR={str(long)!r} is too long for the forkserver's socket")
     assert len(out.stderr.strip().splitlines()) == 1 and "ran" not in out.stdout
     assert not list(long.iterdir())
+
+
+def test_the_forkserver_tells_a_dead_or_dying_launcher_from_one_that_stopped_it(monkeypatch):
+    """The forkserver removes the launcher's temporary directory only when the launcher is gone: re-parented,
+    or the parent a zombie (dead, not yet reaped) or exiting; not when a live launcher merely stopped it."""
+    from mpddp.core.rank import forkserver
+
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    try:
+        while psutil.Process(dead.pid).status() != psutil.STATUS_ZOMBIE:  # exited, not reaped: a zombie
+            time.sleep(0.01)
+        for parent, gone in ((live.pid, False), (dead.pid, True)):
+            monkeypatch.setattr(forkserver.os, "getppid", lambda parent=parent: parent)  # as its forkserver sees it
+            assert forkserver._gone(parent) is gone
+        monkeypatch.undo()
+        assert forkserver._gone(live.pid)  # not this process's parent: re-parented, the launcher is gone
+    finally:
+        live.kill()
+        live.wait()
+        dead.wait()

@@ -41,6 +41,7 @@ from ..wire.signals import LAUNCHER_GONE
 
 FORKSERVER_PARENT = "MPDDP_FORKSERVER_PARENT"  # set by core/launcher/startup.py while it starts the forkserver
 FORKSERVER_TEMP = "MPDDP_FORKSERVER_TEMP"  # the launcher's multiprocessing temporary directory
+_PF_EXITING = 0x4  # include/linux/sched.h: the task is exiting
 
 
 def serve_if_forkserver() -> None:
@@ -116,12 +117,30 @@ def _clean_up(me: int, launcher: int, temp: str | None, cache: str | None) -> No
         except ChildProcessError:
             break
         time.sleep(0.01)
-    if temp and os.getppid() != launcher:  # re-parented: the launcher died without removing it
+    if temp and _gone(launcher):  # the launcher died without removing it
         shutil.rmtree(temp, ignore_errors=True)
     if cache is not None:
         with contextlib.suppress(OSError):
             os.rmdir(cache)  # only if still empty: a cache that holds something stays
     os._exit(0)
+
+
+def _gone(launcher: int) -> bool:
+    """Whether the launcher is dead or dying, not merely done with this forkserver (it stopped its helpers).
+
+    Re-parented: dead. Else it may be exiting: a killed launcher's pipe closes while the kernel tears it down,
+    before this process is re-parented, and the standard library's SystemExit on that closed pipe can come
+    first. Linux marks a task that exits (PF_EXITING in /proc/PID/stat's flags) before it closes its files.
+    """
+    if os.getppid() != launcher:
+        return True
+    try:
+        with open(f"/proc/{launcher}/stat", encoding="ascii", errors="replace") as stat:
+            fields = stat.read().rpartition(")")[2].split()  # after the command's name, which may hold spaces
+    except OSError:
+        return True
+    state, flags = fields[0], int(fields[6])  # the 3rd and 9th fields of proc(5)
+    return state in ("Z", "X", "x") or bool(flags & _PF_EXITING)
 
 
 def _alive(proc: object) -> bool:
