@@ -9,7 +9,9 @@ instead of to init, where core/launcher/attempt.py finds and stops them. When it
 launcher process is gone (even killed by SIGKILL, which no handler of the
 launcher ever sees), it kills every process below it, removes the launcher's
 multiprocessing temporary directory, and leaves at once (``os._exit``: no
-slow interpreter teardown with torch loaded).
+slow interpreter teardown with torch loaded). It runs in a process group of
+its own, so that a kill of the launcher's group (Jupyter's, when a kernel
+does not shut down in time) does not take it before it has cleaned up.
 
 Why here: a process killed by SIGKILL cannot clean up, so whatever cleans up
 must exist before and outlive it, and the forkserver does. It learns of the
