@@ -35,7 +35,6 @@ reused at once can still be in TIME_WAIT.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import importlib.util
 import itertools
 import json
@@ -50,6 +49,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from benchlib import load, machine, summary, table, torch_version, wait_for_quiet, write_json  # noqa: E402
@@ -361,7 +361,8 @@ def bench(ranks: list[int], reps: int, warmup: bool, port_base: int, timeout: fl
           launchers: list[Launcher], quiet: tuple[float, float]) -> dict[str, Any]:
     results: dict[str, Any] = {}
     ports = itertools.count(port_base + 1)
-    with tempfile.TemporaryDirectory(prefix="mpddp-bench-") as tmp, _tmpdir(os.path.join(tmp, "t")):
+    # every launcher's TMPDIR is the benchmark's: what one leaves there (torchrun's torchelastic_*) goes with it
+    with tempfile.TemporaryDirectory(prefix="mpddp-bench-") as tmp, mock.patch.dict(os.environ, TMPDIR=tmp):
         files = {}
         for name, text in SCRIPTS.items():
             files[name] = os.path.join(tmp, f"bench_{name}.py")  # not torchrunx.py: it would shadow the package
@@ -371,22 +372,6 @@ def bench(ranks: list[int], reps: int, warmup: bool, port_base: int, timeout: fl
             results[str(n)] = rows_of(m, launchers)
             results[f"busy_before_runs_{n}"] = summary(m.busy)
     return results
-
-
-@contextlib.contextmanager
-def _tmpdir(path: str) -> Iterator[None]:
-    """Every launcher's TMPDIR is ``path`` meanwhile: what one leaves there (torchrun's torchelastic_*
-    directories) goes with the benchmark's own directory, not into this machine's /tmp."""
-    os.makedirs(path)
-    before = os.environ.get("TMPDIR")
-    os.environ["TMPDIR"] = path
-    try:
-        yield
-    finally:
-        if before is None:
-            del os.environ["TMPDIR"]
-        else:
-            os.environ["TMPDIR"] = before
 
 
 def report(results: dict[str, Any]) -> str:
