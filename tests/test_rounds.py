@@ -131,9 +131,11 @@ def test_one_restart_recovers_both_nodes_with_the_weights_of_a_run_that_never_fa
 @pytest.mark.parametrize("restarts", [0, 1])
 def test_a_killed_launcher_is_named_lost_on_the_other_node(cluster: Cluster, restarts: int) -> None:
     timeout = 10.0
-    nodes = start(cluster, 2, free_port(), "--steps", "400", "--pause", "0.05", "--timeout", str(timeout),
+    port = free_port()
+    nodes = start(cluster, 2, port, "--steps", "400", "--pause", "0.05", "--timeout", str(timeout),
                   "--max-restarts", str(restarts))
     cluster.wait_for("READY rank", 4, timeout=60)
+    cluster.wait_for_beats(port, 2, timeout=60)  # lost while it beat (a launcher that never beat: --timeout)
     time.sleep(random.uniform(0.0, 1.0))
     nodes[1].proc.send_signal(signal.SIGKILL)
     code = nodes[0].wait(2 * timeout + 30)
@@ -326,3 +328,28 @@ def test_a_node_that_never_beat_is_named_gone_once_its_peers_waited_the_timeout(
         "mpddp: node(s) 1 went away (the launcher never beat in this round within --timeout 1 s, nor ended it: "
         "killed, preempted or its machine lost), taking rank(s) 1; the failures below are consequences")
     assert link.gone == {1}
+
+
+def test_node_0_does_not_wait_for_a_launcher_another_node_found_lost_to_leave() -> None:
+    from mpddp.core.wire import protocol
+
+    beats = _Beats({0: 22, 1: 10, 2: 22})
+    finder = _link(2, beats)  # node 2 finds node 1 lost; node 0 never looked
+    assert finder.stalled(0, {0: 10, 1: 10, 2: 10}) == [1]
+    finder.leave()
+    host = _link(0, beats)
+    started = time.monotonic()
+    host.leave()  # nodes 0 and 2 left; node 1 will not: no wait for it (else 10 s)
+    assert time.monotonic() - started < 2.0
+    assert beats.values[protocol.LEFT] == 2
+
+
+def test_node_0_waits_for_a_launcher_nobody_found_lost_to_leave() -> None:
+    from mpddp.core.nodes import rounds
+
+    beats = _Beats({0: 22, 1: 22, 2: 22})
+    _link(2, beats).leave()
+    host = _link(0, beats, timeout=1.0)  # waits min(--timeout, 10 s) for node 1
+    started = time.monotonic()
+    host.leave()
+    assert 1.0 <= time.monotonic() - started < 1.0 + 10 * rounds._POLL + 1.0

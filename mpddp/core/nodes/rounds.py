@@ -219,6 +219,8 @@ class NodeLink:
         """Of ``nodes``, those that did not end the round: found lost from now on."""
         ended = self.call(lambda s: {n: s.check([full_key(attempt, protocol.ended_key(n))]) for n in nodes})
         lost = [n for n in nodes if not ended[n]]
+        if lost:  # for node 0, which may not have found them itself, when it waits for the launchers to leave
+            self.call(lambda s: [s.set(protocol.lost_key(n), "1") for n in lost])
         self.gone.update(lost)
         return lost
 
@@ -231,14 +233,20 @@ class NodeLink:
         return [n for n, finished in done.items() if not finished]
 
     def leave(self) -> None:
-        """Done with the store. Node 0 keeps it until every other launcher has left too (or a short while)."""
+        """Done with the store. Node 0 keeps it until every other launcher has left too (or a short while),
+        but for the launchers that any node found lost: they will not come to leave."""
+        nnodes = self.config.nnodes
+
+        def waited_for(s: Any) -> int:
+            lost = {n for n in range(nnodes) if s.check([protocol.lost_key(n)])}
+            return nnodes - len(self.gone | lost)
+
         try:
             self.call(lambda s: s.add(protocol.LEFT, 1), connect_timeout=2.0)
             if self.config.node_rank != 0:
                 return
             deadline = time.monotonic() + min(self.config.timeout, _LEAVE_WAIT)
-            while (self.call(lambda s: s.add(protocol.LEFT, 0)) < self.config.nnodes - len(self.gone)
-                   and time.monotonic() < deadline):
+            while self.call(lambda s: s.add(protocol.LEFT, 0) < waited_for(s)) and time.monotonic() < deadline:
                 time.sleep(_POLL)
         except StoreGone:
             pass

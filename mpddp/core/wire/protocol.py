@@ -165,6 +165,11 @@ SCRIPT_PORT = "script_port"  # the round's own store for env:// scripts, from th
 LEFT = "mpddp/job/left"  # a counter, job-wide: the launchers that are done with the store (node 0 waits for them)
 
 
+def lost_key(node: int) -> str:
+    """Job-wide: set by any launcher that found node ``node`` lost; node 0 does not wait for it to leave."""
+    return f"mpddp/job/lost/{node}"
+
+
 def joined_key(node: int) -> str:
     """Set by a node's launcher when it joined the round (the barrier names the nodes without it)."""
     return f"joined/{node}"
