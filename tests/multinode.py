@@ -128,6 +128,29 @@ class Cluster:
         outputs = "\n".join(f"node {i}:\n{n.stdout}\n{n.stderr}" for i, n in enumerate(self.nodes))
         raise AssertionError(f"{text!r} did not appear {count} times:\n{outputs}")
 
+    def wait_for_beats(self, port: int, nnodes: int, timeout: float, attempt: int = 0) -> None:
+        """Until every node's launcher has beaten in round ``attempt``, as node 0's store at 127.0.0.1:PORT says.
+
+        Before its first beat a launcher killed is found lost only after --timeout (core/nodes/rounds.py):
+        a test of a launcher lost *while it beat* waits for this first, so that it does not wait --timeout.
+        """
+        from datetime import timedelta
+
+        import torch.distributed as dist
+
+        from mpddp.core.wire import protocol
+
+        keys = [protocol.full_key(attempt, protocol.heartbeat_key(n)) for n in range(nnodes)]
+        store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=timeout))
+        deadline = time.monotonic() + timeout
+        try:
+            while not all(store.add(key, 0) > 0 for key in keys):
+                if time.monotonic() > deadline or any(node.proc.poll() is not None for node in self.nodes):
+                    raise AssertionError(f"not every launcher beat within {timeout} s (round {attempt})")
+                time.sleep(0.05)
+        finally:
+            del store
+
 
 NETNS = REPO / "scripts" / "netns_hosts.sh"
 

@@ -62,6 +62,7 @@ def test_killed_launcher_stops_the_other_node(cluster: Cluster, sig: signal.Sign
     node0 = cluster.start(["0", str(port), "127.0.0.1", str(timeout), "120"])
     node1 = cluster.start(["1", str(port), "127.0.0.1", str(timeout), "120"])
     cluster.wait_for("READY rank", 4, timeout=60)
+    cluster.wait_for_beats(port, 2, timeout=60)  # lost while it beat (a launcher that never beat: --timeout)
     killed_at = time.monotonic()
     node1.proc.send_signal(sig)
     node1.wait(30)

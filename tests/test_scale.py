@@ -46,8 +46,10 @@ def test_eight_nodes_name_the_same_rank_and_recover_together(cluster: Cluster) -
 @pytest.mark.timeout(240)
 def test_a_launcher_killed_on_one_of_eight_nodes_is_named_lost_on_the_others(cluster: Cluster) -> None:
     lost = random.randrange(1, NODES)
-    nodes = start(cluster, NODES, free_port(), "--steps", "2000", "--pause", "0.05", "--timeout", "20")
+    port = free_port()
+    nodes = start(cluster, NODES, port, "--steps", "2000", "--pause", "0.05", "--timeout", "20")
     cluster.wait_for("READY rank", 2 * NODES, timeout=150)
+    cluster.wait_for_beats(port, NODES, timeout=90)  # lost while it beat (a launcher that never beat: --timeout)
     time.sleep(random.uniform(0.0, 1.0))
     nodes[lost].proc.send_signal(signal.SIGKILL)
     codes = [node.wait(90) for i, node in enumerate(nodes)]
