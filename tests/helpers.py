@@ -1,8 +1,12 @@
-"""Shared test helpers: finding processes a launch may have left behind."""
+"""Shared test helpers: finding processes a launch may have left behind; short directories for a TMPDIR."""
 
 from __future__ import annotations
 
+import atexit
+import shutil
+import tempfile
 import time
+from pathlib import Path
 
 import psutil
 
@@ -69,3 +73,14 @@ def store_keeper_pid() -> int:
         except psutil.NoSuchProcess:
             continue
     raise AssertionError(f"nobody listens on port {port}")
+
+
+def short_dir(prefix: str = "t-") -> Path:
+    """A new directory with a short path, for a launcher's TMPDIR: removed when this test process exits.
+
+    The forkserver's socket lies in TMPDIR (a socket's path holds 107 bytes), and pytest's ``tmp_path`` can
+    leave too few of them: pytest-xdist adds a folder per worker, a longer user name a few more letters.
+    """
+    path = Path(tempfile.mkdtemp(prefix=prefix))
+    atexit.register(shutil.rmtree, path, ignore_errors=True)
+    return path

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import psutil
 
-from helpers import running
+from helpers import running, short_dir
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPTS = REPO / "tests" / "scripts"
@@ -30,8 +30,7 @@ class Run:
     def __init__(self, argv: list[str], tmp_path: Path, env: dict[str, str] | None = None) -> None:
         """Start ``python *argv`` (e.g. ``["-m", "mpddp", "run", ...]``) in ``tmp_path``."""
         self.marker = uuid.uuid4().hex
-        self.tmpdir = tmp_path / "tmp"
-        self.tmpdir.mkdir()
+        self.tmpdir = short_dir("run-")
         self.go_file = tmp_path / "go"
         self.out_path, self.err_path = tmp_path / "stdout.txt", tmp_path / "stderr.txt"
         full_env = dict(os.environ, MPDDP_TEST_RUN=self.marker, TMPDIR=str(self.tmpdir), FAIL_GO=str(self.go_file))

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from helpers import short_dir
+
 pytestmark = [pytest.mark.timeout(180), pytest.mark.usefixtures("no_leftovers")]
 SCRIPTS = Path(__file__).parent / "scripts"
 SCRIPT = str(SCRIPTS / "torchrun_style.py")
@@ -26,13 +28,12 @@ def run(*args: str, cwd: Path | None = None, tmpdir: Path | None = None) -> subp
 
 
 def test_same_ranks_and_result_as_torchrun(tmp_path):
-    (tmp_path / "ours").mkdir()
-    (tmp_path / "theirs").mkdir()
-    ours = run("-m", "mpddp", "run", "--nprocs", "2", SCRIPT, "--lr", "0.1", tmpdir=tmp_path / "ours")
+    mine, torchruns = short_dir(), short_dir()
+    ours = run("-m", "mpddp", "run", "--nprocs", "2", SCRIPT, "--lr", "0.1", tmpdir=mine)
     assert ours.returncode == 0, ours.stderr
-    assert list((tmp_path / "ours").iterdir()) == []  # torchrun leaves a torchelastic_* directory in its own
+    assert list(mine.iterdir()) == []  # torchrun leaves a torchelastic_* directory in its own
     theirs = run("-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", SCRIPT, "--lr", "0.1",
-                 tmpdir=tmp_path / "theirs")
+                 tmpdir=torchruns)
     assert theirs.returncode == 0, theirs.stderr
     a, b = results(ours.stdout), results(theirs.stdout)
     assert len(a) == len(b) == 2

@@ -19,6 +19,8 @@ from pathlib import Path
 
 import pytest
 
+from helpers import short_dir
+
 pytestmark = [pytest.mark.timeout(240), pytest.mark.usefixtures("no_leftovers")]
 COMPAT = Path(__file__).parent / "scripts" / "compat"
 
@@ -26,15 +28,15 @@ COMPAT = Path(__file__).parent / "scripts" / "compat"
 def launch(launcher: str, argv: list[str], tmp_path: Path, env: dict[str, str] | None = None,
            ) -> subprocess.CompletedProcess:
     """``torchrun --standalone --nproc-per-node 2 ARGV``, or the same line with ``mpddp run`` for torchrun."""
-    where = tmp_path / launcher[0]  # short: the forkserver's socket lies in TMPDIR (108 bytes at most)
-    (where / "t").mkdir(parents=True)
+    where, tmp = tmp_path / launcher[0], short_dir()  # the forkserver's socket lies in TMPDIR: short
+    where.mkdir(parents=True)
     module = ["torch.distributed.run"] if launcher == "torchrun" else ["mpddp", "run"]
     full_env = {k: v for k, v in os.environ.items() if k != "PYTEST_CURRENT_TEST"}
-    full_env.update(env or {}, TMPDIR=str(where / "t"))
+    full_env.update(env or {}, TMPDIR=str(tmp))
     out = subprocess.run([sys.executable, "-m", *module, "--standalone", "--nproc-per-node", "2", *argv],
                          capture_output=True, text=True, timeout=150, cwd=where, env=full_env)
     if launcher == "mpddp":  # its own temporary files are gone (what the libraries leave is theirs)
-        assert not list((where / "t").glob("mpddp-*")), list((where / "t").iterdir())
+        assert not list(tmp.glob("mpddp-*")), list(tmp.iterdir())
     return out
 
 

@@ -22,6 +22,7 @@ from mpddp.config import LaunchConfig
 from mpddp.core.launcher.plan import node_env, plan_launch, rank_env
 from mpddp.errors import ConfigError
 
+from helpers import short_dir
 from runs import Run
 
 SCRIPTS = Path(__file__).parent / "scripts"
@@ -216,9 +217,8 @@ def test_the_environment_is_torchruns_plus_documented_additions(tmp_path, argv):
     own = set(SAME + OWN_VALUES + MPDDP_ADDS)
     env = {k: v for k, v in os.environ.items()
            if k not in own and k != "TMPDIR" and not k.startswith(("TORCHELASTIC", "SLURM_"))}  # each its own TMPDIR
-    (tmp_path / "torchrun").mkdir()
     theirs = subprocess.run([sys.executable, "-m", "torch.distributed.run", *argv, ENV_SCRIPT], capture_output=True,
-                            text=True, timeout=90, env={**env, "TMPDIR": str(tmp_path / "torchrun")})
+                            text=True, timeout=90, env={**env, "TMPDIR": str(short_dir())})
     assert theirs.returncode == 0, theirs.stderr
     ours = Run(["-m", "mpddp", "run", *argv, ENV_SCRIPT], tmp_path, env=env)
     try:
@@ -259,9 +259,8 @@ def test_two_nodes_by_hand_see_what_torchrun_gives_them(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in own and not k.startswith(("TORCHELASTIC", "SLURM_"))}
     seen, ports = {}, {}
     for launcher in (["torch.distributed.run"], ["mpddp", "run"]):
-        port, tmp = free_port(), tmp_path / launcher[0]
+        port, tmp = free_port(), short_dir()  # the forkserver's socket lies in TMPDIR: short
         ports[launcher[0]] = str(port)
-        tmp.mkdir()
         nodes = [subprocess.Popen(
             [sys.executable, "-m", *launcher, "--nnodes", "2", "--node-rank", str(node), "--master-addr",
              "127.0.0.1", "--master-port", str(port), "--nproc-per-node", "1", ENV_SCRIPT],
