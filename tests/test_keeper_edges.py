@@ -103,6 +103,7 @@ def test_a_stopped_keeper_is_found_as_a_hang_not_waited_on_forever(tmp_path):
 
 
 def freeze_then_return(ctx, tmp):
+    dist.barrier()  # gloo, no store: every rank is past init_process_group (under load rank 1 may still be in it)
     if ctx.rank == 0:
         pid = keeper_pid()
         Path(tmp, "keeper.pid").write_text(str(pid))

@@ -23,6 +23,7 @@ import pytest
 from multinode import Cluster, Node, free_port
 
 JOB = Path(__file__).parent / "scripts" / "rounds_job.py"
+REPORT = "--- the launch's report ---"  # rounds_job.py's line before the launch's report
 KILLED_3 = "mpddp: rank 3 (node 1, local rank 1) failed first: it was killed by SIGKILL"
 
 
@@ -39,7 +40,10 @@ def start(cluster: Cluster, nnodes: int, port: int, *options: str) -> list[Node]
 
 
 def first_report_line(node: Node) -> str:
-    return next(line for line in node.stderr.splitlines() if line.startswith("mpddp:"))
+    """The first line of the launch's report (rounds_job.py marks where it starts), else the first of mpddp's."""
+    lines = node.stderr.splitlines()
+    start = lines.index(REPORT) + 1 if REPORT in lines else 0
+    return next(line for line in lines[start:] if line.startswith("mpddp:"))
 
 
 def weights(node: Node) -> list[list[float]]:

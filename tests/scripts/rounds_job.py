@@ -20,6 +20,8 @@ import time
 
 import mpddp
 
+REPORT = "--- the launch's report ---"  # after the launcher's own lines (a warning may come first, under load)
+
 
 def work(ctx: mpddp.WorkerContext, opts: dict) -> dict:
     import torch
@@ -76,7 +78,7 @@ if __name__ == "__main__":
                                nnodes=a.nnodes, node_rank=a.node_rank, master_addr="127.0.0.1", master_port=a.port,
                                max_restarts=a.max_restarts)
     except mpddp.WorkerFailed as e:
-        print(str(e), file=sys.stderr, flush=True)
+        print(f"{REPORT}\n{e}", file=sys.stderr, flush=True)
         sys.exit(e.exit_code)
     except mpddp.MpddpError as e:
         print(f"mpddp: error: {e}", file=sys.stderr, flush=True)
