@@ -16,6 +16,20 @@ if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
+# Files whose tests use this machine's namespace hosts or SLURM daemons (tests/multinode.py's machine_lock):
+# one xdist worker runs them all, one after another, so that the other never waits for the lock.
+MACHINE_FILES = {"test_hosts.py", "test_mpirun.py", "test_multinode.py", "test_slurm_cluster.py"}
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook, which reads the groups (--dist loadgroup)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Each test file runs on one worker, as one group: its module fixtures are then made once."""
+    for item in items:
+        if item.get_closest_marker("xdist_group") is None:
+            name = item.path.name
+            item.add_marker(pytest.mark.xdist_group("machine" if name in MACHINE_FILES else name))
+
+
 @pytest.fixture
 def no_leftovers():
     """Fail the test if any process it started (other than the forkserver) survives it."""
