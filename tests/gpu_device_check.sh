@@ -35,7 +35,7 @@ print('smi', gpus._query_smi())"
 kill $BUSY; wait $BUSY 2>/dev/null
 cp $OUT/smi_1xh200_* tests/data/
 echo "== pytest"
-$PY -m pytest -q -p no:cacheprovider tests/test_gpus.py tests/test_info.py -rs 2>&1 | tee $OUT/pytest.txt | tail -15
+$PY -m pytest -q -p no:cacheprovider -n 0 tests/test_gpus.py tests/test_info.py -rs 2>&1 | tee $OUT/pytest.txt | tail -15
 echo "== control: is_available() then fork"
 $PY -c "
 import torch, multiprocessing as mp, sys
