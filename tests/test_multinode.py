@@ -20,7 +20,7 @@ import pytest
 from multinode import NETNS, Cluster, Node, free_port, namespace_hosts
 
 NODE_1 = re.compile(r"\bnode(\(s\))? 1\b")  # "node 1 ..." or "node(s) 1 never arrived"
-SLACK = 15.0  # seconds beyond --timeout for starting workers and tearing down, on 2 busy cores
+SLACK = 40.0  # seconds beyond --timeout for starting workers and tearing down, on 2 cores under load (26 s seen)
 
 
 @pytest.fixture

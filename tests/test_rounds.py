@@ -229,7 +229,7 @@ def test_mpddp_run_of_an_env_script_restarts_across_nodes(cluster: Cluster) -> N
 
 @pytest.mark.timeout(120)
 def test_a_launcher_stopped_by_ctrl_c_is_named_by_the_other_node(cluster: Cluster) -> None:
-    nodes = start(cluster, 2, free_port(), "--steps", "400", "--pause", "0.05", "--timeout", "20")
+    nodes = start(cluster, 2, free_port(), "--steps", "400", "--pause", "0.05", "--timeout", "40")
     cluster.wait_for("READY rank", 4, timeout=60)
     time.sleep(random.uniform(0.0, 1.0))
     nodes[1].proc.send_signal(signal.SIGINT)
@@ -238,7 +238,7 @@ def test_a_launcher_stopped_by_ctrl_c_is_named_by_the_other_node(cluster: Cluste
     assert codes[0] == 130 and codes[1] != 0, (codes, nodes[0].stderr)
     assert first_report_line(nodes[0]) == ("mpddp: node 1's launcher was interrupted (SIGINT) while its ranks ran, "
                                            "taking rank(s) 2, 3 with it"), nodes[0].stderr
-    assert time.monotonic() - started < 15  # told at once, not after waiting for a record that never comes
+    assert time.monotonic() - started < 30  # told at once, not after --timeout for a record that never comes
     assert cluster.leftovers(wait=5) == []
 
 
