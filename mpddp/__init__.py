@@ -13,7 +13,6 @@ own start-up are fast; torch is imported where it is used.
 from __future__ import annotations
 
 import sys
-from typing import TYPE_CHECKING, Any
 
 
 def _interrupted_early(signum: int, frame: object) -> None:
@@ -33,6 +32,8 @@ if _started_as_command():  # the CLI's run_cli takes over SIGINT once it runs
     import signal
 
     signal.signal(signal.SIGINT, _interrupted_early)
+
+from typing import TYPE_CHECKING, Any  # noqa: E402  (below the handler: a Ctrl-C while it loads is answered too)
 
 from ._version import __version__ as __version__  # noqa: E402  (re-exported)
 

@@ -293,12 +293,20 @@ def test_api_max_restarts_starts_a_fresh_group(tmp_path, capfd):
 def test_ctrl_c_during_start_up_is_never_lost(tmp_path, delay):
     # Measured before the fix: a SIGINT that landed inside the launcher's `import torch`
     # was swallowed (the run went on) or became "cannot load module more than once".
-    # The delays count from the end of the interpreter's own start-up (site's .pth files can take
-    # a quarter of a second on a busy machine): a signal before any code of mpddp runs is Python's.
-    bare = _interpreter_start_up()
-    run = Run(["-m", "mpddp", "run", "--nprocs", "2", str(SCRIPTS / "fail_modes.py"), "block"], tmp_path)
+    # The delays count from the moment the launcher starts importing mpddp (tests/scripts/at_import):
+    # a signal inside the interpreter's own start-up (site's .pth files) is Python's, and a fixed delay
+    # from the spawn landed there on a loaded machine ("Fatal Python error: init_import_site").
+    importing = tmp_path / "importing-mpddp"
+    hook = str(SCRIPTS / "at_import")
+    env = {"MPDDP_TEST_IMPORTING": str(importing),
+           "PYTHONPATH": os.pathsep.join(filter(None, [hook, os.environ.get("PYTHONPATH")]))}
+    run = Run(["-m", "mpddp", "run", "--nprocs", "2", str(SCRIPTS / "fail_modes.py"), "block"], tmp_path, env=env)
     try:
-        time.sleep(bare + delay)
+        deadline = time.monotonic() + 60
+        while not importing.exists():
+            assert run.proc.poll() is None and time.monotonic() < deadline, run.stderr
+            time.sleep(0.002)
+        time.sleep(delay)
         run.proc.send_signal(signal.SIGINT)
         assert run.finish(30) == 130, run.stderr
         assert run.stderr.lstrip().startswith("mpddp: interrupted (SIGINT)"), run.stderr
@@ -306,13 +314,3 @@ def test_ctrl_c_during_start_up_is_never_lost(tmp_path, delay):
         run.assert_nothing_left()
     finally:
         run.kill()
-
-
-def _interpreter_start_up() -> float:
-    """Seconds a bare ``python -c pass`` takes here, now (the fastest of three)."""
-    times = []
-    for _ in range(3):
-        start = time.monotonic()
-        subprocess.run([sys.executable, "-c", "pass"], check=True, timeout=30)
-        times.append(time.monotonic() - start)
-    return min(times)
