@@ -89,6 +89,36 @@ def test_a_rank_killed_on_node_1_is_named_first_on_both_nodes(cluster: Cluster, 
 
 
 @pytest.mark.timeout(120)
+def test_no_thread_of_a_launcher_runs_at_a_lower_priority(cluster: Cluster) -> None:
+    """A launcher's thread at a lower priority stalls the whole launcher on a busy machine: starved, it keeps
+    the GIL and torch's import lock, and the watch waits for it. Measured before: a link thread at nice 19
+    importing torch for its connection to node 0's store, beside four CPU-bound processes of the same session,
+    had not finished after 150 s, and a rank that hung meanwhile was never reported."""
+    nodes = start(cluster, 2, free_port(), "--steps", "60", "--pause", "0.05")
+    seen: dict[int, set[int]] = {n.proc.pid: set() for n in nodes}
+    deadline = time.monotonic() + 60
+    while sum(n.stdout.count("READY rank") for n in nodes) < 4 and time.monotonic() < deadline:
+        for pid, nices in seen.items():
+            nices.update(_thread_nices(pid))
+        time.sleep(0.01)
+    assert finish(nodes, 90) == [0, 0], "\n\n".join(n.stderr for n in nodes)
+    assert all(len(nices) == 1 for nices in seen.values()), seen  # every thread at its launcher's nice
+    assert cluster.leftovers(wait=5) == []
+
+
+def _thread_nices(pid: int) -> set[int]:
+    """The nice value of each thread of ``pid`` now (Linux: field 19 of /proc/PID/task/TID/stat)."""
+    nices = set()
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            stat = (task / "stat").read_text()
+        except OSError:  # the thread or the process ended meanwhile
+            continue
+        nices.add(int(stat.rsplit(")", 1)[1].split()[16]))
+    return nices
+
+
+@pytest.mark.timeout(120)
 def test_a_rank_hung_on_node_1_is_named_by_collective_on_both_nodes(cluster: Cluster) -> None:
     """Each node sees its own ranks' flight recorders and, through node 0's store, the other node's."""
     nodes = start(cluster, 2, free_port(), "--fail", "3", "--at", "2", "--how", "hang", "--timeout", "4")

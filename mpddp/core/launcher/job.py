@@ -37,8 +37,7 @@ def run_job(plan: Plan, mp_context: Any, payload: bytes, init_group: bool, liste
     port = sock.getsockname()[1] if sock is not None else config.master_port
     job = Job(plan, mp_context, payload, init_group, port)
     if config.nnodes > 1:
-        job.link = NodeLink(config, port, plan.nprocs)
-        job.link.connect_soon()
+        job.link = NodeLink(config, port, plan.nprocs)  # it connects once the ranks run (RoundWatch)
     values = None
     try:
         if sock is not None:

@@ -27,7 +27,6 @@ to core/launcher/report.py.
 from __future__ import annotations
 
 import contextlib
-import os
 import signal
 import socket
 import threading
@@ -85,21 +84,6 @@ class NodeLink:
                 self._unreachable = True
             raise StoreGone(f"node 0's store at {self.config.master_addr}:{self.port} does not answer "
                             f"({type(e).__name__})") from e
-
-    def connect_soon(self) -> None:
-        """Connect from a thread now, at the lowest priority: the launcher's first connection imports torch
-        (about a second of CPU), which should be done before a failure needs the store, yet never slow the
-        forkserver's own start (measured on 2 cores with 2 to 4 launchers: at normal priority, start-up took
-        0.8 to 1.6 s longer; at the lowest, the same as connecting once the ranks run)."""
-        def connect() -> None:
-            with contextlib.suppress(OSError, AttributeError):  # Linux: a thread is a task with a priority of its own
-                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-            try:
-                self.call(lambda s: None)
-            except StoreGone:
-                pass  # said where it matters: by the first call that needs the store
-
-        threading.Thread(target=connect, name="mpddp-node-link", daemon=True).start()
 
     def _connect(self, timeout: float) -> Any:
         """A client, trying again every second until ``timeout``: torch's own retries wait up to several
@@ -198,9 +182,9 @@ class NodeLink:
         its beat stood still while another's moved.
 
         A node that never beat in this round is not lost by that alone: its launcher may still be making its
-        first connection to node 0's store, which imports torch at the lowest priority (``connect_soon``),
-        while its ranks already run; on a loaded machine that takes longer than any window of beats. Such a
-        node is lost only by :meth:`silent`, after --timeout.
+        first connection to node 0's store, which imports torch (the round watch connects once the ranks
+        run); on a loaded machine that takes longer than any window of beats. Such a node is lost only by
+        :meth:`silent`, after --timeout.
         """
         me = self.config.node_rank
         after = self.heartbeats(attempt)
