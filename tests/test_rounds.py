@@ -387,3 +387,26 @@ def test_node_0_waits_for_a_launcher_nobody_found_lost_to_leave() -> None:
     started = time.monotonic()
     host.leave()
     assert 1.0 <= time.monotonic() - started < 1.0 + 10 * rounds._POLL + 1.0
+
+
+def test_a_victim_waits_for_the_record_of_a_node_still_at_work_even_past_a_short_timeout() -> None:
+    """A node whose ranks only saw a peer vanish waits at least _RECORD_WAIT for the cause's record while
+    another node still works (its teardown, on a loaded machine), whatever --timeout (a hang's, here 1 s)."""
+    import threading
+
+    import mpddp
+    from mpddp.core.nodes import rounds
+    from mpddp.core.wire.protocol import FailureRecord
+
+    beats = _Beats({0: 12, 1: 12, 2: 12}, ended={2})  # node 1 has not ended its round: it tears down
+    link = _link(0, beats, timeout=1.0)
+    cause = FailureRecord(rank=1, node_rank=1, local_rank=0, outcome=mpddp.Outcome.HUNG, exit_code=1,
+                          line="mpddp: rank 1 made no progress for 1 s", wall_time=time.time())
+    late = threading.Timer(3.0, lambda: _link(1, beats).publish(0, cause))
+    late.start()
+    victim = mpddp.WorkerFailed("mpddp: rank 0 failed in all_reduce: Connection closed by peer", rank=0)
+    try:
+        said = rounds.settle(link, 0, victim, mpddp.Outcome.COLLECTIVE, None, lambda record: record, lambda: [])
+    finally:
+        late.join()
+    assert said == cause  # before: after --timeout (1 s) node 0 wrote its own rank 0 as the round's failure

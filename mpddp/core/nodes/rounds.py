@@ -378,8 +378,9 @@ def _wait_for(link: NodeLink, attempt: int, local: WorkerFailed) -> FailureRecor
     machine (measured: more than 10 s with 8 launchers and 16 ranks on 2 loaded cores, and a victim's own
     record then won). So a victim waits while any other node still runs its round without waiting itself;
     after :data:`_RECORD_WAIT`, once every other node has ended its round or waits too, nobody has a better
-    cause; and never past ``--timeout``, when a node that never beat in the round is found lost (see
-    :meth:`NodeLink.stalled`).
+    cause. It never waits past ``--timeout`` (when a node that never beat in the round is found lost, see
+    :meth:`NodeLink.stalled`), or past :data:`_RECORD_WAIT` when --timeout is shorter: a hang's --timeout of
+    a few seconds is no time for another node's teardown on a loaded machine.
     """
     me = link.config.node_rank
     link.call(lambda s: s.set(full_key(attempt, protocol.waiting_key(me)), "1"))
@@ -397,7 +398,8 @@ def _wait_for(link: NodeLink, attempt: int, local: WorkerFailed) -> FailureRecor
                 beats, since = link.heartbeats(attempt), now
         if now - start > link.config.timeout and (silent := link.silent(attempt)):
             return Lost(silent, beat=False)
-        if now - start > link.config.timeout or (now - start > _RECORD_WAIT and not link.busy(attempt)):
+        if now - start > max(link.config.timeout, _RECORD_WAIT) or (now - start > _RECORD_WAIT and
+                                                                    not link.busy(attempt)):
             return link.publish(attempt, _record_of(local, Outcome.COLLECTIVE, link))
         time.sleep(_POLL)
 
