@@ -7,6 +7,7 @@ with recorded flight-recorder dumps (NCCL's states, which a CPU cannot make).
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
@@ -579,3 +580,48 @@ def test_a_run_shorter_than_one_read_still_reports_its_collectives(no_leftovers,
         assert mpddp.launch(quick_collectives, nprocs=2) == [0, 1]
     summary = _said(caplog, "mpddp: collectives: ")
     assert summary and summary[0].mpddp_collectives.collectives >= 50, caplog.text
+
+
+def test_a_snapshot_taken_from_another_thread_never_misses_a_report():
+    """The round watch's thread shares the board's snapshot while the main thread adds reports to it: the last
+    snapshot shared must hold the last report (before: a snapshot taken inside add() marked a report as shared
+    before its call was on the board, which another node then never saw; or it raised, changing dict sizes)."""
+    board = Board([0, 1])
+    shared: list[bytes] = []
+    errors: list[BaseException] = []
+    done = threading.Event()
+
+    def watch() -> None:
+        try:
+            while not done.is_set():
+                if (snapshot := board.snapshot()) is not None:
+                    shared.append(snapshot)
+        except BaseException as e:  # noqa: BLE001 - the test reports it
+            errors.append(e)
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads as often as possible: a race shows within a second
+    thread = threading.Thread(target=watch)
+    thread.start()
+    lost = []
+    try:
+        for seq in range(1, 1001):
+            lanes = [_c(seq, group=str(g)) for g in range(1 + seq % 7)]  # new lanes now and then: dicts grow
+            board.add(seq % 2, Collectives(tuple(lanes), ((("0", "", 0), seq - 1),)))
+            deadline = time.monotonic() + 10.0  # the watch shares it at once, unless it was marked shared
+            while not (shared and _last_seq(shared[-1], seq % 2) == seq) and not errors and not lost:
+                if time.monotonic() > deadline:
+                    lost.append(seq)
+            if lost or errors:
+                break
+    finally:
+        done.set()
+        thread.join()
+        sys.setswitchinterval(interval)
+    assert not errors, errors
+    assert not lost, f"report {lost} was never shared"
+
+
+def _last_seq(snapshot: bytes, rank: int) -> int:
+    data = json.loads(snapshot).get(str(rank))
+    return max(call[3] for call in data["last"]) if data else 0

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import math
+import threading
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -95,8 +96,15 @@ class Board:
         self._suspects: dict[tuple[Lane, int], tuple[float, set[int]]] = {}
         self._done: list[dict[int, Call]] = []  # rows every member has reached, not yet taken
         self._version = self._shared = 0  # reports added; the count at the last snapshot
+        # add() runs in the watch (the main thread), snapshot() in the round watch's thread: a snapshot taken
+        # inside add() marked the report shared before its call was on the board (the other nodes never saw it)
+        self._lock = threading.Lock()
 
     def add(self, rank: int, report: Collectives) -> None:
+        with self._lock:
+            self._add(rank, report)
+
+    def _add(self, rank: int, report: Collectives) -> None:
         seen = self.seen.setdefault(rank, Seen())
         seen.reports += 1
         self._version += 1
@@ -156,13 +164,14 @@ class Board:
     def snapshot(self) -> bytes | None:
         """This node's ranks' last collective per lane and how far each completed, for the other nodes (JSON);
         None when nothing moved since the last snapshot."""
-        if self._version == self._shared:
-            return None
-        self._shared = self._version
-        return json.dumps({str(r): {"last": [[*c.lane, c.seq, c.op, c.sizes, c.dtypes, c.entered, c.op_id]
-                                             for c in s.last.values()],
-                                    "completed": [[*lane, n] for lane, n in s.completed.items()]}
-                           for r, s in self.seen.items()}, separators=(",", ":")).encode()
+        with self._lock:
+            if self._version == self._shared:
+                return None
+            self._shared = self._version
+            return json.dumps({str(r): {"last": [[*c.lane, c.seq, c.op, c.sizes, c.dtypes, c.entered, c.op_id]
+                                                 for c in s.last.values()],
+                                        "completed": [[*lane, n] for lane, n in s.completed.items()]}
+                               for r, s in self.seen.items()}, separators=(",", ":")).encode()
 
     def joined(self, snapshots: Iterable[bytes], ranks: Iterable[int]) -> Board:
         """A board of every node's ranks (``ranks``: the whole world): this node's, and the other nodes'
