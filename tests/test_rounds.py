@@ -410,3 +410,31 @@ def test_a_victim_waits_for_the_record_of_a_node_still_at_work_even_past_a_short
     finally:
         late.join()
     assert said == cause  # before: after --timeout (1 s) node 0 wrote its own rank 0 as the round's failure
+
+
+@pytest.mark.parametrize("elsewhere", [True, False])
+def test_a_hang_that_names_only_another_nodes_ranks_waits_for_that_nodes_record(elsewhere: bool) -> None:
+    """Node 0's watchdog blamed rank 1 of node 1 (one rank a node), from node 1's collectives as shared a beat
+    ago; node 1, which sees its rank itself, writes its record 2 s later: node 0 names what node 1 found. A hang
+    that names node 0's own rank is its own story, written at once (the first record stands)."""
+    import threading
+
+    import mpddp
+    from mpddp.core.nodes import rounds
+    from mpddp.core.wire.protocol import FailureRecord
+
+    beats = _Beats({0: 12, 1: 12, 2: 12}, ended={2})
+    link = _link(0, beats, timeout=1.0)
+    cause = FailureRecord(rank=1, node_rank=1, local_rank=0, outcome=mpddp.Outcome.HUNG, exit_code=1,
+                          line="mpddp: rank 1 made no progress for 4 s", wall_time=time.time())
+    late = threading.Timer(2.0, lambda: _link(1, beats).publish(0, cause))
+    late.start()
+    blamed = 1 if elsewhere else 0
+    seen_here = mpddp.WorkerFailed(f"mpddp: rank {blamed} made no progress for 4 s (as node 0 saw it)", rank=blamed)
+    try:
+        said = rounds.settle(link, 0, seen_here, mpddp.Outcome.HUNG, None, lambda record: record, lambda: [],
+                             elsewhere=elsewhere)
+    finally:
+        late.join()
+    assert said == (cause if elsewhere else seen_here)
+    assert link.record(0).line == (cause.line if elsewhere else str(seen_here))

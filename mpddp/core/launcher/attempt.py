@@ -437,9 +437,13 @@ def _settle(job: Job, attempt: int, states: list[RankState], verdict: Verdict, l
     remote = round_watch.remote_failure if round_watch is not None and local is None else None
     node = job.config.node_rank
     link.reached |= any(s.joined for s in states)  # our ranks got through the store: it was up
+    # a hang of other nodes' ranks only, seen through their shared collectives: their node tells it better
+    culprits = set(verdict.hang.culprits) if verdict.hang is not None else set()
+    elsewhere = bool(culprits) and not culprits & {s.slot.rank for s in states}
     return rounds.settle(link, attempt, local, cause, remote,
                          remote_error=lambda record: remote_error(record, states, verdict, node),
-                         missing=lambda: rounds.missing_ranks(link, attempt) if job.store and job.init_group else [])
+                         missing=lambda: rounds.missing_ranks(link, attempt) if job.store and job.init_group else [],
+                         elsewhere=elsewhere)
 
 
 def _locate(states: list[RankState], watchdog: Watchdog, hang: Hang | None) -> None:

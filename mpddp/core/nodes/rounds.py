@@ -16,7 +16,11 @@ its round failed. The rule, so that every node names the same rank:
   writes nothing at first: it waits for the record of the node where the
   failure started, and says "node N went away" only when node N's launcher
   stopped beating without ending its round (killed, machine lost), or never
-  beat in it for --timeout.
+  beat in it for --timeout;
+* so does a node whose watchdog found a hang that names only other nodes'
+  ranks (seen through the collectives the nodes share every beat): their own
+  node sees them better (their stacks, a flight recorder not a beat old),
+  and its record stands unless it never comes.
 
 Leaves the store's process to core/nodes/store_server.py, the key names and the
 record's wire form to core/wire/protocol.py, the restart loop to core/launcher/job.py,
@@ -308,32 +312,33 @@ class RoundWatch:
 
 def settle(link: NodeLink, attempt: int, local: WorkerFailed | None, cause: Outcome | None,
            remote: FailureRecord | None, remote_error: Callable[[FailureRecord], WorkerFailed],
-           missing: Callable[[], list[int]]) -> WorkerFailed | RendezvousError:
+           missing: Callable[[], list[int]], elsewhere: bool = False) -> WorkerFailed | RendezvousError:
     """What this node reports for a failed round of several nodes, the same first failure on every node.
 
     ``local``: this node's own report (None when only another node failed), ``cause`` the outcome of its
     first failure; ``remote``: a record another node wrote before this node failed; ``remote_error`` turns
-    a record into this node's report; ``missing``: ranks that never reached the store (node 0 asks it).
+    a record into this node's report; ``missing``: ranks that never reached the store (node 0 asks it);
+    ``elsewhere``: this node's report blames only ranks of other nodes (a hang seen through their collectives).
     """
     if remote is not None or local is None:
         assert remote is not None  # the watch returns without a local failure only for another node's
         return remote_error(remote)
     try:
-        return _settle_local(link, attempt, local, cause, remote_error, missing)
+        return _settle_local(link, attempt, local, cause, remote_error, missing, elsewhere)
     except StoreGone:
         return _store_gone(link, local)
 
 
 def _settle_local(link: NodeLink, attempt: int, local: WorkerFailed, cause: Outcome | None,
                   remote_error: Callable[[FailureRecord], WorkerFailed],
-                  missing: Callable[[], list[int]]) -> WorkerFailed | RendezvousError:
+                  missing: Callable[[], list[int]], elsewhere: bool) -> WorkerFailed | RendezvousError:
     config = link.config
     if attempt == 0 and (never := missing()):  # ranks that waited for them timed out, or were found hung
         return RendezvousError(_missing_message(never, link))
-    if cause not in (Outcome.COLLECTIVE, Outcome.STOPPED):  # a rank here failed by itself: the story starts here
+    if cause not in (Outcome.COLLECTIVE, Outcome.STOPPED) and not elsewhere:  # a rank here failed by itself
         winner = link.publish(attempt, _record_of(local, cause, link))
         return local if winner.node_rank == config.node_rank else remote_error(winner)  # another node was first
-    found = _wait_for(link, attempt, local)
+    found = _wait_for(link, attempt, local, cause if elsewhere else Outcome.COLLECTIVE)
     if isinstance(found, FailureRecord):
         return remote_error(found) if found.node_rank != config.node_rank else local
     lost_ranks = [s.rank for s in rank_math.layout(config.nnodes, link.nprocs) if s.node_rank in found.nodes]
@@ -370,7 +375,7 @@ class Lost:
     beat: bool
 
 
-def _wait_for(link: NodeLink, attempt: int, local: WorkerFailed) -> FailureRecord | Lost:
+def _wait_for(link: NodeLink, attempt: int, local: WorkerFailed, outcome: Outcome | None) -> FailureRecord | Lost:
     """The round's record, once another node writes it; or the nodes found lost; or ours, once no other node
     can still write a better one.
 
@@ -400,7 +405,7 @@ def _wait_for(link: NodeLink, attempt: int, local: WorkerFailed) -> FailureRecor
             return Lost(silent, beat=False)
         if now - start > max(link.config.timeout, _RECORD_WAIT) or (now - start > _RECORD_WAIT and
                                                                     not link.busy(attempt)):
-            return link.publish(attempt, _record_of(local, Outcome.COLLECTIVE, link))
+            return link.publish(attempt, _record_of(local, outcome, link))
         time.sleep(_POLL)
 
 
