@@ -403,8 +403,7 @@ def _wait_for(link: NodeLink, attempt: int, local: WorkerFailed, outcome: Outcom
                 beats, since = link.heartbeats(attempt), now
         if now - start > link.config.timeout and (silent := link.silent(attempt)):
             return Lost(silent, beat=False)
-        if now - start > max(link.config.timeout, _RECORD_WAIT) or (now - start > _RECORD_WAIT and
-                                                                    not link.busy(attempt)):
+        if now - start > _RECORD_WAIT and (now - start > link.config.timeout or not link.busy(attempt)):
             return link.publish(attempt, _record_of(local, outcome, link))
         time.sleep(_POLL)
 
