@@ -99,6 +99,14 @@ def test_a_mismatch_names_the_odd_rank_and_a_rank_s_own_report_wins() -> None:
     assert classify(states, mismatch=Mismatch(calls={}, odd=0)).outcomes[0] is Out.RAISED  # its own report wins
 
 
+def test_a_blamed_rank_whose_own_report_is_a_broken_collective_gets_the_verdict() -> None:
+    # seen under load: the teardown stopped rank 0 first, and the odd rank's broadcast failed before its SIGTERM
+    states = ranks(2)
+    stopped(states[0])
+    raised(states[1], 1.0, Out.COLLECTIVE)
+    assert classify(states, mismatch=Mismatch(calls={}, odd=1)).outcomes[1] is Out.MISMATCH
+
+
 def test_classify_changes_nothing() -> None:
     states = ranks(2)
     returned(states[0], 1.0)

@@ -185,7 +185,8 @@ def classify(states: list[RankState], hang: Hang | None = None, mismatch: Mismat
     unreported = {s.slot.rank for s in states if s.failure is None}
 
     def blamed(ranks: tuple[int, ...], outcome: Outcome) -> dict[int, Outcome]:
-        return outcomes | {r: outcome for r in ranks if r in unreported}
+        # a rank blamed whose own report is a broken collective: that came after (the teardown closed its peers)
+        return outcomes | {r: outcome for r in ranks if r in unreported or outcomes[r] is Outcome.COLLECTIVE}
 
     if mismatch is not None:
         return Verdict(blamed((mismatch.odd,), Outcome.MISMATCH), "mismatch", (mismatch.odd,))
