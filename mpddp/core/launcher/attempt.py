@@ -434,9 +434,7 @@ def _settle(job: Job, attempt: int, states: list[RankState], verdict: Verdict, l
     if local is not None:
         cause = {"hang": Outcome.HUNG, "mismatch": Outcome.MISMATCH}.get(verdict.case) or \
             verdict[root_cause(states, verdict).slot.rank]
-    # a record the round watch already read is the one a victim waits for: node 0's store may be gone by now
-    victim = local is None or cause in (Outcome.COLLECTIVE, Outcome.STOPPED)
-    remote = round_watch.remote_failure if round_watch is not None and victim else None
+    remote = round_watch.remote_failure if round_watch is not None and local is None else None
     node = job.config.node_rank
     link.reached |= any(s.joined for s in states)  # our ranks got through the store: it was up
     # a hang of other nodes' ranks only, seen through their shared collectives: their node tells it better

@@ -52,7 +52,7 @@ _LIVE_BEATS = 12  # ... by at least this many beats (3 s of them): a starved lau
 _RECORD_WAIT = 10.0  # seconds a node whose ranks only saw a peer vanish waits for the record of the cause, at least
 _POLL = 0.05
 _LEAVE_WAIT = 10.0  # seconds node 0 keeps the store for the other launchers to read the last round
-_URGENT_LEAVE = 4 * _INTERVAL  # ... after a second Ctrl-C: four of the others' looks for the round's record
+_URGENT_LEAVE = 2 * _INTERVAL  # ... after a second Ctrl-C: two of the others' looks for the round's record
 
 
 class StoreGone(StoreLost):
@@ -320,7 +320,7 @@ def settle(link: NodeLink, attempt: int, local: WorkerFailed | None, cause: Outc
     """What this node reports for a failed round of several nodes, the same first failure on every node.
 
     ``local``: this node's own report (None when only another node failed), ``cause`` the outcome of its
-    first failure; ``remote``: a record another node wrote, as read before this node settles; ``remote_error`` turns
+    first failure; ``remote``: a record another node wrote before this node failed; ``remote_error`` turns
     a record into this node's report; ``missing``: ranks that never reached the store (node 0 asks it);
     ``elsewhere``: this node's report blames only ranks of other nodes (a hang seen through their collectives).
     """
