@@ -12,10 +12,9 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import psutil
 
@@ -135,31 +134,20 @@ class Cluster:
         Before its first beat a launcher killed is found lost only after --timeout (core/nodes/rounds.py):
         a test of a launcher lost *while it beat* waits for this first, so that it does not wait --timeout.
         """
-        from mpddp.core.wire import protocol
-
-        keys = [protocol.full_key(attempt, protocol.heartbeat_key(n)) for n in range(nnodes)]
-        self._wait_in_store(port, lambda store: all(store.add(key, 0) > 0 for key in keys), timeout,
-                            f"not every launcher beat within {timeout} s (round {attempt})")
-
-    def wait_for_record(self, port: int, timeout: float, attempt: int = 0) -> None:
-        """Until a node wrote round ``attempt``'s first failure into node 0's store at 127.0.0.1:PORT."""
-        from mpddp.core.wire import protocol
-
-        key = protocol.full_key(attempt, protocol.FAILURE)
-        self._wait_in_store(port, lambda store: store.check([key]), timeout, f"no record within {timeout} s")
-
-    def _wait_in_store(self, port: int, done: Callable[[Any], bool], timeout: float, failure: str) -> None:
         from datetime import timedelta
 
         import torch.distributed as dist
 
+        from mpddp.core.wire import protocol
+
+        keys = [protocol.full_key(attempt, protocol.heartbeat_key(n)) for n in range(nnodes)]
         store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=timeout))
         deadline = time.monotonic() + timeout
         try:
-            while not done(store):
+            while not all(store.add(key, 0) > 0 for key in keys):
                 if time.monotonic() > deadline or any(node.proc.poll() is not None for node in self.nodes):
-                    raise AssertionError(failure)
-                time.sleep(0.01)
+                    raise AssertionError(f"not every launcher beat within {timeout} s (round {attempt})")
+                time.sleep(0.05)
         finally:
             del store
 

@@ -272,27 +272,6 @@ def test_a_launcher_stopped_by_ctrl_c_is_named_by_the_other_node(cluster: Cluste
     assert cluster.leftovers(wait=5) == []
 
 
-@pytest.mark.timeout(120)
-def test_a_second_ctrl_c_on_node_0_still_lets_the_other_node_name_it(cluster: Cluster) -> None:
-    """Ctrl-C twice on node 0, the second once its record is written (while it keeps the store for the others):
-    before, the second cut node 0's wait for them at once, its store went without being stopped, and node 1
-    said "node 0 ... is gone (its launcher was killed ...)"."""
-    port = free_port()
-    nodes = start(cluster, 2, port, "--steps", "400", "--pause", "0.05", "--timeout", "40")
-    cluster.wait_for("READY rank", 4, timeout=60)
-    cluster.wait_for_beats(port, 2, timeout=60)
-    nodes[0].proc.send_signal(signal.SIGINT)
-    cluster.wait_for_record(port, timeout=30)
-    nodes[0].proc.send_signal(signal.SIGINT)
-    started = time.monotonic()
-    codes = finish(nodes, 60)
-    assert codes[0] != 0 and codes[1] == 130, (codes, nodes[1].stderr)
-    assert first_report_line(nodes[1]) == ("mpddp: node 0's launcher was interrupted (SIGINT) while its ranks ran, "
-                                           "taking rank(s) 0, 1 with it"), nodes[1].stderr
-    assert time.monotonic() - started < 30
-    assert cluster.leftovers(wait=5) == []
-
-
 class _Beats:
     """A store with only the keys the beat check reads: every node's beat counter, and who ended."""
 

@@ -23,7 +23,7 @@ from ..nodes import store_server
 from ..nodes.rounds import NodeLink
 from ..nodes.store_server import StoreServer
 from ..wire import protocol
-from . import stragglers, teardown
+from . import stragglers
 from .attempt import LIVE, LIVE_LOCK, Job, run_group
 from .plan import Plan
 
@@ -46,16 +46,13 @@ def run_job(plan: Plan, mp_context: Any, payload: bytes, init_group: bool, liste
         return values
     finally:
         _tell_lags(job, succeeded=values is not None)
-        # A second Ctrl-C must neither skip stopping the store nor take it away before the other nodes read
-        # why this one stopped: it only cuts node 0's wait for them short (core/nodes/rounds.py), then counts.
-        with teardown.shielded() as urgent:
-            if job.link is not None:
-                job.link.leave(urgent)  # node 0: the store stays until the others have read the last round
-            for store in (job.store, job.script_store):
-                if store is not None:
-                    _stop_store(store)
-            if sock is not None:
-                sock.close()
+        if job.link is not None:
+            job.link.leave()  # node 0: the store stays until the others have read the last round
+        for store in (job.store, job.script_store):
+            if store is not None:
+                _stop_store(store)
+        if sock is not None:
+            sock.close()
 
 
 def _tell_lags(job: Job, succeeded: bool) -> None:

@@ -52,7 +52,6 @@ _LIVE_BEATS = 12  # ... by at least this many beats (3 s of them): a starved lau
 _RECORD_WAIT = 10.0  # seconds a node whose ranks only saw a peer vanish waits for the record of the cause, at least
 _POLL = 0.05
 _LEAVE_WAIT = 10.0  # seconds node 0 keeps the store for the other launchers to read the last round
-_URGENT_LEAVE = 2 * _INTERVAL  # ... after a second Ctrl-C: two of the others' looks for the round's record
 
 
 class StoreGone(StoreLost):
@@ -221,10 +220,9 @@ class NodeLink:
         done = self.call(lambda s: {n: s.check([ended]) or s.check([waiting]) for n, (ended, waiting) in keys.items()})
         return [n for n, finished in done.items() if not finished]
 
-    def leave(self, urgent: threading.Event | None = None) -> None:
+    def leave(self) -> None:
         """Done with the store. Node 0 keeps it until every other launcher has left too (or a short while),
-        but for the launchers that any node found lost: they will not come to leave. Once ``urgent`` is set
-        (a second Ctrl-C), only for :data:`_URGENT_LEAVE`: time for the others to read why this node stopped."""
+        but for the launchers that any node found lost: they will not come to leave."""
         nnodes = self.config.nnodes
 
         def waited_for(s: Any) -> int:
@@ -235,10 +233,8 @@ class NodeLink:
             self.call(lambda s: s.add(protocol.LEFT, 1), connect_timeout=2.0)
             if self.config.node_rank != 0:
                 return
-            started = time.monotonic()
-            deadline = started + min(self.config.timeout, _LEAVE_WAIT)
-            while self.call(lambda s: s.add(protocol.LEFT, 0) < waited_for(s)) and time.monotonic() < (
-                    min(deadline, started + _URGENT_LEAVE) if urgent is not None and urgent.is_set() else deadline):
+            deadline = time.monotonic() + min(self.config.timeout, _LEAVE_WAIT)
+            while self.call(lambda s: s.add(protocol.LEFT, 0) < waited_for(s)) and time.monotonic() < deadline:
                 time.sleep(_POLL)
         except StoreGone:
             pass
