@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 
 from mpddp.core.launcher import classify as verdicts
-from mpddp.core.launcher.board import Mismatch
+from mpddp.core.launcher.board import Mismatch, Standing
 from mpddp.core.launcher.classify import Hang, RankState, classify, root_cause
-from mpddp.core.wire.protocol import Failure, Left
+from mpddp.core.wire.protocol import Call, Failure, Left
 from mpddp.core.wire.stacks import Location
 from mpddp.errors import Outcome
 from mpddp.ranks import layout
@@ -105,6 +105,28 @@ def test_a_blamed_rank_whose_own_report_is_a_broken_collective_gets_the_verdict(
     stopped(states[0])
     raised(states[1], 1.0, Out.COLLECTIVE)
     assert classify(states, mismatch=Mismatch(calls={}, odd=1)).outcomes[1] is Out.MISMATCH
+
+
+def _behind(rank: int) -> Hang:
+    """A hang in which ``rank`` is behind everyone else at all_reduce #7 (six ranks, as the nodes' shared boards
+    show them)."""
+    top, before = (Call("0", seq, "all_reduce", ((1,),), ("Float",), 0) for seq in (7, 6))
+    ahead = tuple(r for r in range(6) if r != rank)
+    return Hang(60.0, {0: None, 1: None}, (), (Standing(top, ahead, {rank: before}, ahead),))
+
+
+@pytest.mark.parametrize(("verdict_of", "case", "culprits"), [
+    (lambda states: classify(states, mismatch=Mismatch(calls={}, odd=4)), "mismatch", (4,)),
+    (lambda states: classify(states, _behind(5)), "hang", (5,)),
+])
+def test_a_culprit_on_another_node_leaves_this_node_s_ranks_their_own_outcome(verdict_of, case, culprits) -> None:
+    """On several nodes the culprit may be a rank this launcher does not run (seen through the collectives the
+    nodes share): classify() raised a KeyError for it. Its outcome is its own node's to tell."""
+    states = [RankState(slot=slot, process=None, messages=None) for slot in layout(3, 2) if slot.node_rank == 0]
+    stopped(states[0])
+    raised(states[1], 1.0, Out.COLLECTIVE)
+    verdict = verdict_of(states)
+    assert (verdict.outcomes, verdict.case, verdict.culprits) == ({0: Out.STOPPED, 1: Out.COLLECTIVE}, case, culprits)
 
 
 def test_classify_changes_nothing() -> None:

@@ -185,8 +185,11 @@ def classify(states: list[RankState], hang: Hang | None = None, mismatch: Mismat
     unreported = {s.slot.rank for s in states if s.failure is None}
 
     def blamed(ranks: tuple[int, ...], outcome: Outcome) -> dict[int, Outcome]:
-        # a rank blamed whose own report is a broken collective: that came after (the teardown closed its peers)
-        return outcomes | {r: outcome for r in ranks if r in unreported or outcomes[r] is Outcome.COLLECTIVE}
+        # a rank blamed whose own report is a broken collective: that came after (the teardown closed its peers).
+        # On several nodes the culprits may be other nodes' ranks (seen through the collectives the nodes share):
+        # only this node's ranks get an outcome here; the others' is their own node's to tell.
+        return outcomes | {r: outcome for r in ranks
+                           if r in outcomes and (r in unreported or outcomes[r] is Outcome.COLLECTIVE)}
 
     if mismatch is not None:
         return Verdict(blamed((mismatch.odd,), Outcome.MISMATCH), "mismatch", (mismatch.odd,))

@@ -1,0 +1,70 @@
+"""A job of several nodes whose culprit is a rank on another node: every node names it, with one story.
+
+Three launchers on 127.0.0.1 (``mpddp run --nnodes 3 --nprocs 1``), each running
+``tests/scripts/culprit_job.py``, whose one rank stops itself, skips a collective, calls another
+collective than its peers, or ends early. The other nodes see that rank only through the collectives
+the nodes share; before, their launchers crashed with a ``KeyError`` in ``classify()`` (a verdict that
+named a rank they do not run), or blamed their own rank's broken collective. Every node must start its
+report with the same line, exit with the same code, end within --timeout and a few seconds, print no
+traceback of its own, and leave nothing running.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from multinode import Cluster, Node, free_port
+
+JOB = Path(__file__).parent / "scripts" / "culprit_job.py"
+TIMEOUT = 4  # --timeout: the hang cases are told after it
+
+
+@pytest.fixture
+def cluster(tmp_path: Path) -> Iterator[Cluster]:
+    c = Cluster(tmp_path)
+    yield c
+    c.kill_all()
+
+
+def run_three(cluster: Cluster, *job: str) -> tuple[list[int], list[str], list[Node], float]:
+    """The three nodes' exit codes, their reports' first lines, the nodes, and how long the slowest took."""
+    port = free_port()
+    nodes = [cluster.start([], command=[sys.executable, "-m", "mpddp", "run", "--nnodes", "3", "--node-rank", str(n),
+                                        "--master-addr", "127.0.0.1", "--master-port", str(port), "--nprocs", "1",
+                                        "--timeout", str(TIMEOUT), str(JOB), *job]) for n in range(3)]
+    start = time.monotonic()
+    codes = [node.wait(120) for node in nodes]
+    took = time.monotonic() - start
+    return codes, [first_line(n) for n in nodes], nodes, took
+
+
+def first_line(node: Node) -> str:
+    return next((line for line in node.stderr.splitlines() if line.startswith("mpddp:")), "")
+
+
+def told(nodes: list[Node]) -> str:
+    return "\n\n".join(f"node {i}:\n{n.stderr}" for i, n in enumerate(nodes))
+
+
+def check_the_story(cluster: Cluster, codes: list[int], lines: list[str], nodes: list[Node], pattern: str) -> None:
+    for node in nodes:  # the launcher's own traceback (a crash) never reaches the terminal
+        said = [line for line in node.stderr.splitlines() if not line.startswith("[rank")]
+        assert not any(line.startswith("Traceback") for line in said), told(nodes)
+    assert lines[0] == lines[1] == lines[2], told(nodes)
+    assert re.match(pattern, lines[0]), told(nodes)
+    assert codes == [1, 1, 1], (codes, told(nodes))
+    assert cluster.leftovers(wait=5) == []
+
+
+@pytest.mark.timeout(150)
+def test_a_rank_stopped_on_node_1_is_named_hung_on_every_node(cluster: Cluster) -> None:
+    codes, lines, nodes, took = run_three(cluster, "stop", "1", "40", "200")
+    check_the_story(cluster, codes, lines, nodes,
+                    r"mpddp: rank 1 made no progress for \d+ s while ranks 0, 2 waited for it in all_reduce #\d+ ")
+    # node 1 tells it after --timeout; the others wait for its record (a loaded machine: its teardown)
+    assert took < TIMEOUT + 40, took
