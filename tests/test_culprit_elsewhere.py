@@ -68,3 +68,20 @@ def test_a_rank_stopped_on_node_1_is_named_hung_on_every_node(cluster: Cluster) 
                     r"mpddp: rank 1 made no progress for \d+ s while ranks 0, 2 waited for it in all_reduce #\d+ ")
     # node 1 tells it after --timeout; the others wait for its record (a loaded machine: its teardown)
     assert took < TIMEOUT + 40, took
+
+
+@pytest.mark.timeout(150)
+def test_a_broadcast_against_all_reduce_across_nodes_is_named_a_mismatch_on_every_node(cluster: Cluster) -> None:
+    codes, lines, nodes, _ = run_three(cluster, "broadcast", "1", "40", "200")
+    check_the_story(cluster, codes, lines, nodes,
+                    r"mpddp: ranks 0, 2 called all_reduce #(\d+) \(float32\[1\]\) while rank 1 called broadcast #\1 ")
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize(("fault", "rank"), [("skip", 2), ("short", 1)])
+def test_a_rank_that_ended_while_other_nodes_waited_is_named_on_every_node(cluster: Cluster, fault: str,
+                                                                          rank: int) -> None:
+    """Its own node saw it return and thought the round done; the others saw their collective break."""
+    codes, lines, nodes, _ = run_three(cluster, fault, str(rank), "40", "200")
+    check_the_story(cluster, codes, lines, nodes,
+                    rf"mpddp: rank {rank} \(node {rank}, local rank 0\) exited \(code 0\) while ")

@@ -16,6 +16,7 @@ import signal
 import sys
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import psutil
@@ -409,7 +410,7 @@ def test_a_victim_waits_for_the_record_of_a_node_still_at_work_even_past_a_short
         said = rounds.settle(link, 0, victim, mpddp.Outcome.COLLECTIVE, None, lambda record: record, lambda: [])
     finally:
         late.join()
-    assert said == cause  # before: after --timeout (1 s) node 0 wrote its own rank 0 as the round's failure
+    assert said == replace(cause, writer=1)  # before: after --timeout (1 s) node 0 wrote its own rank 0 as the round's failure
 
 
 @pytest.mark.parametrize("elsewhere", [True, False])
@@ -433,8 +434,77 @@ def test_a_hang_that_names_only_another_nodes_ranks_waits_for_that_nodes_record(
     seen_here = mpddp.WorkerFailed(f"mpddp: rank {blamed} made no progress for 4 s (as node 0 saw it)", rank=blamed)
     try:
         said = rounds.settle(link, 0, seen_here, mpddp.Outcome.HUNG, None, lambda record: record, lambda: [],
-                             elsewhere=elsewhere)
+                             blame=rounds.Blame(frozenset({1}) if elsewhere else frozenset()))
     finally:
         late.join()
-    assert said == (cause if elsewhere else seen_here)
+    assert said == (replace(cause, writer=1) if elsewhere else seen_here)
     assert link.record(0).line == (cause.line if elsewhere else str(seen_here))
+
+
+def test_a_hang_blamed_on_a_node_that_itself_only_waits_is_told_at_once() -> None:
+    """Node 0 blames rank 1 of node 1 (a broadcast against all_reduce, seen through the shared collectives),
+    but node 1's rank only saw node 0's teardown break its call: node 1 waits for the record itself and sees no
+    better. Before, the two nodes waited for each other's record for _RECORD_WAIT, then raced to write one."""
+    import mpddp
+    from mpddp.core.nodes import rounds
+    from mpddp.core.wire import protocol
+
+    beats = _Beats({0: 12, 1: 12, 2: 12}, ended={2})
+    beats.set(protocol.full_key(0, protocol.waiting_key(1)), "1")
+    link = _link(0, beats, timeout=30.0)
+    seen_here = mpddp.WorkerFailed("mpddp: ranks 0, 2 called all_reduce #41 while rank 1 called broadcast #41", rank=1)
+    started = time.monotonic()
+    said = rounds.settle(link, 0, seen_here, mpddp.Outcome.MISMATCH, None, lambda record: record, lambda: [],
+                         blame=rounds.Blame(frozenset({1})))
+    assert time.monotonic() - started < 1.0
+    assert said is seen_here and link.record(0).line == str(seen_here) and link.record(0).writer == 0
+
+
+def test_a_node_whose_ranks_returned_while_ours_waited_is_named_at_once() -> None:
+    """Node 2's ranks returned (it waits for the others to end the round); node 0's rank then saw its all_reduce
+    break: node 0 names node 2's first rank as the cause, in the line node 0 words, for every node."""
+    import mpddp
+    from mpddp.core.nodes import rounds
+    from mpddp.core.wire import protocol
+
+    beats = _Beats({0: 12, 1: 12, 2: 12})
+    beats.set(protocol.full_key(0, protocol.returned_key(2)), repr(time.time()))
+    beats.add(protocol.full_key(0, protocol.RETURNED), 1)
+    link = _link(0, beats, timeout=30.0)
+    victim = mpddp.WorkerFailed("mpddp: rank 0 failed in all_reduce: Connection closed by peer", rank=0)
+    started = time.monotonic()
+    said = rounds.settle(link, 0, victim, mpddp.Outcome.COLLECTIVE, None, lambda record: record, lambda: [],
+                         blame=rounds.Blame(early_exit=lambda rank: f"mpddp: rank {rank} exited (code 0) while ..."))
+    assert time.monotonic() - started < 1.0
+    assert (said.rank, said.node_rank, said.outcome, said.exit_code, said.line, said.writer) == (
+        2, 2, mpddp.Outcome.EARLY_EXIT, 1, "mpddp: rank 2 exited (code 0) while ...", 0)
+
+
+@pytest.mark.parametrize("then", ["returned", "ended", "failed"])
+def test_a_node_whose_ranks_returned_waits_for_the_others_to_end_the_round(then: str) -> None:
+    """torchrun's exit barrier: node 1's ranks returned; node 2's still run. It waits until they return or end
+    their round (None: the round went well), or until a record is written: then the round's failure is node 1's."""
+    import threading
+
+    import mpddp
+    from mpddp.core.wire import protocol
+    from mpddp.core.wire.protocol import FailureRecord
+
+    beats = _Beats({0: 12, 1: 12, 2: 12}, ended={0})
+    link, other = _link(1, beats), _link(2, beats)
+    cause = FailureRecord(rank=2, node_rank=2, local_rank=0, outcome=mpddp.Outcome.RAISED, exit_code=3,
+                          line="mpddp: rank 2 (node 2, local rank 0) failed first", wall_time=time.time())
+    late = threading.Timer(1.0, {
+        "returned": lambda: beats.set(protocol.full_key(0, protocol.returned_key(2)), repr(time.time())),
+        "ended": lambda: beats.set(protocol.full_key(0, protocol.ended_key(2)), "1"),
+        "failed": lambda: (other.publish(0, cause), beats.set(protocol.full_key(0, protocol.ended_key(2)), "1")),
+    }[then])
+    late.start()
+    started = time.monotonic()
+    try:
+        found = link.finish(0)
+    finally:
+        late.join()
+    assert 1.0 <= time.monotonic() - started < 3.0
+    assert found == (replace(cause, writer=2) if then == "failed" else None)
+    assert beats.values[protocol.full_key(0, protocol.RETURNED)] == 1

@@ -45,7 +45,7 @@ from .board import Board, Mismatch
 from .classify import Hang, RankState, Verdict, classify, root_cause
 from .output import Relay
 from .plan import Plan, node_env, rank_env
-from .report import failure_error, hang_error, mismatch_error, remote_error
+from .report import early_exit_line, failure_error, hang_error, mismatch_error, remote_error
 from .startup import forkserver_pid, start_process
 from .watchdog import Watchdog
 
@@ -206,7 +206,7 @@ def _watch(states: list[RankState], watchdog: Watchdog, lags: stragglers.Straggl
         lags.add(board.take())
         lags.check(lambda rank: _sample(states, watchdog, rank))
         if first_failure is None and (hang := watchdog.check(states, now)) is not None:
-            return hang
+            return hang.mismatch or hang  # ranks of different nodes that called different collectives: a bug
 
 
 def _show_where(states: list[RankState], watchdog: Watchdog) -> None:
@@ -388,6 +388,10 @@ class Attempt:
             raise StoreLost(store.loss())  # type: ignore[union-attr]
         if settled is not None:
             raise settled
+        if job.link is not None and (record := job.link.finish(self.number)) is not None:
+            for s in states:  # our ranks ended, the round did not: one of them may be the one named
+                s.tail = self.relay.tail(s.slot.rank)
+            raise remote_error(record, states, verdict, job.config.node_rank)
         return [_value(s) for s in states]
 
     def close(self, stopped_by: BaseException | None = None) -> None:
@@ -437,13 +441,15 @@ def _settle(job: Job, attempt: int, states: list[RankState], verdict: Verdict, l
     remote = round_watch.remote_failure if round_watch is not None and local is None else None
     node = job.config.node_rank
     link.reached |= any(s.joined for s in states)  # our ranks got through the store: it was up
-    # a hang of other nodes' ranks only, seen through their shared collectives: their node tells it better
-    culprits = set(verdict.hang.culprits) if verdict.hang is not None else set()
-    elsewhere = bool(culprits) and not culprits & {s.slot.rank for s in states}
+    # a hang or a mismatch of other nodes' ranks only, seen through their shared collectives: their node tells
+    # it better
+    culprits = frozenset(verdict.culprits) if verdict.case in ("hang", "mismatch") else frozenset()
+    blame = rounds.Blame(culprits if not culprits & {s.slot.rank for s in states} else frozenset(),
+                         early_exit=lambda rank: early_exit_line(states, verdict, rank))
     return rounds.settle(link, attempt, local, cause, remote,
                          remote_error=lambda record: remote_error(record, states, verdict, node),
                          missing=lambda: rounds.missing_ranks(link, attempt) if job.store and job.init_group else [],
-                         elsewhere=elsewhere)
+                         blame=blame)
 
 
 def _locate(states: list[RankState], watchdog: Watchdog, hang: Hang | None) -> None:

@@ -71,6 +71,7 @@ class Mismatch:
 
     calls: dict[int, Call]  # rank -> what it called at that number
     odd: int  # the rank whose call differs from the most others' (on a tie, the highest)
+    after: float = 0.0  # seen only once the group made no progress for this long (ranks on different nodes)
 
 
 @dataclass(frozen=True)
@@ -194,6 +195,20 @@ class Board:
             for lane in seen.last:
                 board._members.setdefault(lane, set(board.ranks) if lane[0] == "0" else set()).add(seen_rank)
         return board
+
+    def crossed(self) -> Mismatch | None:
+        """Two ranks whose last collectives in one group have the same number but differ, on a board
+        :meth:`joined` from every node's: ranks on different nodes are lined up only there, when the group
+        stops (each node's own board sees its own ranks' rows as they come)."""
+        for lane in {lane for seen in self.seen.values() for lane in seen.last}:
+            rows: dict[int, dict[int, Call]] = {}
+            for rank, seen in sorted(self.seen.items()):
+                if (call := seen.last.get(lane)) is not None:
+                    rows.setdefault(call.seq, {})[rank] = call
+            for row in rows.values():
+                if (odd := _differs(row)) is not None:
+                    return Mismatch(row, odd)
+        return None
 
     def take(self) -> list[dict[int, Call]]:
         """Rows (rank -> Call at one number) that every member of their group has reached, once each."""

@@ -105,6 +105,8 @@ class Hang:
     locations: dict[int, stacks.Location | None]
     finished: tuple[int, ...]
     standings: tuple[Standing, ...] = ()  # where the ranks stand in their collectives (flight recorder)
+    # ranks on different nodes that called different collectives at the same number: what stopped the group
+    mismatch: Mismatch | None = None
 
 
 @dataclass(frozen=True)

@@ -257,7 +257,8 @@ def hang_error(states: list[RankState], verdict: Verdict, hang: Hang) -> HangErr
 def mismatch_error(states: list[RankState], verdict: Verdict, mismatch: Mismatch) -> CollectiveMismatch:
     """Ranks called different collectives at the same number (core/launcher/board.py): told as soon as it was seen."""
     odd = next((s for s in states if s.slot.rank == mismatch.odd), None)
-    lines = [f"mpddp: {board.mismatch_line(mismatch)}; every rank was stopped at once. Every rank must call "
+    stopped = f"after {mismatch.after:.0f} s with no progress" if mismatch.after else "at once"
+    lines = [f"mpddp: {board.mismatch_line(mismatch)}; every rank was stopped {stopped}. Every rank must call "
              "the same collectives in the same order, with the same shapes: look for a branch that only some ranks "
              "take (if rank == 0: ...) or inputs of different sizes on different ranks."]
     locations: dict[int, stacks.Location | None] = {s.slot.rank: s.location for s in states if s.location is not None}
@@ -271,19 +272,42 @@ def mismatch_error(states: list[RankState], verdict: Verdict, mismatch: Mismatch
 
 
 def remote_error(record: FailureRecord, states: list[RankState], verdict: Verdict, node_rank: int) -> WorkerFailed:
-    """This node's report when the round's first failure happened on another node (core/nodes/rounds.py).
+    """This node's report when the round's first failure was told by another node (core/nodes/rounds.py).
 
     It starts with the very line that node's report starts with, and exits with the failing rank's code;
-    that node's report has the traceback and the last lines.
+    that node's report has the traceback and the last lines. A record that names a rank of this node was
+    written by a node that saw it through the collectives the nodes share (it returned too early, or it hung
+    while this node saw only its own ranks stop): here is where its last lines are.
     """
     ranks = [s.slot.rank for s in states]
-    lines = [record.line, f"mpddp: node {node_rank} stopped its rank(s) {', '.join(map(str, ranks))} because of it "
-             f"(node {record.node_rank}'s own report has the rest: traceback, last lines)"]
-    others = _others(states, verdict, None, record.rank)
+    named = next((s for s in states if s.slot.rank == record.rank), None)
+    if named is None:
+        lines = [record.line, f"mpddp: node {node_rank} stopped its rank(s) {', '.join(map(str, ranks))} because "
+                 f"of it (node {record.node_rank}'s own report has the rest: traceback, last lines)"]
+    else:
+        lines = [record.line, f"mpddp: node {record.writer} saw it through the collectives the nodes share; "
+                 f"rank {record.rank} is this node's, and the one to look at"]
+        lines += _tail_block(named)
+    others = _others(states, verdict, named, record.rank)
     if others:
-        lines += [f"mpddp: the ranks on node {node_rank}:", *others]
+        lines += [f"mpddp: the {'other ' if named else ''}ranks on node {node_rank}:", *others]
     cause = RankFailure(rank=record.rank, node_rank=record.node_rank, local_rank=record.local_rank,
                         outcome=record.outcome, exit_code=record.exit_code, message=record.line)
     local = _records(states, verdict, [])
     kind = {Outcome.HUNG: HangError, Outcome.MISMATCH: CollectiveMismatch}.get(record.outcome, WorkerFailed)
     return kind("\n".join(lines), record.rank, [cause, *local], exit_code=record.exit_code)
+
+
+def early_exit_line(states: list[RankState], verdict: Verdict, rank: int) -> str:
+    """The first line of every node's report when ``rank``, on another node, returned while this node's ranks
+    still waited for it (core/nodes/rounds.py writes it into the round's record)."""
+    nprocs = states[0].slot.nprocs_per_node
+    waits = []
+    for s in states:
+        if verdict[s.slot.rank] is Outcome.COLLECTIVE and s.failure is not None and s.failure.where:
+            waits.append(f"rank {s.slot.rank} still waited in {s.failure.where}")
+        elif s.location is not None and s.location.waiting:
+            waits.append(f"rank {s.slot.rank} still waited in {s.location.text}")
+    return (f"mpddp: rank {rank} (node {rank // nprocs}, local rank {rank % nprocs}) exited (code 0) while "
+            f"{'; '.join(waits) or 'the ranks of other nodes still waited for it'}; every rank was stopped. Every "
+            "rank must reach the same collectives: look for a return, break or sys.exit that only some ranks take.")

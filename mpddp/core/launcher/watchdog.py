@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import psutil
@@ -89,17 +89,28 @@ class Watchdog:
             self._progressed(now)  # a busy rank seen spinning earlier computes after all
             return None
         finished = tuple(s.slot.rank for s in states if s.succeeded)
-        return Hang(now - self._last_progress, locations, finished, self.standings(states))
+        seconds = now - self._last_progress
+        whole = self._whole(states)
+        if whole is None:
+            return Hang(seconds, locations, finished)
+        crossed = whole[0].crossed() if self.heartbeat is not None else None
+        return Hang(seconds, locations, finished, tuple(whole[0].standings(whole[1])),
+                    replace(crossed, after=seconds) if crossed is not None else None)
 
     def standings(self, states: list[RankState]) -> tuple[Standing, ...]:
-        """Where the ranks stand in their collectives (empty without a flight recorder): on several nodes,
-        every node's ranks, from the snapshots the nodes share through the store."""
+        """Where the ranks stand in their collectives (empty without a flight recorder)."""
+        whole = self._whole(states)
+        return tuple(whole[0].standings(whole[1])) if whole is not None else ()
+
+    def _whole(self, states: list[RankState]) -> tuple[Board, list[int]] | None:
+        """The board to tell a stop from, and its ranks: on several nodes every node's ranks, from the snapshots
+        the nodes share through the store; None without a flight recorder."""
         if self.board is None or not self.board.seen:
-            return ()
+            return None
         if self.heartbeat is None or not states:
-            return tuple(self.board.standings(s.slot.rank for s in states))
-        world = range(states[0].slot.world_size)
-        return tuple(self.board.joined(self.heartbeat.others_calls(), world).standings(world))
+            return self.board, [s.slot.rank for s in states]
+        world = list(range(states[0].slot.world_size))
+        return self.board.joined(self.heartbeat.others_calls(), world), world
 
     def _moved(self) -> bool:
         """A rank entered or completed a collective, or wrote output, since the last sample."""

@@ -36,13 +36,14 @@ import socket
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from typing import Any
 
 from ... import ranks as rank_math
 from ...config import LaunchConfig
 from ...errors import Outcome, RendezvousError, StoreLost, WorkerFailed
+from ...log import logger
 from ..wire import protocol
 from ..wire.protocol import FailureRecord, full_key
 
@@ -148,7 +149,8 @@ class NodeLink:
     def publish(self, attempt: int, record: FailureRecord) -> FailureRecord:
         """Write the round's first failure unless another node did first; the record that stands."""
         key = full_key(attempt, protocol.FAILURE)
-        return FailureRecord.decode(self.call(lambda s: s.compare_set(key, "", record.encode())))
+        mine = replace(record, writer=self.config.node_rank).encode()
+        return FailureRecord.decode(self.call(lambda s: s.compare_set(key, "", mine)))
 
     def stopped(self, attempt: int, cause: BaseException) -> None:
         """This launcher was stopped (Ctrl-C, SIGTERM, ...) while its ranks ran: the round's failure, if first."""
@@ -213,12 +215,65 @@ class NodeLink:
         return lost
 
     def busy(self, attempt: int) -> list[int]:
-        """The other nodes that still run the round: neither ended it, nor wait for its record, nor are lost."""
+        """The other nodes that still run the round: neither ended it, nor wait for its record or for the other
+        nodes (their ranks all returned), nor are lost."""
+        return self._others_without(attempt, (protocol.ended_key, protocol.waiting_key, protocol.returned_key))
+
+    def waiting(self, attempt: int, nodes: set[int]) -> bool:
+        """Every one of ``nodes`` waits for the round's record itself (its ranks only saw a peer vanish)."""
+        keys = [full_key(attempt, protocol.waiting_key(n)) for n in sorted(nodes)]
+        return bool(keys) and self.call(lambda s: s.check(keys))
+
+    def _others_without(self, attempt: int, marks: tuple[Callable[[int], str], ...]) -> list[int]:
+        """The other nodes not found lost that have set none of ``marks`` in this round."""
         me, nnodes = self.config.node_rank, self.config.nnodes
-        keys = {n: (full_key(attempt, protocol.ended_key(n)), full_key(attempt, protocol.waiting_key(n)))
-                for n in range(nnodes) if n != me and n not in self.gone}
-        done = self.call(lambda s: {n: s.check([ended]) or s.check([waiting]) for n, (ended, waiting) in keys.items()})
+        keys = {n: [full_key(attempt, mark(n)) for mark in marks] for n in range(nnodes) if n != me and n not in self.gone}
+        done = self.call(lambda s: {n: any(s.check([key]) for key in node_keys) for n, node_keys in keys.items()})
         return [n for n, finished in done.items() if not finished]
+
+    def returned(self, attempt: int) -> dict[int, float]:
+        """The other nodes whose ranks all returned in this round, and when (their wall clock)."""
+        me = self.config.node_rank
+
+        def read(s: Any) -> dict[int, float]:
+            if s.add(full_key(attempt, protocol.RETURNED), 0) == 0:  # one operation while none has
+                return {}
+            keys = {n: full_key(attempt, protocol.returned_key(n)) for n in range(self.config.nnodes) if n != me}
+            return {n: float(s.get(key)) for n, key in keys.items() if s.check([key])}
+
+        return self.call(read)
+
+    def finish(self, attempt: int) -> FailureRecord | None:
+        """This node's ranks all returned: say so, and wait until every other node's ranks returned too, or it
+        ended the round (or was found lost). The round's record if one is written meanwhile: a node whose ranks
+        still waited for ours in a collective names one of ours (they returned too early), or its own failure
+        is the round's. None: the round ended well on every node.
+
+        torchrun's agents wait so too (their exit barrier): a rank of node 0 that saves the checkpoint alone
+        after the others returned keeps them waiting, and its failure is still every node's.
+        """
+        me = self.config.node_rank
+        try:
+            self.call(lambda s: (s.set(full_key(attempt, protocol.returned_key(me)), repr(time.time())),
+                                 s.add(full_key(attempt, protocol.RETURNED), 1)))
+            start = time.monotonic()
+            beats, since = self.heartbeats(attempt), start
+            while True:
+                pending = self._others_without(attempt, (protocol.ended_key, protocol.returned_key))
+                if (record := self.record(attempt)) is not None:  # read after: a node writes it, then ends
+                    return record
+                if not pending:
+                    return None
+                now = time.monotonic()
+                if now - since >= _STALLED_AFTER and self.stalled(attempt, beats) is not None:
+                    beats, since = self.heartbeats(attempt), now  # lost nodes are in self.gone from now on
+                if now - start > self.config.timeout:
+                    self.silent(attempt)
+                time.sleep(_POLL)
+        except StoreGone:  # node 0 gone after our ranks returned: nothing more to learn, and nothing went wrong here
+            logger.warning("mpddp: node 0's store went away before every node ended round %d; node %d's ranks had "
+                           "all returned", attempt, me)
+            return None
 
     def leave(self) -> None:
         """Done with the store. Node 0 keeps it until every other launcher has left too (or a short while),
@@ -310,37 +365,48 @@ class RoundWatch:
         self._thread.join(1.0)
 
 
+@dataclass(frozen=True)
+class Blame:
+    """What this node's report blames, for :func:`settle`: ``culprits``, when they are all ranks of other nodes
+    (a hang or a mismatch seen through the collectives the nodes share), and ``early_exit``, the first line
+    that names a rank of another node that returned while this node's ranks still waited for it."""
+
+    culprits: frozenset[int] = frozenset()
+    early_exit: Callable[[int], str] | None = None
+
+
 def settle(link: NodeLink, attempt: int, local: WorkerFailed | None, cause: Outcome | None,
            remote: FailureRecord | None, remote_error: Callable[[FailureRecord], WorkerFailed],
-           missing: Callable[[], list[int]], elsewhere: bool = False) -> WorkerFailed | RendezvousError:
+           missing: Callable[[], list[int]], blame: Blame = Blame()) -> WorkerFailed | RendezvousError:
     """What this node reports for a failed round of several nodes, the same first failure on every node.
 
     ``local``: this node's own report (None when only another node failed), ``cause`` the outcome of its
     first failure; ``remote``: a record another node wrote before this node failed; ``remote_error`` turns
     a record into this node's report; ``missing``: ranks that never reached the store (node 0 asks it);
-    ``elsewhere``: this node's report blames only ranks of other nodes (a hang seen through their collectives).
+    ``blame``: what this node's report blames on other nodes.
     """
     if remote is not None or local is None:
         assert remote is not None  # the watch returns without a local failure only for another node's
         return remote_error(remote)
     try:
-        return _settle_local(link, attempt, local, cause, remote_error, missing, elsewhere)
+        return _settle_local(link, attempt, local, cause, remote_error, missing, blame)
     except StoreGone:
         return _store_gone(link, local)
 
 
 def _settle_local(link: NodeLink, attempt: int, local: WorkerFailed, cause: Outcome | None,
                   remote_error: Callable[[FailureRecord], WorkerFailed],
-                  missing: Callable[[], list[int]], elsewhere: bool) -> WorkerFailed | RendezvousError:
+                  missing: Callable[[], list[int]], blame: Blame) -> WorkerFailed | RendezvousError:
     config = link.config
     if attempt == 0 and (never := missing()):  # ranks that waited for them timed out, or were found hung
         return RendezvousError(_missing_message(never, link))
-    if cause not in (Outcome.COLLECTIVE, Outcome.STOPPED) and not elsewhere:  # a rank here failed by itself
+    if cause not in (Outcome.COLLECTIVE, Outcome.STOPPED) and not blame.culprits:  # a rank here failed by itself
         winner = link.publish(attempt, _record_of(local, cause, link))
-        return local if winner.node_rank == config.node_rank else remote_error(winner)  # another node was first
-    found = _wait_for(link, attempt, local, cause if elsewhere else Outcome.COLLECTIVE)
-    if isinstance(found, FailureRecord):
-        return remote_error(found) if found.node_rank != config.node_rank else local
+        return local if winner.writer == config.node_rank else remote_error(winner)  # another node was first
+    found = _wait_for(link, attempt, local, cause if blame.culprits else Outcome.COLLECTIVE, blame)
+    if isinstance(found, FailureRecord):  # ours stands, unless it names another node's rank that returned early
+        mine = found.writer == config.node_rank and found.outcome is not Outcome.EARLY_EXIT
+        return local if mine else remote_error(found)
     lost_ranks = [s.rank for s in rank_math.layout(config.nnodes, link.nprocs) if s.node_rank in found.nodes]
     how = ("stopped beating without ending its round" if found.beat else
            f"never beat in this round within --timeout {config.timeout:g} s, nor ended it")
@@ -375,9 +441,14 @@ class Lost:
     beat: bool
 
 
-def _wait_for(link: NodeLink, attempt: int, local: WorkerFailed, outcome: Outcome | None) -> FailureRecord | Lost:
+def _wait_for(link: NodeLink, attempt: int, local: WorkerFailed, outcome: Outcome | None,
+              blame: Blame) -> FailureRecord | Lost:
     """The round's record, once another node writes it; or the nodes found lost; or ours, once no other node
     can still write a better one.
+
+    Two things end the wait at once: another node's ranks all returned while ours waited for them (then
+    the record names one of them, as ``blame.early_exit`` words it), and, when ``blame.culprits`` are other
+    nodes' ranks, their own nodes waiting too: their ranks only saw ours stop, so they see no better.
 
     The node whose rank failed by itself writes the record after its teardown, which takes seconds on a busy
     machine (measured: more than 10 s with 8 launchers and 16 ranks on 2 loaded cores, and a victim's own
@@ -387,13 +458,22 @@ def _wait_for(link: NodeLink, attempt: int, local: WorkerFailed, outcome: Outcom
     :meth:`NodeLink.stalled`), or past :data:`_RECORD_WAIT` when --timeout is shorter: a hang's --timeout of
     a few seconds is no time for another node's teardown on a loaded machine.
     """
-    me = link.config.node_rank
+    me, nprocs = link.config.node_rank, link.nprocs
     link.call(lambda s: s.set(full_key(attempt, protocol.waiting_key(me)), "1"))
     start = time.monotonic()
     beats, since = link.heartbeats(attempt), start
+    culprit_nodes = {rank_math.split_rank(r, nprocs)[0] for r in blame.culprits}
     while True:
         if (record := link.record(attempt)) is not None:
             return record
+        if blame.early_exit is not None and outcome in (Outcome.COLLECTIVE, Outcome.HUNG) and (
+                returned := link.returned(attempt)):
+            node = min(returned, key=lambda n: (n not in culprit_nodes, returned[n]))  # a culprit's, else the first
+            rank = min(blame.culprits & set(range(node * nprocs, (node + 1) * nprocs)), default=node * nprocs)
+            return link.publish(attempt, FailureRecord(rank, node, rank - node * nprocs, Outcome.EARLY_EXIT, 1,
+                                                       blame.early_exit(rank), time.time()))
+        if culprit_nodes and link.waiting(attempt, culprit_nodes):
+            return link.publish(attempt, _record_of(local, outcome, link))
         now = time.monotonic()
         if now - since >= _STALLED_AFTER:  # a launcher whose beat stood still while others beat is gone
             lost = link.stalled(attempt, beats)

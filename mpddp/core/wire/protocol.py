@@ -162,6 +162,7 @@ JOINED = "joined"  # a counter: the node launchers that joined this round (core/
 FAILURE = "failure"  # the round's first failure, a FailureRecord: the first node to write it wins
 PROGRESS = "progress"  # a counter every node's watchdog bumps while its ranks compute (core/launcher/watchdog.py)
 SCRIPT_PORT = "script_port"  # the round's own store for env:// scripts, from the second round on (core/launcher/job.py)
+RETURNED = "returned"  # a counter: the nodes whose ranks all returned (returned_key), read before any node's key
 LEFT = "mpddp/job/left"  # a counter, job-wide: the launchers that are done with the store (node 0 waits for them)
 
 
@@ -190,6 +191,12 @@ def waiting_key(node: int) -> str:
     return f"waiting/{node}"
 
 
+def returned_key(node: int) -> str:
+    """Set by a node whose ranks all returned (the wall time): it waits for the other nodes to end the round, and
+    a node whose ranks still wait for its ranks in a collective names them as the cause (core/nodes/rounds.py)."""
+    return f"returned/{node}"
+
+
 def ended_key(node: int) -> str:
     """Set by a node's launcher when its part of the round ended: its heartbeat stops then, by design."""
     return f"ended/{node}"
@@ -215,6 +222,7 @@ class FailureRecord:
     exit_code: int
     line: str
     wall_time: float  # time.time() on the node that wrote it
+    writer: int = -1  # the node that wrote it (NodeLink.publish): one node may name another's rank
 
     def encode(self) -> bytes:
         return json.dumps({**asdict(self), "outcome": self.outcome.value}).encode()
