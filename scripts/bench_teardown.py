@@ -40,7 +40,7 @@ import psutil
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from benchlib import machine, summary, table, torch_version, write_json  # noqa: E402
 
-from mpddp.core.launcher.teardown import tree
+from mpddp.core.procs.teardown import tree
 
 BODY = """\
 def body(rank, mode, go, stamp):

@@ -48,7 +48,7 @@ def imports_of(module: str) -> set[str]:
         elif isinstance(node, ast.ImportFrom):
             target = _resolve(module, node)
             subs = {f"{target}.{alias.name}" for alias in node.names} & MODULES.keys()
-            found |= subs or {target}  # `from . import procs` imports the module mpddp.core.launcher.teardown
+            found |= subs or {target}  # `from ..procs import teardown` imports the module mpddp.core.procs.teardown
     return {name for name in found if name in MODULES and name != module}
 
 
@@ -81,7 +81,7 @@ def test_the_walk_sees_imports_inside_functions():
     # mpddp's __getattr__ imports the core lazily; the trainer's resolve imports tasks inside a function
     assert "mpddp.core.launcher.api" in GRAPH["mpddp"]
     assert "mpddp.trainer.tasks" in GRAPH["mpddp.trainer.prepare"]
-    assert "mpddp.core.launcher.teardown" in GRAPH["mpddp.core.launcher.report"]
+    assert "mpddp.core.procs.teardown" in GRAPH["mpddp.core.launcher.report"]
 
 
 def test_no_import_circle():
@@ -237,7 +237,8 @@ def test_the_code_map_lists_exactly_the_modules_on_disk():
 def test_the_package_docstrings_point_to_the_one_map():
     import importlib
 
-    for package in ("mpddp.core", "mpddp.core.launcher", "mpddp.core.rank", "mpddp.core.wire", "mpddp.core.nodes"):
+    for package in ("mpddp.core", "mpddp.core.launcher", "mpddp.core.rank", "mpddp.core.wire", "mpddp.core.nodes",
+                    "mpddp.core.procs"):
         doc = importlib.import_module(package).__doc__ or ""
         assert "docs/codemap.rst" in doc, package
 
@@ -247,6 +248,38 @@ def test_the_wire_imports_nothing_else_of_the_core():
     for module, targets in GRAPH.items():
         if module.startswith("mpddp.core.wire"):
             assert all(not t.startswith("mpddp.core.") or t.startswith("mpddp.core.wire") for t in targets), module
+
+
+CORE_STACK = {"launcher": 3, "nodes": 2, "rank": 1, "wire": 0, "procs": 0}  # each folder imports only lower ones
+
+
+def _upward(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
+    """Imports inside mpddp.core from one folder to a folder at its level or above."""
+    def folder(module: str) -> str | None:
+        parts = module.split(".")
+        return parts[2] if len(parts) > 3 and parts[:2] == ["mpddp", "core"] else None
+
+    wrong = []
+    for module, targets in graph.items():
+        here = folder(module)
+        for target in targets:
+            there = folder(target)
+            if here and there and here != there and CORE_STACK[there] >= CORE_STACK[here]:
+                wrong.append((module, target))
+    return sorted(wrong)
+
+
+def test_core_is_a_stack():
+    on_disk = {p.name for p in (PACKAGE / "core").iterdir() if (p / "__init__.py").exists()}
+    assert on_disk == set(CORE_STACK), "a folder of core/ has no place in the stack (CORE_STACK)"
+    assert _upward(GRAPH) == [], "imports up the stack of core/ (launcher > nodes > rank > wire, procs)"
+
+
+def test_an_upward_import_would_be_found(monkeypatch):
+    monkeypatch.setitem(GRAPH, "mpddp.core.rank.worker", GRAPH["mpddp.core.rank.worker"] | {"mpddp.core.nodes.rounds"})
+    monkeypatch.setitem(GRAPH, "mpddp.core.wire.store", GRAPH["mpddp.core.wire.store"] | {"mpddp.core.procs.teardown"})
+    assert _upward(GRAPH) == [("mpddp.core.rank.worker", "mpddp.core.nodes.rounds"),
+                              ("mpddp.core.wire.store", "mpddp.core.procs.teardown")]
 
 
 SCHEDULERS = ("slurm", "mpi", "pbs", "lsf", "kubeflow")

@@ -260,7 +260,7 @@ KILL_FORKSERVER = """
 import os, signal, sys, time
 from multiprocessing import forkserver
 import mpddp
-from mpddp.core.launcher import startup, teardown
+from mpddp.core.procs import start, teardown
 
 real = forkserver.connect_to_new_process
 calls = []
@@ -270,7 +270,7 @@ def killing(fds):  # the forkserver is killed from outside while it starts the f
     read, write = real(fds)
     calls.append(1)
     if len(calls) == 2:
-        server = startup.forkserver_pid()
+        server = start.forkserver_pid()
         os.kill(server, signal.SIGKILL)
         while teardown.alive(server):
             time.sleep(0.01)

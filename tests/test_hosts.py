@@ -203,7 +203,7 @@ def test_a_node_killed_mid_run_stops_the_job_and_leaves_nothing(hosts: Path, tmp
     marker = uuid.uuid4().hex
     head, err = _start_waiting(hosts, tmp_path, marker)
     try:
-        nodes = [p for p in marked(marker) if "mpddp.core.nodes.hosts_node" in " ".join(p.cmdline()) and
+        nodes = [p for p in marked(marker) if "mpddp.core.launcher.hosts_node" in " ".join(p.cmdline()) and
                  "ssh" not in p.name()]
         node1 = [p for p in nodes if p.environ().get("MPDDP_TEST_RUN") and "n2" in _hostname(p.pid)]
         assert len(node1) == 1, [(p.pid, _hostname(p.pid)) for p in nodes]

@@ -1,16 +1,19 @@
 """The launcher core: from a :class:`~mpddp.config.LaunchConfig` to every rank's value.
 
-Four folders, by where the code runs:
+Five folders, a stack: each imports only the folders below it (a test keeps it so).
 
-- ``launcher/``: in the launcher process (one per node): the front door,
-  the rounds and restarts, watching the ranks, classifying and reporting a
-  failure, relaying output, tearing process trees down;
-- ``rank/``: in the processes it starts: each rank (and the forkserver that
-  forks them);
-- ``wire/``: what crosses between the two: typed messages and store keys,
-  ``fn`` by value, the signals, the ``@record`` error files, stacks on demand;
-- ``nodes/``: node 0's store (every launch has one) and what several nodes
-  add: rounds every node joins, lost nodes, ``--hosts`` over ssh.
+- ``launcher/``: the launcher process (one per node): the front door, the
+  job and its attempts, watching the ranks, classifying and reporting a
+  failure, relaying output, and a ``--hosts`` node's entry point;
+- ``nodes/``: what the nodes of a job agree on: node 0's store and its
+  server, rounds every node joins, the first failure, lost nodes, and the
+  ``--hosts`` head that starts them over ssh;
+- ``rank/``: what runs in the processes the launcher starts: each rank (its
+  fn, a torchrun-style script or mp.spawn's ``fn(i)``) and the forkserver;
+- ``wire/`` and ``procs/``, at the bottom: what crosses between processes
+  (typed messages and store keys, ``fn`` by value, the signals, the
+  ``@record`` error files, stacks on demand, the store's client), and
+  processes as the OS sees them (starting one, stopping a tree).
 
 Every module, one line each, in reading order: docs/codemap.rst (a test
 keeps it equal to the tree). Never imports the trainer or the CLI.

@@ -19,9 +19,10 @@ from typing import Any
 
 from ...config import LaunchConfig
 from ...errors import ConfigError
+from ..rank.by_index import ByIndex
 from ..wire import stacks
 from ..wire.payload import pack_call
-from .mp_spawn import ByIndex, SpawnContext
+from .mp_spawn import SpawnContext
 from .startup import LAUNCHING, TRAINING_PRELOAD, interrupts_deferred, refuse_bootstrap, start_context
 
 LAYOUT_KEYS = ("nnodes", "node_rank", "master_addr", "master_port")
@@ -110,7 +111,7 @@ def run_node(config: LaunchConfig, payload: bytes, init_process_group: bool, pre
              listening: socket.socket | None = None) -> list[Any]:
     """This node's ranks, from a checked config and a shipped ``fn``: the forkserver, the plan, the attempts.
 
-    ``listening``: node 0's rendezvous socket, already listening (a ``--hosts`` node, core/nodes/hosts_node.py).
+    ``listening``: node 0's rendezvous socket, already listening (a ``--hosts`` node, core/launcher/hosts_node.py).
     """
     LAUNCHING.set()  # the command line's start-up handler (exit_on_interrupt) now leaves Ctrl-C to the teardown
     with stacks.on_demand(), interrupts_deferred():  # SIGUSR1: where is every rank (from the first moment)

@@ -11,7 +11,7 @@ that always runs, and loading the ranks' return values. Leaves the job's
 store and the restart loop to core/launcher/job.py, the plan to core/launcher/plan.py, hangs
 to core/launcher/watchdog.py, stacks to core/wire/stacks.py, the report to
 core/launcher/report.py, which node's failure came first to core/nodes/rounds.py, killing
-to core/launcher/teardown.py, lines to core/launcher/output.py and reading the ranks' ``@record``
+to core/procs/teardown.py, lines to core/launcher/output.py and reading the ranks' ``@record``
 error files (in a directory of this attempt's, removed when it ends) to
 core/wire/errorfile.py.
 """
@@ -38,15 +38,16 @@ from ...ranks import banner
 from ..nodes import rounds
 from ..nodes.rounds import NodeLink, RoundWatch
 from ..nodes.store_server import StoreServer
+from ..procs import teardown
+from ..procs.start import forkserver_pid, start_process
 from ..rank import boot
 from ..wire import errorfile, protocol, stacks
-from . import board, stragglers, teardown
+from . import board, stragglers
 from .board import Board, Mismatch
 from .classify import Hang, RankState, Verdict, classify, root_cause
 from .output import Relay
 from .plan import Plan, node_env, rank_env
 from .report import early_exit_line, failure_error, hang_error, mismatch_error, remote_error
-from .startup import forkserver_pid, start_process
 from .watchdog import Watchdog
 
 _FAILURE_WINDOW = 0.3  # seconds to collect other ranks' reports after the first failure

@@ -16,18 +16,6 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from ...context import WorkerContext
-
-
-class ByIndex:
-    """``fn(i, *args)`` for the user, ``fn(ctx, *args)`` for mpddp: mp.spawn's first argument is the index."""
-
-    def __init__(self, fn: Callable[..., Any]) -> None:
-        self.fn = fn
-
-    def __call__(self, ctx: WorkerContext, *args: Any) -> Any:
-        return self.fn(ctx.local_rank, *args)
-
 
 class SpawnContext:
     """What ``spawn(..., join=False)`` returns: the launch runs in a thread; :meth:`join` waits for it."""

@@ -17,10 +17,11 @@ from __future__ import annotations
 import time
 
 from ...errors import CollectiveMismatch, HangError, Outcome, RankFailure, WorkerFailed
+from ..procs import teardown
 from ..wire import stacks
 from ..wire.protocol import FailureRecord
 from ..wire.stacks import ranks_named
-from . import board, teardown
+from . import board
 from .board import Mismatch
 from .classify import Hang, RankState, Verdict, has_traceback, root_cause
 

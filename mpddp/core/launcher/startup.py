@@ -25,9 +25,9 @@ import threading
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from ...errors import ForkserverLost
+from ..procs import teardown
+from ..procs.start import forkserver_pid
 from ..rank.forkserver import FORKSERVER_PARENT, FORKSERVER_TEMP
-from . import teardown
 
 # In this order: this module first (it pauses the forkserver's collector, below), then the worker (torch).
 FORKSERVER_PRELOAD = ("mpddp.core.launcher.startup", "mpddp.core.rank.worker")
@@ -129,28 +129,6 @@ def _check_socket_room() -> None:
             f"path holds {_SOCKET_PATH_MAX} in all): set a shorter TMPDIR, e.g. TMPDIR=/tmp, or pass "
             "--start-method spawn"
         )
-
-
-def start_process(process: Any) -> None:
-    """``process.start()``; a forkserver killed under it is named (multiprocessing raises a bare EOFError, or a
-    refused connection, which the command line would read as a Ctrl-C)."""
-    try:
-        process.start()
-    except (EOFError, OSError) as e:
-        server = forkserver_pid()
-        if server is None or teardown.alive(server):
-            raise
-        raise ForkserverLost(
-            f"mpddp's forkserver (pid {server}), which starts every rank, was killed from outside while the job "
-            f"started its processes (a signal, or the out-of-memory killer; {type(e).__name__}); every process of "
-            "the job was stopped, and the next launch starts a new forkserver") from None
-
-
-def forkserver_pid() -> int | None:
-    """The running forkserver's pid (every rank's parent under the default start method), or None."""
-    from multiprocessing import forkserver
-
-    return getattr(forkserver._forkserver, "_forkserver_pid", None)
 
 
 def stop_helpers(timeout: float = 3.0) -> None:

@@ -4,14 +4,14 @@ Owns: the head's side of a ``--hosts`` launch. First every host is checked
 in parallel over the user's own ssh (``BatchMode``: a password prompt is an
 error, never a hang): it answers within the timeout and has mpddp and torch
 at the head's versions, at the head's Python path; each problem is one line
-naming the host, before anything starts. Then node 0's launcher (core/nodes/hosts_node.py)
+naming the host, before anything starts. Then node 0's launcher (core/launcher/hosts_node.py)
 starts on the first host and tells the port it holds, and the others start
 with it. The head relays every node's ``[rank N]`` lines as they come,
 collects every node's values (global rank order), and on the first failure,
 a Ctrl-C or a SIGTERM stops every node by closing its stdin (each node then
 tears down as on SIGTERM: nothing is left on any host), then ssh itself.
 The report is the failing node's own (stacks included), chosen by outcome
-as on one node. Leaves the node's side to core/nodes/hosts_node.py and each node's
+as on one node. Leaves the node's side to core/launcher/hosts_node.py and each node's
 launch to core/launcher/api.py.
 """
 
@@ -119,7 +119,7 @@ class _Node:
     stopped: bool = False  # the head asked it to stop: an end without a report is then no failure
 
     def stop(self) -> None:
-        """Close its stdin: the node tears down its ranks and exits (core/nodes/hosts_node.py)."""
+        """Close its stdin: the node tears down its ranks and exits (core/launcher/hosts_node.py)."""
         self.stopped = True
         if self.proc.stdin is not None and not self.proc.stdin.closed:
             try:
@@ -148,7 +148,7 @@ def _pump(node: _Node, stream: IO[bytes], out: Any, messages: bool) -> None:
 def _start(config: LaunchConfig, rank: int, port: int, request: NodeRequest,
            messages: queue.Queue[tuple[int, NodeMessage | NodeEnded]]) -> _Node:
     host = (config.hosts or ())[rank]
-    argv = _ssh(config, host, _remote_command(["-m", "mpddp.core.nodes.hosts_node"]))
+    argv = _ssh(config, host, _remote_command(["-m", "mpddp.core.launcher.hosts_node"]))
     proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             start_new_session=True)  # the terminal's Ctrl-C reaches the head only
     node = _Node(rank, host, proc, messages)

@@ -2,11 +2,11 @@
 
 Owns: binding the listening socket (port 0 -> the OS picks a free port that
 stays bound, so no other job can take it between "probe" and "use"), handing
-it to ``torch.distributed.TCPStore`` through ``master_listen_fd``, and the
-client connection workers make. A single-node job listens on 127.0.0.1 only:
+it to ``torch.distributed.TCPStore`` through ``master_listen_fd``. A single-node job listens on 127.0.0.1 only:
 ``TCPStore("127.0.0.1", 0, is_master=True)`` would listen on every address.
 Leaves resolving names to machine/netif.py, the process that serves the
-store to core/nodes/store_server.py and starting workers to core/launcher/attempt.py.
+store to core/nodes/store_server.py, the clients' connection to core/wire/store.py and starting
+workers to core/launcher/attempt.py.
 """
 
 from __future__ import annotations
@@ -61,10 +61,3 @@ def host_store(sock: socket.socket, timeout: float) -> object:
     )
     sock.detach()  # the store owns (and closes) the fd now
     return store
-
-
-def connect(addr: str, port: int, timeout: float) -> object:
-    """A client of node 0's store; retries connecting until ``timeout``."""
-    import torch.distributed as dist
-
-    return dist.TCPStore(addr, port, None, False, timedelta(seconds=timeout))

@@ -93,7 +93,7 @@ class NodeLink:
     def _connect(self, timeout: float) -> Any:
         """A client, trying again every second until ``timeout``: torch's own retries wait up to several
         seconds between tries, and a launcher that connects late can miss a store that was up meanwhile."""
-        from .rendezvous import connect
+        from ..wire.store import connect
 
         deadline = time.monotonic() + timeout
         while True:

@@ -26,8 +26,8 @@ from typing import Any
 
 import psutil
 
-from ..launcher import teardown
-from ..launcher.startup import start_process
+from ..procs import teardown
+from ..procs.start import start_process
 from ..rank.boot import main_hidden
 
 _STOP_GRACE = 1.0  # seconds the keeper has to exit once its pipe is closed

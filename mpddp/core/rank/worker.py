@@ -35,11 +35,11 @@ import torch.distributed as dist
 from ...context import WorkerContext
 from ...errors import Outcome, ReturnValueError
 from ...log import logger
-from ..launcher import teardown
-from ..launcher.mp_spawn import ByIndex
+from ..procs import teardown
 from ..wire import protocol, stacks
 from ..wire.protocol import WorkerSpec
 from . import recorder
+from .by_index import ByIndex
 from .forkserver import serve_if_forkserver
 
 THREAD_GRACE = 5.0  # seconds a worker waits for threads and child processes fn left running
@@ -230,7 +230,7 @@ def _init_group(spec: WorkerSpec) -> None:
 
 
 def _connect(addr: str, port: int, timeout: float) -> Any:
-    from ..nodes.rendezvous import connect
+    from ..wire.store import connect
 
     return connect(addr, port, timeout)
 

@@ -11,8 +11,8 @@ node's heartbeat, the round's first failure as a :class:`FailureRecord`). A fail
 and the frame it was raised in, never recovered from its message. Also the
 few messages between the head of a ``--hosts`` launch and each node's
 launcher (:class:`NodeRequest` down, :class:`NodePort`, :class:`NodeResult`,
-:class:`NodeFailed` up). Leaves sending to core/rank/worker.py and core/nodes/hosts_node.py, receiving to
-core/launcher/attempt.py and core/nodes/hosts.py, the store to core/nodes/rendezvous.py.
+:class:`NodeFailed` up). Leaves sending to core/rank/worker.py and core/launcher/hosts_node.py, receiving to
+core/launcher/attempt.py and core/nodes/hosts.py, the store to core/nodes/rendezvous.py (its client: core/wire/store.py).
 """
 
 from __future__ import annotations
@@ -233,7 +233,7 @@ class FailureRecord:
         return cls(**{**fields, "outcome": Outcome(fields["outcome"])})
 
 
-# ---- between the head of a --hosts launch and each node's launcher (core/nodes/hosts.py, core/nodes/hosts_node.py) ----
+# ---- between the head of a --hosts launch and each node's launcher (core/nodes/hosts.py, core/launcher/hosts_node.py) ----
 # The head writes one NodeRequest on the node's stdin (length, then a pickle); the node answers on stdout
 # with lines that start with NODE_MARK (a NodeMessage, pickled, base64), between its ranks' lines. Both
 # ends decode with a type check, as the rank wire does.

@@ -1,4 +1,4 @@
-"""One node of a ``--hosts`` launch, on its machine: ``python -m mpddp.core.nodes.hosts_node``, started over ssh.
+"""One node of a ``--hosts`` launch, on its machine: ``python -m mpddp.core.launcher.hosts_node``, started over ssh.
 
 Owns: the remote end of core/nodes/hosts.py's protocol. It reads one request on
 stdin (the node's launch options, ``fn`` already shipped by value, a few
@@ -69,7 +69,7 @@ def _watch_stdin(stream: Any) -> None:
 
 def serve(stdin: Any) -> int:
     """Run this node for the head; the exit code says only whether the protocol held (0) or not."""
-    from ..launcher.api import run_node
+    from .api import run_node
 
     request = protocol.read_request(stdin)
     if request is None:
@@ -106,7 +106,7 @@ def main() -> None:
         code = 0  # the ranks were stopped in the launch's own teardown
     for signum in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
         signal.signal(signum, signal.SIG_IGN)  # done: the head closing our stdin now is the normal end
-    from ..launcher.startup import stop_helpers
+    from .startup import stop_helpers
 
     stop_helpers()
     sys.stdout.flush()
