@@ -39,10 +39,24 @@ def _resolve(module: str, node: ast.ImportFrom) -> str:
     return ".".join(base + ([node.module] if node.module else []))
 
 
-def imports_of(module: str) -> set[str]:
-    """Every mpddp module ``module`` imports, at the top or inside functions."""
+def _run_time(tree: ast.AST) -> list[ast.AST]:
+    """Every node of ``tree`` but those under ``if TYPE_CHECKING:`` (imports for type hints only, never run)."""
+    found, todo = [], [tree]
+    while todo:
+        node = todo.pop()
+        found.append(node)
+        if isinstance(node, ast.If) and getattr(node.test, "id", getattr(node.test, "attr", None)) == "TYPE_CHECKING":
+            todo.extend(node.orelse)
+            continue
+        todo.extend(ast.iter_child_nodes(node))
+    return found
+
+
+def imports_of(module: str, run_time: bool = False) -> set[str]:
+    """Every mpddp module ``module`` imports, at the top or inside functions (``run_time``: but for type hints)."""
     found: set[str] = set()
-    for node in ast.walk(ast.parse(MODULES[module].read_text())):
+    tree = ast.parse(MODULES[module].read_text())
+    for node in (_run_time(tree) if run_time else ast.walk(tree)):
         if isinstance(node, ast.Import):
             found |= {alias.name for alias in node.names}
         elif isinstance(node, ast.ImportFrom):
@@ -52,7 +66,8 @@ def imports_of(module: str) -> set[str]:
     return {name for name in found if name in MODULES and name != module}
 
 
-GRAPH = {module: imports_of(module) for module in MODULES}
+GRAPH = {module: imports_of(module) for module in MODULES}  # what each module depends on: the layers' rules
+RUN_GRAPH = {module: imports_of(module, run_time=True) for module in MODULES}  # what it imports: circles
 
 
 def _cycle() -> list[str] | None:
@@ -62,7 +77,7 @@ def _cycle() -> list[str] | None:
     def visit(module: str) -> list[str] | None:
         state[module] = 1
         path.append(module)
-        for target in sorted(GRAPH[module]):
+        for target in sorted(RUN_GRAPH[module]):
             if state.get(target) == 1:
                 return path[path.index(target):] + [target]
             if target not in state and (found := visit(target)):
@@ -71,7 +86,7 @@ def _cycle() -> list[str] | None:
         path.pop()
         return None
 
-    for module in sorted(GRAPH):
+    for module in sorted(RUN_GRAPH):
         if module not in state and (found := visit(module)):
             return found
     return None
@@ -84,12 +99,19 @@ def test_the_walk_sees_imports_inside_functions():
     assert "mpddp.core.procs.teardown" in GRAPH["mpddp.core.launcher.report"]
 
 
-def test_no_import_circle():
+def test_the_walk_leaves_out_imports_for_type_hints_only():
+    # attempt.py names core/launcher/job.py's Job in its hints; job.py imports attempt.py to run an attempt
+    assert "mpddp.core.launcher.job" in GRAPH["mpddp.core.launcher.attempt"]
+    assert "mpddp.core.launcher.job" not in RUN_GRAPH["mpddp.core.launcher.attempt"]
+    assert "mpddp.core.launcher.attempt" in RUN_GRAPH["mpddp.core.launcher.job"]
+
+
+def test_no_import_circle():  # at run time: a module's hints may name a type of the module that imports it
     assert _cycle() is None, " -> ".join(_cycle() or [])
 
 
 def test_a_circle_would_be_found(monkeypatch):
-    monkeypatch.setitem(GRAPH, "mpddp.errors", GRAPH["mpddp.errors"] | {"mpddp.core.launcher.api"})
+    monkeypatch.setitem(RUN_GRAPH, "mpddp.errors", RUN_GRAPH["mpddp.errors"] | {"mpddp.core.launcher.api"})
     assert _cycle() is not None
 
 

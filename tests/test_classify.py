@@ -63,6 +63,17 @@ def test_a_rank_that_returned_before_the_collective_broke_is_the_cause() -> None
     assert classify(states).outcomes == {0: Out.OK, 1: Out.COLLECTIVE}
 
 
+def test_a_collective_that_timed_out_blames_the_ranks_still_running() -> None:
+    """classify() decides the "stuck" case (the report only words it): rank 0's collective timed out while rank 2
+    computed elsewhere, and was stopped."""
+    states = ranks()
+    raised(states[0], 2.0, Out.COLLECTIVE)
+    stopped(states[2])
+    verdict = classify(states)
+    assert (verdict.case, verdict.culprits) == ("stuck", (2,))
+    assert verdict.outcomes == {0: Out.COLLECTIVE, 1: Out.OK, 2: Out.STOPPED}
+
+
 def test_a_rank_that_left_the_group_is_the_cause() -> None:
     states = ranks(2)
     states[0].left = Left(where="destroy_process_group at t.py:9", time=1.0)

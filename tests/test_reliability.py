@@ -252,7 +252,7 @@ def test_ctrl_c_while_ranks_start_stops_those_already_started(monkeypatch):
                 process.start = ctrl_c_once_rank_0_runs
             return process
 
-    from mpddp.core.launcher import attempt
+    from mpddp.core.launcher import channels
 
     pids: list[int] = []  # kept apart: the launcher closes a process object once its rank is gone
 
@@ -260,8 +260,8 @@ def test_ctrl_c_while_ranks_start_stops_those_already_started(monkeypatch):
         real_start(process)
         pids.append(process.pid)
 
-    real_start = attempt.start_process
-    monkeypatch.setattr(attempt, "start_process", start_and_note)
+    real_start = channels.start_process
+    monkeypatch.setattr(channels, "start_process", start_and_note)
     monkeypatch.setattr(launcher, "start_context", lambda method, *rest: CtrlCOnSecondStart(real(method, *rest)))
     with pytest.raises(KeyboardInterrupt):
         mpddp.launch(wait_forever, nprocs=2, init_process_group=False)

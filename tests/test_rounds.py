@@ -351,13 +351,13 @@ def test_a_node_that_never_beat_is_silent(now, ended, silent) -> None:
 
 def test_a_node_that_never_beat_is_named_gone_once_its_peers_waited_the_timeout() -> None:
     import mpddp
-    from mpddp.core.nodes import rounds
+    from mpddp.core.nodes import rounds, settle
 
     link = _link(0, _Beats({0: 12, 1: 0, 2: 12}), timeout=1.0)  # node 2 ended its round, node 1 never beat
     link._store.set(rounds.full_key(0, rounds.protocol.ended_key(2)), "1")
     victim = mpddp.WorkerFailed("mpddp: rank 0 failed in all_reduce: Connection closed by peer", rank=0)
     started = time.monotonic()
-    said = rounds.settle(link, 0, victim, mpddp.Outcome.COLLECTIVE, None, lambda record: None, lambda: [])
+    said = settle.settle(link, 0, victim, mpddp.Outcome.COLLECTIVE, None, lambda record: None, lambda: [])
     assert 1.0 < time.monotonic() - started < 10
     assert str(said).splitlines()[0] == (
         "mpddp: node(s) 1 went away (the launcher never beat in this round within --timeout 1 s, nor ended it: "
@@ -387,7 +387,7 @@ def test_node_0_waits_for_a_launcher_nobody_found_lost_to_leave() -> None:
     host = _link(0, beats, timeout=1.0)  # waits min(--timeout, 10 s) for node 1
     started = time.monotonic()
     host.leave()
-    assert 1.0 <= time.monotonic() - started < 1.0 + 10 * rounds._POLL + 1.0
+    assert 1.0 <= time.monotonic() - started < 1.0 + 10 * rounds.POLL + 1.0
 
 
 def test_a_victim_waits_for_the_record_of_a_node_still_at_work_even_past_a_short_timeout() -> None:
@@ -396,7 +396,7 @@ def test_a_victim_waits_for_the_record_of_a_node_still_at_work_even_past_a_short
     import threading
 
     import mpddp
-    from mpddp.core.nodes import rounds
+    from mpddp.core.nodes import settle
     from mpddp.core.wire.protocol import FailureRecord
 
     beats = _Beats({0: 12, 1: 12, 2: 12}, ended={2})  # node 1 has not ended its round: it tears down
@@ -407,7 +407,7 @@ def test_a_victim_waits_for_the_record_of_a_node_still_at_work_even_past_a_short
     late.start()
     victim = mpddp.WorkerFailed("mpddp: rank 0 failed in all_reduce: Connection closed by peer", rank=0)
     try:
-        said = rounds.settle(link, 0, victim, mpddp.Outcome.COLLECTIVE, None, lambda record: record, lambda: [])
+        said = settle.settle(link, 0, victim, mpddp.Outcome.COLLECTIVE, None, lambda record: record, lambda: [])
     finally:
         late.join()
     assert said == replace(cause, writer=1)  # before: after --timeout (1 s) node 0 wrote its own rank 0 as the round's failure
@@ -421,7 +421,7 @@ def test_a_hang_that_names_only_another_nodes_ranks_waits_for_that_nodes_record(
     import threading
 
     import mpddp
-    from mpddp.core.nodes import rounds
+    from mpddp.core.nodes import settle
     from mpddp.core.wire.protocol import FailureRecord
 
     beats = _Beats({0: 12, 1: 12, 2: 12}, ended={2})
@@ -433,8 +433,8 @@ def test_a_hang_that_names_only_another_nodes_ranks_waits_for_that_nodes_record(
     blamed = 1 if elsewhere else 0
     seen_here = mpddp.WorkerFailed(f"mpddp: rank {blamed} made no progress for 4 s (as node 0 saw it)", rank=blamed)
     try:
-        said = rounds.settle(link, 0, seen_here, mpddp.Outcome.HUNG, None, lambda record: record, lambda: [],
-                             blame=rounds.Blame(frozenset({1}) if elsewhere else frozenset()))
+        said = settle.settle(link, 0, seen_here, mpddp.Outcome.HUNG, None, lambda record: record, lambda: [],
+                             blame=settle.Blame(frozenset({1}) if elsewhere else frozenset()))
     finally:
         late.join()
     assert said == (replace(cause, writer=1) if elsewhere else seen_here)
@@ -446,7 +446,7 @@ def test_a_hang_blamed_on_a_node_that_itself_only_waits_is_told_at_once() -> Non
     but node 1's rank only saw node 0's teardown break its call: node 1 waits for the record itself and sees no
     better. Before, the two nodes waited for each other's record for _RECORD_WAIT, then raced to write one."""
     import mpddp
-    from mpddp.core.nodes import rounds
+    from mpddp.core.nodes import settle
     from mpddp.core.wire import protocol
 
     beats = _Beats({0: 12, 1: 12, 2: 12}, ended={2})
@@ -454,8 +454,8 @@ def test_a_hang_blamed_on_a_node_that_itself_only_waits_is_told_at_once() -> Non
     link = _link(0, beats, timeout=30.0)
     seen_here = mpddp.WorkerFailed("mpddp: ranks 0, 2 called all_reduce #41 while rank 1 called broadcast #41", rank=1)
     started = time.monotonic()
-    said = rounds.settle(link, 0, seen_here, mpddp.Outcome.MISMATCH, None, lambda record: record, lambda: [],
-                         blame=rounds.Blame(frozenset({1})))
+    said = settle.settle(link, 0, seen_here, mpddp.Outcome.MISMATCH, None, lambda record: record, lambda: [],
+                         blame=settle.Blame(frozenset({1})))
     assert time.monotonic() - started < 1.0
     assert said is seen_here and link.record(0).line == str(seen_here) and link.record(0).writer == 0
 
@@ -464,7 +464,7 @@ def test_a_node_whose_ranks_returned_while_ours_waited_is_named_at_once() -> Non
     """Node 2's ranks returned (it waits for the others to end the round); node 0's rank then saw its all_reduce
     break: node 0 names node 2's first rank as the cause, in the line node 0 words, for every node."""
     import mpddp
-    from mpddp.core.nodes import rounds
+    from mpddp.core.nodes import settle
     from mpddp.core.wire import protocol
 
     beats = _Beats({0: 12, 1: 12, 2: 12})
@@ -473,8 +473,8 @@ def test_a_node_whose_ranks_returned_while_ours_waited_is_named_at_once() -> Non
     link = _link(0, beats, timeout=30.0)
     victim = mpddp.WorkerFailed("mpddp: rank 0 failed in all_reduce: Connection closed by peer", rank=0)
     started = time.monotonic()
-    said = rounds.settle(link, 0, victim, mpddp.Outcome.COLLECTIVE, None, lambda record: record, lambda: [],
-                         blame=rounds.Blame(early_exit=lambda rank: f"mpddp: rank {rank} exited (code 0) while ..."))
+    said = settle.settle(link, 0, victim, mpddp.Outcome.COLLECTIVE, None, lambda record: record, lambda: [],
+                         blame=settle.Blame(early_exit=lambda rank: f"mpddp: rank {rank} exited (code 0) while ..."))
     assert time.monotonic() - started < 1.0
     assert (said.rank, said.node_rank, said.outcome, said.exit_code, said.line, said.writer) == (
         2, 2, mpddp.Outcome.EARLY_EXIT, 1, "mpddp: rank 2 exited (code 0) while ...", 0)

@@ -23,7 +23,8 @@ The rule, in order:
    * else, when the first cause is a broken collective, the rank that broke
      it by leaving: one that returned before that collective failed
      ("returned"), else one that destroyed its process group ("left"), is
-     EARLY_EXIT.
+     EARLY_EXIT; else the ranks still running when it timed out, stopped
+     since, are the ones it waited for ("stuck").
 3. The root cause is the first rank by :data:`CAUSE_ORDER`, then by time.
    Never by words in a message: a user's exception that says "timeout" is
    still the user's.
@@ -155,8 +156,10 @@ class Verdict:
 
     ``case``: ``mismatch``, ``hang`` (then ``hang`` is the watchdog's
     verdict), ``returned`` or ``left`` (``culprits`` broke their peers'
-    collective by leaving), ``failed`` (a rank failed: the root cause is the
-    first by :data:`CAUSE_ORDER`), or ``none`` (no rank here failed).
+    collective by leaving), ``stuck`` (the first failure is a collective that
+    timed out while ``culprits`` had not arrived: they were still running, and
+    were stopped), ``failed`` (a rank failed: the root cause is the first by
+    :data:`CAUSE_ORDER`), or ``none`` (no rank here failed).
     """
 
     outcomes: dict[int, Outcome]
@@ -209,7 +212,20 @@ def classify(states: list[RankState], hang: Hang | None = None, mismatch: Mismat
                      and outcomes[s.slot.rank] in (Outcome.STOPPED, Outcome.OK))
         if left:  # it destroyed its process group; its peers' collectives broke
             return Verdict(blamed(left, Outcome.EARLY_EXIT), "left", left)
+    if outcomes[root.slot.rank] is Outcome.COLLECTIVE:  # the others timed out waiting for ranks still running
+        stuck = tuple(s.slot.rank for s in states if outcomes[s.slot.rank] is Outcome.STOPPED)
+        if stuck:
+            return Verdict(outcomes, "stuck", stuck)
     return Verdict(outcomes, "failed", (root.slot.rank,))
+
+
+def node_cause(states: list[RankState], verdict: Verdict) -> Outcome:
+    """The outcome of this node's first failure, for the nodes' settlement (core/nodes/settle.py): a hang or a
+    mismatch as such, else the root cause's. From the ranks' outcomes, not from the report's type: "rank 3 made
+    no progress while rank 2 timed out in a collective" is still a collective error here, which a peer on
+    another node may have caused."""
+    told = {"hang": Outcome.HUNG, "mismatch": Outcome.MISMATCH}.get(verdict.case)
+    return told or verdict[root_cause(states, verdict).slot.rank]
 
 
 def root_cause(states: list[RankState], verdict: Verdict) -> RankState:

@@ -15,8 +15,10 @@ process to core/nodes/store_server.py and the words of a report to core/launcher
 from __future__ import annotations
 
 import socket
+from dataclasses import dataclass, field
 from typing import Any
 
+from ...config import LaunchConfig
 from ...errors import RestartsExhausted, StoreLost, WorkerFailed
 from ...log import logger
 from ..nodes import store_server
@@ -24,8 +26,32 @@ from ..nodes.rounds import NodeLink
 from ..nodes.store_server import StoreServer
 from ..wire import protocol
 from . import stragglers
-from .attempt import LIVE, LIVE_LOCK, Job, run_group
+from .attempt import run_group
 from .plan import Plan
+from .stop import LIVE, LIVE_LOCK
+
+
+@dataclass
+class Job:
+    """What every attempt of one launch shares, built once."""
+
+    plan: Plan
+    mp_context: Any
+    payload: bytes  # cloudpickle of (fn, args, kwargs, notebook cells' lines)
+    init_group: bool  # False: fn (or the script) calls init_process_group itself
+    port: int  # node 0's store, for the whole job
+    store: StoreServer | None = None  # node 0 only
+    # A script that calls init_process_group("env://") itself (init_group False) uses MASTER_PORT's store with no
+    # prefix of its own: from the second round on it gets a fresh store of the round's (core/launcher/job.py).
+    script_port: int | None = None
+    script_store: StoreServer | None = None  # node 0 only
+    link: NodeLink | None = None  # several nodes only: this launcher's client of the store
+    lags: stragglers.Stragglers = field(default_factory=stragglers.Stragglers)  # arrivals at collectives, job-wide
+
+    @property
+    def config(self) -> LaunchConfig:
+        return self.plan.config
+
 
 
 def run_job(plan: Plan, mp_context: Any, payload: bytes, init_group: bool, listening: socket.socket | None) -> list[Any]:

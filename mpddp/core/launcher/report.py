@@ -128,9 +128,8 @@ def failure_error(states: list[RankState], verdict: Verdict) -> WorkerFailed:
         render = _early_exit_error if verdict.case == "returned" else _left_error
         return render(states, verdict, culprits)
     root = root_cause(states, verdict)
-    stuck = [s for s in states if verdict[s.slot.rank] is Outcome.STOPPED] \
-        if verdict[root.slot.rank] is Outcome.COLLECTIVE else []
-    if stuck:  # the others timed out in a collective, waiting for ranks that were still running
+    if verdict.case == "stuck":  # the others timed out in a collective, waiting for ranks that were still running
+        stuck = [s for s in states if s.slot.rank in verdict.culprits]
         names = ", ".join(str(s.slot.rank) for s in stuck)
         waiting = ", ".join(str(s.slot.rank) for s in states if verdict[s.slot.rank] is Outcome.COLLECTIVE)
         first = _short(root.failure.message, 200) if root.failure and root.failure.message else ""

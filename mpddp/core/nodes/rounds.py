@@ -1,31 +1,18 @@
-"""Several nodes as one job: rounds that every node joins, the first failure told to every node, lost nodes.
+"""Several nodes as one job: rounds that every node joins, a beat, and the other nodes' liveness.
 
 Owns: this launcher's line to node 0's store on a job of several nodes
 (:class:`NodeLink`, one client for the whole job), the barrier that starts
 a restarted round only when every node's launcher has joined it, the
-heartbeat thread of a round (:class:`RoundWatch`: a beat, the watchdog's
-progress between nodes, and the round's first failure as another node
-wrote it), and :func:`settle`, which decides what this node reports once
-its round failed. The rule, so that every node names the same rank:
+barrier that ends a round only when every node's ranks returned or its
+launcher ended it, the heartbeat thread of a round (:class:`RoundWatch`: a
+beat, the watchdog's progress between nodes, and the round's first failure
+as another node wrote it), and which nodes are lost: a launcher whose beat
+stood still while the others beat, or that never beat for --timeout.
 
-* a node whose own rank failed by itself (raised, exited, died, hung)
-  writes a :class:`~mpddp.core.wire.protocol.FailureRecord` into the store; the
-  first node to write one wins, and every node's report starts with its
-  line and exits with its code;
-* a node whose ranks only saw a peer vanish (an error inside a collective)
-  writes nothing at first: it waits for the record of the node where the
-  failure started, and says "node N went away" only when node N's launcher
-  stopped beating without ending its round (killed, machine lost), or never
-  beat in it for --timeout;
-* so does a node whose watchdog found a hang that names only other nodes'
-  ranks (seen through the collectives the nodes share every beat): their own
-  node sees them better (their stacks, a flight recorder not a beat old),
-  and its record stands unless it never comes.
-
-Leaves the store's process to core/nodes/store_server.py, the key names and the
-record's wire form to core/wire/protocol.py, the restart loop to core/launcher/job.py,
-watching the local ranks to core/launcher/attempt.py and the words of a report
-to core/launcher/report.py.
+Leaves what a failed round reports to core/nodes/settle.py, the store's process to
+core/nodes/store_server.py, the key names and the record's wire form to
+core/wire/protocol.py, the restart loop to core/launcher/job.py, watching the local
+ranks to core/launcher/attempt.py and the words of a report to core/launcher/report.py.
 """
 
 from __future__ import annotations
@@ -36,22 +23,21 @@ import socket
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from datetime import timedelta
 from typing import Any
 
 from ... import ranks as rank_math
 from ...config import LaunchConfig
-from ...errors import Outcome, RendezvousError, StoreLost, WorkerFailed
+from ...errors import Outcome, RendezvousError, StoreLost
 from ...log import logger
 from ..wire import protocol
 from ..wire.protocol import FailureRecord, full_key
 
 _INTERVAL = 0.25  # seconds between two beats (and two looks for another node's failure)
-_STALLED_AFTER = 6 * _INTERVAL  # a beat that did not move for this long, while others moved: its launcher is gone
+STALLED_AFTER = 6 * _INTERVAL  # a beat that did not move for this long, while others moved: its launcher is gone
 _LIVE_BEATS = 12  # ... by at least this many beats (3 s of them): a starved launcher beats again before that
-_RECORD_WAIT = 10.0  # seconds a node whose ranks only saw a peer vanish waits for the record of the cause, at least
-_POLL = 0.05
+POLL = 0.05
 _LEAVE_WAIT = 10.0  # seconds node 0 keeps the store for the other launchers to read the last round
 
 
@@ -132,10 +118,10 @@ class NodeLink:
                                               for n in range(nnodes)])
                 missing = [n for n in range(nnodes) if not joined[n]]
                 raise RendezvousError(
-                    f"node(s) {_names(missing)} did not join round {attempt} (restart {attempt} of "
+                    f"node(s) {names(missing)} did not join round {attempt} (restart {attempt} of "
                     f"{self.config.max_restarts}) within --timeout {timeout:g} s: their launchers are gone or stopped "
                     "(killed, preempted, machine lost); every node must be running to restart the group")
-            time.sleep(_POLL)
+            time.sleep(POLL)
 
     def script_port(self, attempt: int) -> int:
         """The port of the round's own store for env:// scripts, which node 0 set before it joined (core/launcher/job.py)."""
@@ -161,7 +147,7 @@ class NodeLink:
         how = "interrupted (SIGINT)" if isinstance(cause, KeyboardInterrupt) else (
             f"stopped by {signal.Signals(signum).name}" if isinstance(signum, int) else
             f"stopped ({type(cause).__name__})")
-        line = f"mpddp: node {node}'s launcher was {how} while its ranks ran, taking rank(s) {_names(ranks)} with it"
+        line = f"mpddp: node {node}'s launcher was {how} while its ranks ran, taking rank(s) {names(ranks)} with it"
         with contextlib.suppress(StoreGone):
             self.publish(attempt, FailureRecord(ranks[0], node, 0, Outcome.STOPPED, code, line, time.time()))
 
@@ -265,11 +251,11 @@ class NodeLink:
                 if not pending:
                     return None
                 now = time.monotonic()
-                if now - since >= _STALLED_AFTER and self.stalled(attempt, beats) is not None:
+                if now - since >= STALLED_AFTER and self.stalled(attempt, beats) is not None:
                     beats, since = self.heartbeats(attempt), now  # lost nodes are in self.gone from now on
                 if now - start > self.config.timeout:
                     self.silent(attempt)
-                time.sleep(_POLL)
+                time.sleep(POLL)
         except StoreGone:  # node 0 gone after our ranks returned: nothing more to learn, and nothing went wrong here
             logger.warning("mpddp: node 0's store went away before every node ended round %d; node %d's ranks had "
                            "all returned", attempt, me)
@@ -290,7 +276,7 @@ class NodeLink:
                 return
             deadline = time.monotonic() + min(self.config.timeout, _LEAVE_WAIT)
             while self.call(lambda s: s.add(protocol.LEFT, 0) < waited_for(s)) and time.monotonic() < deadline:
-                time.sleep(_POLL)
+                time.sleep(POLL)
         except StoreGone:
             pass
 
@@ -302,7 +288,7 @@ class RoundWatch:
     computed and reads :attr:`remote_progress`, which moves when a rank on
     another node did, so that no node declares a hang while another node's
     ranks compute. :attr:`remote_failure` is set when another node wrote the
-    round's first failure: the supervisor then stops this node's ranks.
+    round's first failure: the attempt then stops this node's ranks.
     """
 
     def __init__(self, link: NodeLink, attempt: int, share: Callable[[], bytes | None] | None = None) -> None:
@@ -365,154 +351,5 @@ class RoundWatch:
         self._thread.join(1.0)
 
 
-@dataclass(frozen=True)
-class Blame:
-    """What this node's report blames, for :func:`settle`: ``culprits``, when they are all ranks of other nodes
-    (a hang or a mismatch seen through the collectives the nodes share), and ``early_exit``, the first line
-    that names a rank of another node that returned while this node's ranks still waited for it."""
-
-    culprits: frozenset[int] = frozenset()
-    early_exit: Callable[[int], str] | None = None
-
-
-def settle(link: NodeLink, attempt: int, local: WorkerFailed | None, cause: Outcome | None,
-           remote: FailureRecord | None, remote_error: Callable[[FailureRecord], WorkerFailed],
-           missing: Callable[[], list[int]], blame: Blame = Blame()) -> WorkerFailed | RendezvousError:
-    """What this node reports for a failed round of several nodes, the same first failure on every node.
-
-    ``local``: this node's own report (None when only another node failed), ``cause`` the outcome of its
-    first failure; ``remote``: a record another node wrote before this node failed; ``remote_error`` turns
-    a record into this node's report; ``missing``: ranks that never reached the store (node 0 asks it);
-    ``blame``: what this node's report blames on other nodes.
-    """
-    if remote is not None or local is None:
-        assert remote is not None  # the watch returns without a local failure only for another node's
-        return remote_error(remote)
-    try:
-        return _settle_local(link, attempt, local, cause, remote_error, missing, blame)
-    except StoreGone:
-        return _store_gone(link, local)
-
-
-def _settle_local(link: NodeLink, attempt: int, local: WorkerFailed, cause: Outcome | None,
-                  remote_error: Callable[[FailureRecord], WorkerFailed],
-                  missing: Callable[[], list[int]], blame: Blame) -> WorkerFailed | RendezvousError:
-    config = link.config
-    if attempt == 0 and (never := missing()):  # ranks that waited for them timed out, or were found hung
-        return RendezvousError(_missing_message(never, link))
-    if cause not in (Outcome.COLLECTIVE, Outcome.STOPPED) and not blame.culprits:  # a rank here failed by itself
-        winner = link.publish(attempt, _record_of(local, cause, link))
-        return local if winner.writer == config.node_rank else remote_error(winner)  # another node was first
-    found = _wait_for(link, attempt, local, cause if blame.culprits else Outcome.COLLECTIVE, blame)
-    if isinstance(found, FailureRecord):  # ours stands, unless it names another node's rank that returned early
-        mine = found.writer == config.node_rank and found.outcome is not Outcome.EARLY_EXIT
-        return local if mine else remote_error(found)
-    lost_ranks = [s.rank for s in rank_math.layout(config.nnodes, link.nprocs) if s.node_rank in found.nodes]
-    how = ("stopped beating without ending its round" if found.beat else
-           f"never beat in this round within --timeout {config.timeout:g} s, nor ended it")
-    line = (f"mpddp: node(s) {_names(found.nodes)} went away (the launcher {how}: killed, preempted or its machine "
-            f"lost), taking rank(s) {_names(lost_ranks)}")
-    went = FailureRecord(lost_ranks[0], found.nodes[0], 0, Outcome.DIED, 1, line, time.time())
-    winner = link.publish(attempt, went)
-    if winner.line != line:
-        return remote_error(winner)
-    local.args = (f"{line}; the failures below are consequences\n{local}",)
-    local.exit_code = 1
-    return local
-
-
-def _store_gone(link: NodeLink, local: WorkerFailed) -> RendezvousError:
-    """Node 0's store does not answer: never reached (not started, wrong address), or gone since."""
-    config = link.config
-    if not link.reached:
-        return RendezvousError(
-            f"node 0's rendezvous store at {config.master_addr}:{link.port} did not answer within --timeout "
-            f"{config.timeout:g} s: start node 0's launcher (--node-rank 0) there, or check --master-addr and "
-            f"--master-port; the failures below are consequences\n{local}")
-    return StoreLost(f"node 0, which hosts the rendezvous at {config.master_addr}:{link.port}, is gone (its "
-                     f"launcher was killed, or its machine lost); the failures below are consequences\n{local}")
-
-
-@dataclass(frozen=True)
-class Lost:
-    """Nodes found lost while this one waited for the round's record: ``beat``, they had beaten in it."""
-
-    nodes: list[int]
-    beat: bool
-
-
-def _wait_for(link: NodeLink, attempt: int, local: WorkerFailed, outcome: Outcome | None,
-              blame: Blame) -> FailureRecord | Lost:
-    """The round's record, once another node writes it; or the nodes found lost; or ours, once no other node
-    can still write a better one.
-
-    Two things end the wait at once: another node's ranks all returned while ours waited for them (then
-    the record names one of them, as ``blame.early_exit`` words it), and, when ``blame.culprits`` are other
-    nodes' ranks, their own nodes waiting too: their ranks only saw ours stop, so they see no better.
-
-    The node whose rank failed by itself writes the record after its teardown, which takes seconds on a busy
-    machine (measured: more than 10 s with 8 launchers and 16 ranks on 2 loaded cores, and a victim's own
-    record then won). So a victim waits while any other node still runs its round without waiting itself;
-    after :data:`_RECORD_WAIT`, once every other node has ended its round or waits too, nobody has a better
-    cause. It never waits past ``--timeout`` (when a node that never beat in the round is found lost, see
-    :meth:`NodeLink.stalled`), or past :data:`_RECORD_WAIT` when --timeout is shorter: a hang's --timeout of
-    a few seconds is no time for another node's teardown on a loaded machine.
-    """
-    me, nprocs = link.config.node_rank, link.nprocs
-    link.call(lambda s: s.set(full_key(attempt, protocol.waiting_key(me)), "1"))
-    start = time.monotonic()
-    beats, since = link.heartbeats(attempt), start
-    culprit_nodes = {rank_math.split_rank(r, nprocs)[0] for r in blame.culprits}
-    while True:
-        if (record := link.record(attempt)) is not None:
-            return record
-        if blame.early_exit is not None and outcome in (Outcome.COLLECTIVE, Outcome.HUNG) and (
-                returned := link.returned(attempt)):
-            node = min(returned, key=lambda n: (n not in culprit_nodes, returned[n]))  # a culprit's, else the first
-            rank = min(blame.culprits & set(range(node * nprocs, (node + 1) * nprocs)), default=node * nprocs)
-            return link.publish(attempt, FailureRecord(rank, node, rank - node * nprocs, Outcome.EARLY_EXIT, 1,
-                                                       blame.early_exit(rank), time.time()))
-        if culprit_nodes and link.waiting(attempt, culprit_nodes):
-            return link.publish(attempt, _record_of(local, outcome, link))
-        now = time.monotonic()
-        if now - since >= _STALLED_AFTER:  # a launcher whose beat stood still while others beat is gone
-            lost = link.stalled(attempt, beats)
-            if lost:
-                return Lost(lost, beat=True)
-            if lost is not None:  # every node beat: look again over a new window (else the same, longer)
-                beats, since = link.heartbeats(attempt), now
-        if now - start > link.config.timeout and (silent := link.silent(attempt)):
-            return Lost(silent, beat=False)
-        if now - start > _RECORD_WAIT and (now - start > link.config.timeout or not link.busy(attempt)):
-            return link.publish(attempt, _record_of(local, outcome, link))
-        time.sleep(_POLL)
-
-
-def _record_of(error: WorkerFailed, cause: Outcome | None, link: NodeLink) -> FailureRecord:
-    node, local_rank = rank_math.split_rank(error.rank, link.nprocs)
-    return FailureRecord(rank=error.rank, node_rank=node, local_rank=local_rank, outcome=cause or Outcome.RAISED,
-                         exit_code=error.exit_code, line=str(error).splitlines()[0], wall_time=time.time())
-
-
-def _names(items: list[int]) -> str:
+def names(items: list[int]) -> str:
     return ", ".join(map(str, items))
-
-
-def _missing_message(missing: list[int], link: NodeLink) -> str:
-    config, port = link.config, link.port
-    nodes = sorted({rank_math.split_rank(r, link.nprocs)[0] for r in missing})
-    return (
-        f"node(s) {_names(nodes)} never arrived (rank(s) {_names(missing)} "
-        f"missing from the rendezvous at {config.master_addr}:{port}): start their launchers with "
-        f"--nnodes {config.nnodes} --master-addr {config.master_addr} --master-port {port} --node-rank N"
-    )
-
-
-def missing_ranks(link: NodeLink, attempt: int) -> list[int]:
-    """Ranks that never reached node 0's store (their node never arrived); see core/rank/worker.py."""
-    world_size = link.config.nnodes * link.nprocs
-    try:
-        return link.call(lambda s: [r for r in range(world_size)
-                                    if not s.check([full_key(attempt, protocol.arrived_key(r))])], connect_timeout=2.0)
-    except StoreGone:
-        return []
