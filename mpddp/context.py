@@ -1,7 +1,7 @@
 """What a worker knows about itself: the frozen ``ctx`` passed to ``fn``.
 
 Owns: the :class:`WorkerContext` value type, made from a rank's
-:class:`~mpddp.ranks.RankSlot` plus what the job decided. No torch import
+:class:`~mpddp.rank_math.RankSlot` plus what the job decided. No torch import
 here, so that code which only reads a context stays light.
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any
 
-from .ranks import RankSlot
+from .rank_math import RankSlot
 
 
 @dataclass(frozen=True)

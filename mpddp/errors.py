@@ -84,7 +84,7 @@ class AddressError(ConfigError, RendezvousError):
 
 
 class StoreLost(RendezvousError):
-    """Node 0's store keeper ended while the ranks ran (killed from outside); ``max_restarts`` retries it."""
+    """Node 0's store server ended while the ranks ran (killed from outside); ``max_restarts`` retries it."""
 
 
 class WorkerFailed(MpddpError):

@@ -3,7 +3,7 @@
 Each picture comes from mpddp itself, never drawn by hand:
 
 - ``ranks.png``: two nodes of four GPUs, every worker's local rank and global
-  rank, from :func:`mpddp.ranks.layout` (the same table ``mpddp ranks`` prints);
+  rank, from :func:`mpddp.rank_math.layout` (the same table ``mpddp ranks`` prints);
 - ``stragglers.png``: the ``--timeline`` picture of a real 2-rank ``mpddp run``
   whose rank 1 turns slow on purpose at step 150 (it sleeps 30 ms more than
   rank 0 before each all_reduce from there on);
@@ -29,7 +29,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from mpddp.ranks import layout  # noqa: E402
+from mpddp.rank_math import layout  # noqa: E402
 
 OUT = ROOT / "docs" / "_static"
 PICTURES = ("ranks", "stragglers", "curves")

@@ -18,7 +18,7 @@ def leftovers(wait: float = 3.0) -> list[psutil.Process]:
 
     The forkserver itself stays (it holds no CUDA and no memory beyond torch's
     import, and exits with this process); its children, the workers and the
-    store's keeper, must not. They carry the forkserver's command line (it
+    store server, must not. They carry the forkserver's command line (it
     forks them without exec), so a helper is told by being this process's child.
     """
     me = psutil.Process()
@@ -60,8 +60,8 @@ def gone(pids: list[int], wait: float = 3.0) -> bool:
     return False
 
 
-def store_keeper_pid() -> int:
-    """In a rank: the store keeper's pid, found as the process listening on the rendezvous port among its
+def store_server_pid() -> int:
+    """In a rank: the store server's pid, found as the process listening on the rendezvous port among its
     parent's children (the ranks' sibling under the forkserver; under spawn or fork, a child of the launcher)."""
     import os
 

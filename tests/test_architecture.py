@@ -20,7 +20,7 @@ from mpddp.cli import main
 from mpddp.cli.options import LAUNCH_FIELDS, build_config
 
 PACKAGE = Path(mpddp.__file__).parent
-TOP = {"mpddp", "mpddp._version", "mpddp.errors", "mpddp.config", "mpddp.ranks", "mpddp.context", "mpddp.log"}
+TOP = {"mpddp", "mpddp._version", "mpddp.errors", "mpddp.config", "mpddp.rank_math", "mpddp.context", "mpddp.log"}
 
 
 def _module_name(path: Path) -> str:

@@ -20,7 +20,7 @@ from mpddp.core.launcher.classify import Hang, RankState, classify, root_cause
 from mpddp.core.wire.protocol import Call, Failure, Left
 from mpddp.core.wire.stacks import Location
 from mpddp.errors import Outcome
-from mpddp.ranks import layout
+from mpddp.rank_math import layout
 
 Out = Outcome
 

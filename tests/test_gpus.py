@@ -13,7 +13,7 @@ from mpddp.errors import ConfigError
 from mpddp.machine import gpus
 from mpddp.machine.cores import threads_per_rank
 from mpddp.machine.gpus import GpuQuery, busy_warnings, parse_visible_devices, resolve_gpus
-from mpddp.ranks import RankSlot, banner
+from mpddp.rank_math import RankSlot, banner
 
 DATA = Path(__file__).parent / "data"
 

@@ -266,7 +266,7 @@ real = forkserver.connect_to_new_process
 calls = []
 
 
-def killing(fds):  # the forkserver is killed from outside while it starts the first rank (the keeper is first)
+def killing(fds):  # the forkserver is killed from outside while it starts the first rank (the store server is first)
     read, write = real(fds)
     calls.append(1)
     if len(calls) == 2:
@@ -315,8 +315,8 @@ def test_a_forkserver_killed_while_the_ranks_start_is_named(tmp_path, how):
         assert out.stderr.startswith("mpddp: error: " + lost[0]) and lost[1] in out.stderr, out.stderr
 
 
-def test_a_stopped_store_keeper_is_named_with_its_state(no_leftovers, monkeypatch):
-    """Was: a hang "in a collective that its peers do not reach", or a rank's store timeout, for a keeper that
+def test_a_stopped_store_server_is_named_with_its_state(no_leftovers, monkeypatch):
+    """Was: a hang "in a collective that its peers do not reach", or a rank's store timeout, for a store server that
     SIGSTOP froze before the ranks connected."""
     import signal as signals
 
@@ -332,7 +332,7 @@ def test_a_stopped_store_keeper_is_named_with_its_state(no_leftovers, monkeypatc
     monkeypatch.setattr(store_server, "start", start_and_stop)
     with pytest.raises(mpddp.StoreLost) as info:
         mpddp.launch(one, nprocs=2, timeout=3)
-    assert str(info.value).startswith("the store keeper (pid ")
+    assert str(info.value).startswith("the store server (pid ")
     assert "does not answer: it is stopped (SIGSTOP, or a debugger), so the ranks could not meet" in str(info.value)
 
 

@@ -1,7 +1,7 @@
 """Several nodes as one job: the same first failure named on every node, and restarts as rounds.
 
 Two (or three) launchers on 127.0.0.1 with node ranks, each running ``tests/scripts/rounds_job.py``
-(a small DDP model, 2 ranks a node, gloo). A rank, a launcher or node 0's store keeper is really
+(a small DDP model, 2 ranks a node, gloo). A rank, a launcher or node 0's store server is really
 killed, at a random step; every node's report is read from its stderr and compared; the weights of a
 recovered run are compared with those of a run that never failed (one launcher, the same world size);
 every test checks that nothing tagged is left running.
@@ -183,19 +183,19 @@ def test_a_killed_launcher_is_named_lost_on_the_other_node(cluster: Cluster, res
 
 
 @pytest.mark.timeout(120)
-def test_a_killed_store_keeper_ends_the_job_on_both_nodes(cluster: Cluster) -> None:
+def test_a_killed_store_server_ends_the_job_on_both_nodes(cluster: Cluster) -> None:
     nodes = start(cluster, 2, free_port(), "--steps", "400", "--pause", "0.05", "--timeout", "10",
                   "--max-restarts", "1")
     cluster.wait_for("READY rank", 4, timeout=60)
     time.sleep(random.uniform(0.0, 1.0))
     launcher = psutil.Process(nodes[0].proc.pid)
     port = int(nodes[0].proc.args[4])
-    keeper = next(p for p in launcher.children(recursive=True) if any(
+    store_server = next(p for p in launcher.children(recursive=True) if any(
         c.status == psutil.CONN_LISTEN and c.laddr.port == port for c in p.net_connections("tcp")))
-    keeper.send_signal(signal.SIGKILL)
+    store_server.send_signal(signal.SIGKILL)
     codes = finish(nodes, 60)
     assert codes[0] != 0 and codes[1] != 0
-    assert f"the store keeper (pid {keeper.pid})" in nodes[0].stderr, nodes[0].stderr
+    assert f"the store server (pid {store_server.pid})" in nodes[0].stderr, nodes[0].stderr
     assert "not restarted: on several nodes" in nodes[0].stderr
     assert "node 0, which hosts the rendezvous at 127.0.0.1" in nodes[1].stderr, nodes[1].stderr
     assert cluster.leftovers(wait=5) == []

@@ -18,7 +18,7 @@ import socket
 
 import click
 
-from .. import __version__, ranks
+from .. import __version__, rank_math
 from ..config import LaunchConfig, parse_gpus
 from ..errors import ConfigError
 from ..machine import cluster
@@ -126,7 +126,7 @@ def choice_lines(config: LaunchConfig, query: GpuQuery) -> list[str]:
     ]
     if ids:
         lines.append("  children get  " + " ".join(f"{k}={v}" for k, v in child_cuda_env(ids).items()))
-    lines += [f"  [rank {s.rank}] {ranks.banner(s)}" for s in ranks.layout(1, nprocs, ids)]
+    lines += [f"  [rank {s.rank}] {rank_math.banner(s)}" for s in rank_math.layout(1, nprocs, ids)]
     return lines + busy_warnings(ids, query)
 
 

@@ -12,7 +12,7 @@ import os
 
 import click
 
-from .. import ranks as rank_math
+from .. import rank_math
 from ..config import LaunchConfig, parse_gpus
 from ..errors import ConfigError
 from ..machine import cluster

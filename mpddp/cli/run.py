@@ -19,7 +19,7 @@ import click
 
 from ..config import LaunchConfig
 from ..errors import ConfigError
-from ..ranks import global_rank
+from ..rank_math import global_rank
 from .options import build_config, launch_options
 
 C10D_PORT = 29400  # torchrun's port for an --rdzv-endpoint without one

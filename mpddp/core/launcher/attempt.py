@@ -106,10 +106,10 @@ class Attempt:
         states, store, job = self.states, self.job.store, self.job
         if any(s.exitcode == protocol.MAIN_GUARD_EXIT and not s.started for s in states):
             raise MainGuardError(_MAIN_GUARD_MESSAGE)
-        # a keeper lost with the forkserver is not the cause: the ranks' report names the forkserver
+        # a store server lost with the forkserver is not the cause: the ranks' report names the forkserver
         lost = store is not None and store.lost and forkserver_gone() is None
         stalled = store.stalled() if store is not None and not all(s.succeeded for s in states) else None
-        if stalled is not None:  # a keeper that does not answer explains whatever the ranks did
+        if stalled is not None:  # a store server that does not answer explains whatever the ranks did
             raise StoreLost(store.stall(stalled))  # type: ignore[union-attr]
         verdict = classify(states, self.hang, self.mismatch)
         error = _report(states, verdict, self.hang, self.mismatch, self.relay) if self.failed_here and not lost else None

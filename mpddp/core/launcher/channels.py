@@ -16,7 +16,7 @@ from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING
 
 from ...context import WorkerContext
-from ...ranks import banner
+from ...rank_math import banner
 from ..procs.start import start_process
 from ..rank import boot
 from ..wire import protocol

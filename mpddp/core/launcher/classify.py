@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ...errors import Outcome, RankFailure
-from ...ranks import RankSlot
+from ...rank_math import RankSlot
 from ..wire import stacks
 from ..wire.errorfile import ErrorRecord
 from ..wire.protocol import Failure

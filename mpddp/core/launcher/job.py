@@ -2,13 +2,13 @@
 
 Owns: what lives for the whole job and is built once (:class:`Job`: the
 config, the plan, the start method's context, ``fn`` shipped by value, and
-on node 0 the store's keeper on the one port every node finds for the
+on node 0 the store server on the one port every node finds for the
 whole job), the attempts (each a round that every node joins before its
 ranks start, core/nodes/rounds.py) and what a failed attempt becomes: a restart
-while ``max_restarts`` allows, else the report. On a single node a keeper
+while ``max_restarts`` allows, else the report. On a single node a store server
 that was lost is replaced by a fresh one for the next attempt; on several
 nodes the others could not find a new one, so the job ends there. Leaves
-one attempt (start, watch, stop, report) to core/launcher/attempt.py, the keeper's
+one attempt (start, watch, stop, report) to core/launcher/attempt.py, the store server's
 process to core/nodes/store_server.py and the words of a report to core/launcher/report.py.
 """
 
@@ -150,7 +150,7 @@ def _start_store(mp_context: Any, sock: socket.socket, config: Any) -> StoreServ
     with LIVE_LOCK:
         store = store_server.start(mp_context, sock, config.timeout, forked=config.start_method == "fork")
         LIVE.add(store.pid)
-    sock.close()  # the keeper's copy listens; were it to die, clients are refused, not left waiting
+    sock.close()  # the store server's copy listens; were it to die, clients are refused, not left waiting
     return store
 
 
@@ -161,7 +161,7 @@ def _stop_store(store: StoreServer) -> None:
 
 
 def _replace_store(job: Job) -> None:
-    """One node: a fresh keeper on a fresh port after the last one was lost (every rank is this node's)."""
+    """One node: a fresh store server on a fresh port after the last one was lost (every rank is this node's)."""
     from ..nodes import rendezvous
 
     assert job.store is not None

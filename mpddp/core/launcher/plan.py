@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import psutil
 
-from ... import ranks as rank_math
+from ... import rank_math
 from ...config import LaunchConfig
 from ...errors import ConfigError
 from ...log import logger

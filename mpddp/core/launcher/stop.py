@@ -24,7 +24,7 @@ _TEARDOWN_GRACE = 0.5
 _NO_STATUS = 255  # the exit code multiprocessing gives a forkserver child whose status never came
 
 
-# The ranks and keepers of every launch running in this process: launches may run in several threads at
+# The ranks and store servers of every launch running in this process: launches may run in several threads at
 # once, and all share one forkserver, whose children are either such processes or orphans it adopted.
 LIVE_LOCK = threading.Lock()
 LIVE: set[int] = set()
@@ -81,7 +81,7 @@ def _sweep_orphans() -> None:
 
 
 def forkserver_gone() -> int | None:
-    """The pid of a forkserver that was killed from outside (every rank and the keeper go with it), or None."""
+    """The pid of a forkserver that was killed from outside (every rank and the store server go with it), or None."""
     server = forkserver_pid()
     return server if server is not None and not teardown.alive(server) else None
 

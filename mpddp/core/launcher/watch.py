@@ -32,7 +32,7 @@ _FAILURE_WINDOW = 0.3  # seconds to collect other ranks' reports after the first
 
 def watch(states: list[RankState], watchdog: Watchdog, lags: stragglers.Stragglers, store: StoreServer | None = None,
            round_watch: RoundWatch | None = None) -> Hang | Mismatch | None:
-    """Wait until every rank succeeded, a failure window has closed, the store's keeper is gone,
+    """Wait until every rank succeeded, a failure window has closed, the store server is gone,
     another node wrote the round's first failure, the watchdog found a hang, or two ranks called
     different collectives at the same number."""
     board = watchdog.board

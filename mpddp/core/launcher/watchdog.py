@@ -53,7 +53,7 @@ class _Rank:
 
 @dataclass
 class Watchdog:
-    """Call :meth:`check` often (the supervisor's watch loop does); it samples every ``interval``."""
+    """Call :meth:`check` often (the attempt's watch loop does); it samples every ``interval``."""
 
     timeout: float
     heartbeat: Any = None  # core/nodes/rounds.py's RoundWatch on several nodes: progress travels between nodes

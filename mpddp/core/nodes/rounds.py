@@ -27,7 +27,7 @@ from dataclasses import replace
 from datetime import timedelta
 from typing import Any
 
-from ... import ranks as rank_math
+from ... import rank_math
 from ...config import LaunchConfig
 from ...errors import Outcome, RendezvousError, StoreLost
 from ...log import logger
@@ -42,7 +42,7 @@ _LEAVE_WAIT = 10.0  # seconds node 0 keeps the store for the other launchers to 
 
 
 class StoreGone(StoreLost):
-    """Node 0's store does not answer (its launcher or keeper is gone): a StoreLost wherever it is not settled."""
+    """Node 0's store does not answer (its launcher or store server is gone): a StoreLost wherever it is not settled."""
 
 
 class NodeLink:
@@ -85,7 +85,7 @@ class NodeLink:
         while True:
             try:
                 # A plain socket first: each failed try of torch's client prints a C++ stack on stderr. It is
-                # accepted as soon as node 0's launcher listens, before its keeper serves the store, and torch's
+                # accepted as soon as node 0's launcher listens, before its store server serves the store, and torch's
                 # client, once stuck in that window, can wait out its whole timeout: so short tries, again.
                 socket.create_connection((self.config.master_addr, self.port), timeout=1.0).close()
                 store: Any = connect(self.config.master_addr, self.port, max(0.5, min(2.0, deadline - time.monotonic())))

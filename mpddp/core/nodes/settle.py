@@ -32,7 +32,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from ... import ranks as rank_math
+from ... import rank_math
 from ...errors import Outcome, RendezvousError, StoreLost, WorkerFailed
 from ..wire import protocol
 from ..wire.protocol import FailureRecord, full_key

@@ -1,9 +1,9 @@
-"""The store server (the "store keeper" of reports): node 0's TCPStore, served by a process of its own.
+"""The store server : node 0's TCPStore, served by a process of its own.
 
-Owns: starting the keeper (forked from the torch-loaded forkserver in
+Owns: starting the store server (forked from the torch-loaded forkserver in
 milliseconds, under the other start methods a process like the ranks),
 handing it the rendezvous socket that core/nodes/rendezvous.py bound, what the
-keeper does (serve the store until the launcher closes its pipe or dies),
+store server does (serve the store until the launcher closes its pipe or dies),
 and stopping it. Why a process of its own: the store is the only thing on
 a single node that needed torch in the launcher, and a launcher that never
 imports torch neither competes with the forkserver's import nor pays
@@ -11,7 +11,7 @@ torch's interpreter teardown when a ``launch()`` script exits (about 0.45 s
 on 2 cores, measured: scripts/bench_first_step.py). The store still
 outlives every rank, so a rank that exits early never takes the store from
 its peers. Leaves the socket and the store's construction to
-core/nodes/rendezvous.py, watching the keeper to core/launcher/attempt.py.
+core/nodes/rendezvous.py, watching the store server to core/launcher/attempt.py.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from ..procs import teardown
 from ..procs.start import start_process
 from ..rank.boot import main_hidden
 
-_STOP_GRACE = 1.0  # seconds the keeper has to exit once its pipe is closed
+_STOP_GRACE = 1.0  # seconds the store server has to exit once its pipe is closed
 
 
 @dataclass
@@ -51,7 +51,7 @@ class StoreServer:
         return not self.stopped and self.process.exitcode is not None
 
     def stalled(self) -> str | None:
-        """The keeper's state when it is stopped (SIGSTOP, a debugger): it runs, but answers no rank."""
+        """The store server's state when it is stopped (SIGSTOP, a debugger): it runs, but answers no rank."""
         try:
             status = psutil.Process(self.pid).status()
         except psutil.Error:
@@ -59,21 +59,21 @@ class StoreServer:
         return status if status in (psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP) else None
 
     def stall(self, status: str) -> str:
-        """What the launcher says of a stopped keeper."""
-        return (f"the store keeper (pid {self.pid}), the process that serves this job's rendezvous store, does not "
+        """What the launcher says of a stopped store server."""
+        return (f"the store server (pid {self.pid}), the process that serves this job's rendezvous store, does not "
                 f"answer: it is {status} (SIGSTOP, or a debugger), so the ranks could not meet; every rank was stopped "
-                f"(`kill -CONT {self.pid}` resumes a keeper stopped by hand)")
+                f"(`kill -CONT {self.pid}` resumes a store server stopped by hand)")
 
     def loss(self) -> str:
-        """What the launcher says of a lost keeper."""
+        """What the launcher says of a lost store server."""
         code = self.process.exitcode
         how = f"was killed by {teardown.signal_name(code)}" if code is not None and code < 0 else f"exited with code {code}"
-        return (f"the store keeper (pid {self.pid}), the process that serves this job's rendezvous store, {how} "
+        return (f"the store server (pid {self.pid}), the process that serves this job's rendezvous store, {how} "
                 "while the ranks ran: it was stopped from outside (a signal, or the out-of-memory killer); every rank "
                 "was stopped, and their errors were its consequences")
 
     def stop(self) -> None:
-        """Close the pipe (the keeper exits), then make sure: join, and kill what did not exit."""
+        """Close the pipe (the store server exits), then make sure: join, and kill what did not exit."""
         self.stopped = True
         self.stop_end.close()
         self.process.join(_STOP_GRACE)
@@ -87,7 +87,7 @@ class StoreServer:
 
 
 def start(mp_context: Any, sock: socket.socket, timeout: float, forked: bool) -> StoreServer:
-    """Start the keeper with the listening ``sock`` (the caller may close its own copy once this returns).
+    """Start the store server with the listening ``sock`` (the caller may close its own copy once this returns).
 
     ``forked``: the ``fork`` start method, whose child inherits the launcher's end of the pipe.
     """
@@ -95,19 +95,19 @@ def start(mp_context: Any, sock: socket.socket, timeout: float, forked: bool) ->
     inherited = (stop_end.fileno(),) if forked else ()
     process = mp_context.Process(target=serve, args=(sock, timeout, wait_end, inherited), name="mpddp-store",
                                  daemon=True)
-    with main_hidden(always=True):  # the keeper runs none of the user's code
+    with main_hidden(always=True):  # the store server runs none of the user's code
         start_process(process)
     wait_end.close()
     return StoreServer(process, stop_end)
 
 
 def serve(sock: socket.socket, timeout: float, wait_end: Connection, inherited: tuple[int, ...]) -> None:
-    """In the keeper: serve the store until the launcher closes its end of the pipe, or dies."""
+    """In the store server: serve the store until the launcher closes its end of the pipe, or dies."""
     from ..rank.boot import detach
 
     detach(inherited)  # own session (Ctrl-C is the launcher's), and gone with its parent: before torch loads
     # SIGTERM keeps its default: multiprocessing's exit handler terminates a daemon child it still
-    # finds, then joins it, and a keeper that outlived the launch must not hang the launcher's exit
+    # finds, then joins it, and a store server that outlived the launch must not hang the launcher's exit
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     from .rendezvous import host_store  # torch: already loaded in a forkserver child, imported under spawn
 

@@ -1,7 +1,7 @@
 """Where every process the launcher starts begins, before it imports torch.
 
 Owns: the targets multiprocessing runs first in a rank's process (and the
-first step of the store keeper's, core/nodes/store_server.py), what of the launcher's
+first step of the store server's, core/nodes/store_server.py), what of the launcher's
 ``__main__`` such a process imports: its own session, so that
 the terminal's Ctrl-C reaches the launcher only, and its parent-death
 signal, both taken before anything slow. Under spawn a process imports torch
@@ -12,7 +12,7 @@ it lives in (to check it by name): a target in core/rank/worker.py, which import
 torch, would import torch into the launcher, about a second of CPU beside the
 forkserver's own import and torch's interpreter teardown when a ``launch()``
 script exits. Leaves everything the rank does to core/rank/worker.py (which the
-forkserver has imported already) and the keeper's work to core/nodes/store_server.py.
+forkserver has imported already) and the store server's work to core/nodes/store_server.py.
 """
 
 from __future__ import annotations
@@ -56,10 +56,10 @@ def die_with_parent() -> None:
 
 @contextlib.contextmanager
 def main_hidden(always: bool) -> Iterator[None]:
-    """Hide ``__main__`` from multiprocessing while a process starts (call under supervisor's start lock).
+    """Hide ``__main__`` from multiprocessing while a process starts (call under the attempt's start lock, LIVE_LOCK).
 
     A started process re-imports ``__main__`` from its file or module name, as
-    multiprocessing does. ``always``: the store keeper, which runs none of the
+    multiprocessing does. ``always``: the store server, which runs none of the
     user's code (a script's top level can import, print or take seconds).
     Else only a ``__main__`` with no such file (``python - < script``, an
     embedded interpreter), which would make every rank die before it starts;

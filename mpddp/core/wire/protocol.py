@@ -141,7 +141,7 @@ def decode(data: bytes) -> Message:
 
 
 # ---- store keys ------------------------------------------------------------------------------
-# One store serves the whole job (node 0's keeper lives from the first attempt to the last). Each
+# One store serves the whole job (node 0's store server lives from the first attempt to the last). Each
 # attempt is a round that every node joins; its keys live under the attempt's prefix, so a restart
 # never reads an older round's keys. Workers see the store through a PrefixStore of their attempt;
 # the launchers use the full names.

@@ -1,4 +1,4 @@
-"""The store keeper (core/nodes/store_server.py): node 0's store in a process of its own, the launcher without torch."""
+"""The store server (core/nodes/store_server.py): node 0's store in a process of its own, the launcher without torch."""
 
 import json
 import os
@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 import mpddp
 
-from helpers import gone, leftovers, store_keeper_pid
+from helpers import gone, leftovers, store_server_pid
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("no_leftovers")]
 
@@ -78,7 +78,7 @@ def test_the_store_outlives_a_rank_that_returned_first():
 
 def kill_the_store(ctx, tmp):
     if ctx.rank == 0:
-        pid = store_keeper_pid()
+        pid = store_server_pid()
         with open(os.path.join(tmp, "store.pid"), "w") as f:
             f.write(str(pid))
         os.kill(pid, signal.SIGKILL)
@@ -88,22 +88,22 @@ def kill_the_store(ctx, tmp):
 
 
 @pytest.mark.parametrize("method", ["forkserver", "spawn"])
-def test_a_killed_store_keeper_is_the_named_cause_and_every_rank_stops(tmp_path, method):
+def test_a_killed_store_server_is_the_named_cause_and_every_rank_stops(tmp_path, method):
     start = time.monotonic()
     with pytest.raises(mpddp.StoreLost) as caught:
         mpddp.launch(kill_the_store, nprocs=2, args=(str(tmp_path),), start_method=method)
     elapsed = time.monotonic() - start
     store = int((tmp_path / "store.pid").read_text())
     message = str(caught.value)
-    assert f"the store keeper (pid {store})" in message and "was killed by SIGKILL" in message, message
-    assert elapsed < 30  # the keeper's exit is watched, not found by a timeout (the ranks sleep for 60 s)
+    assert f"the store server (pid {store})" in message and "was killed by SIGKILL" in message, message
+    assert elapsed < 30  # the store server's exit is watched, not found by a timeout (the ranks sleep for 60 s)
     ranks = [int(p.read_text()) for p in tmp_path.glob("rank*.pid")]
     assert gone([store, *ranks])
     again = pickle.loads(pickle.dumps(caught.value))  # job systems and pools pickle what a launch raised
     assert type(again) is mpddp.StoreLost and str(again) == message
 
 
-def test_the_keeper_runs_none_of_the_scripts_top_level(tmp_path):
+def test_the_store_server_runs_none_of_the_scripts_top_level(tmp_path):
     script = tmp_path / "top.py"
     script.write_text(textwrap.dedent("""\
         import os
@@ -117,11 +117,11 @@ def test_the_keeper_runs_none_of_the_scripts_top_level(tmp_path):
     out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=90, cwd=tmp_path)
     assert out.returncode == 0, out.stderr
     assert "RESULT [0, 1]" in out.stdout
-    # the launcher and each rank import the script (multiprocessing's rule for workers); the keeper does not
+    # the launcher and each rank import the script (multiprocessing's rule for workers); the store server does not
     assert out.stdout.count("TOP") == 3, out.stdout
 
 
-def test_keeper_stops_with_the_launch_under_fork(tmp_path):
+def test_store_server_stops_with_the_launch_under_fork(tmp_path):
     code = ("import mpddp, psutil; print(mpddp.launch(lambda c: c.rank, nprocs=2, start_method='fork')); "
             "print('CHILDREN', [p.pid for p in psutil.Process().children()])")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=tmp_path)
@@ -131,15 +131,15 @@ def test_keeper_stops_with_the_launch_under_fork(tmp_path):
 
 
 
-def test_a_jobwide_sigterm_is_reported_as_the_launchers_not_the_keepers(tmp_path):
-    """scancel, or ``kill -TERM`` to every process of the job: the keeper dies too, and is no cause."""
+def test_a_jobwide_sigterm_is_reported_as_the_launchers_not_the_store_servers(tmp_path):
+    """scancel, or ``kill -TERM`` to every process of the job: the store server dies too, and is no cause."""
     from runs import SCRIPTS, Run
 
     run = Run(["-m", "mpddp", "run", "--nprocs", "2", str(SCRIPTS / "fail_modes.py"), "block"], tmp_path)
     try:
         run.wait_for(r"READY rank=\d", count=2)
         pids = run.list_tree()
-        assert len(pids) >= 1 + 1 + 2 + 1, pids  # launcher, forkserver, 2 ranks, the keeper
+        assert len(pids) >= 1 + 1 + 2 + 1, pids  # launcher, forkserver, 2 ranks, the store server
         for pid in [run.proc.pid, *sorted(pids - {run.proc.pid})]:  # as a job system does: the launcher first
             try:
                 os.kill(pid, signal.SIGTERM)
@@ -152,30 +152,30 @@ def test_a_jobwide_sigterm_is_reported_as_the_launchers_not_the_keepers(tmp_path
         run.kill()
     assert rc == 143, run.stderr
     assert run.stderr.strip().splitlines()[-1] == "mpddp: terminated (SIGTERM); every worker was stopped"
-    assert "store keeper" not in run.stderr and "Traceback" not in run.stderr
+    assert "store server" not in run.stderr and "Traceback" not in run.stderr
 
 
 def kill_the_first_store(ctx, tmp):
     if ctx.restart == 0:
         if ctx.rank == 0:
-            os.kill(store_keeper_pid(), signal.SIGKILL)
+            os.kill(store_server_pid(), signal.SIGKILL)
         time.sleep(60)
     return ctx.rank, ctx.restart
 
 
-def test_max_restarts_brings_a_fresh_keeper_after_one_was_lost(tmp_path, capfd):
+def test_max_restarts_brings_a_fresh_store_server_after_one_was_lost(tmp_path, capfd):
     assert mpddp.launch(kill_the_first_store, nprocs=2, args=(str(tmp_path),), max_restarts=1) == [(0, 1), (1, 1)]
     err = capfd.readouterr().err
-    assert "the store keeper (pid" in err and "was killed by SIGKILL" in err
+    assert "the store server (pid" in err and "was killed by SIGKILL" in err
     assert "mpddp: restarting the group (1 of 1)" in err
 
 
-def test_a_keeper_lost_on_the_last_attempt_says_restarts_gave_up():
+def test_a_store_server_lost_on_the_last_attempt_says_restarts_gave_up():
     with pytest.raises(mpddp.StoreLost, match=r"was killed by SIGKILL[\s\S]*gave up after 1 restart\(s\)"):
         mpddp.launch(kill_every_store, nprocs=2, max_restarts=1)
 
 
 def kill_every_store(ctx):
     if ctx.rank == 0:
-        os.kill(store_keeper_pid(), signal.SIGKILL)
+        os.kill(store_server_pid(), signal.SIGKILL)
     time.sleep(60)

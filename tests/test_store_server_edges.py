@@ -1,12 +1,12 @@
-"""Edge cases of the store keeper (core/nodes/store_server.py) with real processes.
+"""Edge cases of the store server (core/nodes/store_server.py) with real processes.
 
-Each case attacks the keeper that serves node 0's TCPStore: stopped, killed
+Each case attacks the store server that serves node 0's TCPStore: stopped, killed
 inside ``init_process_group``, its launcher SIGKILLed under every start
 method, restarts, many launches in a row, launches from threads next to a
 failing launch whose rank leaves an orphan, fresh interpreters that never
 import torch (a file, stdin, ``-c``), ``mpddp run`` of an env:// script, and
 two "nodes" on 127.0.0.1. The last two found bugs, fixed since: a spawned
-keeper that took a Ctrl-C while it imported torch, and forked ranks that
+store server that took a Ctrl-C while it imported torch, and forked ranks that
 each imported torch again on every launch.
 """
 
@@ -32,21 +32,21 @@ from multinode import Cluster, free_port
 
 import mpddp
 
-from helpers import gone, leftovers, running, store_keeper_pid
+from helpers import gone, leftovers, running, store_server_pid
 from runs import Run, port_is_free
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("no_leftovers")]
 
 BOUND = 15.0  # seconds for processes to be gone after their launcher is: generous, for a loaded 2-core machine
 
-# For the scripts below, run as their own processes: the same keeper_pid(), from tests/helpers.py.
-FIND_KEEPER = f"""
+# For the scripts below, run as their own processes: the same store_server_pid(), from tests/helpers.py.
+FIND_STORE_SERVER = f"""
 import os, sys
 import psutil
 sys.path.insert(0, {str(Path(__file__).resolve().parent)!r})
-from helpers import store_keeper_pid as keeper_pid
+from helpers import store_server_pid
 """
-keeper_pid = store_keeper_pid
+store_server_pid = store_server_pid
 
 
 def listener(pids: list[int], port: int) -> int | None:
@@ -67,7 +67,7 @@ def write(tmp_path: Path, name: str, text: str) -> Path:
     return path
 
 
-# ---------------------------------------------------------------------------------------------- a frozen keeper
+# ---------------------------------------------------------------------------------------------- a frozen store server
 
 
 def freeze_then_use_the_store(ctx, tmp):
@@ -75,8 +75,8 @@ def freeze_then_use_the_store(ctx, tmp):
     Path(tmp, f"rank{ctx.rank}.pid").write_text(str(os.getpid()))
     dist.barrier()  # both ranks are through init_process_group, which reads the store, before it stops
     if ctx.rank == 0:
-        pid = keeper_pid()
-        Path(tmp, "keeper.pid").write_text(str(pid))
+        pid = store_server_pid()
+        Path(tmp, "store_server.pid").write_text(str(pid))
         os.kill(pid, signal.SIGSTOP)
         # what the ranks' parent holds now, for the report should the store still answer (seen once, beside a
         # second suite: the launch returned; not reproduced since)
@@ -84,49 +84,49 @@ def freeze_then_use_the_store(ctx, tmp):
                   for p in psutil.Process(os.getppid()).children()]
         Path(tmp, "family.txt").write_text(f"rank 0 {os.getpid()}, port {os.environ['MASTER_PORT']}: {family}")
     dist.barrier()  # gloo: needs no store, so both ranks are past the SIGSTOP
-    store.set(f"key{ctx.rank}", "v")  # blocks: the keeper does not answer
+    store.set(f"key{ctx.rank}", "v")  # blocks: the store server does not answer
     return store.get(f"key{1 - ctx.rank}").decode()
 
 
-def test_a_stopped_keeper_is_found_as_a_hang_not_waited_on_forever(tmp_path):
+def test_a_stopped_store_server_is_found_as_a_hang_not_waited_on_forever(tmp_path):
     start = time.monotonic()
-    with pytest.raises(mpddp.StoreLost) as caught:  # the keeper named, with its state (was: a hang in the ranks)
+    with pytest.raises(mpddp.StoreLost) as caught:  # the store server named, with its state (was: a hang in the ranks)
         returned = mpddp.launch(freeze_then_use_the_store, nprocs=2, args=(str(tmp_path),), timeout=3)
         pytest.fail(f"returned {returned}; the stopped one and its siblings: {(tmp_path / 'family.txt').read_text()}")
     elapsed = time.monotonic() - start
     assert elapsed < 60, elapsed  # found by the watchdog (3 s), not by torch's 30-minute default
     assert "does not answer: it is stopped (SIGSTOP, or a debugger)" in str(caught.value)
-    store = int((tmp_path / "keeper.pid").read_text())
+    store = int((tmp_path / "store_server.pid").read_text())
     ranks = [int(p.read_text()) for p in tmp_path.glob("rank*.pid")]
     assert len(ranks) == 2
-    assert gone([store, *ranks])  # the stopped keeper was killed, not left frozen
+    assert gone([store, *ranks])  # the stopped store server was killed, not left frozen
 
 
 def freeze_then_return(ctx, tmp):
     dist.barrier()  # gloo, no store: every rank is past init_process_group (under load rank 1 may still be in it)
     if ctx.rank == 0:
-        pid = keeper_pid()
-        Path(tmp, "keeper.pid").write_text(str(pid))
+        pid = store_server_pid()
+        Path(tmp, "store_server.pid").write_text(str(pid))
         os.kill(pid, signal.SIGSTOP)
     t = torch.ones(1)
     dist.all_reduce(t)  # gloo's pairs are up: a stopped store does not matter any more
     return t.item()
 
 
-def test_a_keeper_frozen_after_init_does_not_hold_the_launch_and_is_killed(tmp_path):
+def test_a_store_server_frozen_after_init_does_not_hold_the_launch_and_is_killed(tmp_path):
     start = time.monotonic()
     assert mpddp.launch(freeze_then_return, nprocs=2, args=(str(tmp_path),)) == [2.0, 2.0]
     assert time.monotonic() - start < 60
-    assert gone([int((tmp_path / "keeper.pid").read_text())])
+    assert gone([int((tmp_path / "store_server.pid").read_text())])
 
 
 # ---------------------------------------------------------------------------- killed inside init_process_group
 
 
-def test_a_keeper_killed_while_a_rank_is_inside_init_process_group_env_is_named(tmp_path):
+def test_a_store_server_killed_while_a_rank_is_inside_init_process_group_env_is_named(tmp_path):
     flags = tmp_path / "flags"
     flags.mkdir()
-    script = write(tmp_path, "join.py", FIND_KEEPER + """
+    script = write(tmp_path, "join.py", FIND_STORE_SERVER + """
 import sys, time, signal
 import torch.distributed as dist
 flags = sys.argv[1]
@@ -140,8 +140,8 @@ else:
     while not os.path.exists(os.path.join(flags, "entering")):
         time.sleep(0.01)
     time.sleep(1.0)  # rank 1 is inside init, talking to the store
-    pid = keeper_pid()
-    open(os.path.join(flags, "keeper.pid"), "w").write(str(pid))
+    pid = store_server_pid()
+    open(os.path.join(flags, "store_server.pid"), "w").write(str(pid))
     os.kill(pid, signal.SIGKILL)
     time.sleep(60)
 """)
@@ -150,16 +150,16 @@ else:
         run.wait_for(r"ENTER \d+", count=2)
         pids = run.list_tree()
         rc = run.finish(timeout=60)
-        pids = pids | {int((flags / "keeper.pid").read_text())}
+        pids = pids | {int((flags / "store_server.pid").read_text())}
         run.all_gone_at(pids)
         run.assert_nothing_left()
     finally:
         run.kill()
-    keeper = int((flags / "keeper.pid").read_text())
+    store_server = int((flags / "store_server.pid").read_text())
     assert rc == 1, run.stderr
     assert "NEVER" not in run.stdout
     last = run.stderr.strip().splitlines()[-1]
-    assert last.startswith(f"mpddp: error: the store keeper (pid {keeper})") and "was killed by SIGKILL" in last, \
+    assert last.startswith(f"mpddp: error: the store server (pid {store_server})") and "was killed by SIGKILL" in last, \
         run.stderr
 
 
@@ -167,13 +167,13 @@ else:
 
 
 @pytest.mark.parametrize("method", ["forkserver", "spawn", "fork"])
-def test_a_sigkilled_launcher_takes_its_keeper_along(tmp_path, method):
-    script = write(tmp_path, "sleepy.py", FIND_KEEPER + """
+def test_a_sigkilled_launcher_takes_its_store_server_along(tmp_path, method):
+    script = write(tmp_path, "sleepy.py", FIND_STORE_SERVER + """
 import sys, time
 import mpddp
 
 def sleepy(ctx):
-    print("KEEPER", keeper_pid(), "RANK", os.getpid(), flush=True)
+    print("STORE_SERVER", store_server_pid(), "RANK", os.getpid(), flush=True)
     time.sleep(100)
 
 if __name__ == "__main__":
@@ -181,21 +181,21 @@ if __name__ == "__main__":
 """)
     run = Run([str(script), method], tmp_path)
     try:
-        found = run.wait_for(r"KEEPER (\d+) RANK (\d+)")
-        keeper, rank = int(found[0].group(1)), int(found[0].group(2))
-        pids = run.list_tree() | {keeper, rank}
-        assert keeper in pids
+        found = run.wait_for(r"STORE_SERVER (\d+) RANK (\d+)")
+        store_server, rank = int(found[0].group(1)), int(found[0].group(2))
+        pids = run.list_tree() | {store_server, rank}
+        assert store_server in pids
         run.proc.kill()  # no handler of the launcher runs
         run.finish(timeout=10)
         run.all_gone_at(pids - {run.proc.pid}, timeout=BOUND)
     finally:
         run.kill()
-    assert running([keeper, rank]) == []
+    assert running([store_server, rank]) == []
 
 
-def test_a_sigkilled_launcher_takes_its_keeper_when_a_finished_thread_started_the_forkserver(tmp_path):
+def test_a_sigkilled_launcher_takes_its_store_server_when_a_finished_thread_started_the_forkserver(tmp_path):
     """The forkserver's parent-death signal follows the thread that started it; that thread is long gone here."""
-    script = write(tmp_path, "threaded.py", FIND_KEEPER + """
+    script = write(tmp_path, "threaded.py", FIND_STORE_SERVER + """
 import sys, threading, time
 import mpddp
 
@@ -203,7 +203,7 @@ def quick(ctx):
     return ctx.rank
 
 def sleepy(ctx):
-    print("KEEPER", keeper_pid(), "RANK", os.getpid(), flush=True)
+    print("STORE_SERVER", store_server_pid(), "RANK", os.getpid(), flush=True)
     time.sleep(100)
 
 if __name__ == "__main__":
@@ -214,16 +214,16 @@ if __name__ == "__main__":
 """)
     run = Run([str(script)], tmp_path)
     try:
-        found = run.wait_for(r"KEEPER (\d+) RANK (\d+)")
-        keeper, rank = int(found[0].group(1)), int(found[0].group(2))
+        found = run.wait_for(r"STORE_SERVER (\d+) RANK (\d+)")
+        store_server, rank = int(found[0].group(1)), int(found[0].group(2))
         assert "FIRST [0]" in run.stdout
-        pids = run.list_tree() | {keeper, rank}
+        pids = run.list_tree() | {store_server, rank}
         run.proc.kill()
         run.finish(timeout=10)
         run.all_gone_at(pids - {run.proc.pid}, timeout=BOUND)
     finally:
         run.kill()
-    assert running([keeper, rank]) == []
+    assert running([store_server, rank]) == []
 
 
 # ---------------------------------------------------------------------------------------------------- restarts
@@ -231,9 +231,9 @@ if __name__ == "__main__":
 
 def fail_twice(ctx, tmp):
     if ctx.rank == 0:
-        mine = keeper_pid()
-        Path(tmp, f"keeper{ctx.restart}.pid").write_text(str(mine))
-        earlier = [int(Path(tmp, f"keeper{k}.pid").read_text()) for k in range(ctx.restart)]
+        mine = store_server_pid()
+        Path(tmp, f"store_server{ctx.restart}.pid").write_text(str(mine))
+        earlier = [int(Path(tmp, f"store_server{k}.pid").read_text()) for k in range(ctx.restart)]
         still = running(earlier)
     else:
         mine, earlier, still = None, [], []
@@ -241,7 +241,7 @@ def fail_twice(ctx, tmp):
         raise ValueError(f"attempt {ctx.restart} fails")
     t = torch.ones(1)
     dist.all_reduce(t)
-    return {"restart": ctx.restart, "keeper": mine, "earlier": earlier, "still_running": still, "sum": t.item()}
+    return {"restart": ctx.restart, "store server": mine, "earlier": earlier, "still_running": still, "sum": t.item()}
 
 
 class _Lines(logging.Handler):
@@ -253,7 +253,7 @@ class _Lines(logging.Handler):
         self.lines.append(record.getMessage())
 
 
-def test_every_restart_finds_the_one_keeper_of_the_job_and_it_is_gone_after_it(tmp_path):
+def test_every_restart_finds_the_one_store_server_of_the_job_and_it_is_gone_after_it(tmp_path):
     said = _Lines()
     logging.getLogger("mpddp").addHandler(said)
     try:
@@ -262,14 +262,14 @@ def test_every_restart_finds_the_one_keeper_of_the_job_and_it_is_gone_after_it(t
         logging.getLogger("mpddp").removeHandler(said)
     text = "\n".join(said.lines)
     assert [g["restart"] for g in got] == [2, 2] and [g["sum"] for g in got] == [2.0, 2.0]
-    keepers = [int((tmp_path / f"keeper{k}.pid").read_text()) for k in range(3)]
-    assert len(set(keepers)) == 1, keepers  # one store for the whole job, from the first attempt to the last
-    assert got[0]["keeper"] == keepers[2] and got[0]["earlier"] == keepers[:2]
-    assert got[0]["still_running"] == keepers[:2]  # the same process, still serving in the last attempt
-    assert gone(keepers)  # and gone with the job
+    store_servers = [int((tmp_path / f"store_server{k}.pid").read_text()) for k in range(3)]
+    assert len(set(store_servers)) == 1, store_servers  # one store for the whole job, from the first attempt to the last
+    assert got[0]["store server"] == store_servers[2] and got[0]["earlier"] == store_servers[:2]
+    assert got[0]["still_running"] == store_servers[:2]  # the same process, still serving in the last attempt
+    assert gone(store_servers)  # and gone with the job
     assert "ValueError: attempt 0 fails" in text and "ValueError: attempt 1 fails" in text, text
     assert "restarting the group (2 of 2)" in text
-    assert "store keeper" not in text  # a failing rank is the story, never the keeper
+    assert "store server" not in text  # a failing rank is the story, never the store server
 
 
 def fail_always(ctx):
@@ -278,12 +278,12 @@ def fail_always(ctx):
     time.sleep(30)
 
 
-def test_restarts_exhausted_still_name_the_rank_not_the_keeper():
+def test_restarts_exhausted_still_name_the_rank_not_the_store_server():
     with pytest.raises(mpddp.RestartsExhausted) as caught:
         mpddp.launch(fail_always, nprocs=2, max_restarts=1)
     message = str(caught.value)
     assert caught.value.rank == 1 and "ValueError: attempt 1 fails" in message, message
-    assert "store keeper" not in message
+    assert "store server" not in message
     assert not leftovers(wait=3)
 
 
@@ -294,7 +294,7 @@ def rank_only(ctx):
     return ctx.rank
 
 
-def test_twenty_launches_in_a_row_leak_no_keeper_fd_or_thread():
+def test_twenty_launches_in_a_row_leak_no_store_server_fd_or_thread():
     me = psutil.Process()
     assert mpddp.launch(rank_only, nprocs=2) == [0, 1]  # the forkserver is up
     fds, threads, children = me.num_fds(), threading.active_count(), {p.pid for p in me.children()}
@@ -302,7 +302,7 @@ def test_twenty_launches_in_a_row_leak_no_keeper_fd_or_thread():
         assert mpddp.launch(rank_only, nprocs=2) == [0, 1]
     assert me.num_fds() <= fds + 2, (fds, me.num_fds())  # a leak of one fd a launch would show 20
     assert threading.active_count() == threads
-    assert {p.pid for p in me.children()} == children  # the helpers only: no keeper stays behind
+    assert {p.pid for p in me.children()} == children  # the helpers only: no store server stays behind
     assert not leftovers(wait=0)
 
 
@@ -328,7 +328,7 @@ def use_the_store_late(ctx):
     return [other, t.item()]
 
 
-def test_three_threads_at_once_the_sweep_of_one_failure_spares_the_others_keepers(tmp_path):
+def test_three_threads_at_once_the_sweep_of_one_failure_spares_the_others_store_servers(tmp_path):
     results: dict[str, object] = {}
 
     def run(name, fn, args, delay):
@@ -349,21 +349,21 @@ def test_three_threads_at_once_the_sweep_of_one_failure_spares_the_others_keeper
     assert results["b"] == [["1", 2.0], ["0", 2.0]], results["b"]
     bad = results["bad"]
     assert isinstance(bad, mpddp.WorkerFailed) and not isinstance(bad, mpddp.RendezvousError), repr(bad)
-    assert bad.rank == 1 and "SIGKILL" in str(bad) and "store keeper" not in str(bad), str(bad)
+    assert bad.rank == 1 and "SIGKILL" in str(bad) and "store server" not in str(bad), str(bad)
     assert gone([int((tmp_path / "orphan.pid").read_text())])
 
 
 # ----------------------------------------------------------------------- fresh interpreters that never import torch
 
 
-TOP_SCRIPT = FIND_KEEPER + """
+TOP_SCRIPT = FIND_STORE_SERVER + """
 import json, sys
 import mpddp
 
 os.write(1, f"TOP {os.getpid()}\\n".encode())  # a side effect of the script's top level; one write: never interleaved
 
 def where(ctx):
-    return {"rank": ctx.rank, "keeper": keeper_pid() if ctx.rank == 0 else None}
+    return {"rank": ctx.rank, "store server": store_server_pid() if ctx.rank == 0 else None}
 
 def a_tensor(ctx):
     import torch
@@ -376,7 +376,7 @@ if __name__ == "__main__":
         got = mpddp.launch(where, nprocs=2, start_method=method)
         left = [p.pid for p in psutil.Process().children() if "resource_tracker" not in " ".join(p.cmdline())
                 and "forkserver" not in " ".join(p.cmdline())]
-        report[method] = {"ranks": [g["rank"] for g in got], "keeper": got[0]["keeper"],
+        report[method] = {"ranks": [g["rank"] for g in got], "store server": got[0]["store server"],
                           "torch": "torch" in sys.modules, "children_left": left}
     tensors = mpddp.launch(a_tensor, nprocs=2)  # loading a tensor imports torch, as pickle does
     report["tensors"] = [t.tolist() for t in tensors]
@@ -385,7 +385,7 @@ if __name__ == "__main__":
 
 
 @pytest.mark.parametrize("how", ["file", "stdin", "-c"])
-def test_a_fresh_interpreter_never_imports_torch_and_the_keeper_runs_no_top_level(tmp_path, how):
+def test_a_fresh_interpreter_never_imports_torch_and_the_store_server_runs_no_top_level(tmp_path, how):
     script = write(tmp_path, "top.py", TOP_SCRIPT)
     # fork last: a fork launcher imports torch on purpose, for its children to inherit (core/launcher/startup.py)
     methods = {"file": "forkserver,spawn,fork", "stdin": "spawn,forkserver", "-c": "forkserver,fork"}[how]
@@ -397,11 +397,11 @@ def test_a_fresh_interpreter_never_imports_torch_and_the_keeper_runs_no_top_leve
     for method in methods.split(","):
         assert report[method]["ranks"] == [0, 1], report
         assert report[method]["torch"] is (method == "fork"), (method, report)  # else never imported torch
-        assert report[method]["children_left"] == [], (method, report)  # no keeper outlived its launch
+        assert report[method]["children_left"] == [], (method, report)  # no store server outlived its launch
     assert report["tensors"] == [[0.0, 0.0], [1.0, 1.0]]
     tops = [int(pid) for pid in re.findall(r"^TOP (\d+)$", out.stdout, re.M)]
-    keepers = {report[m]["keeper"] for m in methods.split(",")}
-    assert not keepers & set(tops), (keepers, tops)  # no keeper ran the script's top level
+    store_servers = {report[m]["store server"] for m in methods.split(",")}
+    assert not store_servers & set(tops), (store_servers, tops)  # no store server ran the script's top level
     # the launcher once; with a file, each forkserver or spawned rank imports it too (multiprocessing's rule)
     imports = {"forkserver": 2, "spawn": 2, "fork": 0} if how == "file" else {"forkserver": 0, "spawn": 0, "fork": 0}
     expected = 1 + sum(imports[m] for m in methods.split(",")) + imports["forkserver"]  # + the tensor launch
@@ -412,7 +412,7 @@ def test_a_fresh_interpreter_never_imports_torch_and_the_keeper_runs_no_top_leve
 # ------------------------------------------------------------------------------------------ mpddp run, env://
 
 
-def test_mpddp_run_of_an_env_script_joins_the_keepers_store_from_a_launcher_without_torch(tmp_path):
+def test_mpddp_run_of_an_env_script_joins_the_store_servers_store_from_a_launcher_without_torch(tmp_path):
     script = write(tmp_path, "envjob.py", """
 import os, json, psutil
 import torch, torch.distributed as dist
@@ -440,7 +440,7 @@ dist.destroy_process_group()
 # ------------------------------------------------------------------------------------- two nodes on 127.0.0.1
 
 
-def test_a_sigkilled_node0_launcher_takes_its_keeper_and_node1_says_node0_is_gone(tmp_path):
+def test_a_sigkilled_node0_launcher_takes_its_store_server_and_node1_says_node0_is_gone(tmp_path):
     cluster = Cluster(tmp_path)
     port = free_port()
     try:
@@ -448,11 +448,11 @@ def test_a_sigkilled_node0_launcher_takes_its_keeper_and_node1_says_node0_is_gon
         node1 = cluster.start(["1", str(port), "127.0.0.1", "10", "120"])
         cluster.wait_for("READY rank", 4, timeout=60)
         tree = [p.pid for p in psutil.Process(node0.proc.pid).children(recursive=True)]
-        keeper = listener(tree, port)
-        assert keeper is not None, tree
+        store_server = listener(tree, port)
+        assert store_server is not None, tree
         node0.proc.kill()
         node0.wait(10)
-        assert gone([keeper, *tree], wait=BOUND)
+        assert gone([store_server, *tree], wait=BOUND)
         code = node1.wait(10 + 30)
         assert code != 0
         assert f"node 0, which hosts the rendezvous at 127.0.0.1:{port}, is gone" in node1.stderr, node1.stderr
@@ -461,18 +461,18 @@ def test_a_sigkilled_node0_launcher_takes_its_keeper_and_node1_says_node0_is_gon
         cluster.kill_all()
 
 
-RESTART_JOB = FIND_KEEPER + """
+RESTART_JOB = FIND_STORE_SERVER + """
 import json, sys
 import mpddp
 
 def work(ctx):
     import torch, torch.distributed as dist
-    keeper = keeper_pid() if ctx.rank == 0 else None
+    store_server = store_server_pid() if ctx.rank == 0 else None
     if ctx.rank == 1 and ctx.restart == 0:
         raise ValueError("attempt 0 fails on node 0")
     t = torch.tensor([float(ctx.rank)])
     dist.all_reduce(t)
-    return {"rank": ctx.rank, "restart": ctx.restart, "keeper": keeper, "sum": t.item()}
+    return {"rank": ctx.rank, "restart": ctx.restart, "store server": store_server, "sum": t.item()}
 
 if __name__ == "__main__":
     node, port = int(sys.argv[1]), int(sys.argv[2])
@@ -482,7 +482,7 @@ if __name__ == "__main__":
 """
 
 
-def test_two_nodes_restart_on_the_same_fixed_port_with_a_fresh_keeper(tmp_path):
+def test_two_nodes_restart_on_the_same_fixed_port_with_a_fresh_store_server(tmp_path):
     job = write(tmp_path, "restart_job.py", RESTART_JOB)
     cluster = Cluster(tmp_path)
     port = free_port()
@@ -494,8 +494,8 @@ def test_two_nodes_restart_on_the_same_fixed_port_with_a_fresh_keeper(tmp_path):
         assert [r["rank"] for r in r0 + r1] == [0, 1, 2, 3]
         assert {r["restart"] for r in r0 + r1} == {1} and {r["sum"] for r in r0 + r1} == {6.0}
         assert "attempt 0 fails on node 0" in nodes[0].stderr
-        assert "store keeper" not in nodes[0].stderr + nodes[1].stderr
-        assert running([r0[0]["keeper"]]) == []
+        assert "store server" not in nodes[0].stderr + nodes[1].stderr
+        assert running([r0[0]["store server"]]) == []
         assert cluster.leftovers(wait=5) == []
         assert port_is_free(port)  # nothing listens on it any more
     finally:
@@ -513,7 +513,7 @@ def _cmdline(proc: psutil.Process) -> str:
         return ""
 
 
-def test_ctrl_c_while_the_spawned_keeper_imports_torch_is_the_launchers_alone(tmp_path):
+def test_ctrl_c_while_the_spawned_store_server_imports_torch_is_the_launchers_alone(tmp_path):
     script = write(tmp_path, "block.py", """
 import time
 import torch.distributed as dist
@@ -524,17 +524,17 @@ time.sleep(100)
     run = Run(["-m", "mpddp", "run", "--nprocs", "1", "--start-method", "spawn", str(script)], tmp_path)
     try:
         deadline = time.monotonic() + 60
-        keeper = None
-        while time.monotonic() < deadline:  # the first spawned child is the keeper (the ranks start after it)
+        store_server = None
+        while time.monotonic() < deadline:  # the first spawned child is the store server (the ranks start after it)
             spawned = [p for p in psutil.Process(run.proc.pid).children() if "spawn_main" in _cmdline(p)]
             if spawned:
-                keeper = min(spawned, key=lambda p: (p.create_time(), p.pid))
+                store_server = min(spawned, key=lambda p: (p.create_time(), p.pid))
                 break
             time.sleep(0.01)
-        assert keeper is not None, run.stderr
+        assert store_server is not None, run.stderr
         while time.monotonic() < deadline:  # it is importing torch now (about a second of it is left)
             try:
-                if "libtorch" in Path(f"/proc/{keeper.pid}/maps").read_text():
+                if "libtorch" in Path(f"/proc/{store_server.pid}/maps").read_text():
                     break
             except OSError:
                 break
