@@ -304,6 +304,30 @@ def test_an_upward_import_would_be_found(monkeypatch):
                               ("mpddp.core.wire.store", "mpddp.core.procs.teardown")]
 
 
+def test_above_the_nodes_no_module_names_a_rendezvous_backend():
+    """The launcher asks core/nodes/api.py's interface; which backend runs (c10d today) is the nodes' business."""
+    backends = {"mpddp.core.nodes.c10d"}
+    for module, targets in GRAPH.items():
+        if module.startswith("mpddp.") and not module.startswith("mpddp.core.nodes.") or module == "mpddp.core.nodes.settle":
+            assert not targets & backends, module
+
+
+def test_every_backend_implements_the_whole_interface():
+    import inspect
+
+    from mpddp.core.nodes import api, backends, c10d
+
+    pairs = [(api.Rendezvous, backend) for backend in backends.BACKENDS.values()]
+    for interface, backend in [*pairs, (api.RoundWatch, c10d.C10dRoundWatch)]:
+        wanted = {name for name, _ in inspect.getmembers(interface, inspect.isfunction) if not name.startswith("_")}
+        missing = {name for name in wanted if not callable(getattr(backend, name, None))}
+        assert not missing, (backend.__name__, missing)
+        for name in wanted:  # the same parameters, by name
+            want = list(inspect.signature(getattr(interface, name)).parameters)
+            have = list(inspect.signature(getattr(backend, name)).parameters)
+            assert have == want, (backend.__name__, name, have, want)
+
+
 SCHEDULERS = ("slurm", "mpi", "pbs", "lsf", "kubeflow")
 
 

@@ -302,10 +302,10 @@ class _Beats:
 
 def _link(node: int, beats: _Beats, timeout: float = 180.0) -> object:
     import mpddp
-    from mpddp.core.nodes.rounds import NodeLink
+    from mpddp.core.nodes.c10d import C10dRendezvous
 
     config = mpddp.LaunchConfig(nnodes=3, node_rank=node, master_addr="127.0.0.1", master_port=29500, timeout=timeout)
-    link = NodeLink(config, 29500, 1)
+    link = C10dRendezvous(config, 29500, 1)
     link._store = beats
     return link
 
@@ -351,13 +351,14 @@ def test_a_node_that_never_beat_is_silent(now, ended, silent) -> None:
 
 def test_a_node_that_never_beat_is_named_gone_once_its_peers_waited_the_timeout() -> None:
     import mpddp
-    from mpddp.core.nodes import rounds, settle
+    from mpddp.core.nodes import settle
+    from mpddp.core.wire import protocol
 
     link = _link(0, _Beats({0: 12, 1: 0, 2: 12}), timeout=1.0)  # node 2 ended its round, node 1 never beat
-    link._store.set(rounds.full_key(0, rounds.protocol.ended_key(2)), "1")
+    link._store.set(protocol.full_key(0, protocol.ended_key(2)), "1")
     victim = mpddp.WorkerFailed("mpddp: rank 0 failed in all_reduce: Connection closed by peer", rank=0)
     started = time.monotonic()
-    said = settle.settle(link, 0, victim, mpddp.Outcome.COLLECTIVE, None, lambda record: None, lambda: [])
+    said = settle.settle(link, 0, victim, mpddp.Outcome.COLLECTIVE, None, lambda record: None, lambda: None)
     assert 1.0 < time.monotonic() - started < 10
     assert str(said).splitlines()[0] == (
         "mpddp: node(s) 1 went away (the launcher never beat in this round within --timeout 1 s, nor ended it: "
@@ -380,14 +381,14 @@ def test_node_0_does_not_wait_for_a_launcher_another_node_found_lost_to_leave() 
 
 
 def test_node_0_waits_for_a_launcher_nobody_found_lost_to_leave() -> None:
-    from mpddp.core.nodes import rounds
+    from mpddp.core.nodes import api
 
     beats = _Beats({0: 22, 1: 22, 2: 22})
     _link(2, beats).leave()
     host = _link(0, beats, timeout=1.0)  # waits min(--timeout, 10 s) for node 1
     started = time.monotonic()
     host.leave()
-    assert 1.0 <= time.monotonic() - started < 1.0 + 10 * rounds.POLL + 1.0
+    assert 1.0 <= time.monotonic() - started < 1.0 + 10 * api.POLL + 1.0
 
 
 def test_a_victim_waits_for_the_record_of_a_node_still_at_work_even_past_a_short_timeout() -> None:
@@ -407,7 +408,7 @@ def test_a_victim_waits_for_the_record_of_a_node_still_at_work_even_past_a_short
     late.start()
     victim = mpddp.WorkerFailed("mpddp: rank 0 failed in all_reduce: Connection closed by peer", rank=0)
     try:
-        said = settle.settle(link, 0, victim, mpddp.Outcome.COLLECTIVE, None, lambda record: record, lambda: [])
+        said = settle.settle(link, 0, victim, mpddp.Outcome.COLLECTIVE, None, lambda record: record, lambda: None)
     finally:
         late.join()
     assert said == replace(cause, writer=1)  # before: after --timeout (1 s) node 0 wrote its own rank 0 as the round's failure
@@ -433,7 +434,7 @@ def test_a_hang_that_names_only_another_nodes_ranks_waits_for_that_nodes_record(
     blamed = 1 if elsewhere else 0
     seen_here = mpddp.WorkerFailed(f"mpddp: rank {blamed} made no progress for 4 s (as node 0 saw it)", rank=blamed)
     try:
-        said = settle.settle(link, 0, seen_here, mpddp.Outcome.HUNG, None, lambda record: record, lambda: [],
+        said = settle.settle(link, 0, seen_here, mpddp.Outcome.HUNG, None, lambda record: record, lambda: None,
                              blame=settle.Blame(frozenset({1}) if elsewhere else frozenset()))
     finally:
         late.join()
@@ -454,7 +455,7 @@ def test_a_hang_blamed_on_a_node_that_itself_only_waits_is_told_at_once() -> Non
     link = _link(0, beats, timeout=30.0)
     seen_here = mpddp.WorkerFailed("mpddp: ranks 0, 2 called all_reduce #41 while rank 1 called broadcast #41", rank=1)
     started = time.monotonic()
-    said = settle.settle(link, 0, seen_here, mpddp.Outcome.MISMATCH, None, lambda record: record, lambda: [],
+    said = settle.settle(link, 0, seen_here, mpddp.Outcome.MISMATCH, None, lambda record: record, lambda: None,
                          blame=settle.Blame(frozenset({1})))
     assert time.monotonic() - started < 1.0
     assert said is seen_here and link.record(0).line == str(seen_here) and link.record(0).writer == 0
@@ -473,7 +474,7 @@ def test_a_node_whose_ranks_returned_while_ours_waited_is_named_at_once() -> Non
     link = _link(0, beats, timeout=30.0)
     victim = mpddp.WorkerFailed("mpddp: rank 0 failed in all_reduce: Connection closed by peer", rank=0)
     started = time.monotonic()
-    said = settle.settle(link, 0, victim, mpddp.Outcome.COLLECTIVE, None, lambda record: record, lambda: [],
+    said = settle.settle(link, 0, victim, mpddp.Outcome.COLLECTIVE, None, lambda record: record, lambda: None,
                          blame=settle.Blame(early_exit=lambda rank: f"mpddp: rank {rank} exited (code 0) while ..."))
     assert time.monotonic() - started < 1.0
     assert (said.rank, said.node_rank, said.outcome, said.exit_code, said.line, said.writer) == (

@@ -22,7 +22,7 @@ import cloudpickle
 
 from ...errors import MainGuardError, Outcome, RendezvousError, StoreLost, WorkerFailed
 from ..nodes import settle
-from ..nodes.rounds import RoundWatch
+from ..nodes.api import RoundWatch
 from ..procs import teardown
 from ..wire import errorfile, protocol
 from .board import Board, Mismatch
@@ -78,7 +78,7 @@ class Attempt:
         start_ranks(self.job, self.number, self.relay, self.states, self.error_dir.name)
         self.relay.start()
         if self.job.link is not None:
-            self.round_watch = RoundWatch(self.job.link, self.number, self.board.snapshot)
+            self.round_watch = self.job.link.watch(self.number, self.board.snapshot)
 
     def watch(self) -> None:
         store = self.job.store
@@ -171,7 +171,7 @@ def _settle(job: Job, attempt: int, states: list[RankState], verdict: Verdict, l
                             early_exit=lambda rank: early_exit_line(states, verdict, rank))
     return settle.settle(link, attempt, local, cause, remote,
                          remote_error=lambda record: remote_error(record, states, verdict, node),
-                         missing=lambda: settle.missing_ranks(link, attempt) if job.store and job.init_group else [],
+                         missing=lambda: link.never_arrived(attempt) if job.store and job.init_group else None,
                          blame=blame)
 
 

@@ -9,7 +9,7 @@ the group hangs (:class:`Standing`):
     ranks 0, 2, 3 entered all_reduce #57 (float32[1000]) 12 s ago; rank 1 is still at #56 (all_reduce)
 
 On several nodes each node's launcher shares its board's snapshot through
-node 0's store (core/nodes/rounds.py), so that a hang report names a rank on
+the rendezvous (core/nodes/api.py), so that a hang report names a rank on
 another node by collective too. Leaves reading the recorder to
 core/rank/recorder.py, the arrival lags and stragglers to
 core/launcher/stragglers.py, deciding that the group hangs to

@@ -4,7 +4,7 @@ Owns: what lives for the whole job and is built once (:class:`Job`: the
 config, the plan, the start method's context, ``fn`` shipped by value, and
 on node 0 the store server on the one port every node finds for the
 whole job), the attempts (each a round that every node joins before its
-ranks start, core/nodes/rounds.py) and what a failed attempt becomes: a restart
+ranks start, core/nodes/api.py) and what a failed attempt becomes: a restart
 while ``max_restarts`` allows, else the report. On a single node a store server
 that was lost is replaced by a fresh one for the next attempt; on several
 nodes the others could not find a new one, so the job ends there. Leaves
@@ -22,9 +22,9 @@ from ...config import LaunchConfig
 from ...errors import RestartsExhausted, StoreLost, WorkerFailed
 from ...log import logger
 from ..nodes import store_server
-from ..nodes.rounds import NodeLink
+from ..nodes.api import Rendezvous
+from ..nodes.backends import open_rendezvous
 from ..nodes.store_server import StoreServer
-from ..wire import protocol
 from . import stragglers
 from .attempt import run_group
 from .plan import Plan
@@ -45,7 +45,7 @@ class Job:
     # prefix of its own: from the second round on it gets a fresh store of the round's (core/launcher/job.py).
     script_port: int | None = None
     script_store: StoreServer | None = None  # node 0 only
-    link: NodeLink | None = None  # several nodes only: this launcher's client of the store
+    link: Rendezvous | None = None  # several nodes only: what the nodes agree on (core/nodes/api.py)
     lags: stragglers.Stragglers = field(default_factory=stragglers.Stragglers)  # arrivals at collectives, job-wide
 
     @property
@@ -63,7 +63,7 @@ def run_job(plan: Plan, mp_context: Any, payload: bytes, init_group: bool, liste
     port = sock.getsockname()[1] if sock is not None else config.master_port
     job = Job(plan, mp_context, payload, init_group, port)
     if config.nnodes > 1:
-        job.link = NodeLink(config, port, plan.nprocs)  # it connects once the ranks run (RoundWatch)
+        job.link = open_rendezvous(config, port, plan.nprocs)  # it connects once the ranks run (its watch)
     values = None
     try:
         if sock is not None:
@@ -189,4 +189,4 @@ def _new_script_store(job: Job, attempt: int) -> None:
     job.script_port = sock.getsockname()[1]
     job.script_store = _start_store(job.mp_context, sock, job.config)
     if job.link is not None:
-        job.link.call(lambda s: s.set(protocol.full_key(attempt, protocol.SCRIPT_PORT), str(job.script_port)))
+        job.link.set_script_port(attempt, job.script_port)

@@ -9,7 +9,7 @@ core/launcher/classify.py's ``classify``, and nothing here changes a rank's stat
 A rank's ``@record`` error file (core/wire/errorfile.py) adds the exception as
 the rank saw it: its traceback where the worker's own report has none (the
 script caught it and called ``sys.exit``), else its line and time.
-Leaves watching to core/launcher/attempt.py and deciding which node's failure came first to core/nodes/rounds.py.
+Leaves watching to core/launcher/attempt.py and deciding which node's failure came first to core/nodes/settle.py.
 """
 
 from __future__ import annotations
@@ -272,7 +272,7 @@ def mismatch_error(states: list[RankState], verdict: Verdict, mismatch: Mismatch
 
 
 def remote_error(record: FailureRecord, states: list[RankState], verdict: Verdict, node_rank: int) -> WorkerFailed:
-    """This node's report when the round's first failure was told by another node (core/nodes/rounds.py).
+    """This node's report when the round's first failure was told by another node (core/nodes/settle.py).
 
     It starts with the very line that node's report starts with, and exits with the failing rank's code;
     that node's report has the traceback and the last lines. A record that names a rank of this node was
@@ -300,7 +300,7 @@ def remote_error(record: FailureRecord, states: list[RankState], verdict: Verdic
 
 def early_exit_line(states: list[RankState], verdict: Verdict, rank: int) -> str:
     """The first line of every node's report when ``rank``, on another node, returned while this node's ranks
-    still waited for it (core/nodes/rounds.py writes it into the round's record)."""
+    still waited for it (core/nodes/settle.py writes it into the round's record)."""
     nprocs = states[0].slot.nprocs_per_node
     waits = []
     for s in states:

@@ -18,7 +18,7 @@ from multiprocessing.connection import wait
 from typing import Any
 
 from ...log import logger
-from ..nodes.rounds import RoundWatch
+from ..nodes.api import RoundWatch
 from ..nodes.store_server import StoreServer
 from ..wire import stacks
 from . import board, stragglers

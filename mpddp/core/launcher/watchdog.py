@@ -16,7 +16,7 @@ never trips one). Every ``interval`` it looks for progress, which is any of:
   A GPU rank spinning in ``torch.cuda.synchronize`` with no collective
   open waits for its own GPU, which computes: that is progress.
 
-Other nodes' progress arrives through the round's beat (core/nodes/rounds.py).
+Other nodes' progress arrives through the round's beat (core/nodes/api.py's RoundWatch).
 When no rank has progressed for ``timeout`` seconds it asks every rank for
 its stack and declares a :class:`Hang`, with where each rank stands in its
 collectives. A rank that computes is never a hang, however long the others
@@ -35,6 +35,7 @@ from typing import Any
 import psutil
 
 from ...log import logger
+from ..nodes.api import RoundWatch
 from ..wire import stacks
 from .board import Board, Standing
 from .classify import Hang, RankState
@@ -56,7 +57,7 @@ class Watchdog:
     """Call :meth:`check` often (the attempt's watch loop does); it samples every ``interval``."""
 
     timeout: float
-    heartbeat: Any = None  # core/nodes/rounds.py's RoundWatch on several nodes: progress travels between nodes
+    heartbeat: RoundWatch | None = None  # several nodes: progress travels between nodes through the round's beat
     board: Board | None = None  # the ranks' collectives (core/launcher/board.py)
     output: Callable[[], int] | None = None  # bytes relayed so far, every rank together (core/launcher/output.py)
     interval: float = 0.0

@@ -1,4 +1,4 @@
-"""Node 0's store (every launch has one) and what several nodes add: rounds, lost nodes, ``--hosts`` over ssh.
+"""What the nodes of a job agree on, behind one interface (api.py), and node 0's store every launch has.
 
 The map of every module: docs/codemap.rst.
 """

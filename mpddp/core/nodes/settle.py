@@ -23,7 +23,7 @@ names the same rank:
 
 The one-node half of blame is core/launcher/classify.py's ``classify``. Leaves
 the store's client, the beat and the other nodes' liveness to
-core/nodes/rounds.py, and the words of a report to core/launcher/report.py.
+core/nodes/c10d.py, and the words of a report to core/launcher/report.py.
 """
 
 from __future__ import annotations
@@ -33,10 +33,9 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from ... import rank_math
-from ...errors import Outcome, RendezvousError, StoreLost, WorkerFailed
-from ..wire import protocol
-from ..wire.protocol import FailureRecord, full_key
-from .rounds import POLL, STALLED_AFTER, NodeLink, StoreGone, names
+from ...errors import Outcome, RendezvousError, WorkerFailed
+from ..wire.protocol import FailureRecord
+from .api import POLL, STALLED_AFTER, Rendezvous, RendezvousGone, names
 
 _RECORD_WAIT = 10.0  # seconds a node whose ranks only saw a peer vanish waits for the record of the cause, at least
 
@@ -57,14 +56,14 @@ class Blame:
         return cls(named if not named & set(here) else frozenset(), early_exit)
 
 
-def settle(link: NodeLink, attempt: int, local: WorkerFailed | None, cause: Outcome | None,
+def settle(link: Rendezvous, attempt: int, local: WorkerFailed | None, cause: Outcome | None,
            remote: FailureRecord | None, remote_error: Callable[[FailureRecord], WorkerFailed],
-           missing: Callable[[], list[int]], blame: Blame = Blame()) -> WorkerFailed | RendezvousError:
+           missing: Callable[[], RendezvousError | None], blame: Blame = Blame()) -> WorkerFailed | RendezvousError:
     """What this node reports for a failed round of several nodes, the same first failure on every node.
 
     ``local``: this node's own report (None when only another node failed), ``cause`` the outcome of its
     first failure; ``remote``: a record another node wrote before this node failed; ``remote_error`` turns
-    a record into this node's report; ``missing``: ranks that never reached the store (node 0 asks it);
+    a record into this node's report; ``missing``: the error that names the ranks that never arrived, if any (node 0 asks);
     ``blame``: what this node's report blames on other nodes.
     """
     if remote is not None or local is None:
@@ -72,16 +71,16 @@ def settle(link: NodeLink, attempt: int, local: WorkerFailed | None, cause: Outc
         return remote_error(remote)
     try:
         return _settle_local(link, attempt, local, cause, remote_error, missing, blame)
-    except StoreGone:
-        return _store_gone(link, local)
+    except RendezvousGone:
+        return link.gone_error(local)
 
 
-def _settle_local(link: NodeLink, attempt: int, local: WorkerFailed, cause: Outcome | None,
+def _settle_local(link: Rendezvous, attempt: int, local: WorkerFailed, cause: Outcome | None,
                   remote_error: Callable[[FailureRecord], WorkerFailed],
-                  missing: Callable[[], list[int]], blame: Blame) -> WorkerFailed | RendezvousError:
+                  missing: Callable[[], RendezvousError | None], blame: Blame) -> WorkerFailed | RendezvousError:
     config = link.config
-    if attempt == 0 and (never := missing()):  # ranks that waited for them timed out, or were found hung
-        return RendezvousError(_missing_message(never, link))
+    if attempt == 0 and (never := missing()) is not None:  # ranks that waited for them timed out, or hung
+        return never
     if cause not in (Outcome.COLLECTIVE, Outcome.STOPPED) and not blame.culprits:  # a rank here failed by itself
         winner = link.publish(attempt, _record_of(local, cause, link))
         return local if winner.writer == config.node_rank else remote_error(winner)  # another node was first
@@ -103,18 +102,6 @@ def _settle_local(link: NodeLink, attempt: int, local: WorkerFailed, cause: Outc
     return local
 
 
-def _store_gone(link: NodeLink, local: WorkerFailed) -> RendezvousError:
-    """Node 0's store does not answer: never reached (not started, wrong address), or gone since."""
-    config = link.config
-    if not link.reached:
-        return RendezvousError(
-            f"node 0's rendezvous store at {config.master_addr}:{link.port} did not answer within --timeout "
-            f"{config.timeout:g} s: start node 0's launcher (--node-rank 0) there, or check --master-addr and "
-            f"--master-port; the failures below are consequences\n{local}")
-    return StoreLost(f"node 0, which hosts the rendezvous at {config.master_addr}:{link.port}, is gone (its "
-                     f"launcher was killed, or its machine lost); the failures below are consequences\n{local}")
-
-
 @dataclass(frozen=True)
 class Lost:
     """Nodes found lost while this one waited for the round's record: ``beat``, they had beaten in it."""
@@ -123,7 +110,7 @@ class Lost:
     beat: bool
 
 
-def _wait_for(link: NodeLink, attempt: int, local: WorkerFailed, outcome: Outcome | None,
+def _wait_for(link: Rendezvous, attempt: int, local: WorkerFailed, outcome: Outcome | None,
               blame: Blame) -> FailureRecord | Lost:
     """The round's record, once another node writes it; or the nodes found lost; or ours, once no other node
     can still write a better one.
@@ -137,11 +124,11 @@ def _wait_for(link: NodeLink, attempt: int, local: WorkerFailed, outcome: Outcom
     record then won). So a victim waits while any other node still runs its round without waiting itself;
     after :data:`_RECORD_WAIT`, once every other node has ended its round or waits too, nobody has a better
     cause. It never waits past ``--timeout`` (when a node that never beat in the round is found lost, see
-    :meth:`NodeLink.stalled`), or past :data:`_RECORD_WAIT` when --timeout is shorter: a hang's --timeout of
+    :meth:`Rendezvous.stalled`), or past :data:`_RECORD_WAIT` when --timeout is shorter: a hang's --timeout of
     a few seconds is no time for another node's teardown on a loaded machine.
     """
-    me, nprocs = link.config.node_rank, link.nprocs
-    link.call(lambda s: s.set(full_key(attempt, protocol.waiting_key(me)), "1"))
+    nprocs = link.nprocs
+    link.mark_waiting(attempt)
     start = time.monotonic()
     beats, since = link.heartbeats(attempt), start
     culprit_nodes = {rank_math.split_rank(r, nprocs)[0] for r in blame.culprits}
@@ -170,27 +157,7 @@ def _wait_for(link: NodeLink, attempt: int, local: WorkerFailed, outcome: Outcom
         time.sleep(POLL)
 
 
-def _record_of(error: WorkerFailed, cause: Outcome | None, link: NodeLink) -> FailureRecord:
+def _record_of(error: WorkerFailed, cause: Outcome | None, link: Rendezvous) -> FailureRecord:
     node, local_rank = rank_math.split_rank(error.rank, link.nprocs)
     return FailureRecord(rank=error.rank, node_rank=node, local_rank=local_rank, outcome=cause or Outcome.RAISED,
                          exit_code=error.exit_code, line=str(error).splitlines()[0], wall_time=time.time())
-
-
-def _missing_message(missing: list[int], link: NodeLink) -> str:
-    config, port = link.config, link.port
-    nodes = sorted({rank_math.split_rank(r, link.nprocs)[0] for r in missing})
-    return (
-        f"node(s) {names(nodes)} never arrived (rank(s) {names(missing)} "
-        f"missing from the rendezvous at {config.master_addr}:{port}): start their launchers with "
-        f"--nnodes {config.nnodes} --master-addr {config.master_addr} --master-port {port} --node-rank N"
-    )
-
-
-def missing_ranks(link: NodeLink, attempt: int) -> list[int]:
-    """Ranks that never reached node 0's store (their node never arrived); see core/rank/worker.py."""
-    world_size = link.config.nnodes * link.nprocs
-    try:
-        return link.call(lambda s: [r for r in range(world_size)
-                                    if not s.check([full_key(attempt, protocol.arrived_key(r))])], connect_timeout=2.0)
-    except StoreGone:
-        return []

@@ -158,7 +158,7 @@ def arrived_key(rank: int) -> str:
 
 INITIALIZED = "initialized"  # a counter: ranks through init_process_group
 ALL_INITIALIZED = "all_initialized"  # set by the last of them
-JOINED = "joined"  # a counter: the node launchers that joined this round (core/nodes/rounds.py)
+JOINED = "joined"  # a counter: the node launchers that joined this round (core/nodes/c10d.py)
 FAILURE = "failure"  # the round's first failure, a FailureRecord: the first node to write it wins
 PROGRESS = "progress"  # a counter every node's watchdog bumps while its ranks compute (core/launcher/watchdog.py)
 SCRIPT_PORT = "script_port"  # the round's own store for env:// scripts, from the second round on (core/launcher/job.py)
@@ -193,7 +193,7 @@ def waiting_key(node: int) -> str:
 
 def returned_key(node: int) -> str:
     """Set by a node whose ranks all returned (the wall time): it waits for the other nodes to end the round, and
-    a node whose ranks still wait for its ranks in a collective names them as the cause (core/nodes/rounds.py)."""
+    a node whose ranks still wait for its ranks in a collective names them as the cause (core/nodes/settle.py)."""
     return f"returned/{node}"
 
 

@@ -1,7 +1,7 @@
 """The client's end of a TCPStore: how a rank and a launcher connect to the job's store.
 
 Owns: the one call that makes a client (``is_master=False``), for the ranks
-(core/rank/worker.py) and the launchers of other nodes (core/nodes/rounds.py).
+(core/rank/worker.py) and the launchers of other nodes (core/nodes/c10d.py).
 Leaves hosting the store to core/nodes/rendezvous.py.
 """
 

@@ -1,18 +1,20 @@
-"""Several nodes as one job: rounds that every node joins, a beat, and the other nodes' liveness.
+"""The ``c10d`` rendezvous backend: node 0's TCPStore keeps what the nodes of a job agree on.
 
 Owns: this launcher's line to node 0's store on a job of several nodes
-(:class:`NodeLink`, one client for the whole job), the barrier that starts
-a restarted round only when every node's launcher has joined it, the
-barrier that ends a round only when every node's ranks returned or its
-launcher ended it, the heartbeat thread of a round (:class:`RoundWatch`: a
-beat, the watchdog's progress between nodes, and the round's first failure
-as another node wrote it), and which nodes are lost: a launcher whose beat
-stood still while the others beat, or that never beat for --timeout.
+(:class:`C10dRendezvous`, one client for the whole job, the first backend of
+core/nodes/api.py's interface), the barrier that starts a restarted round
+only when every node's launcher has joined it, the barrier that ends a round
+only when every node's ranks returned or its launcher ended it, the
+heartbeat thread of a round (:class:`C10dRoundWatch`: a beat, the
+watchdog's progress between nodes, and the round's first failure as
+another node wrote it), and which nodes are lost: a launcher whose beat
+stood still while the others beat, or that never beat for --timeout. Its
+cost: node 0 is special; when its machine is lost, the job ends everywhere.
 
 Leaves what a failed round reports to core/nodes/settle.py, the store's process to
 core/nodes/store_server.py, the key names and the record's wire form to
-core/wire/protocol.py, the restart loop to core/launcher/job.py, watching the local
-ranks to core/launcher/attempt.py and the words of a report to core/launcher/report.py.
+core/wire/protocol.py, the restart loop to core/launcher/job.py and watching the
+local ranks to core/launcher/attempt.py.
 """
 
 from __future__ import annotations
@@ -29,24 +31,19 @@ from typing import Any
 
 from ... import rank_math
 from ...config import LaunchConfig
-from ...errors import Outcome, RendezvousError, StoreLost
+from ...errors import Outcome, RendezvousError, StoreLost, WorkerFailed
 from ...log import logger
 from ..wire import protocol
 from ..wire.protocol import FailureRecord, full_key
+from .api import INTERVAL, POLL, STALLED_AFTER, RendezvousGone, names
 
-_INTERVAL = 0.25  # seconds between two beats (and two looks for another node's failure)
-STALLED_AFTER = 6 * _INTERVAL  # a beat that did not move for this long, while others moved: its launcher is gone
 _LIVE_BEATS = 12  # ... by at least this many beats (3 s of them): a starved launcher beats again before that
-POLL = 0.05
 _LEAVE_WAIT = 10.0  # seconds node 0 keeps the store for the other launchers to read the last round
 
 
-class StoreGone(StoreLost):
-    """Node 0's store does not answer (its launcher or store server is gone): a StoreLost wherever it is not settled."""
-
-
-class NodeLink:
-    """This launcher's client of node 0's store, for the whole job; every call is thread-safe."""
+class C10dRendezvous:
+    """The ``c10d`` backend of :class:`~mpddp.core.nodes.api.Rendezvous`: this launcher's client of node 0's
+    store, for the whole job; every call is thread-safe."""
 
     def __init__(self, config: LaunchConfig, port: int, nprocs: int) -> None:
         self.config, self.port, self.nprocs = config, port, nprocs
@@ -58,22 +55,22 @@ class NodeLink:
         self._connecting = threading.Lock()
 
     def call(self, op: Callable[[Any], Any], connect_timeout: float | None = None) -> Any:
-        """``op(store)`` under the lock; :class:`StoreGone` when node 0's store cannot be reached."""
+        """``op(store)`` under the lock; :class:`RendezvousGone` when node 0's store cannot be reached."""
         try:
             with self._connecting:  # one connection at a time: it retries until node 0 is up, or the timeout
                 if self._unreachable:
-                    raise StoreGone(f"node 0's store at {self.config.master_addr}:{self.port} did not answer")
+                    raise RendezvousGone(f"node 0's store at {self.config.master_addr}:{self.port} did not answer")
                 if self._store is None:
                     self._store = self._connect(connect_timeout if connect_timeout is not None else self.config.timeout)
                     self.reached = True
             with self._lock:
                 return op(self._store)
-        except StoreGone:
+        except RendezvousGone:
             raise
         except Exception as e:  # noqa: BLE001 - torch raises several types for a store that is gone
             if self._store is None:
                 self._unreachable = True
-            raise StoreGone(f"node 0's store at {self.config.master_addr}:{self.port} does not answer "
+            raise RendezvousGone(f"node 0's store at {self.config.master_addr}:{self.port} does not answer "
                             f"({type(e).__name__})") from e
 
     def _connect(self, timeout: float) -> Any:
@@ -101,7 +98,7 @@ class NodeLink:
         node, nnodes, timeout = self.config.node_rank, self.config.nnodes, self.config.timeout
         try:
             self._join(attempt, node, nnodes, timeout)
-        except StoreGone:
+        except RendezvousGone:
             raise StoreLost(f"node 0's store at {self.config.master_addr}:{self.port} is gone, so round {attempt} "
                             "cannot start: node 0's launcher was killed, or its machine lost") from None
 
@@ -122,6 +119,48 @@ class NodeLink:
                     f"{self.config.max_restarts}) within --timeout {timeout:g} s: their launchers are gone or stopped "
                     "(killed, preempted, machine lost); every node must be running to restart the group")
             time.sleep(POLL)
+
+    def set_script_port(self, attempt: int, port: int) -> None:
+        """Node 0: the port of the round's own store for env:// scripts, for the other nodes to read."""
+        self.call(lambda s: s.set(full_key(attempt, protocol.SCRIPT_PORT), str(port)))
+
+    def watch(self, attempt: int, share: Callable[[], bytes | None] | None = None) -> C10dRoundWatch:
+        """The round's beat, from a thread of its own, until it is stopped."""
+        return C10dRoundWatch(self, attempt, share)
+
+    def mark_waiting(self, attempt: int) -> None:
+        """This node waits for the round's record: its ranks only saw a peer vanish."""
+        me = self.config.node_rank
+        self.call(lambda s: s.set(full_key(attempt, protocol.waiting_key(me)), "1"))
+
+    def never_arrived(self, attempt: int) -> RendezvousError | None:
+        """The nodes whose ranks never reached node 0's store in round ``attempt`` (core/rank/worker.py marks
+        each rank's arrival), as the error that names them and how to start them; None when every rank came."""
+        config, port, world_size = self.config, self.port, self.config.nnodes * self.nprocs
+        try:
+            missing = self.call(lambda s: [r for r in range(world_size)
+                                           if not s.check([full_key(attempt, protocol.arrived_key(r))])],
+                                connect_timeout=2.0)
+        except RendezvousGone:
+            return None
+        if not missing:
+            return None
+        nodes = sorted({rank_math.split_rank(r, self.nprocs)[0] for r in missing})
+        return RendezvousError(
+            f"node(s) {names(nodes)} never arrived (rank(s) {names(missing)} "
+            f"missing from the rendezvous at {config.master_addr}:{port}): start their launchers with "
+            f"--nnodes {config.nnodes} --master-addr {config.master_addr} --master-port {port} --node-rank N")
+
+    def gone_error(self, local: WorkerFailed) -> RendezvousError:
+        """Node 0's store does not answer: never reached (not started, wrong address), or gone since."""
+        config = self.config
+        if not self.reached:
+            return RendezvousError(
+                f"node 0's rendezvous store at {config.master_addr}:{self.port} did not answer within --timeout "
+                f"{config.timeout:g} s: start node 0's launcher (--node-rank 0) there, or check --master-addr and "
+                f"--master-port; the failures below are consequences\n{local}")
+        return StoreLost(f"node 0, which hosts the rendezvous at {config.master_addr}:{self.port}, is gone (its "
+                         f"launcher was killed, or its machine lost); the failures below are consequences\n{local}")
 
     def script_port(self, attempt: int) -> int:
         """The port of the round's own store for env:// scripts, which node 0 set before it joined (core/launcher/job.py)."""
@@ -148,7 +187,7 @@ class NodeLink:
             f"stopped by {signal.Signals(signum).name}" if isinstance(signum, int) else
             f"stopped ({type(cause).__name__})")
         line = f"mpddp: node {node}'s launcher was {how} while its ranks ran, taking rank(s) {names(ranks)} with it"
-        with contextlib.suppress(StoreGone):
+        with contextlib.suppress(RendezvousGone):
             self.publish(attempt, FailureRecord(ranks[0], node, 0, Outcome.STOPPED, code, line, time.time()))
 
     def end_round(self, attempt: int) -> None:
@@ -156,7 +195,7 @@ class NodeLink:
         try:
             self.call(lambda s: s.set(full_key(attempt, protocol.ended_key(self.config.node_rank)), "1"),
                       connect_timeout=2.0)
-        except StoreGone:
+        except RendezvousGone:
             pass
 
     def heartbeats(self, attempt: int) -> dict[int, int]:
@@ -256,7 +295,7 @@ class NodeLink:
                 if now - start > self.config.timeout:
                     self.silent(attempt)
                 time.sleep(POLL)
-        except StoreGone:  # node 0 gone after our ranks returned: nothing more to learn, and nothing went wrong here
+        except RendezvousGone:  # node 0 gone after our ranks returned: nothing more to learn, and nothing went wrong here
             logger.warning("mpddp: node 0's store went away before every node ended round %d; node %d's ranks had "
                            "all returned", attempt, me)
             return None
@@ -277,11 +316,11 @@ class NodeLink:
             deadline = time.monotonic() + min(self.config.timeout, _LEAVE_WAIT)
             while self.call(lambda s: s.add(protocol.LEFT, 0) < waited_for(s)) and time.monotonic() < deadline:
                 time.sleep(POLL)
-        except StoreGone:
+        except RendezvousGone:
             pass
 
 
-class RoundWatch:
+class C10dRoundWatch:
     """One round's heartbeat, from a daemon thread: a beat, progress between nodes, another node's failure.
 
     The watchdog (core/launcher/watchdog.py) calls :meth:`progressed` when a local rank
@@ -291,7 +330,7 @@ class RoundWatch:
     round's first failure: the attempt then stops this node's ranks.
     """
 
-    def __init__(self, link: NodeLink, attempt: int, share: Callable[[], bytes | None] | None = None) -> None:
+    def __init__(self, link: C10dRendezvous, attempt: int, share: Callable[[], bytes | None] | None = None) -> None:
         self.link, self.attempt = link, attempt
         self.share = share  # this node's ranks' collectives when they moved (core/launcher/board.py's snapshot)
         self.remote_progress = 0  # the other nodes' progress, as last read
@@ -329,8 +368,8 @@ class RoundWatch:
                 self.remote_progress = total - mine
                 if written and (record := FailureRecord.decode(written)).node_rank != node:
                     self.remote_failure = record
-                self._stop.wait(_INTERVAL)
-        except StoreGone:  # node 0 gone: what that means is settled after the local ranks stop
+                self._stop.wait(INTERVAL)
+        except RendezvousGone:  # node 0 gone: what that means is settled after the local ranks stop
             return
 
     def others_calls(self) -> list[bytes]:
@@ -343,13 +382,9 @@ class RoundWatch:
 
         try:
             return self.link.call(read)
-        except StoreGone:
+        except RendezvousGone:
             return []
 
     def stop(self) -> None:
         self._stop.set()
         self._thread.join(1.0)
-
-
-def names(items: list[int]) -> str:
-    return ", ".join(map(str, items))

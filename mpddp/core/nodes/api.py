@@ -1,0 +1,92 @@
+"""The seam between the launcher and what the nodes of a job agree on: one interface, a backend behind it.
+
+Owns: :class:`Rendezvous`, what a launcher asks of the other nodes of its
+job, whichever backend keeps it (today ``c10d``: node 0's TCPStore,
+core/nodes/c10d.py), and :class:`RoundWatch`, the beat of one round seen
+from the attempt; the error a backend raises when it stops answering
+(:class:`RendezvousGone`) and the beat's timing; core/nodes/backends.py
+picks a backend by name. What crosses the seam is plain values and
+:class:`~mpddp.core.wire.protocol.FailureRecord`. Above core/nodes/ nothing
+names a backend: the launcher and the settlement (core/nodes/settle.py) use
+this module only, and a test keeps it so.
+
+The interface, by what it is for:
+
+* a round: :meth:`~Rendezvous.join` it (every node's launcher is there),
+  its store for env:// scripts (:meth:`~Rendezvous.set_script_port`,
+  :meth:`~Rendezvous.script_port`), :meth:`~Rendezvous.watch` it (the beat),
+  :meth:`~Rendezvous.end_round`, and :meth:`~Rendezvous.finish` it when this
+  node's ranks all returned (wait for the others);
+* its first failure: :meth:`~Rendezvous.publish` (the first writer wins),
+  :meth:`~Rendezvous.record`, :meth:`~Rendezvous.stopped` (this launcher was);
+* liveness, for a node that waits for that record: the beats
+  (:meth:`~Rendezvous.heartbeats`, :meth:`~Rendezvous.stalled`,
+  :meth:`~Rendezvous.silent`), who still works (:meth:`~Rendezvous.busy`),
+  who waits too (:meth:`~Rendezvous.mark_waiting`, :meth:`~Rendezvous.waiting`),
+  whose ranks returned (:meth:`~Rendezvous.returned`), which nodes never
+  arrived (:meth:`~Rendezvous.never_arrived`), and what to say when the backend
+  itself is gone (:meth:`~Rendezvous.gone_error`);
+* :meth:`~Rendezvous.leave` the job.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Protocol
+
+from ...config import LaunchConfig
+from ...errors import RendezvousError, StoreLost, WorkerFailed
+from ..wire.protocol import FailureRecord
+
+INTERVAL = 0.25  # seconds between two beats (and two looks for another node's failure)
+STALLED_AFTER = 6 * INTERVAL  # a beat that did not move for this long, while others moved: its launcher is gone
+POLL = 0.05  # seconds between two looks of a launcher that waits for the other nodes
+
+
+class RendezvousGone(StoreLost):
+    """The backend does not answer (node 0's store: its launcher or store server is gone)."""
+
+
+class RoundWatch(Protocol):
+    """One round's beat, as the attempt and its watchdog see it."""
+
+    remote_progress: int  # moves when a rank of another node made progress
+    remote_failure: FailureRecord | None  # the round's first failure, once another node wrote it
+
+    def progressed(self) -> None: ...
+    def others_calls(self) -> list[bytes]: ...
+    def stop(self) -> None: ...
+
+
+class Rendezvous(Protocol):
+    """What one launcher asks of the other nodes of its job, for the whole job (see the module's list)."""
+
+    config: LaunchConfig
+    nprocs: int  # ranks per node
+    reached: bool  # the backend answered once, this launcher or one of its ranks
+    gone: set[int]  # nodes found lost
+
+    def join(self, attempt: int) -> None: ...
+    def set_script_port(self, attempt: int, port: int) -> None: ...
+    def script_port(self, attempt: int) -> int: ...
+    def watch(self, attempt: int, share: Callable[[], bytes | None] | None = None) -> RoundWatch: ...
+    def end_round(self, attempt: int) -> None: ...
+    def finish(self, attempt: int) -> FailureRecord | None: ...
+    def publish(self, attempt: int, record: FailureRecord) -> FailureRecord: ...
+    def record(self, attempt: int) -> FailureRecord | None: ...
+    def stopped(self, attempt: int, cause: BaseException) -> None: ...
+    def heartbeats(self, attempt: int) -> dict[int, int]: ...
+    def stalled(self, attempt: int, before: dict[int, int]) -> list[int] | None: ...
+    def silent(self, attempt: int) -> list[int]: ...
+    def busy(self, attempt: int) -> list[int]: ...
+    def mark_waiting(self, attempt: int) -> None: ...
+    def waiting(self, attempt: int, nodes: set[int]) -> bool: ...
+    def returned(self, attempt: int) -> dict[int, float]: ...
+    def never_arrived(self, attempt: int) -> RendezvousError | None: ...
+    def gone_error(self, local: WorkerFailed) -> RendezvousError: ...
+    def leave(self) -> None: ...
+
+
+def names(items: list[int]) -> str:
+    """``0, 2, 3``: nodes or ranks in a line."""
+    return ", ".join(map(str, items))
