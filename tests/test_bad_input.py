@@ -256,3 +256,38 @@ def test_bad_input_is_one_line_naming_the_value(case, surface, request, tmp_path
     message = str(info.value)
     assert len(message.splitlines()) == 1 and case.words in message, message
     assert listing(tmp_path / "cwd") == before, "the call wrote files"
+
+
+def one(ctx):
+    return 1
+
+
+@pytest.mark.parametrize(("options", "words"), [
+    (["--nnodes", "2", "--node-rank", "0", "--master-addr", "10.123.45.67", "--master-port", "29511"],
+     "master_addr='10.123.45.67' (10.123.45.67) is not an address of this machine, but node 0 hosts the store there"),
+    (["--master-addr", "10.123.45.67"], "is not an address of this machine"),
+    (["--nnodes", "2", "--node-rank", "0", "--master-addr", "no.such.host.invalid", "--master-port", "29511"],
+     "master address 'no.such.host.invalid' does not resolve"),
+    (["--master-port", "TAKEN"], "is already in use on 127.0.0.1: another job holds it"),
+])
+def test_an_address_node_0_cannot_host_is_bad_input_exit_2_before_anything_starts(tmp_path, options, words):
+    """Was: an address not of this machine exited 1 (after the forkserver started), one that does not resolve 2."""
+    import socket
+
+    from helpers import leftovers
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    options = [str(taken.getsockname()[1]) if o == "TAKEN" else o for o in options]
+    (tmp_path / "hi.py").write_text("print('ran')\n")
+    try:
+        out = subprocess.run([sys.executable, "-m", "mpddp", "run", "--nprocs", "1", "--timeout", "5", *options,
+                              "hi.py"], capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    finally:
+        taken.close()
+    assert out.returncode == 2 and out.stderr.startswith("mpddp: error: ") and words in out.stderr, out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1 and "ran" not in out.stdout
+    assert not leftovers()
+    with pytest.raises(mpddp.AddressError):  # the API's type: bad input (ConfigError), and a RendezvousError
+        mpddp.launch(one, nprocs=1, master_addr="10.123.45.67")

@@ -1,7 +1,7 @@
 """classify(): every rank's outcome from the launcher's facts, one pure function (core/launcher/classify.py).
 
 The end-to-end reports are tested with real processes (tests/test_failure_model.py,
-tests/test_hostile3.py, tests/test_collectives.py); here the rule itself, as a table of
+tests/test_rank_errors.py, tests/test_collectives.py); here the rule itself, as a table of
 facts, and that deciding changes nothing: the report only renders the verdict.
 """
 

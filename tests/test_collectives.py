@@ -437,7 +437,7 @@ def test_a_tie_is_told_once_the_missing_member_entered_another_collective_or_aft
 
 def test_a_member_that_only_reached_the_collective_before_may_still_come_to_the_row():
     """Rank 2's report that it entered and completed #2 can arrive after ranks 0 and 1 entered #3: it is between
-    two calls (tests/test_collectives_hostile.py: rank 2 sleeps 1 s there), and the tie waits for it."""
+    two calls (tests/test_no_false_mismatch.py: rank 2 sleeps 1 s there), and the tie waits for it."""
     start = time.monotonic()
     board = _three((0, [_c(3)]), (1, [_c(3, "broadcast")]))
     board.add(2, Collectives((_c(2),), ((("0", "", 0), 2),)))

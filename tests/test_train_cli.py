@@ -141,3 +141,29 @@ def test_ctrl_c_while_rank_0_writes_a_checkpoint_leaves_no_temporary_file(tmp_pa
         run.kill()
     assert [p.name for p in ckpts.glob("*.tmp")] == [other.name], run.stderr
     run.assert_nothing_left()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("delay", [0.3, 1.0])
+def test_ctrl_c_during_train_start_up_is_answered_without_waiting_for_the_import(tmp_path, delay):
+    """Was: 2.5 to 3.8 s, the forkserver's torch import (the launcher waited for it to exit). The bound is
+    generous: it only catches waiting for that import (scripts/bench_interrupt.py has the typical figure)."""
+    import time
+
+    from runs import Run
+
+    run = Run(["-m", "mpddp", "train", "--nprocs", "2", "--epochs", "1", "--run-dir", str(tmp_path / "run")],
+              tmp_path)
+    try:
+        time.sleep(delay)
+        run.list_tree()
+        sent = time.monotonic()
+        run.proc.send_signal(__import__("signal").SIGINT)
+        code = run.finish(60)
+        took = time.monotonic() - sent
+    finally:
+        run.kill()
+    print(f"Ctrl-C {delay} s into start-up answered in {took:.2f} s")
+    assert code == 130 and "interrupted (SIGINT)" in run.stderr, run.stderr
+    assert took < 2.0
+    run.assert_nothing_left()

@@ -1,0 +1,149 @@
+"""The straggler named is the rank the others wait for, and ranks late in turn name no one
+(core/launcher/stragglers.py); real processes on the CPU with gloo.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import mpddp
+
+pytestmark = pytest.mark.timeout(120)
+
+_LATE = 0.7  # seconds a rank lingers before it returns: its flight-recorder reader (every 0.5 s) reads the end
+
+
+def _said(caplog, words):
+    return [r for r in caplog.records if r.name == "mpddp" and words in r.getMessage()]
+
+
+def one_late(ctx, slow, steps):
+    t = torch.ones(100)
+    for _ in range(steps):
+        time.sleep(0.01)
+        if ctx.rank == slow:
+            time.sleep(0.03)
+        dist.all_reduce(t)
+    time.sleep(_LATE)
+    return ctx.rank
+
+
+def test_with_three_ranks_the_late_one_is_named(no_leftovers, caplog):
+    with caplog.at_level(logging.INFO, logger="mpddp"):
+        assert mpddp.launch(one_late, nprocs=3, args=(2, 90)) == [0, 1, 2]
+    named = _said(caplog, "is a straggler")
+    assert len(named) == 1 and named[0].getMessage().startswith("mpddp: rank 2 is a straggler"), caplog.text
+    assert _said(caplog, "mpddp: collectives: ")[0].mpddp_collectives.straggler == 2
+
+
+def taking_turns(ctx, steps):
+    t = torch.ones(1)
+    for i in range(steps):
+        if i % ctx.world_size == ctx.rank:
+            time.sleep(0.05)  # the ranks take turns being late: neither is the one the others wait for
+        dist.all_reduce(t)
+    time.sleep(_LATE)
+    return ctx.rank
+
+
+def test_two_ranks_late_in_turn_name_no_straggler(no_leftovers, caplog):
+    """Two ranks late in turn, 50 ms every other step: perfectly symmetric.
+
+    Was, before the fix: "rank 0 is a straggler: it reaches collectives 50 ms after the first rank (median of its last
+    59 ...)", and the summary "rank 0 was the straggler: it arrived last at 50% of them, median lag 24 ms" above
+    a table where rank 1's median lag is 25 ms. Whichever rank was late first has one late arrival more in an
+    odd window (30 of 59), so its median is the late value; in an even window the median is the mean of a late
+    and an on-time arrival (25 ms > 20 ms). Rank 1 would be named by the same numbers a step later.
+
+    Should: name no one, as with three ranks taking turns (checked below): a straggler is a rank the others wait
+    for more than the others wait for anyone else, not one of two equal halves (e.g. compare its lag with the
+    other ranks', or require clearly more than half of its arrivals late).
+    """
+    with caplog.at_level(logging.INFO, logger="mpddp"):
+        assert mpddp.launch(taking_turns, nprocs=2, args=(80,)) == [0, 1]
+    assert not _said(caplog, "is a straggler"), caplog.text
+    assert _said(caplog, "mpddp: collectives: ")[0].mpddp_collectives.straggler is None
+
+
+def test_three_ranks_late_in_turn_name_no_straggler(no_leftovers, caplog):
+    with caplog.at_level(logging.INFO, logger="mpddp"):
+        assert mpddp.launch(taking_turns, nprocs=3, args=(75,)) == [0, 1, 2]
+    assert not _said(caplog, "is a straggler"), caplog.text
+
+
+def equal_buckets(ctx, steps, step, lag):
+    torch.manual_seed(0)
+    # 16 layers of 64 x 64, 20 KB buckets: 8 buckets of the very same size, all_reduced at every step
+    model = DDP(nn.Sequential(*[nn.Linear(64, 64) for _ in range(16)]), bucket_cap_mb=0.02)
+    x = torch.randn(8, 64)
+    for _ in range(steps):
+        time.sleep(step - lag)  # both ranks: loading a batch
+        loss = model(x).sum()
+        if ctx.rank == 1:
+            time.sleep(lag)
+        loss.backward()
+    time.sleep(_LATE)
+    return ctx.rank
+
+
+def test_a_lag_small_against_a_long_step_is_not_named_when_buckets_have_one_size(no_leftovers, caplog):
+    """DDP with 8 gradient buckets of one size (equal layers, a small ``bucket_cap_mb``); a step takes
+    400 ms; rank 1 is 25 ms late at each: 6 % of a step, under the rule's tenth ("a lag that costs nothing is not
+    told").
+
+    Was, before the fix: "rank 1 is a straggler: it reaches collectives 25 ms after the first rank (...; a step takes
+    about 0.1 ms)". The step is estimated as the median time between two arrivals at "the same kind of
+    collective" (group, op, shapes), assumed to recur once a step; 8 buckets of one shape recur 8 times a step,
+    7 of them a fraction of a millisecond apart, so the step comes out at 0.1 ms and the share of a step never
+    protects (``Stragglers.add``/``step``).
+
+    Should: estimate a step of about 400 ms (e.g. by the same collective number modulo the collectives per step,
+    or the gaps between bursts), and not name rank 1.
+    """
+    with caplog.at_level(logging.INFO, logger="mpddp"):
+        assert mpddp.launch(equal_buckets, nprocs=2, args=(8, 0.4, 0.025)) == [0, 1]
+    assert not _said(caplog, "is a straggler"), caplog.text
+    summary = _said(caplog, "mpddp: collectives: ")[0].mpddp_collectives
+    assert summary.step is not None and 0.2 < summary.step < 1.0, summary.step
+
+
+def late_then_together(ctx, steps):
+    ts = [torch.ones(n) for n in (10, 20, 30, 40)]
+    for _ in range(steps):
+        time.sleep(0.17)  # both ranks: nobody waits for anybody here
+        if ctx.rank == 1:
+            time.sleep(0.03)  # only rank 1: rank 0 waits for it
+        works = [dist.all_reduce(t, async_op=True) for t in ts]
+        for work in works:
+            work.wait()
+    time.sleep(1.0)  # both ranks, after the loop: nobody waits
+    return ctx.rank
+
+
+def test_where_the_straggler_is_while_the_others_wait_is_sampled_while_they_wait(no_leftovers, caplog):
+    """Rank 1 is 30 ms late at each of a step's 4 collectives (a step: 200 ms, 170 of them a sleep on
+    both ranks): rightly named.
+
+    Was, before the fix: the message ends "while the others wait it is in late_then_together at
+    test_stragglers.py:N (time.sleep(0.17)  # both ranks: nobody waits for anybody here) (k of 5
+    samples)" (or the sleep after the loop, when the rows that tip the rule come in last). ``_sample`` in
+    core/launcher/attempt.py takes 5 stacks of the straggler 50 ms apart whenever the rule fires, without looking
+    at whether the others wait then; the most common place is wherever the rank spends most of its time.
+
+    Should: sample (or keep) only the straggler's locations taken while another rank waits in a collective, here
+    the line marked "only rank 1"; else leave the "while the others wait" part out.
+    """
+    with caplog.at_level(logging.INFO, logger="mpddp"):
+        assert mpddp.launch(late_then_together, nprocs=2, args=(16,)) == [0, 1]
+    named = _said(caplog, "is a straggler")
+    assert len(named) == 1 and named[0].getMessage().startswith("mpddp: rank 1 is a straggler"), caplog.text
+    told = named[0].getMessage()
+    assert "nobody waits" not in told, told
+    assert "while the others wait" not in told or "# only rank 1" in told, told
