@@ -5,6 +5,7 @@ from __future__ import annotations
 import ast
 import os
 import pickle
+import re
 import socket
 import subprocess
 import sys
@@ -254,6 +255,47 @@ def test_the_code_map_lists_exactly_the_modules_on_disk():
     assert len(mapped) == len(set(mapped)), "a module is listed twice"
     assert not on_disk - set(mapped), f"docs/codemap.rst leaves out {sorted(on_disk - set(mapped))}"
     assert not set(mapped) - on_disk, f"docs/codemap.rst lists modules that are gone: {sorted(set(mapped) - on_disk)}"
+
+
+_PATH = re.compile(r"(?<![\w/.])((?:mpddp|core|tests|scripts|docs|trainer|machine|cli)/[\w/.-]*\w)")
+_DOTTED = re.compile(r"\bmpddp(?:\.\w+)+")
+
+
+def _dangling(text: str) -> list[str]:
+    """The paths (``core/nodes/api.py``, from the repository or from mpddp/) and the dotted names
+    (``mpddp.core.nodes.api.Rendezvous``) in ``text`` that name nothing."""
+    import importlib
+
+    root = PACKAGE.parent
+    wrong = [path for path in _PATH.findall(text)
+             if not (root / path.rstrip(".")).exists() and not (PACKAGE / path.rstrip(".")).exists()]
+    for name in _DOTTED.findall(text):
+        parts = name.split(".")
+        for cut in range(len(parts), 0, -1):
+            try:
+                found: object = importlib.import_module(".".join(parts[:cut]))
+                break
+            except ImportError:
+                continue
+        for attribute in parts[cut:]:
+            if not hasattr(found, attribute):
+                wrong.append(name)
+                break
+            found = getattr(found, attribute)
+    return wrong
+
+
+def test_every_path_the_code_map_and_the_module_docstrings_name_exists():
+    import ast
+
+    texts = {"docs/codemap.rst": CODE_MAP.read_text(encoding="utf-8")}
+    for path in PACKAGE.rglob("*.py"):
+        texts[str(path.relative_to(PACKAGE.parent))] = ast.get_docstring(ast.parse(path.read_text("utf-8"))) or ""
+    wrong = {where: found for where, text in texts.items() if (found := _dangling(text))}
+    assert not wrong, f"paths or names that are gone: {wrong}"
+    assert sum(len(_PATH.findall(text)) for text in texts.values()) > 100  # the finder finds what is there
+    assert _dangling("see core/nodes/rounds.py and mpddp.core.nodes.api.NodeLink") == [
+        "core/nodes/rounds.py", "mpddp.core.nodes.api.NodeLink"]
 
 
 def test_the_package_docstrings_point_to_the_one_map():
