@@ -1,31 +1,17 @@
 """mpddp's voice outside the reports: the ``mpddp`` logger.
 
-Owns: the one :mod:`logging` logger every layer uses for warnings and
-notices (a busy GPU, a restart, threads ``fn`` left running), and its
-default: the bare message on the *current* ``sys.stderr`` (so a Jupyter
-cell shows it), exactly as a ``print`` would. Why ``logging`` and not
-``warnings``: these are events of a run that the caller cannot fix in code
-(the ``warnings`` module is for that, and shows each message once only); an
-application routes or silences them as it does every library's. Leaves
-failure reports, which are exceptions, to errors.py.
+Owns: the one :mod:`logging` logger every layer uses for warnings and notices (a busy GPU, a restart), and
+``console``, its handler: the bare message on the *current* ``sys.stderr`` (so a Jupyter cell shows it). Why
+``logging``, not ``warnings`` (which is for what code can fix, and shows a message once only): these are events of
+a run, and an application routes or silences them as it does every library's.
 
-The rule under applications that attach handlers (decided, issue 20).
-Python's logging guide asks a library to add only a ``NullHandler`` and to
-propagate. mpddp propagates, so an application's root handlers and a test
-runner's ``caplog`` see every record, but it keeps one handler of its own:
-with logging left unconfigured, as in a plain script or a notebook, the
-guide's rule would drop every INFO notice ("restarting the group") and
-print the warnings through ``lastResort`` only. That handler is a console
-of last resort, and the one question it asks is *would this record already
-reach the person's console?* It steps aside only when a handler on the
-record's path (mpddp's own, then its ancestors' while ``propagate`` holds)
-is a stream handler writing to the process's stdout or stderr, as
-``logging.basicConfig()`` makes; that is the only case in which printing
-would double a line. A handler that captures or routes records elsewhere (a
-file, a list, pytest's capture handlers, which pytest 9 also attaches to
-every non-propagating logger) is no reason to print nothing. Silence:
-``logging.getLogger("mpddp").setLevel(logging.ERROR)``; take over the
-output entirely: ``logging.getLogger("mpddp").removeHandler(mpddp.log.console)``.
+Why a handler of its own, not the logging guide's ``NullHandler``: with logging unconfigured (a script, a notebook)
+that would drop every INFO notice. The logger still propagates (root handlers and ``caplog`` see every record), and
+``console`` steps aside only when a handler on the record's path writes to the process's stdout or stderr (as
+``logging.basicConfig()`` makes), the one case where it would double a line; one that captures or routes records
+elsewhere (a file, pytest's capture handlers, which pytest 9 attaches to every non-propagating logger) does not
+count. Silence: ``logging.getLogger("mpddp").setLevel(logging.ERROR)``; take over:
+``logging.getLogger("mpddp").removeHandler(mpddp.log.console)``.
 """
 
 from __future__ import annotations

@@ -1,23 +1,15 @@
 """Which cluster environment started this process, and its layout under the explicit flags.
 
-Owns: telling which environments are present (Open MPI, MPICH/Intel MPI,
-SLURM, PBS, LSF, Kubeflow), the one precedence rule between them
-(:data:`PRECEDENCE`), :func:`apply_cluster` (what core/launcher/api.py's
-``make_config`` calls) and :func:`describe` for ``mpddp ranks`` and ``mpddp
-info``. Leaves reading each environment to slurm.py, mpi.py, pbs.py, lsf.py
-and kubeflow.py (each a ``read_layout`` that returns a
-:class:`~mpddp.machine.joblayout.JobLayout`), the shared shape and the
-merge to joblayout.py, and the final validation to config.py.
+Owns: telling which environments are present (Open MPI, MPICH/Intel MPI, SLURM, PBS, LSF, Kubeflow), the one
+precedence rule between them (:data:`PRECEDENCE`), :func:`apply_cluster` (what ``make_config`` calls) and
+:func:`describe` for ``mpddp ranks`` and ``mpddp info``. Each environment is read by its own module's
+``read_layout``; the shared shape and the merge under the flags are machine/joblayout.py's.
 
-The precedence, first present wins: the innermost launcher, the one that
-started *this* process. ``mpirun`` / ``mpiexec`` start their processes
-inside an allocation, so under ``sbatch`` + ``mpirun`` (or PBS, LSF) the MPI
-variables describe this process while the allocation's describe the batch
-script (on node 0: ``SLURM_JOB_ID`` without ``SLURM_STEP_ID``, which SLURM's
-check would refuse as "outside srun"): MPI first. SLURM, PBS and LSF do not
-nest; SLURM comes first (its torque wrapper may set ``PBS_*``). Kubeflow
-last: its variables have the generic names (``MASTER_ADDR``, ``RANK``)
-others use too, and an MPIJob's pods run ``mpirun``.
+The precedence, first present wins: the innermost launcher, the one that started *this* process. Under ``sbatch`` +
+``mpirun`` (or PBS, LSF) the MPI variables describe this process while the allocation's describe the batch script
+(on node 0, ``SLURM_JOB_ID`` without ``SLURM_STEP_ID``, which SLURM's check would refuse as "outside srun"): MPI
+first. SLURM, PBS and LSF do not nest; SLURM first (its torque wrapper may set ``PBS_*``). Kubeflow last: its
+variables have generic names (``MASTER_ADDR``, ``RANK``) others use too, and an MPIJob's pods run ``mpirun``.
 """
 
 from __future__ import annotations

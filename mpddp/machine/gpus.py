@@ -1,21 +1,13 @@
 """Which NVIDIA GPUs this machine has, who is using them, which ones a launch takes.
 
-Owns: asking the driver about GPUs *without initializing CUDA* (NVML through
-``pynvml`` when installed, else ``nvidia-smi``), applying
-``CUDA_VISIBLE_DEVICES``, turning ``--gpus`` (ids, ``free``, ``free:N``,
-nothing) into physical ids, and warning about GPUs another process fills.
-Leaves to others: setting the children's ``CUDA_VISIBLE_DEVICES`` and the
-device of each rank (core/launcher/plan.py, core/rank/worker.py).
+Owns: asking the driver about GPUs *without initializing CUDA* (NVML through ``pynvml`` when installed, else
+``nvidia-smi``), applying ``CUDA_VISIBLE_DEVICES``, turning ``--gpus`` (ids, ``free``, ``free:N``, nothing) into
+physical ids, and warning about GPUs another process fills. A GPU id is the index NVML and ``nvidia-smi`` give it
+(PCI bus order), the number ``mpddp info`` prints. The parsers are pure, so tests feed them recorded answers.
 
-Why no torch here: in the launcher's parent, ``torch.cuda.is_available()``
-or ``get_device_properties`` is enough to make every forked child fail with
-"Cannot re-initialize CUDA in forked subprocess" (measured on an H200 with
-torch 2.11, even while ``is_initialized()`` says False). NVML and
-``nvidia-smi`` answer the same questions from the driver alone.
-
-A GPU id is the index NVML and ``nvidia-smi`` give it (PCI bus order), the
-number ``mpddp info`` prints. The parsers are pure, so tests feed them
-recorded ``nvidia-smi`` answers.
+Why no torch here: in the launcher's parent, ``torch.cuda.is_available()`` or ``get_device_properties`` is enough to
+make every forked child fail with "Cannot re-initialize CUDA in forked subprocess" (measured on an H200 with torch
+2.11, even while ``is_initialized()`` says False). NVML and ``nvidia-smi`` answer the same from the driver alone.
 """
 
 from __future__ import annotations

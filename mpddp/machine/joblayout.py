@@ -1,21 +1,13 @@
 """One shape for what a scheduler or an MPI launcher says about the job, and how it meets the flags.
 
-Owns: :class:`JobLayout` (node count, node rank, master, the command line
-that starts one launcher per node there, what would not work, and where each
-value came from), the small readers the scheduler modules share (a variable
-as a number, a job id as a port, a host file, this host's place among the
-job's hosts, the user's command line for the fix), the one port formula
-every node of a job derives alike (:func:`port_for`), merging a layout
-*under* explicit flags with the two conflicts that cannot work, and
-:func:`describe` for ``mpddp ranks``. Leaves reading each environment to
-slurm.py, mpi.py, pbs.py, lsf.py and kubeflow.py (each one
-``read_layout(environ, argv, hostname) -> JobLayout`` plus what only it
-knows), choosing among them to cluster.py and validating the final values
-to config.py.
+Owns: :class:`JobLayout` (node count, node rank, master, the command line that starts one launcher per node, what
+would not work, and where each value came from), the small readers the scheduler modules share, the one port formula
+every node of a job derives alike (:func:`port_for`), merging a layout *under* explicit flags with the two conflicts
+that cannot work, and :func:`describe` for ``mpddp ranks``. Each scheduler's module is one
+``read_layout(environ, argv, hostname) -> JobLayout``; machine/cluster.py chooses among them.
 
-Why one shape: every scheduler runs the *same* command on every node, so
-the same two mistakes are possible everywhere (a ``--nnodes`` the job does
-not have, a ``--node-rank`` every node would claim), and the same fix is
+Why one shape: every scheduler runs the *same* command on every node, so the same two mistakes are possible
+everywhere (a ``--nnodes`` the job does not have, a ``--node-rank`` every node would claim), and the same fix is
 printed: the launcher's own command line for one launcher per node.
 """
 

@@ -1,33 +1,16 @@
 """Kubeflow (PyTorchJob, Trainer's TrainJob): one pod is one node; its layout from the operator's variables.
 
-Owns: reading what the operator gives each pod into a
-:class:`~mpddp.machine.joblayout.JobLayout`, and refusing what mpddp cannot
-run (an elastic job, a pod without a node rank). Leaves the precedence (an
-``mpirun`` inside a pod, as in an MPIJob, wins) to cluster.py and the merge
-under flags to joblayout.py.
+Owns: :func:`read_layout`, which reads what the operator gives each pod into a
+:class:`~mpddp.machine.joblayout.JobLayout` and refuses what mpddp cannot run (an elastic job, a pod without a node
+rank). An ``mpirun`` inside a pod (an MPIJob) wins over it: see machine/cluster.py.
 
-What the operators set, from their sources (kubeflow/training-operator
-``pkg/controller.v1/pytorch/{envvar,master,elastic}.go`` before v2 removed
-them, and v2's ``pkg/runtime/framework/plugins/torch/torch.go``):
-
-- training-operator v1 >= 1.7, with a Master replica: ``MASTER_ADDR`` and
-  ``PET_MASTER_ADDR`` = ``<job>-master-0`` (the master pod's service),
-  ``MASTER_PORT`` / ``PET_MASTER_PORT`` (the container port, default 23456),
-  ``RANK`` = ``PET_NODE_RANK`` = the pod's index (master 0, worker i -> i+1),
-  ``PET_NNODES`` = the number of pods, ``PET_NPROC_PER_NODE`` when
-  ``nprocPerNode`` is set, and ``WORLD_SIZE`` = pods x nprocPerNode (so
-  *not* the node count once nprocPerNode > 1: mpddp reads ``PET_NNODES``).
-  With an ``elasticPolicy``, ``PET_NNODES`` may be a range ``1:4`` and
-  ``PET_RDZV_ENDPOINT`` is set: elastic jobs are refused.
-- older operators: only ``MASTER_ADDR``, ``MASTER_PORT``, ``WORLD_SIZE`` =
-  the number of pods and ``RANK`` = the pod's index.
-- Trainer v2 (TrainJob): ``PET_NNODES``, ``PET_NPROC_PER_NODE``,
-  ``PET_NODE_RANK`` (the pod's completion index), ``PET_MASTER_ADDR``
-  (``<job>-node-0-0.<job>``) and ``PET_MASTER_PORT`` (29500).
-
-Every pod has ``KUBERNETES_SERVICE_HOST``; a process that also has
-``LOCAL_RANK`` or ``TORCHELASTIC_RUN_ID`` is a worker of torchrun or mpddp,
-whose ``RANK`` and ``WORLD_SIZE`` describe itself, not the pod.
+What the operators set, from their sources: training-operator v1 >= 1.7 sets ``PET_NNODES`` (the pods),
+``RANK`` = ``PET_NODE_RANK`` (the pod's index), ``MASTER_ADDR`` / ``PET_MASTER_ADDR`` and the ports, but
+``WORLD_SIZE`` = pods x nprocPerNode, so mpddp reads ``PET_NNODES``; with an ``elasticPolicy``, ``PET_NNODES`` may
+be a range (``1:4``) and ``PET_RDZV_ENDPOINT`` is set. Older operators set only ``MASTER_ADDR``, ``MASTER_PORT``,
+``WORLD_SIZE`` = the pods and ``RANK``. Trainer v2 sets only the ``PET_*`` ones. Every pod has
+``KUBERNETES_SERVICE_HOST``; a process that also has ``LOCAL_RANK`` or ``TORCHELASTIC_RUN_ID`` is a worker of
+torchrun or mpddp, whose ``RANK`` and ``WORLD_SIZE`` describe itself, not the pod.
 """
 
 from __future__ import annotations

@@ -1,23 +1,15 @@
 """IBM Spectrum LSF: the job's layout from its host list and blaunch's task id.
 
-Owns: reading ``LSB_JOBID`` and the job's hosts (``$LSB_DJOB_HOSTFILE``,
-one line per slot; else ``LSB_MCPU_HOSTS``, ``host slots`` pairs; else
-``LSB_HOSTS``, one name per slot) into a
-:class:`~mpddp.machine.joblayout.JobLayout`: the distinct hosts in order are
-the nodes, the first (where the job script runs) is node 0, this host's
-place among them is the node rank. And the ``blaunch -z "HOSTS"`` line that
-starts one launcher per host. Leaves the precedence (an ``mpirun`` inside
-the job wins) to cluster.py and the merge under flags to joblayout.py.
+Owns: reading ``LSB_JOBID`` and the job's hosts (``$LSB_DJOB_HOSTFILE``, one line per slot; else
+``LSB_MCPU_HOSTS``, ``host slots`` pairs; else ``LSB_HOSTS``, one name per slot) into a
+:class:`~mpddp.machine.joblayout.JobLayout`: the distinct hosts in order are the nodes, the first (where the job
+script runs) is node 0, this host's place among them is the node rank. And the ``blaunch -z "HOSTS"`` line that
+starts one launcher per host.
 
-What LSF sets, from IBM's reference ("Environment variables set for job
-execution", ``blaunch``) and the task RES source (``LSF_PM_TASKID``): the
-job script runs on the first execution host with ``LSB_JOBID``,
-``LSB_HOSTS`` / ``LSB_MCPU_HOSTS`` and ``LSB_DJOB_HOSTFILE``; a task started
-by ``blaunch`` also has ``LSF_PM_TASKID``, numbered from 1 in the order of
-the hosts it was started on (Open MPI's LSF support takes ``LSF_PM_TASKID -
-1`` as the task's offset). ``blaunch CMD`` runs one task per *slot*;
-``blaunch -z "h1 h2" CMD`` one per listed host. jsrun (CSM) jobs are not
-read here: pass the flags.
+From IBM's reference and the task RES source: a task started by ``blaunch`` also has ``LSF_PM_TASKID``, numbered
+from 1 in the order of the hosts it was started on (Open MPI's LSF support takes ``LSF_PM_TASKID - 1`` as the task's
+offset). ``blaunch CMD`` runs one task per *slot*; ``blaunch -z "h1 h2" CMD`` one per listed host. jsrun (CSM) jobs
+are not read here: pass the flags.
 """
 
 from __future__ import annotations

@@ -1,26 +1,16 @@
 """MPI launchers: the layout ``mpirun`` (Open MPI) or ``mpiexec`` (MPICH, Intel MPI) hands each process.
 
-Owns: reading Open MPI's ``OMPI_COMM_WORLD_*`` and Hydra's ``PMI_*`` /
-``MPI_LOCAL*`` variables into a :class:`~mpddp.machine.joblayout.JobLayout`
-(one MPI process per node: nnodes = the MPI world size, node rank = the MPI
-rank), the master from Open MPI's own contact address, and the ``mpirun -N
-1`` / ``mpiexec -ppn 1`` line for a job started with several processes a
-node. Leaves the precedence over SLURM, PBS and LSF to cluster.py and the
-merge under flags to joblayout.py. No mpi4py, no MPI library: mpddp only
-reads what the launcher put in the environment.
+Owns: reading Open MPI's ``OMPI_COMM_WORLD_*`` and Hydra's ``PMI_*`` / ``MPI_LOCAL*`` variables into a
+:class:`~mpddp.machine.joblayout.JobLayout` (one MPI process per node: nnodes = the MPI world size, node rank = the
+MPI rank), the master from Open MPI's own contact address, and the ``mpirun -N 1`` / ``mpiexec -ppn 1`` line for a
+job started with several processes a node. No mpi4py, no MPI library: only what the launcher put in the environment.
 
-What the launchers set, measured (tests/data/scheduler_env/ holds the
-recordings): Open MPI 4.1.4 (Debian 12) gives every process
-``OMPI_COMM_WORLD_{SIZE,RANK,LOCAL_SIZE,LOCAL_RANK}``, a job id shared by
-the whole job (``OMPI_MCA_ess_base_jobid``, also ``PMIX_NAMESPACE``) and
-``OMPI_MCA_orte_hnp_uri``, mpirun's own contact (``JOB.0;tcp://ADDR,ADDR:PORT``
-with every address of mpirun's host); a process started by mpirun's own host
-has ``OMPI_MCA_orte_local_daemon_uri`` equal to it, one on another host the
-URI of that host's orted. No variable names the host of MPI rank 0. MPICH
-4.0 (Hydra) gives ``PMI_RANK``, ``PMI_SIZE``, ``MPI_LOCALNRANKS``,
-``MPI_LOCALRANKID`` and a ``PMI_FD``, and nothing shared by the job: no job
-id, no host of rank 0. Intel MPI is Hydra too. ``srun --mpi=pmi2`` also sets
-``PMI_RANK``/``PMI_SIZE``, but no ``MPI_LOCALNRANKS``: that job is SLURM's.
+Measured (tests/data/scheduler_env/ holds the recordings): Open MPI 4.1.4 gives a job id shared by the whole job
+(``OMPI_MCA_ess_base_jobid``, also ``PMIX_NAMESPACE``) and ``OMPI_MCA_orte_hnp_uri``, mpirun's contact with every
+address of its host; a process on mpirun's host has ``OMPI_MCA_orte_local_daemon_uri`` equal to it, one elsewhere
+its host's orted. No variable names the host of MPI rank 0. MPICH 4.0 (Hydra, as is Intel MPI) gives ``PMI_RANK``,
+``PMI_SIZE``, ``MPI_LOCALNRANKS``, ``MPI_LOCALRANKID`` and nothing shared by the job: no job id, no host of rank 0.
+``srun --mpi=pmi2`` also sets ``PMI_RANK``/``PMI_SIZE``, but no ``MPI_LOCALNRANKS``: that job is SLURM's.
 """
 
 from __future__ import annotations

@@ -1,22 +1,14 @@
 """PBS (PBS Pro / OpenPBS, Torque): the job's layout from its node file and the task's variables.
 
-Owns: reading ``PBS_JOBID``, ``$PBS_NODEFILE`` (one line per slot; its
-distinct hosts, in order, are the job's nodes and the first is the mother
-superior, where the batch script runs), ``PBS_NODENUM`` and ``PBS_TASKNUM``
-into a :class:`~mpddp.machine.joblayout.JobLayout`, and the ``pbsdsh`` line
-that starts one launcher per node. Leaves the precedence (an ``mpiexec``
-inside the job wins) to cluster.py and the merge under flags to joblayout.py.
+Owns: reading ``PBS_JOBID``, ``$PBS_NODEFILE`` (one line per slot; its distinct hosts, in order, are the nodes and
+the first is the mother superior, where the batch script runs), ``PBS_NODENUM`` and ``PBS_TASKNUM`` into a
+:class:`~mpddp.machine.joblayout.JobLayout`, and the ``pbsdsh`` line that starts one launcher per node.
 
-What PBS sets, from the sources of both (Torque ``src/resmom/start_exec.c``,
-``mom_comm.c``, ``pbsdsh.c``; OpenPBS ``src/resmom/start_exec.c``,
-``mom_comm.c``): the MOM gives the batch script and every task it spawns
-(``pbsdsh``, any TM launch) ``PBS_NODENUM``, this host's index among the
-job's hosts (0 = mother superior), and ``PBS_TASKNUM``, the TM task id: the
-batch script is task 1 and spawned tasks get 2, 3, ... (OpenPBS's launch
-hook relies on "1 for the top-level shell, >1 for spawned tasks"). Torque
-also sets ``PBS_VNODENUM``, the slot a task was spawned on, and ``pbsdsh
--u`` spawns on the first slot of each host; OpenPBS's ``pbsdsh`` runs once
-per node-file line, so ask for one line a host (``select=N:mpiprocs=1``).
+From the sources of both (Torque's and OpenPBS's ``src/resmom/start_exec.c`` and ``mom_comm.c``): the MOM gives the
+batch script and every task it spawns ``PBS_NODENUM``, this host's index among the job's hosts (0 = mother
+superior), and ``PBS_TASKNUM``, the TM task id: 1 for the batch script, 2, 3, ... for spawned tasks. Torque also
+sets ``PBS_VNODENUM``, the slot, and ``pbsdsh -u`` spawns on the first slot of each host; OpenPBS's ``pbsdsh`` runs
+once per node-file line, so ask for one line a host (``select=N:mpiprocs=1``).
 """
 
 from __future__ import annotations

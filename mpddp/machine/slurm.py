@@ -1,28 +1,17 @@
 """SLURM: what an allocation says about the job's layout, read once at the edge.
 
-Owns: what only SLURM knows: expanding node lists (``gpu[01-03,7]``),
-the per-node task counts (``2(x3),1``), the :class:`SlurmJob` read from
-``SLURM_*`` variables, the check that it can work (one mpddp task per
-node, inside ``srun``) with the ``srun`` line that fixes it, and
-:func:`read_layout`, which turns it into the
-:class:`~mpddp.machine.joblayout.JobLayout` every scheduler gives. Leaves
-the shape, the port formula and the merge under flags to joblayout.py,
-choosing among schedulers to cluster.py, validation of the final values to
-config.py, and GPU choice to machine/gpus.py (SLURM's pick reaches it
-through ``CUDA_VISIBLE_DEVICES``).
-
-mpddp runs one launcher per node, each starting one worker per local GPU,
-so under SLURM it wants exactly one task per node::
+Owns: expanding node lists (``gpu[01-03,7]``) and per-node task counts (``2(x3),1``), the :class:`SlurmJob` read
+from ``SLURM_*`` variables, the check that it can work (one mpddp task per node, inside ``srun``) with the ``srun``
+line that fixes it, and :func:`read_layout`, which turns it into a :class:`~mpddp.machine.joblayout.JobLayout`.
+mpddp runs one launcher per node, each starting one worker per local GPU, so it wants one task per node::
 
     srun --nodes=2 --ntasks-per-node=1 --gpus-per-node=4 python -m mpddp train ...
 
-Which variables, measured with slurm-wlm 22.05 (``srun -N1 -w n2`` inside
-a two-node ``sbatch``): a step sees ``SLURM_NODELIST`` and
-``SLURM_JOB_NODELIST`` of the *job* (``n[1-2]``) but ``SLURM_STEP_NODELIST=n2``,
-``SLURM_NNODES=1`` and ``SLURM_NODEID=0`` of the *step*, and it inherits
-``SLURM_NTASKS_PER_NODE`` from ``sbatch`` even when the step runs one task a
-node. So the step's variables come first, the job's are the fallback. The
-batch script itself has ``SLURM_JOB_ID`` but no ``SLURM_STEP_ID``.
+Why the step's variables come first and the job's are the fallback (measured with slurm-wlm 22.05, ``srun -N1 -w
+n2`` in a two-node ``sbatch``): a step sees the *job's* ``SLURM_NODELIST`` (``n[1-2]``) but the *step's*
+``SLURM_STEP_NODELIST=n2``, ``SLURM_NNODES=1`` and ``SLURM_NODEID=0``, and inherits ``SLURM_NTASKS_PER_NODE`` from
+``sbatch``. The batch script has ``SLURM_JOB_ID`` but no ``SLURM_STEP_ID``. GPUs are not chosen here: SLURM's pick
+reaches machine/gpus.py through ``CUDA_VISIBLE_DEVICES``.
 """
 
 from __future__ import annotations

@@ -1,22 +1,12 @@
 """Fault injection for reliability tests: ``--inject-fault KIND:RANK:STEP``.
 
-Owns: parsing the switch and making one rank fail on purpose, on the first
-attempt only (``ctx.restart == 0``), so that a restarted group runs clean.
-Kinds:
-
-- ``kill``: the rank SIGKILLs itself right after optimizer step STEP
-  (as the OOM killer would);
-- ``raise``: the rank raises ``RuntimeError`` right after step STEP;
-- ``hang``: the rank sleeps forever right after step STEP (its peers then
-  block in the next collective until the launcher's timeout);
-- ``kill-saving``: the rank SIGKILLs itself while writing the checkpoint of
-  step STEP, after the temporary file is complete but before it is renamed
-  (only rank 0 writes checkpoints, so use RANK 0);
-- ``stall-saving``: the same moment, but the rank sleeps there forever (a
-  slow disk: a Ctrl-C or the watchdog then finds the temporary file).
-
-Leaves deciding *where* in the loop faults fire, and checking RANK against
-the world's size once it is known, to trainer/loop.py.
+Owns: parsing the switch and making one rank fail on purpose, on the first attempt only (``ctx.restart == 0``), so
+that a restarted group runs clean. Right after optimizer step STEP: ``kill`` (the rank SIGKILLs itself, as the OOM
+killer would), ``raise`` (``RuntimeError``), ``hang`` (it sleeps forever; its peers block in the next collective
+until the launcher's timeout). While writing step STEP's checkpoint, after the temporary file is complete but before
+it is renamed (only rank 0 writes checkpoints, so use RANK 0): ``kill-saving`` (SIGKILL) and ``stall-saving`` (it
+sleeps forever, as on a slow disk: a Ctrl-C or the watchdog then finds the temporary file). Where in the loop faults
+fire, and the check of RANK against the world's size, are trainer/loop.py's.
 """
 
 from __future__ import annotations

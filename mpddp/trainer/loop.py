@@ -1,20 +1,11 @@
 """The Trainer: how mpddp trains a Task with DistributedDataParallel.
 
-Owns the DDP delta over a single-process training loop, and nothing else:
-
-- same initial weights on every rank (seed before the model is built);
-- the model on the rank's device, wrapped in ``DistributedDataParallel``;
-- a ``DistributedSampler`` (each rank its own shard) with ``set_epoch``;
-- gradient accumulation with ``no_sync()`` on all but the last micro-step;
-- evaluation sharded over ranks, metrics all-reduced as sums and counts;
-- rank-0 checkpoints of ``model.module``, a barrier, exact resume;
-- rank-0 progress, summary lines, a JSON-lines metrics file and curves.
-
-Leaves the task to trainer/tasks.py, options to trainer/config.py, seeds
-and the checkpoint's content to trainer/state.py, the file format to
-trainer/checkpoint.py, what the user sees to trainer/output.py, and starting
-processes to the launcher: :func:`train` calls the public
-:func:`mpddp.launch` with :func:`train_worker`, as any user code would.
+Owns the DDP delta over a single-process training loop, and nothing else: the same initial weights on every rank
+(seed before the model is built), the model on the rank's device in ``DistributedDataParallel``, a
+``DistributedSampler`` with ``set_epoch``, gradient accumulation with ``no_sync()`` on all but the last micro-step,
+evaluation sharded over ranks (metrics all-reduced as sums and counts), rank-0 checkpoints of ``model.module`` with
+a barrier and exact resume, and rank-0 progress and metrics. Starting processes is the launcher's: :func:`train`
+calls the public :func:`mpddp.launch` with :func:`train_worker`, as any user code would.
 """
 
 from __future__ import annotations

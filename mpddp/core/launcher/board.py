@@ -1,19 +1,13 @@
 """In the launcher: every rank's collectives lined up by number (what core/rank/recorder.py sends).
 
-Owns: the board that lines the ranks' reports up by collective number:
-whether a rank moved (progress), whether it waits for a collective that did
-not complete, two ranks that called different collectives at the same
-number (a :class:`Mismatch`, told at once), and where each rank stands when
-the group hangs (:class:`Standing`):
+Owns: the board that lines the ranks' reports up by collective number: whether a rank moved (progress), whether it
+waits for a collective that did not complete, two ranks that called different collectives at the same number (a
+:class:`Mismatch`, told at once), and where each rank stands when the group hangs (:class:`Standing`):
 
     ranks 0, 2, 3 entered all_reduce #57 (float32[1000]) 12 s ago; rank 1 is still at #56 (all_reduce)
 
-On several nodes each node's launcher shares its board's snapshot through
-the rendezvous (core/nodes/api.py), so that a hang report names a rank on
-another node by collective too. Leaves reading the recorder to
-core/rank/recorder.py, the arrival lags and stragglers to
-core/launcher/stragglers.py, deciding that the group hangs to
-core/launcher/watchdog.py, and the report's wording to core/launcher/report.py.
+On several nodes each node's launcher shares its board's snapshot through the rendezvous, so that a hang report
+names a rank on another node by collective too.
 """
 
 from __future__ import annotations

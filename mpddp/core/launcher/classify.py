@@ -1,33 +1,17 @@
 """How a rank's failure is classified: :func:`classify`, one pure function, next to the cause order.
 
-Owns: what the launcher knows of each local rank (:class:`RankState`: the
-facts it observed, never a verdict), what the watchdog found
-(:class:`Hang`), the order in which failures are causes
-(:data:`CAUSE_ORDER`), and :func:`classify`, which turns the facts into an
-:class:`~mpddp.errors.Outcome` for every rank and names the case the report
-tells. Nothing here writes text or changes a rank's state: core/launcher/report.py
-only renders a :class:`Verdict`, core/launcher/attempt.py gathers the facts.
+Owns: :class:`RankState` (the facts the launcher observed of a local rank, never a verdict), :class:`Hang` (what
+the watchdog found), :data:`CAUSE_ORDER`, and :func:`classify`, which turns the facts into an
+:class:`~mpddp.errors.Outcome` for every rank and names the case the report tells. Nothing here writes text or
+changes a rank's state: core/launcher/report.py only renders the :class:`Verdict`.
 
-The rule, in order:
-
-1. A rank's own report wins: its worker decided, from its frames
-   (core/rank/worker.py's ``_failure``), whether it raised, called
-   ``sys.exit``, or failed inside a torch.distributed call (COLLECTIVE: a
-   consequence of a peer). Else what the launcher saw: stopped by mpddp,
-   or died (a signal, an exit without a result).
-2. The job's verdict, for ranks that did not report themselves:
-
-   * a mismatch (core/launcher/board.py): the odd rank is MISMATCH;
-   * a hang (core/launcher/watchdog.py): :func:`judge_hang` names the culprits, HUNG,
-     or EARLY_EXIT when they had returned while the others still waited;
-   * else, when the first cause is a broken collective, the rank that broke
-     it by leaving: one that returned before that collective failed
-     ("returned"), else one that destroyed its process group ("left"), is
-     EARLY_EXIT; else the ranks still running when it timed out, stopped
-     since, are the ones it waited for ("stuck").
-3. The root cause is the first rank by :data:`CAUSE_ORDER`, then by time.
-   Never by words in a message: a user's exception that says "timeout" is
-   still the user's.
+The rule, in order. A rank's own report wins: its worker decided from its frames whether it raised, called
+``sys.exit``, or failed inside a collective (COLLECTIVE: a consequence of a peer); else what the launcher saw
+(stopped by mpddp, or died). For the others, the job's verdict: the odd rank of a mismatch is MISMATCH; a hang's
+culprits (:func:`judge_hang`) are HUNG, or EARLY_EXIT when they had returned while the others waited; after a
+broken collective, the rank that left it (returned before it failed, else destroyed its process group) is
+EARLY_EXIT, else the ranks still running when it timed out are the ones it waited for. The root cause is the first
+rank by :data:`CAUSE_ORDER`, then by time. Never by words in a message: a user's "timeout" is still the user's.
 """
 
 from __future__ import annotations

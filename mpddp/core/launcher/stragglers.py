@@ -1,30 +1,17 @@
 """Stragglers: the rank the others wait for, told by the order in which the ranks reach the same collectives.
 
-Owns: each rank's lag at every collective that all of this node's ranks
-reached (its arrival minus the first rank's, from the flight recorder's
-times, core/launcher/board.py), the rule that names a straggler while the job
-runs, the one-line summary at the end of a run and the table per rank
-(``-v``), and the timeline picture (``--timeline FILE.png``, matplotlib).
+Owns: each rank's lag at every collective all of this node's ranks reached (its arrival minus the first rank's, from
+the flight recorder's times, core/launcher/board.py), the rule that names a straggler while the job runs, the summary
+and the ``-v`` table at the end, and the ``--timeline FILE.png`` picture. Why arrival order, not step times: DDP's
+all_reduce makes every rank's step equally long (the fast ranks wait inside it); the rank that enters the same
+collective last, again and again, is the one the others wait for.
 
-Why arrival order, not step times: DDP's all_reduce makes every rank's step
-equally long (the fast ranks wait inside it), so per-rank step timings
-cannot show a slow rank; the rank that enters the same collective last,
-again and again, is the one the others wait for.
-
-The rule: a rank is a straggler when, over its last :data:`WINDOW`
-collectives (at least :data:`MIN_SAMPLES`), its *median* lag is above
-:data:`MIN_LAG` and above :data:`STEP_SHARE` of a step, and it arrived
-last at :data:`LAST_SHARE` of them. The median, not the mean, so that a few
-hiccups (a garbage collection, a checkpoint, a busy machine) never name a
-rank: more than half of its arrivals must be late. The floor keeps
-scheduler noise of a few milliseconds out; the share of a step keeps a lag
-that costs nothing out (20 ms in a 10 s step); the share of last arrivals
-keeps out two ranks that are late in turn (neither is *the* one the others
-wait for). A step is estimated from the arrivals: a step's collectives come
-in a burst (DDP's buckets during the backward pass), the bursts a step
-apart. It is said once per job, with where the straggler's stack was while
-the others waited in a collective. Leaves reading the ranks to core/rank/recorder.py and
-sampling stacks to core/wire/stacks.py.
+The rule: over its last :data:`WINDOW` collectives (at least :data:`MIN_SAMPLES`), the rank's *median* lag is above
+:data:`MIN_LAG` and above :data:`STEP_SHARE` of a step, and it arrived last at :data:`LAST_SHARE` of them. The
+median, so that a few hiccups (a garbage collection, a checkpoint) never name a rank; the floor keeps scheduler noise
+out; the share of a step keeps out a lag that costs nothing (20 ms in a 10 s step); the share of last arrivals keeps
+out two ranks late in turn. A step is estimated from the arrivals: its collectives come in a burst (DDP's buckets).
+It is said once per job, with where the straggler's stack was while the others waited.
 """
 
 from __future__ import annotations

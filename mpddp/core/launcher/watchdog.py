@@ -1,28 +1,14 @@
 """The hang watchdog: no rank made progress for ``timeout`` seconds, told by the launcher itself.
 
-Owns: deciding that a group hangs, without relying on any collective's
-timeout (frameworks pass their own, and a rank stuck outside a collective
-never trips one). Every ``interval`` it looks for progress, which is any of:
-
-- a rank entered or completed a collective (its flight recorder moved,
-  core/rank/recorder.py, lined up by core/launcher/board.py);
-- a rank wrote output (a rank held back by the relay while it floods its
-  stdout spends its time in ``write()``, not on the CPU);
-- a rank used more than :data:`BUSY` of a core (its whole process tree,
-  DataLoader workers included) outside a wait. Busy *at* a wait is still
-  waiting: a stack last seen inside a collective, or, on a GPU rank, any
-  CPU while a collective it entered has not completed (NCCL returns at
-  once, and the rank spins at its next sync: ``loss.item()``, ``.cpu()``).
-  A GPU rank spinning in ``torch.cuda.synchronize`` with no collective
-  open waits for its own GPU, which computes: that is progress.
-
-Other nodes' progress arrives through the round's beat (core/nodes/api.py's RoundWatch).
-When no rank has progressed for ``timeout`` seconds it asks every rank for
-its stack and declares a :class:`Hang`, with where each rank stands in its
-collectives. A rank that computes is never a hang, however long the others
-wait; it is told once, with where the others wait. Leaves the stacks to
-core/wire/stacks.py, acting on a hang to core/launcher/attempt.py and the report to
-core/launcher/report.py.
+Owns: deciding that a group hangs, without relying on any collective's timeout (frameworks pass their own, and a
+rank stuck outside a collective never trips one). Progress is any of: a rank entered or completed a collective (its
+flight recorder moved, core/launcher/board.py); it wrote output (a rank held back by the relay spends its time in
+``write()``, not on the CPU); it used more than :data:`BUSY` of a core (its whole process tree) outside a wait.
+Busy *at* a wait is still waiting: a stack last seen inside a collective, or, on a GPU rank, any CPU while a
+collective it entered has not completed (NCCL returns at once, and the rank spins at its next sync). A GPU rank in
+``torch.cuda.synchronize`` with no collective open waits for its own GPU, which computes: that is progress. Other
+nodes' progress comes with the round's beat. After ``timeout`` without progress it asks every rank for its stack and
+declares a :class:`Hang`. A rank that computes is never a hang, however long the others wait; it is told once.
 """
 
 from __future__ import annotations

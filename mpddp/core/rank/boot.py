@@ -1,18 +1,13 @@
 """Where every process the launcher starts begins, before it imports torch.
 
-Owns: the targets multiprocessing runs first in a rank's process (and the
-first step of the store server's, core/nodes/store_server.py), what of the launcher's
-``__main__`` such a process imports: its own session, so that
-the terminal's Ctrl-C reaches the launcher only, and its parent-death
-signal, both taken before anything slow. Under spawn a process imports torch
-for a second or more; a Ctrl-C in that time used to reach it, and print its
-traceback beside the launcher's report. And the targets live here, in a
-module without torch, because pickling a process's target imports the module
-it lives in (to check it by name): a target in core/rank/worker.py, which imports
-torch, would import torch into the launcher, about a second of CPU beside the
-forkserver's own import and torch's interpreter teardown when a ``launch()``
-script exits. Leaves everything the rank does to core/rank/worker.py (which the
-forkserver has imported already) and the store server's work to core/nodes/store_server.py.
+Owns: the targets multiprocessing runs first in a rank's process (and in the store server's), what of the
+launcher's ``__main__`` such a process imports, its own session, so that the terminal's Ctrl-C reaches the launcher
+only, and its parent-death signal, both taken before anything slow: under spawn a process imports torch for a second
+or more, and a Ctrl-C in that time would print its traceback beside the launcher's report.
+
+Why the targets live here, in a module without torch: pickling a process's target imports the module it lives in
+(to check it by name), so a target in core/rank/worker.py would import torch into the launcher, about a second of
+CPU beside the forkserver's own import, and torch's interpreter teardown when a ``launch()`` script exits.
 """
 
 from __future__ import annotations

@@ -1,30 +1,17 @@
 """The forkserver's second job: nothing of a launch outlives its launcher, even one killed by SIGKILL.
 
-Owns: what the forkserver does besides forking (it imports core/rank/worker.py
-first, which calls :func:`serve_if_forkserver`). The forkserver starts every
-worker, so it is every rank's parent. It becomes a *child subreaper*: the
-orphans of a rank that died (a child started with
-``start_new_session=True``, a DataLoader worker) are re-parented to it
-instead of to init, where core/launcher/attempt.py finds and stops them. When its
-launcher process is gone (even killed by SIGKILL, which no handler of the
-launcher ever sees), it kills every process below it, removes the launcher's
-multiprocessing temporary directory, and leaves at once (``os._exit``: no
-slow interpreter teardown with torch loaded). It runs in a process group of
-its own, so that a kill of the launcher's group (Jupyter's, when a kernel
-does not shut down in time) does not take it before it has cleaned up.
+Owns: :func:`serve_if_forkserver` (called by core/rank/worker.py, which the forkserver imports first). The
+forkserver, every rank's parent, becomes a *child subreaper*: the orphans of a dead rank (a
+``start_new_session=True`` child, a DataLoader worker) come to it, not to init, and the launcher stops them. When
+the launcher is gone, it kills every process below it, removes the launcher's multiprocessing temporary directory
+and leaves at once (``os._exit``: no slow teardown with torch loaded). Its process group is its own, so a kill of
+the launcher's group (Jupyter's) does not take it before it has cleaned up.
 
-Why here: a process killed by SIGKILL cannot clean up, so whatever cleans up
-must exist before and outlive it, and the forkserver does. It learns of the
-launcher's death from a parent-death signal that it *handles* (the stdlib's
-"alive" pipe does not tell: every rank holds its write end). That signal
-follows the *thread* that started the forkserver, so it also arrives when a
-launch in a worker thread started it and that thread ends; the handler then
-sees that its parent process is still there and carries on (the kernel
-re-arms the signal for the next parent thread). When the pipe does close (a
-normal exit, every rank gone), the stdlib raises SystemExit and the same
-clean-up runs from atexit. No thread is started here: the forkserver forks,
-and a thread could hold a lock at the moment of a fork. Leaves the ranks'
-own parent-death signal to core/rank/worker.py.
+Why here: a process killed by SIGKILL cannot clean up, so what cleans up must exist before it and outlive it. It
+learns of the death from a parent-death signal it *handles* (the stdlib's "alive" pipe does not tell: every rank
+holds its write end). That signal follows the *thread* that started the forkserver, so the handler checks that the
+parent process is really gone. When the pipe closes (every rank gone), the stdlib's SystemExit runs the same
+clean-up from atexit. No thread is started here: a thread could hold a lock at the moment of a fork.
 """
 
 from __future__ import annotations

@@ -1,21 +1,15 @@
 """In each rank: torch's flight recorder, turned on and read while the rank runs.
 
-Owns: turning the flight recorder on (``TORCH_FR_BUFFER_SIZE``, unless the
-user set it or its older NCCL name) in the ranks' environment, and the
-reader thread in each rank that sends the launcher every collective the rank
-entered since its last report and how far each process group completed
-(:class:`~mpddp.core.wire.protocol.Collectives`).
+Owns: turning the flight recorder on (``TORCH_FR_BUFFER_SIZE``, unless the user set it or its older NCCL name) in
+the ranks' environment, and the reader thread in each rank that sends the launcher every collective the rank entered
+since its last report and how far each process group completed (:class:`~mpddp.core.wire.protocol.Collectives`),
+for core/launcher/board.py to line up.
 
-Why the flight recorder: it is PyTorch's own record of the collectives each
-rank entered (DDP's bucket all_reduces too), numbered per process group, and
-the same collective has the same number on every rank: so "which rank did not
-arrive at #N" and "did they call the same thing at #N" are questions of
-bookkeeping, not of guessing from stacks. Measured (torch 2.13, CPU, gloo):
-reading its entries costs about 11 µs per entry kept, reading its status
-(last entered and completed number per group) about 10 µs in all. So the
-buffer is small (:data:`BUFFER`), the entries are read only when the status
-changed, and no more often than keeps the reader under 0.5 % of a core.
-Leaves lining the ranks up to core/launcher/board.py.
+Why the flight recorder: it is PyTorch's own record of the collectives each rank entered (DDP's bucket all_reduces
+too), numbered per process group alike on every rank, so "which rank did not arrive at #N" and "did they call the
+same thing at #N" are bookkeeping, not guesses from stacks. Measured (torch 2.13, CPU, gloo): reading its entries
+costs about 11 µs per entry kept, its status about 10 µs in all. So the buffer is small (:data:`BUFFER`), the
+entries are read only when the status changed, and no more often than keeps the reader under 0.5 % of a core.
 """
 
 from __future__ import annotations

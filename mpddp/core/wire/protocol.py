@@ -1,18 +1,13 @@
 """What crosses between a worker and its launcher: typed messages and store keys.
 
-Owns: what the launcher sends each worker (:class:`WorkerSpec`), the
-messages a worker sends up its channel (:class:`Started`,
-:class:`Joined`, :class:`Left`, :class:`Result`, :class:`Failure`, and from its reader thread
-:class:`Collectives`: where its flight recorder is; each pickled whole), how they are encoded
-and decoded, and every key mpddp writes in node 0's store (per attempt, that
-is per round: who arrived, who finished init, which launchers joined, each
-node's heartbeat, the round's first failure as a :class:`FailureRecord`). A failure's kind is an
-:class:`~mpddp.errors.Outcome` set in the worker, from the exception's type
-and the frame it was raised in, never recovered from its message. Also the
-few messages between the head of a ``--hosts`` launch and each node's
-launcher (:class:`NodeRequest` down, :class:`NodePort`, :class:`NodeResult`,
-:class:`NodeFailed` up). Leaves sending to core/rank/worker.py and core/launcher/hosts_node.py, receiving to
-core/launcher/attempt.py and core/nodes/hosts.py, the store to core/nodes/rendezvous.py (its client: core/wire/store.py).
+Owns: what the launcher sends each worker (:class:`WorkerSpec`), the messages a worker sends up its channel
+(:class:`Started`, :class:`Joined`, :class:`Left`, :class:`Result`, :class:`Failure`, and from its reader thread
+:class:`Collectives`; each pickled whole) and their encoding, every key mpddp writes in node 0's store (per attempt,
+that is per round: who arrived, who finished init, which launchers joined, each node's heartbeat, the round's first
+failure as a :class:`FailureRecord`), and the messages between the head of a ``--hosts`` launch and each node's
+launcher (:class:`NodeRequest` down, :class:`NodePort`, :class:`NodeResult`, :class:`NodeFailed` up). A failure's
+kind is an :class:`~mpddp.errors.Outcome` set in the worker, from the exception's type and the frame it was raised
+in, never recovered from its message.
 """
 
 from __future__ import annotations

@@ -1,21 +1,15 @@
 """Where every rank is: each rank's Python stack on demand, grouped by the frame it is stopped at.
 
-Owns: the signal that makes a worker dump its stacks (``faulthandler``,
-registered in the worker on a pipe of its own), asking running ranks for
-their stacks and reading the dumps, turning a dump into the main thread's
-frames, trimming them to the user's code, and the grouped report:
+Owns: the signal that makes a worker dump its stacks (``faulthandler``, on a pipe of its own), asking running ranks
+for their stacks, turning a dump into the main thread's frames trimmed to the user's code, and the grouped report:
 
     ranks 0, 2, 3 wait together in barrier at train.py:40
     rank 1 is elsewhere: wait_for_nfs at data.py:77 (time.sleep(3600))  <- look here
 
-Why faulthandler: its handler is C code that runs in the signal handler
-itself, so it dumps the stack while the main thread is blocked in C (a
-collective, a sleep, a lock), where a Python-level handler would wait for
-the call to return; it needs nothing installed, unlike py-spy (which also
-needs ptrace rights that containers often withhold). A real-time signal is
-used, not SIGUSR1, which frameworks (Lightning's SLURM requeue) take for
-themselves. Leaves deciding *when* to look to core/launcher/watchdog.py and
-core/launcher/attempt.py.
+Why faulthandler: its handler is C code that runs in the signal handler itself, so it dumps the stack while the main
+thread is blocked in C (a collective, a sleep, a lock), where a Python-level handler would wait for the call to
+return; it needs nothing installed, unlike py-spy (which also needs ptrace rights that containers often withhold).
+A real-time signal is used, not SIGUSR1, which frameworks (Lightning's SLURM requeue) take for themselves.
 """
 
 from __future__ import annotations
