@@ -22,7 +22,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from . import rendezvous_options
 from .errors import ConfigError
+from .hostfile import parse_hostfile
 
 BACKENDS = ("auto", "nccl", "gloo")
 START_METHODS = ("forkserver", "spawn", "fork")
@@ -148,8 +150,9 @@ def parse_nprocs(spec: str | int | None) -> int | None:
                       "(one per CUDA GPU, else 1) or cpu (one per CPU); mpddp drives CUDA GPUs and CPUs only.")
 
 
-def parse_nnodes(spec: str | int) -> int:
-    """``--nnodes``: a number, or torchrun's ``N:N`` (a fixed size written as a range)."""
+def parse_nnodes(spec: str | int) -> int | str:
+    """``--nnodes``: a number, torchrun's ``N:N`` (a fixed size written as a range), or ``MIN:MAX`` (elastic,
+    kept as written: LaunchConfig splits it)."""
     if isinstance(spec, int):
         return spec
     low, colon, high = spec.strip().partition(":")
@@ -159,10 +162,9 @@ def parse_nnodes(spec: str | int) -> int:
         except ValueError:
             pass
     if low.isdigit() and high.isdigit():
-        raise ConfigError(f"nnodes={spec!r} asks for an elastic job (from {int(low)} to {int(high)} nodes, joining "
-                          "and leaving as it runs): mpddp starts a fixed number of nodes; pass --nnodes N, "
-                          "the same on every node.")
-    raise ConfigError(f"nnodes={spec!r} is not a number of machines: pass an integer such as 2 (or torchrun's 2:2).")
+        return f"{int(low)}:{int(high)}"
+    raise ConfigError(f"nnodes={spec!r} is not a number of machines: pass an integer such as 2, or MIN:MAX such as "
+                      "2:4 for an elastic job.")
 
 
 # click names a type function's metavar after it: these read as the integers they return
@@ -210,13 +212,29 @@ class LaunchConfig:
     nprocs: int | None = field(default=None, metadata=_cli(
         "Workers on this node: N, or gpu/auto (one per GPU, else 1), cpu (one per CPU) [default: one per GPU, "
         "else 1].", parse_nprocs, "--nproc-per-node", "--nproc_per_node"))
-    nnodes: int = field(default=1, metadata=_cli(
-        "Number of machines (N, or N:N) [default: 1, or SLURM's].", parse_nnodes))
+    nnodes: int = field(default=1, metadata=_cli(  # MAX of an elastic job (min_nnodes: MIN)
+        "Number of machines: N, or MIN:MAX (elastic, with --rdzv-backend etcd) [default: 1, or SLURM's].",
+        parse_nnodes))
     node_rank: int = field(default=0, metadata=_cli("This machine's index, 0..nnodes-1.", int, "--node_rank"))
     master_addr: str = field(default="127.0.0.1", metadata=_cli(
         "Node 0's address [default: 127.0.0.1].", str, "--master_addr"))
     master_port: int = field(default=0, metadata=_cli(
         "Node 0's port [default: a free one on one node].", int, "--master_port"))
+    rdzv_backend: str = field(default="c10d", metadata=_cli(
+        "c10d (node 0 hosts the store) or etcd (an etcd cluster: any node's loss is survived) [default: c10d].",
+        str, "--rdzv_backend"))
+    rdzv_endpoint: str | None = field(default=None, metadata=_cli(
+        "c10d: node 0's HOST[:PORT], as --master-addr/--master-port; etcd: its members, host:port,...",
+        str, "--rdzv_endpoint"))
+    rdzv_id: str | None = field(default=None, metadata=_cli(
+        "The job's id, the same on every node (etcd: its keys' prefix) [default: a new one on one node].",
+        str, "--rdzv_id", "--run-id", "--run_id"))
+    rdzv_conf: str | None = field(default=None, metadata=_cli(
+        "key=value,...: last_call_timeout, ttl (etcd's lease), cacert, cert, key.", str, "--rdzv_conf"))
+    local_addr: str | None = field(default=None, metadata=_cli(
+        "This node's address for the others (etcd: where a round's store listens) [default: its interface].",
+        str, "--local_addr"))
+    min_nnodes: int = field(default=0, metadata={"doc": "MIN of ``nnodes='MIN:MAX'`` (0: nnodes, a fixed size)."})
     backend: str = field(default="auto", metadata=_cli("auto (nccl on GPUs, else gloo), nccl or gloo [default: auto]."))
     start_method: str = field(default="forkserver", metadata=_cli(
         "forkserver, spawn or fork [default: forkserver].", str, "--start_method"))
@@ -252,18 +270,25 @@ class LaunchConfig:
     def __post_init__(self) -> None:
         if self.hosts is not None or self.hostfile is not None:
             self._take_hosts()
+        if isinstance(self.nnodes, str):  # MIN:MAX (launch(nnodes="2:4") too)
+            size = parse_nnodes(self.nnodes)
+            low, high = rendezvous_options.parse_nnodes_range(size) if isinstance(size, str) else (size, size)
+            object.__setattr__(self, "nnodes", high)
+            object.__setattr__(self, "min_nnodes", low)
         if self.nprocs is not None:
             check_int("nprocs", self.nprocs, 1, None, "; pass the number of workers for this node, e.g. --nprocs 2")
             check_local_ranks(self.nprocs)
         check_int("nnodes", self.nnodes, 1, None, "; pass the number of machines, e.g. --nnodes 2")
+        object.__setattr__(self, "min_nnodes", self.min_nnodes or self.nnodes)
+        rendezvous_options.check(self)
         check_int("node_rank", self.node_rank, 0, None, "; number the nodes 0, 1, ... nnodes-1")
-        if self.node_rank >= self.nnodes:
+        if self.node_rank >= self.nnodes and self.rdzv_backend != "etcd":  # etcd: an order, not a place
             raise ConfigError(
                 f"node_rank={self.node_rank} with nnodes={self.nnodes}: node ranks run from 0 to "
                 f"{self.nnodes - 1}; pass --node-rank {self.nnodes - 1} or raise --nnodes to {self.node_rank + 1}"
             )
         check_int("master_port", self.master_port, 0, 65535, "; pick a TCP port such as 29500 (0: let the OS choose)")
-        if self.nnodes > 1 and self.master_port == 0 and self.hosts is None:  # --hosts: node 0 picks and tells
+        if self.nnodes > 1 and self.master_port == 0 and self.hosts is None and self.rdzv_backend != "etcd":
             raise ConfigError(
                 "master_port=0 with nnodes>1: every node must know the port in advance; "
                 "pass the same --master-port (e.g. 29500) to every node"
@@ -342,27 +367,9 @@ class LaunchConfig:
         if slots and self.nprocs is None:
             object.__setattr__(self, "nprocs", slots[0])
 
-
-def parse_hostfile(path: str) -> tuple[tuple[str, ...], tuple[int, ...] | None]:
-    """DeepSpeed's hostfile: ``host [slots=N]`` a line, ``#`` comments -> (hosts, slots or None)."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            lines = [line.split("#")[0].split() for line in f]
-    except OSError as e:
-        raise ConfigError(f"hostfile={path!r} cannot be read ({e.strerror}): pass a file of host names, one a line") \
-            from e
-    hosts, slots = [], []
-    for n, parts in enumerate(lines, 1):
-        if not parts:
-            continue
-        extra = [p for p in parts[1:] if not re.fullmatch(r"slots=[1-9][0-9]*", p)]
-        if extra:
-            raise ConfigError(f"hostfile={path!r} line {n}: {' '.join(parts)!r} is not 'host' or 'host slots=N'")
-        hosts.append(parts[0])
-        slots += [int(p.split("=")[1]) for p in parts[1:]]
-    if slots and len(slots) != len(hosts):
-        raise ConfigError(f"hostfile={path!r} gives slots=N for some hosts only: give it for every host, or none")
-    return tuple(hosts), (tuple(slots) if slots else None)
+    def rdzv_settings(self) -> rendezvous_options.RdzvSettings:
+        """What --rdzv-conf says, with the defaults for the rest."""
+        return rendezvous_options.parse_rdzv_conf(self.rdzv_conf)
 
 
 def parse_output_ranks(spec: str | Sequence[int] | int | None) -> tuple[int, ...] | None:

@@ -57,3 +57,20 @@ def cli(monkeypatch, tmp_path, capsys):
     yield run
     for s, handler in kept.items():
         signal.signal(s, handler)
+
+
+@pytest.fixture(scope="module")
+def etcd_cluster():
+    """A running 3-member etcd cluster on loopback (tests/etcd_cluster.py), shared by a test file."""
+    import shutil
+
+    if shutil.which("etcd") is None:
+        pytest.skip("Debian's etcd-server is not installed: apt-get install etcd-server")
+    try:
+        import etcd3gw  # noqa: F401
+    except ImportError:
+        pytest.skip("etcd3gw is not installed: pip install -e '.[etcd]'")
+    from etcd_cluster import EtcdCluster
+
+    with EtcdCluster() as cluster:
+        yield cluster

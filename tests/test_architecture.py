@@ -21,7 +21,8 @@ from mpddp.cli import main
 from mpddp.cli.options import LAUNCH_FIELDS, build_config
 
 PACKAGE = Path(mpddp.__file__).parent
-TOP = {"mpddp", "mpddp._version", "mpddp.errors", "mpddp.config", "mpddp.rank_math", "mpddp.context", "mpddp.log"}
+TOP = {"mpddp", "mpddp._version", "mpddp.errors", "mpddp.config", "mpddp.rank_math", "mpddp.context", "mpddp.log",
+       "mpddp.rendezvous_options", "mpddp.hostfile"}  # the last two: parts of config.py's checks
 
 
 def _module_name(path: Path) -> str:
@@ -141,7 +142,7 @@ def test_nothing_imports_the_cli():
 
 
 def test_cli_launch_options_are_launchconfig_fields():
-    no_flag = {"env"}  # extra worker variables: an API-only field
+    no_flag = {"env", "min_nnodes"}  # extra worker variables, and MIN of --nnodes MIN:MAX: API-only fields
     assert set(LAUNCH_FIELDS) == {f.name for f in fields(mpddp.LaunchConfig)} - no_flag
     for command in ("run", "train"):
         params = {p.name for p in main.commands[command].params}
@@ -348,7 +349,7 @@ def test_an_upward_import_would_be_found(monkeypatch):
 
 def test_above_the_nodes_no_module_names_a_rendezvous_backend():
     """The launcher asks core/nodes/api.py's interface; which backend runs (c10d today) is the nodes' business."""
-    backends = {"mpddp.core.nodes.c10d"}
+    backends = {"mpddp.core.nodes.c10d", "mpddp.core.nodes.etcd", "mpddp.core.nodes.etcd_client"}
     for module, targets in GRAPH.items():
         if module.startswith("mpddp.") and not module.startswith("mpddp.core.nodes.") or module == "mpddp.core.nodes.settle":
             assert not targets & backends, module
@@ -357,10 +358,11 @@ def test_above_the_nodes_no_module_names_a_rendezvous_backend():
 def test_every_backend_implements_the_whole_interface():
     import inspect
 
-    from mpddp.core.nodes import api, backends, c10d
+    from mpddp.core.nodes import api, backends, c10d, etcd
 
-    pairs = [(api.Rendezvous, backend) for backend in backends.BACKENDS.values()]
-    for interface, backend in [*pairs, (api.RoundWatch, c10d.C10dRoundWatch)]:
+    assert set(backends.BACKENDS) == {"c10d", "static", "etcd"}
+    for interface, backend in ((api.Rendezvous, c10d.C10dRendezvous), (api.RoundWatch, c10d.C10dRoundWatch),
+                               (api.Rendezvous, etcd.EtcdRendezvous), (api.RoundWatch, etcd.EtcdRoundWatch)):
         wanted = {name for name, _ in inspect.getmembers(interface, inspect.isfunction) if not name.startswith("_")}
         missing = {name for name in wanted if not callable(getattr(backend, name, None))}
         assert not missing, (backend.__name__, missing)

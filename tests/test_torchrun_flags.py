@@ -90,9 +90,9 @@ ACCEPTED = [  # argv before the script, LaunchConfig fields, worker variables be
      {**MULTI, "nprocs": 2, "output_ranks": (2, 3)}, {}),
     (["--redirects", "3", "--tee", "3"], {}, {}),  # accepted: lines always reach the terminal
     (["-r", "0:1,1:2", "-t", "3", "--log-dir", "logs"], {"log_dir": "logs"}, {}),
-    (["--rdzv-id", "job7"], {}, {"TORCHELASTIC_RUN_ID": "job7"}),
-    (["--rdzv_id=job7"], {}, {"TORCHELASTIC_RUN_ID": "job7"}),
-    (["--run-id", "job7"], {}, {"TORCHELASTIC_RUN_ID": "job7"}),
+    (["--rdzv-id", "job7"], {"rdzv_id": "job7"}, {}),  # the plan's TORCHELASTIC_RUN_ID (below)
+    (["--rdzv_id=job7"], {"rdzv_id": "job7"}, {}),
+    (["--run-id", "job7"], {"rdzv_id": "job7"}, {}),
     (["--role", "trainer"], {}, {"ROLE_NAME": "trainer"}),
     (["--monitor-interval", "0.5", "--run-path"], {}, {}),
     (["--monitor_interval=5", "--run_path"], {}, {}),
@@ -143,12 +143,19 @@ def test_run_ids_without_the_flag():
 
 UNKNOWN_VALUE = {"--no-python", "--run-path", "--virtual-local-rank"}  # flags; the others take a value
 REFUSED_ROWS = [  # argv before the script, the start of the one line
-    (["--nnodes", "1:4"], "Invalid value for '--nnodes': nnodes='1:4' asks for an elastic job (from 1 to 4 nodes"),
-    (["--nnodes=2:3"], "Invalid value for '--nnodes': nnodes='2:3' asks for an elastic job"),
+    (["--nnodes", "1:4"], "nnodes=1:4 (an elastic job) needs --rdzv-backend etcd for now: with c10d the nodes "),
+    (["--nnodes=2:3"], "nnodes=2:3 (an elastic job) needs --rdzv-backend etcd"),
+    (["--nnodes=3:2", "--rdzv-backend", "etcd"], "nnodes=3:2: the smallest size must be from 1 to the largest"),
     (["--nproc-per-node", "xpu"], "Invalid value for '--nprocs' / '--nproc-per-node' / '--nproc_per_node': "
                                   "nprocs='xpu' is not a number of workers"),
-    (["--rdzv-backend", "etcd"], "--rdzv-backend etcd is not used here: node 0's launcher hosts the job's store"),
-    (["--rdzv_backend=etcd-v2"], "--rdzv-backend etcd-v2 is not used here"),
+    (["--rdzv-backend", "etcd"], "rdzv_backend='etcd' needs the etcd cluster's members: pass --rdzv-endpoint"),
+    (["--rdzv-backend", "etcd", "--rdzv-endpoint", "e1:2379"], "rdzv_backend='etcd' needs the job's id"),
+    (["--rdzv-backend", "etcd", "--rdzv-endpoint", "e1:2379,e2", "--rdzv-id", "j"], "--rdzv-endpoint 'e1:2379,e2': "
+                                                                                     "'e2' is not HOST:PORT"),
+    (["--rdzv_backend=etcd-v2"], "rdzv_backend='etcd-v2' is unknown: use c10d"),
+    (["--rdzv-conf", "ttl=1"], "rdzv_conf ttl='1' is not allowed: it must be a number of seconds from 2"),
+    (["--rdzv-conf", "ttl"], "rdzv_conf='ttl': 'ttl' is not key=value"),
+    (["--rdzv-conf", "cert=a.pem"], "rdzv_conf gives cert or key alone"),
     (["--standalone", "--nnodes", "2"], "--standalone is one node, but --nnodes is 2: drop --standalone"),
     (["--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "node0:29400"],
      "--rdzv-backend c10d with --nnodes 2: torchrun numbers the nodes as they join, mpddp needs each node's number"),
@@ -161,8 +168,9 @@ REFUSED_ROWS = [  # argv before the script, the start of the one line
     (["--local-ranks-filter", "0", "--nnodes", "2", "--master-port", "29500"],
      "--local-ranks-filter 0 on 2 nodes needs --nproc-per-node N"),
     (["--local-ranks-filter", "x"], "--local-ranks-filter 'x' is not a list of local ranks"),
-    (["--rdzv_conf", "join_timeout=5"], "--rdzv_conf is torchrun's, with no counterpart in mpddp: the rendezvous "
-                                        "has no settings, --timeout is how long the nodes wait to meet"),
+    (["--rdzv_conf", "join_timeout=5"], "rdzv_conf join_timeout=5: --timeout is how long the nodes wait to meet "
+                                        "here; pass --timeout 5"),
+    (["--rdzv_conf", "color=red"], "rdzv_conf key 'color' is not known: use ttl, lease_ttl, last_call_timeout"),
     *[([flag] if flag in UNKNOWN_VALUE else [flag, "1"], f"{flag} is torchrun's, with no counterpart in mpddp: ")
       for flag in REFUSED],
 ]

@@ -26,12 +26,6 @@ C10D_PORT = 29400  # torchrun's port for an --rdzv-endpoint without one
 # torchrun's flags that mpddp takes but that name no launch option (docs/torchrun.rst)
 TORCHRUN_OPTIONS = (
     click.option("--standalone", is_flag=True, help="torchrun: one node on a free port, which is mpddp's default."),
-    click.option("--rdzv-endpoint", "--rdzv_endpoint", "rdzv_endpoint", metavar="HOST[:PORT]",
-                 help=f"torchrun: node 0's address, as --master-addr and --master-port [port: {C10D_PORT}]."),
-    click.option("--rdzv-backend", "--rdzv_backend", "rdzv_backend", metavar="c10d|static",
-                 help="torchrun: c10d or static; either way node 0's launcher hosts the store."),
-    click.option("--rdzv-id", "--rdzv_id", "--run-id", "--run_id", "run_id", metavar="ID",
-                 help="torchrun: the job's TORCHELASTIC_RUN_ID [default: a new one on one node, none on several]."),
     click.option("--local-ranks-filter", "--local_ranks_filter", "local_ranks_filter", metavar="0,1",
                  help="torchrun: this node's local ranks whose stdout is shown (--output-ranks, in local ranks)."),
     click.option("-r", "--redirects", "redirects", metavar="SPEC",
@@ -49,10 +43,6 @@ _ACCEPTED = ("redirects", "tee", "monitor_interval", "run_path")  # what they as
 REFUSED = {
     "--no-python": "mpddp run starts a Python script or module (-m) in every worker; start any other program "
                    "with torchrun --no-python",
-    "--rdzv-conf": "the rendezvous has no settings, --timeout is how long the nodes wait to meet "
-                   "(join_timeout); drop --rdzv-conf",
-    "--local-addr": "every node reaches node 0 at --master-addr, and GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME pick "
-                    "this node's interface; drop --local-addr",
     "--logs-specs": "--log-dir writes one rank<N>.log per rank, and nothing else plugs in; drop --logs-specs",
     "--numa-binding": "mpddp binds no CPUs: start the launcher under numactl (its ranks inherit the binding); "
                       "drop --numa-binding",
@@ -122,20 +112,20 @@ def run(target: str, script_args: tuple[str, ...], is_module: bool, **options: A
 
 def _from_torchrun(options: dict[str, Any]) -> dict[str, str]:
     """Fold torchrun's flags into the launch ``options`` (in place); return the worker variables they set."""
-    standalone, endpoint = options.pop("standalone"), options.pop("rdzv_endpoint")
-    backend, run_id, role = options.pop("rdzv_backend"), options.pop("run_id"), options.pop("role")
+    standalone, role = options.pop("standalone"), options.pop("role")
+    endpoint, backend = options["rdzv_endpoint"], options["rdzv_backend"]
     for name in _ACCEPTED:
         options.pop(name)
-    if backend is not None and backend not in ("c10d", "static"):
-        raise ConfigError(f"--rdzv-backend {backend} is not used here: node 0's launcher hosts the job's store "
-                          "itself; pass node 0's --rdzv-endpoint HOST:PORT (with --rdzv-backend c10d, or none) "
-                          "and each node's --node-rank")
     if standalone:
         if options["nnodes"] not in (None, 1):
             raise ConfigError(f"--standalone is one node, but --nnodes is {options['nnodes']}: drop --standalone, "
                               "and pass node 0's --master-addr and --master-port")
-        endpoint = backend = run_id = None  # torchrun ignores them under --standalone, and so does mpddp
-    if endpoint is not None:
+        endpoint = backend = None  # torchrun ignores them under --standalone, and so does mpddp
+        options.update(rdzv_endpoint=None, rdzv_backend=None, rdzv_id=None)
+    if backend == "static":  # torchrun's name for a fixed membership: c10d's own
+        options["rdzv_backend"] = backend = "c10d"
+    if endpoint is not None and backend in (None, "c10d"):  # etcd's endpoint is its cluster's
+        options["rdzv_endpoint"] = None
         for name, value in zip(("master_addr", "master_port"), _endpoint(endpoint)):
             if options[name] is not None and options[name] != value:
                 flag = "--" + name.replace("_", "-")
@@ -146,7 +136,7 @@ def _from_torchrun(options: dict[str, Any]) -> dict[str, str]:
         raise ConfigError(f"--rdzv-backend c10d with --nnodes {options['nnodes']}: torchrun numbers the nodes as "
                           "they join, mpddp needs each node's number: pass --node-rank 0 on the node at "
                           "--rdzv-endpoint and 1, 2, ... on the others")
-    return {name: value for name, value in (("TORCHELASTIC_RUN_ID", run_id), ("ROLE_NAME", role)) if value is not None}
+    return {"ROLE_NAME": role} if role is not None else {}
 
 
 def _endpoint(text: str) -> tuple[str, int]:

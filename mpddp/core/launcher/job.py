@@ -21,13 +21,13 @@ from typing import Any
 from ...config import LaunchConfig
 from ...errors import RestartsExhausted, StoreLost, WorkerFailed
 from ...log import logger
-from ..nodes import store_server
+from ..nodes import rendezvous, store_server
 from ..nodes.api import Rendezvous
 from ..nodes.backends import open_rendezvous
 from ..nodes.store_server import StoreServer
 from . import stragglers
 from .attempt import run_group
-from .plan import Plan
+from .plan import Plan, for_round
 from .stop import LIVE, LIVE_LOCK
 
 
@@ -56,14 +56,14 @@ class Job:
 
 def run_job(plan: Plan, mp_context: Any, payload: bytes, init_group: bool, listening: socket.socket | None) -> list[Any]:
     """Every attempt of this node's part of the job, with the store up from the first to the last."""
-    from ..nodes import rendezvous
-
     config = plan.config
-    sock = listening or (rendezvous.listen(config.master_addr, config.master_port) if config.node_rank == 0 else None)
+    etcd = config.rdzv_backend == "etcd"  # each round's first node hosts the round's store (_join)
+    sock = listening or (rendezvous.listen(config.master_addr, config.master_port)
+                         if config.node_rank == 0 and not etcd else None)
     port = sock.getsockname()[1] if sock is not None else config.master_port
     job = Job(plan, mp_context, payload, init_group, port)
-    if config.nnodes > 1:
-        job.link = open_rendezvous(config, port, plan.nprocs)  # it connects once the ranks run (its watch)
+    if config.nnodes > 1 or etcd:
+        job.link = open_rendezvous(config, port, plan.nprocs)  # c10d: it connects once the ranks run (its watch)
     values = None
     try:
         if sock is not None:
@@ -104,29 +104,67 @@ def _attempts(job: Job) -> list[Any]:
     """Run the group, and again after a failure while restarts are left."""
     config = job.config
     for attempt in range(config.max_restarts + 1):
-        if attempt and not job.init_group:
-            _new_script_store(job, attempt)
-        if attempt and job.link is not None:
-            job.link.join(attempt)  # a restart starts its ranks once every node's launcher is there
-            if not job.init_group and job.store is None:
-                job.script_port = job.link.script_port(attempt)
+        if job.link is not None and job.link.hosts_round_store:
+            _join(job, attempt)
+        elif attempt:
+            if not job.init_group:
+                _new_script_store(job, attempt)
+            if job.link is not None:
+                job.link.join(attempt)  # a restart starts its ranks once every node's launcher is there
+                if not job.init_group and job.store is None:
+                    job.script_port = job.link.script_port(attempt)
         try:
             return run_group(job, attempt)
         except KeyboardInterrupt:  # the teardown has already run, in run_group's finally
             raise KeyboardInterrupt("mpddp: interrupted; every worker was stopped") from None
         except (WorkerFailed, StoreLost) as failure:
             store_lost = isinstance(failure, StoreLost) or (job.store is not None and job.store.lost)
-            if attempt == config.max_restarts or (store_lost and job.link is not None):
+            fixed_store = job.link is not None and not job.link.hosts_round_store  # c10d: node 0's, job-long
+            if attempt == config.max_restarts or (store_lost and fixed_store):
                 final = _final(failure, config.max_restarts, several_nodes=job.link is not None)
                 if final is failure:
                     raise  # as it is: its __cause__ is the failing rank's own exception
                 raise final from failure
-            if job.store is not None and (job.store.lost or job.store.stalled()):  # killed, or stopped
+            if job.link is None and job.store is not None and (job.store.lost or job.store.stalled()):
                 _replace_store(job)
             # the cause's line, so that a run that recovers still says what went wrong
             said = ("mpddp: " if isinstance(failure, StoreLost) else "") + str(failure).splitlines()[0]
             logger.warning("%s\nmpddp: restarting the group (%d of %d)", said, attempt + 1, config.max_restarts)
     raise AssertionError("unreachable")
+
+
+def _join(job: Job, attempt: int) -> None:
+    """A round whose nodes the backend decides (etcd): this node's place in it, and the round's store, which
+    its first node hosts (a fresh one each round: a restarted env:// script finds no dead rank's keys)."""
+    link = job.link
+    assert link is not None
+    here = link.join(attempt)
+    if job.store is not None:
+        _stop_store(job.store)
+        job.store = None
+    if here.node_rank == 0:
+        host = job.config.local_addr or _own_address(job.config)
+        sock = rendezvous.listen(host, 0)
+        port = sock.getsockname()[1]
+        job.store = _start_store(job.mp_context, sock, job.config)
+        link.set_store(attempt, host, port)
+    else:
+        host, port = link.store(attempt)
+    job.plan = for_round(job.plan, here.nnodes, here.node_rank, host, port)
+    job.port, job.script_port = port, None if job.init_group else port
+    if here.changed() or (attempt == 0 and job.config.verbose):
+        logger.warning("mpddp: round %d: %d node(s) x %d rank(s) = %d rank(s); this is node %d. Node -> ranks, "
+                       "old -> new:\n%s", attempt, here.nnodes, job.plan.nprocs, here.nnodes * job.plan.nprocs,
+                       here.node_rank, "\n".join(here.table(job.plan.nprocs)))
+
+
+def _own_address(config: LaunchConfig) -> str:
+    """This node's address toward the etcd cluster's first member: the interface the other nodes reach too."""
+    from ...machine.netif import resolve, source_address
+    from ...rendezvous_options import parse_endpoints
+
+    host, port = parse_endpoints(config.rdzv_endpoint or "")[0]
+    return source_address(resolve(host), port)
 
 
 def _final(failure: WorkerFailed | StoreLost, max_restarts: int, several_nodes: bool) -> Exception:
@@ -162,8 +200,6 @@ def _stop_store(store: StoreServer) -> None:
 
 def _replace_store(job: Job) -> None:
     """One node: a fresh store server on a fresh port after the last one was lost (every rank is this node's)."""
-    from ..nodes import rendezvous
-
     assert job.store is not None
     _stop_store(job.store)
     sock = rendezvous.listen(job.config.master_addr, job.config.master_port)
@@ -179,8 +215,6 @@ def _new_script_store(job: Job, attempt: int) -> None:
     would read the dead ranks' addresses. mpddp's own ranks use a prefix of the round and need none of this.
     The other nodes read its port from the job's store once they have joined the round.
     """
-    from ..nodes import rendezvous
-
     if job.store is None:
         return
     if job.script_store is not None:

@@ -18,7 +18,7 @@ import os
 import sys
 import threading
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import psutil
 
@@ -123,10 +123,17 @@ def plan_launch(config: LaunchConfig) -> Plan:
         threads = _fork_threads(threads)
     slots = rank_math.layout(config.nnodes, nprocs, gpus)
     mine = tuple(s for s in slots if s.node_rank == config.node_rank)
-    # torchrun's ids: a fresh one on one node (--standalone's), "none" on several (its static
+    # torchrun's ids: --rdzv-id's, else a fresh one on one node (--standalone's), "none" on several (its static
     # rendezvous'); a node cannot make up an id that the other nodes would share
-    run_id = str(uuid.uuid4()) if config.nnodes == 1 else "none"
+    run_id = config.rdzv_id or (str(uuid.uuid4()) if config.nnodes == 1 else "none")
     return Plan(config, nprocs, backend, gpus, pin, threads, mine, run_id)
+
+
+def for_round(plan: Plan, nnodes: int, node_rank: int, host: str, port: int) -> Plan:
+    """The plan of a round whose nodes changed (etcd's rounds): its size, this node's rank, its store."""
+    config = replace(plan.config, nnodes=nnodes, node_rank=node_rank, master_addr=host, master_port=port)
+    mine = tuple(s for s in rank_math.layout(nnodes, plan.nprocs, plan.gpus) if s.node_rank == node_rank)
+    return replace(plan, config=config, slots=mine)
 
 
 def node_env(plan: Plan, port: int, attempt: int) -> dict[str, str]:

@@ -12,8 +12,9 @@ this module only, and a test keeps it so.
 
 The interface, by what it is for:
 
-* a round: :meth:`~Rendezvous.join` it (every node's launcher is there),
-  its store for env:// scripts (:meth:`~Rendezvous.set_script_port`,
+* a round: :meth:`~Rendezvous.join` it (every node's launcher is there; its
+  :class:`Round` says who), where its store listens (:meth:`~Rendezvous.set_store`,
+  :meth:`~Rendezvous.store`, with etcd: its first node's), its store for env:// scripts (:meth:`~Rendezvous.set_script_port`,
   :meth:`~Rendezvous.script_port`), :meth:`~Rendezvous.watch` it (the beat),
   :meth:`~Rendezvous.end_round`, and :meth:`~Rendezvous.finish` it when this
   node's ranks all returned (wait for the others);
@@ -31,11 +32,15 @@ The interface, by what it is for:
 
 from __future__ import annotations
 
+import signal
+import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Protocol
 
+from ... import rank_math
 from ...config import LaunchConfig
-from ...errors import RendezvousError, StoreLost, WorkerFailed
+from ...errors import Outcome, RendezvousError, StoreLost, WorkerFailed
 from ..wire.protocol import FailureRecord
 
 INTERVAL = 0.25  # seconds between two beats (and two looks for another node's failure)
@@ -45,6 +50,33 @@ POLL = 0.05  # seconds between two looks of a launcher that waits for the other 
 
 class RendezvousGone(StoreLost):
     """The backend does not answer (node 0's store: its launcher or store server is gone)."""
+
+
+@dataclass(frozen=True)
+class Round:
+    """Who is in one round: its number, its size, this node's rank in it, and each node's rank in the round
+    before (``old[new] = old``; None: it is new). A backend with a fixed membership (c10d) keeps them all."""
+
+    number: int
+    nnodes: int
+    node_rank: int
+    old: tuple[int | None, ...]
+
+    def changed(self) -> bool:
+        """The nodes are not those of the round before, in the same order."""
+        return self.number > 0 and self.old != tuple(range(self.nnodes))
+
+    def table(self, nprocs: int) -> list[str]:
+        """The round's nodes and their ranks, old -> new: ``node 1 -> 0: ranks 2, 3 -> 0, 1``."""
+        lines = []
+        for new, old in enumerate(self.old):
+            ranks = names([rank_math.global_rank(new, i, nprocs) for i in range(nprocs)])
+            if old is None:
+                lines.append(f"  node {new} (new): ranks {ranks}")
+            else:
+                before = names([rank_math.global_rank(old, i, nprocs) for i in range(nprocs)])
+                lines.append(f"  node {old} -> {new}: ranks {before} -> {ranks}")
+        return lines
 
 
 class RoundWatch(Protocol):
@@ -61,12 +93,15 @@ class RoundWatch(Protocol):
 class Rendezvous(Protocol):
     """What one launcher asks of the other nodes of its job, for the whole job (see the module's list)."""
 
-    config: LaunchConfig
+    config: LaunchConfig  # this round's: nnodes and node_rank may change from round to round
     nprocs: int  # ranks per node
     reached: bool  # the backend answered once, this launcher or one of its ranks
     gone: set[int]  # nodes found lost
+    hosts_round_store: bool  # each round's first node hosts its store (else node 0's, for the whole job)
 
-    def join(self, attempt: int) -> None: ...
+    def join(self, attempt: int) -> Round: ...
+    def set_store(self, attempt: int, host: str, port: int) -> None: ...
+    def store(self, attempt: int) -> tuple[str, int]: ...
     def set_script_port(self, attempt: int, port: int) -> None: ...
     def script_port(self, attempt: int) -> int: ...
     def watch(self, attempt: int, share: Callable[[], bytes | None] | None = None) -> RoundWatch: ...
@@ -85,6 +120,18 @@ class Rendezvous(Protocol):
     def never_arrived(self, attempt: int) -> RendezvousError | None: ...
     def gone_error(self, local: WorkerFailed) -> RendezvousError: ...
     def leave(self) -> None: ...
+
+
+def stopped_record(config: LaunchConfig, nprocs: int, cause: BaseException) -> FailureRecord:
+    """The round's failure when this launcher was stopped (Ctrl-C, SIGTERM, ...) while its ranks ran."""
+    node = config.node_rank
+    ranks = [s.rank for s in rank_math.layout(config.nnodes, nprocs) if s.node_rank == node]
+    signum = getattr(cause, "signum", None)  # the CLI's Terminated carries the signal
+    code = 130 if isinstance(cause, KeyboardInterrupt) else 128 + signum if isinstance(signum, int) else 1
+    how = "interrupted (SIGINT)" if isinstance(cause, KeyboardInterrupt) else (
+        f"stopped by {signal.Signals(signum).name}" if isinstance(signum, int) else f"stopped ({type(cause).__name__})")
+    line = f"mpddp: node {node}'s launcher was {how} while its ranks ran, taking rank(s) {names(ranks)} with it"
+    return FailureRecord(ranks[0], node, 0, Outcome.STOPPED, code, line, time.time())
 
 
 def names(items: list[int]) -> str:

@@ -20,7 +20,6 @@ local ranks to core/launcher/attempt.py.
 from __future__ import annotations
 
 import contextlib
-import signal
 import socket
 import threading
 import time
@@ -31,11 +30,11 @@ from typing import Any
 
 from ... import rank_math
 from ...config import LaunchConfig
-from ...errors import Outcome, RendezvousError, StoreLost, WorkerFailed
+from ...errors import RendezvousError, StoreLost, WorkerFailed
 from ...log import logger
 from ..wire import protocol
 from ..wire.protocol import FailureRecord, full_key
-from .api import INTERVAL, POLL, STALLED_AFTER, RendezvousGone, names
+from .api import INTERVAL, POLL, STALLED_AFTER, RendezvousGone, Round, names, stopped_record
 
 _LIVE_BEATS = 12  # ... by at least this many beats (3 s of them): a starved launcher beats again before that
 _LEAVE_WAIT = 10.0  # seconds node 0 keeps the store for the other launchers to read the last round
@@ -44,6 +43,8 @@ _LEAVE_WAIT = 10.0  # seconds node 0 keeps the store for the other launchers to 
 class C10dRendezvous:
     """The ``c10d`` backend of :class:`~mpddp.core.nodes.api.Rendezvous`: this launcher's client of node 0's
     store, for the whole job; every call is thread-safe."""
+
+    hosts_round_store = False  # node 0's store serves every round
 
     def __init__(self, config: LaunchConfig, port: int, nprocs: int) -> None:
         self.config, self.port, self.nprocs = config, port, nprocs
@@ -93,14 +94,17 @@ class C10dRendezvous:
                     raise
                 time.sleep(0.2)
 
-    def join(self, attempt: int) -> None:
-        """Round ``attempt``'s barrier: return once every node's launcher has joined it; name those that did not."""
+    def join(self, attempt: int) -> Round:
+        """Round ``attempt``'s barrier: return once every node's launcher has joined it; name those that did not.
+        The first round needs none: the ranks meet in node 0's store. The nodes never change."""
         node, nnodes, timeout = self.config.node_rank, self.config.nnodes, self.config.timeout
-        try:
-            self._join(attempt, node, nnodes, timeout)
-        except RendezvousGone:
-            raise StoreLost(f"node 0's store at {self.config.master_addr}:{self.port} is gone, so round {attempt} "
-                            "cannot start: node 0's launcher was killed, or its machine lost") from None
+        if attempt:
+            try:
+                self._join(attempt, node, nnodes, timeout)
+            except RendezvousGone:
+                raise StoreLost(f"node 0's store at {self.config.master_addr}:{self.port} is gone, so round {attempt} "
+                                "cannot start: node 0's launcher was killed, or its machine lost") from None
+        return Round(attempt, nnodes, node, tuple(range(nnodes)))
 
     def _join(self, attempt: int, node: int, nnodes: int, timeout: float) -> None:
         def arrive(s: Any) -> None:
@@ -119,6 +123,12 @@ class C10dRendezvous:
                     f"{self.config.max_restarts}) within --timeout {timeout:g} s: their launchers are gone or stopped "
                     "(killed, preempted, machine lost); every node must be running to restart the group")
             time.sleep(POLL)
+
+    def set_store(self, attempt: int, host: str, port: int) -> None:
+        """Nothing to publish: every round's store is node 0's, at --master-addr and --master-port."""
+
+    def store(self, attempt: int) -> tuple[str, int]:
+        return self.config.master_addr, self.port
 
     def set_script_port(self, attempt: int, port: int) -> None:
         """Node 0: the port of the round's own store for env:// scripts, for the other nodes to read."""
@@ -179,16 +189,8 @@ class C10dRendezvous:
 
     def stopped(self, attempt: int, cause: BaseException) -> None:
         """This launcher was stopped (Ctrl-C, SIGTERM, ...) while its ranks ran: the round's failure, if first."""
-        node = self.config.node_rank
-        ranks = [s.rank for s in rank_math.layout(self.config.nnodes, self.nprocs) if s.node_rank == node]
-        signum = getattr(cause, "signum", None)  # the CLI's Terminated carries the signal
-        code = 130 if isinstance(cause, KeyboardInterrupt) else 128 + signum if isinstance(signum, int) else 1
-        how = "interrupted (SIGINT)" if isinstance(cause, KeyboardInterrupt) else (
-            f"stopped by {signal.Signals(signum).name}" if isinstance(signum, int) else
-            f"stopped ({type(cause).__name__})")
-        line = f"mpddp: node {node}'s launcher was {how} while its ranks ran, taking rank(s) {names(ranks)} with it"
         with contextlib.suppress(RendezvousGone):
-            self.publish(attempt, FailureRecord(ranks[0], node, 0, Outcome.STOPPED, code, line, time.time()))
+            self.publish(attempt, stopped_record(self.config, self.nprocs, cause))
 
     def end_round(self, attempt: int) -> None:
         """This node's part of the round is over: its beat stops now, and that is no loss."""

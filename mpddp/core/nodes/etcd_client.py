@@ -1,0 +1,109 @@
+"""A client of an etcd cluster that uses any member that answers, and this launcher's lease in it.
+
+Owns: :class:`EtcdClient`, etcd's v3 API through ``etcd3gw`` (its HTTP gateway: no generated protobuf code
+to break), tried on each member of ``--rdzv-endpoint`` in turn, so that an etcd member lost mid-job
+restarts nothing; and :class:`KeptLease`, the lease every key of this launcher's liveness is put with,
+refreshed from a daemon thread: when the launcher's machine is lost, etcd deletes those keys by itself
+once the TTL ran out, which is how the other nodes learn of the loss without a beat to read.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from ...rendezvous_options import parse_endpoints
+from .api import RendezvousGone
+
+_REQUEST_TIMEOUT = 2.0  # seconds one request to one member may take before the next member is tried
+
+
+class EtcdClient:
+    """etcd's v3 API on the first member of ``endpoints`` that answers; thread-safe."""
+
+    def __init__(self, endpoints: str, tls: dict[str, str] | None = None, timeout: float = 10.0) -> None:
+        self.endpoints, self.tls, self.timeout = endpoints, dict(tls or {}), timeout
+        self._members = parse_endpoints(endpoints)
+        self._current = 0
+        self._clients: dict[int, Any] = {}
+        self._lock = threading.Lock()
+
+    def _client(self, index: int) -> Any:
+        from etcd3gw.client import Etcd3Client
+
+        if index not in self._clients:
+            host, port = self._members[index]
+            secure = "cacert" in self.tls
+            self._clients[index] = Etcd3Client(
+                host=host, port=port, protocol="https" if secure else "http", ca_cert=self.tls.get("cacert"),
+                cert_key=self.tls.get("key"), cert_cert=self.tls.get("cert"), timeout=_REQUEST_TIMEOUT)
+        return self._clients[index]
+
+    def call(self, op: Callable[[Any], Any], timeout: float | None = None) -> Any:
+        """``op(client)`` on a member that answers, each in turn, for up to ``timeout`` (the client's own by
+        default); :class:`RendezvousGone` naming the endpoints when none did."""
+        from etcd3gw import exceptions
+
+        deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
+        tried = 0
+        while True:
+            with self._lock:
+                index = self._current
+                client = self._client(index)
+            try:
+                return op(client)
+            except (exceptions.ConnectionFailedError, exceptions.ConnectionTimeoutError,
+                    exceptions.InternalServerError) as e:
+                tried += 1
+                with self._lock:
+                    if self._current == index:
+                        self._current = (index + 1) % len(self._members)
+                if time.monotonic() >= deadline:
+                    raise RendezvousGone(f"etcd at {self.endpoints} does not answer (tried {tried} time(s), "
+                                         f"last {type(e).__name__})") from e
+                if tried % len(self._members) == 0:
+                    time.sleep(0.2)  # every member refused: a moment before the next round of tries
+
+    def check(self, timeout: float) -> None:
+        """Raise :class:`RendezvousGone` unless a member answers within ``timeout`` (before anything starts)."""
+        self.call(lambda c: c.status(), timeout=timeout)
+
+
+class KeptLease:
+    """A lease of ``ttl`` seconds, refreshed every third of it from a daemon thread until :meth:`revoke`."""
+
+    def __init__(self, client: EtcdClient, ttl: int) -> None:
+        self.client, self.ttl = client, ttl
+        self.id: int = client.call(lambda c: int(c.lease(ttl).id))
+        self.lost = False  # a refresh found the lease gone: etcd took this launcher for lost
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._keep, name="mpddp-etcd-lease", daemon=True)
+        self._thread.start()
+
+    def _keep(self) -> None:
+        while not self._stop.wait(self.ttl / 3):
+            try:
+                left = self.client.call(self._refresh, timeout=self.ttl)
+            except RendezvousGone:
+                continue  # no member answers now; the next try may reach one
+            if left <= 0:
+                self.lost = True
+                return
+
+    def _refresh(self, c: Any) -> int:
+        from etcd3gw.lease import Lease
+
+        return Lease(self.id, client=c).refresh()
+
+    def revoke(self) -> None:
+        """Stop refreshing and let etcd delete every key put with this lease now."""
+        from etcd3gw.lease import Lease
+
+        self._stop.set()
+        self._thread.join(1.0)
+        try:
+            self.client.call(lambda c: Lease(self.id, client=c).revoke(), timeout=2.0)
+        except RendezvousGone:
+            pass  # the keys go when the TTL runs out

@@ -1,0 +1,122 @@
+"""The rendezvous options, with torchrun's names: which backend keeps what the nodes agree on, and its settings.
+
+Owns: checking ``--rdzv-backend``, ``--rdzv-endpoint``, ``--rdzv-id``, ``--rdzv-conf`` and ``--local-addr``
+with ``--nnodes MIN:MAX`` (config.py calls :func:`check`), and :class:`RdzvSettings`, what ``--rdzv-conf
+key=value,...`` may say. ``c10d`` (node 0's launcher hosts the store) is the default and needs nothing;
+``etcd`` needs the members of an etcd cluster and a job id, and survives the loss of any node.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from .errors import ConfigError
+
+if TYPE_CHECKING:
+    from .config import LaunchConfig
+
+RDZV_BACKENDS = ("c10d", "static", "etcd")  # static: torchrun's name for c10d's fixed membership
+DEFAULT_TTL = 3  # seconds: a lost node's keys are gone this long after its last refresh (every TTL/3)
+DEFAULT_LAST_CALL = 3.0  # seconds a round of MIN..MAX nodes waits for a newcomer before it starts without
+
+
+@dataclass(frozen=True)
+class RdzvSettings:
+    """What ``--rdzv-conf`` says, with the defaults for what it does not."""
+
+    ttl: int = DEFAULT_TTL
+    last_call_timeout: float = DEFAULT_LAST_CALL
+    tls: dict[str, str] = field(default_factory=dict)  # cacert, cert, key: torchrun's etcd names
+
+
+def parse_rdzv_conf(text: str | None) -> RdzvSettings:
+    """``key=value,key=value`` (torchrun's form) as settings; an unknown key or a bad value is bad input."""
+    values: dict[str, str] = {}
+    for part in (p.strip() for p in (text or "").split(",") if p.strip()):
+        key, equals, value = part.partition("=")
+        if not equals or not key.strip():
+            raise ConfigError(f"rdzv_conf={text!r}: {part!r} is not key=value; pass e.g. "
+                              "--rdzv-conf last_call_timeout=5,ttl=3")
+        values[key.strip()] = value.strip()
+    for name in ("join_timeout", "timeout"):
+        if name in values:
+            raise ConfigError(f"rdzv_conf {name}={values[name]}: --timeout is how long the nodes wait to meet here; "
+                              f"pass --timeout {values[name]}")
+    known = ("ttl", "lease_ttl", "last_call_timeout", "cacert", "cert", "key")
+    unknown = sorted(set(values) - set(known))
+    if unknown:
+        raise ConfigError(f"rdzv_conf key {unknown[0]!r} is not known: use {', '.join(known)}")
+    ttl = _number(values, ("ttl", "lease_ttl"), DEFAULT_TTL, 2, 3600, int)
+    last_call = _number(values, ("last_call_timeout",), DEFAULT_LAST_CALL, 0, 3600, float)
+    tls: dict[str, str] = {k: values[k] for k in ("cacert", "cert", "key") if k in values}
+    if ("cert" in tls) != ("key" in tls):
+        raise ConfigError("rdzv_conf gives cert or key alone: a client certificate needs both, cert=PATH,key=PATH")
+    return RdzvSettings(int(ttl), float(last_call), tls)
+
+
+def _number(values: dict[str, str], keys: tuple[str, ...], default: float, low: float, high: float,
+            kind: type[int] | type[float]) -> float:
+    for key in keys:
+        if key in values:
+            try:
+                number = kind(values[key])
+            except ValueError:
+                number = None
+            if number is None or not low <= number <= high:
+                raise ConfigError(f"rdzv_conf {key}={values[key]!r} is not allowed: it must be a number of seconds "
+                                  f"from {low:g} to {high:g}, e.g. {key}={default:g}")
+            return number
+    return default
+
+
+def parse_endpoints(text: str) -> list[tuple[str, int]]:
+    """``host:port,host:port`` (a scheme, ``http://``, is allowed and dropped) as (host, port) pairs."""
+    found = []
+    for part in (p.strip() for p in text.split(",")):
+        bare = part.split("://", 1)[-1].rstrip("/")
+        host, colon, port = bare.rpartition(":")
+        if not part or not colon or not port.isdigit() or not host:
+            raise ConfigError(f"--rdzv-endpoint {text!r}: {part!r} is not HOST:PORT of an etcd member; pass the "
+                              "members as host:port, comma-separated, e.g. etcd1:2379,etcd2:2379")
+        found.append((host.strip("[]"), int(port)))
+    return found
+
+
+def parse_nnodes_range(spec: str) -> tuple[int, int] | None:
+    """torchrun's ``MIN:MAX`` as (MIN, MAX); None when ``spec`` is no range."""
+    low, colon, high = spec.strip().partition(":")
+    if not colon or not (low.isdigit() and high.isdigit()):
+        return None
+    return int(low), int(high)
+
+
+def check(config: LaunchConfig) -> None:
+    """Raise ConfigError for rendezvous options that contradict each other, before anything starts."""
+    backend = config.rdzv_backend
+    if backend not in RDZV_BACKENDS:
+        raise ConfigError(f"rdzv_backend={backend!r} is unknown: use c10d (node 0 hosts the store, the default) or "
+                          "etcd (an etcd cluster keeps the job: it survives the loss of any node)")
+    parse_rdzv_conf(config.rdzv_conf)
+    if not 1 <= config.min_nnodes <= config.nnodes:
+        raise ConfigError(f"nnodes={config.min_nnodes}:{config.nnodes}: the smallest size must be from 1 to the "
+                          f"largest; pass e.g. --nnodes {min(config.min_nnodes, config.nnodes)}:{config.nnodes}")
+    if backend != "etcd":
+        if config.min_nnodes != config.nnodes:
+            raise ConfigError(f"nnodes={config.min_nnodes}:{config.nnodes} (an elastic job) needs --rdzv-backend "
+                              "etcd for now: with c10d the nodes are fixed; pass --nnodes N, or --rdzv-backend etcd "
+                              "--rdzv-endpoint HOST:PORT")
+        return
+    if not config.rdzv_endpoint:
+        raise ConfigError("rdzv_backend='etcd' needs the etcd cluster's members: pass --rdzv-endpoint "
+                          "host:2379[,host:2379,...]")
+    parse_endpoints(config.rdzv_endpoint)
+    if not config.rdzv_id or config.rdzv_id == "none":
+        raise ConfigError("rdzv_backend='etcd' needs the job's id, the same on every node and new for each job: "
+                          "pass --rdzv-id NAME (e.g. the scheduler's job id)")
+    if importlib.util.find_spec("etcd3gw") is None:
+        raise ConfigError("rdzv_backend='etcd' needs the etcd3gw package: pip install 'mpddp[etcd]'")
+    if config.hosts is not None:
+        raise ConfigError("--hosts starts the nodes itself with node 0 as the store's host: drop --hosts, or "
+                          "--rdzv-backend etcd and start a launcher on each machine")

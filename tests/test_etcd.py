@@ -1,0 +1,147 @@
+"""The etcd rendezvous backend, with real launchers as the nodes of one job and a real 3-member etcd cluster.
+
+A node's machine is "lost" by SIGKILLing every process it runs at once (launcher, store server, forkserver,
+ranks), at a random step; the etcd leader is SIGKILLed the same way. Every launcher runs in its own session,
+under a timeout, and nothing of any node may be left afterwards.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+import subprocess
+import sys
+import textwrap
+import time
+
+import psutil
+import pytest
+
+from runs import Run, alive_or_zombie, marked
+
+pytestmark = pytest.mark.timeout(240)
+
+JOB = textwrap.dedent("""
+    import json, os, sys, time, torch, torch.distributed as dist
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    path = os.path.join(os.environ["CKPT"], "step.json")
+    step = 0
+    if os.path.exists(path):
+        step = json.load(open(path))["step"]
+        print(f"RESUMED step={step} world={world} restart={os.environ['TORCHELASTIC_RESTART_COUNT']}", flush=True)
+    total = torch.zeros(1)
+    while step < int(os.environ["STEPS"]):
+        t = torch.ones(1)
+        dist.all_reduce(t)
+        assert t.item() == world
+        step += 1
+        if rank == 0 and step % 5 == 0:
+            with open(path + ".tmp", "w") as f:
+                json.dump({"step": step}, f)
+            os.replace(path + ".tmp", path)
+        print(f"STEP {step} at {time.time():.3f}", flush=True)
+        time.sleep(0.05)
+    print(f"DONE world={world} restart={os.environ['TORCHELASTIC_RESTART_COUNT']}", flush=True)
+    dist.destroy_process_group()
+""")
+
+
+def _nodes(tmp_path, cluster, count, nnodes, steps, job_id, extra=()):
+    (tmp_path / "job.py").write_text(JOB)
+    (tmp_path / "ckpt").mkdir()
+    runs = []
+    for node in range(count):
+        where = tmp_path / f"node{node}"
+        where.mkdir()
+        runs.append(Run(["-m", "mpddp", "run", "--nnodes", nnodes, "--node-rank", str(node), "--nprocs", "1",
+                         "--rdzv-backend", "etcd", "--rdzv-endpoint", cluster.endpoints, "--rdzv-id", job_id,
+                         "--local-addr", "127.0.0.1", "--timeout", "20", *extra, str(tmp_path / "job.py")],
+                        where, env={"CKPT": str(tmp_path / "ckpt"), "STEPS": str(steps)}))
+    return runs
+
+
+def _lose(run: Run) -> None:
+    """The node's machine is lost: every process of it SIGKILLed at once."""
+    procs = [psutil.Process(run.proc.pid), *psutil.Process(run.proc.pid).children(recursive=True),
+             *marked(run.marker)]
+    for proc in procs:
+        try:
+            proc.kill()
+        except psutil.NoSuchProcess:
+            pass
+    run.proc.wait(10)
+
+
+def _end(runs: list[Run]) -> None:
+    for run in runs:
+        run.kill()
+
+
+def test_node_0_lost_is_survived_by_the_others_from_their_checkpoint(tmp_path, etcd_cluster):
+    """A 2:3 job whose node 0 machine is lost mid-run finishes on the two others, which both name node 0."""
+    runs = _nodes(tmp_path, etcd_cluster, 3, "2:3", 120, "lose0", ["--max-restarts", "1", "-v"])
+    try:
+        at = random.randint(15, 40)
+        runs[0].wait_for(rf"STEP {at} ", timeout=90)
+        for run in runs:
+            run.list_tree()
+        _lose(runs[0])
+        lost_at = time.time()
+        codes = [run.finish(120) for run in runs[1:]]
+        for run in runs[1:]:
+            assert "mpddp: node(s) 0 went away" in run.stderr, run.stderr
+            assert "node 1 -> 0: ranks 1 -> 0" in run.stderr and "node 2 -> 1: ranks 2 -> 1" in run.stderr
+            assert "DONE world=2 restart=1" in run.stdout, run.stdout + run.stderr
+        assert codes == [0, 0], [run.stderr for run in runs]
+        resumed = re.search(r"RESUMED step=(\d+) world=2 restart=1", runs[1].stdout)
+        assert resumed and at - 5 <= int(resumed.group(1)) <= at + 5, runs[1].stdout
+        after = runs[1].stdout[resumed.end():]
+        first = float(re.search(r"STEP \d+ at ([0-9.]+)", after).group(1))  # type: ignore[union-attr]
+        print(f"node 0 lost at step {at}: the survivors' first new step {first - lost_at:.1f} s later")
+        for run in runs[1:]:
+            run.assert_nothing_left()
+        assert not alive_or_zombie(runs[0].pids)  # a lost machine's files are its own: only its processes count
+    finally:
+        _end(runs)
+
+
+def test_the_etcd_leader_killed_mid_job_restarts_nothing(tmp_path):
+    from etcd_cluster import EtcdCluster
+
+    with EtcdCluster() as cluster:
+        runs = _nodes(tmp_path, cluster, 2, "2", 80, "leader")
+        try:
+            runs[0].wait_for(r"STEP 20 ", timeout=90)
+            cluster.kill(cluster.leader_index())
+            codes = [run.finish(120) for run in runs]
+            assert codes == [0, 0], [run.stderr for run in runs]
+            for run in runs:
+                assert "DONE world=2 restart=0" in run.stdout and "restarting" not in run.stderr, run.stderr
+        finally:
+            _end(runs)
+
+
+def test_an_etcd_endpoint_that_does_not_answer_is_one_line_exit_2_before_any_rank_starts(tmp_path):
+    from multinode import free_port
+
+    (tmp_path / "hi.py").write_text("print('ran')\n")
+    endpoint = f"127.0.0.1:{free_port()}"
+    started = time.monotonic()
+    out = subprocess.run([sys.executable, "-m", "mpddp", "run", "--nnodes", "2", "--rdzv-backend", "etcd",
+                          "--rdzv-endpoint", endpoint, "--rdzv-id", "none-there", "--timeout", "30", "hi.py"],
+                         capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert out.returncode == 2, out.stderr
+    assert out.stderr.startswith("mpddp: error: ") and endpoint in out.stderr, out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1 and "ran" not in out.stdout, out.stderr
+    assert time.monotonic() - started < 20  # not the whole --timeout
+
+
+def test_fewer_than_min_nodes_is_one_line_naming_min(tmp_path, etcd_cluster):
+    (tmp_path / "hi.py").write_text("print('ran')\n")
+    out = subprocess.run([sys.executable, "-m", "mpddp", "run", "--nnodes", "2:3", "--rdzv-backend", "etcd",
+                          "--rdzv-endpoint", etcd_cluster.endpoints, "--rdzv-id", "alone", "--timeout", "3",
+                          "hi.py"], capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert out.returncode == 1, out.stderr
+    assert "1 node(s) joined within --timeout 3 s, but --nnodes 2:3 needs at least 2" in out.stderr, out.stderr
+    assert "ran" not in out.stdout
