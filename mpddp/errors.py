@@ -33,6 +33,7 @@ class Outcome(enum.Enum):
     MISMATCH = "mismatch"  # called another collective than its peers at the same number (the flight recorder)
     COLLECTIVE = "collective"  # an error raised inside torch.distributed after a peer went away
     STOPPED = "stopped"  # stopped by mpddp after another rank failed
+    RESIZED = "resized"  # stopped by mpddp to admit a node that arrived (an elastic job grows): no failure
 
 
 @dataclass(frozen=True)

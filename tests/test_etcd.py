@@ -106,6 +106,50 @@ def test_node_0_lost_is_survived_by_the_others_from_their_checkpoint(tmp_path, e
         _end(runs)
 
 
+def test_a_node_that_arrives_below_max_is_admitted_by_a_restart_that_is_not_counted(tmp_path, etcd_cluster):
+    """A 2:3 job running on two nodes admits a third (no --max-restarts: the admission is free) and ends at 3."""
+    runs = _nodes(tmp_path, etcd_cluster, 2, "2:3", 100, "grow")
+    try:
+        runs[0].wait_for(r"STEP 15 ", timeout=90)
+        where = tmp_path / "node2"
+        where.mkdir()
+        runs.append(Run(runs[0].proc.args[1:-1] + [str(tmp_path / "job.py")], where,  # type: ignore[index]
+                        env={"CKPT": str(tmp_path / "ckpt"), "STEPS": "100"}))
+        codes = [run.finish(120) for run in runs]
+        assert codes == [0, 0, 0], [run.stderr for run in runs]
+        for run in runs:
+            assert "DONE world=3 restart=1" in run.stdout, run.stdout + run.stderr
+            assert "a new node -> 2: ranks 2" in run.stderr, run.stderr
+        for run in runs[:2]:
+            assert "mpddp: a node arrived" in run.stderr and "restarting the group" not in run.stderr, run.stderr
+            run.assert_nothing_left()
+    finally:
+        _end(runs)
+
+
+def test_a_spare_beyond_max_takes_a_lost_nodes_place(tmp_path, etcd_cluster):
+    runs = _nodes(tmp_path, etcd_cluster, 3, "2", 100, "spare", ["--max-restarts", "1"])
+    try:
+        deadline = time.monotonic() + 90
+        while not (any("STEP 15 " in run.stdout for run in runs) and any("a spare" in run.stderr for run in runs)):
+            assert time.monotonic() < deadline and all(run.proc.poll() is None for run in runs), [
+                run.stderr for run in runs]
+            time.sleep(0.05)
+        spare = next(run for run in runs if "this node waits as a spare" in run.stderr)
+        lost = next(run for run in runs if run is not spare)
+        for run in runs:
+            run.list_tree()
+        _lose(lost)
+        others = [run for run in runs if run is not lost]
+        assert [run.finish(120) for run in others] == [0, 0], [run.stderr for run in others]
+        for run in others:
+            assert "DONE world=2 restart=1" in run.stdout, run.stdout + run.stderr
+            run.assert_nothing_left()
+        assert "went away" in next(run for run in others if run is not spare).stderr
+    finally:
+        _end(runs)
+
+
 def test_the_etcd_leader_killed_mid_job_restarts_nothing(tmp_path):
     from etcd_cluster import EtcdCluster
 

@@ -19,10 +19,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ...config import LaunchConfig
-from ...errors import RestartsExhausted, StoreLost, WorkerFailed
+from ...errors import Outcome, RestartsExhausted, StoreLost, WorkerFailed
 from ...log import logger
 from ..nodes import rendezvous, store_server
-from ..nodes.api import Rendezvous
+from ..nodes.api import NotNeeded, Rendezvous
 from ..nodes.backends import open_rendezvous
 from ..nodes.store_server import StoreServer
 from . import stragglers
@@ -68,7 +68,11 @@ def run_job(plan: Plan, mp_context: Any, payload: bytes, init_group: bool, liste
     try:
         if sock is not None:
             job.store = _start_store(mp_context, sock, config)
-        values = _attempts(job)
+        try:
+            values = _attempts(job)
+        except NotNeeded as spare:
+            logger.warning("%s", spare)
+            values = []
         return values
     finally:
         _tell_lags(job, succeeded=values is not None)
@@ -101,11 +105,13 @@ def _tell_lags(job: Job, succeeded: bool) -> None:
 
 
 def _attempts(job: Job) -> list[Any]:
-    """Run the group, and again after a failure while restarts are left."""
+    """Run the group, and again after a failure while restarts are left (a restart that admits a node that
+    arrived is free, as torchrun's). ``attempt`` is the round: the backend may start this node at a later one."""
     config = job.config
-    for attempt in range(config.max_restarts + 1):
+    attempt = restarts = 0
+    while True:
         if job.link is not None and job.link.hosts_round_store:
-            _join(job, attempt)
+            attempt = _join(job, attempt)
         elif attempt:
             if not job.init_group:
                 _new_script_store(job, attempt)
@@ -118,9 +124,11 @@ def _attempts(job: Job) -> list[Any]:
         except KeyboardInterrupt:  # the teardown has already run, in run_group's finally
             raise KeyboardInterrupt("mpddp: interrupted; every worker was stopped") from None
         except (WorkerFailed, StoreLost) as failure:
+            resized = isinstance(failure, WorkerFailed) and bool(failure.failures) and (
+                failure.failures[0].outcome is Outcome.RESIZED)
             store_lost = isinstance(failure, StoreLost) or (job.store is not None and job.store.lost)
             fixed_store = job.link is not None and not job.link.hosts_round_store  # c10d: node 0's, job-long
-            if attempt == config.max_restarts or (store_lost and fixed_store):
+            if not resized and (restarts == config.max_restarts or (store_lost and fixed_store)):
                 final = _final(failure, config.max_restarts, several_nodes=job.link is not None)
                 if final is failure:
                     raise  # as it is: its __cause__ is the failing rank's own exception
@@ -129,11 +137,15 @@ def _attempts(job: Job) -> list[Any]:
                 _replace_store(job)
             # the cause's line, so that a run that recovers still says what went wrong
             said = ("mpddp: " if isinstance(failure, StoreLost) else "") + str(failure).splitlines()[0]
-            logger.warning("%s\nmpddp: restarting the group (%d of %d)", said, attempt + 1, config.max_restarts)
-    raise AssertionError("unreachable")
+            if resized:
+                logger.warning("%s", said)
+            else:
+                restarts += 1
+                logger.warning("%s\nmpddp: restarting the group (%d of %d)", said, restarts, config.max_restarts)
+            attempt += 1
 
 
-def _join(job: Job, attempt: int) -> None:
+def _join(job: Job, attempt: int) -> int:
     """A round whose nodes the backend decides (etcd): this node's place in it, and the round's store, which
     its first node hosts (a fresh one each round: a restarted env:// script finds no dead rank's keys)."""
     link = job.link
@@ -147,15 +159,16 @@ def _join(job: Job, attempt: int) -> None:
         sock = rendezvous.listen(host, 0)
         port = sock.getsockname()[1]
         job.store = _start_store(job.mp_context, sock, job.config)
-        link.set_store(attempt, host, port)
+        link.set_store(here.number, host, port)
     else:
-        host, port = link.store(attempt)
+        host, port = link.store(here.number)
     job.plan = for_round(job.plan, here.nnodes, here.node_rank, host, port)
     job.port, job.script_port = port, None if job.init_group else port
-    if here.changed() or (attempt == 0 and job.config.verbose):
+    if here.changed() or (here.number == 0 and job.config.verbose):
         logger.warning("mpddp: round %d: %d node(s) x %d rank(s) = %d rank(s); this is node %d. Node -> ranks, "
-                       "old -> new:\n%s", attempt, here.nnodes, job.plan.nprocs, here.nnodes * job.plan.nprocs,
+                       "old -> new:\n%s", here.number, here.nnodes, job.plan.nprocs, here.nnodes * job.plan.nprocs,
                        here.node_rank, "\n".join(here.table(job.plan.nprocs)))
+    return here.number
 
 
 def _own_address(config: LaunchConfig) -> str:

@@ -48,6 +48,10 @@ STALLED_AFTER = 6 * INTERVAL  # a beat that did not move for this long, while ot
 POLL = 0.05  # seconds between two looks of a launcher that waits for the other nodes
 
 
+class NotNeeded(Exception):  # noqa: N818 - not an error: the job ended well without this node
+    """This launcher waited as a spare (the job had ``MAX`` nodes), and the job ended without needing it."""
+
+
 class RendezvousGone(StoreLost):
     """The backend does not answer (node 0's store: its launcher or store server is gone)."""
 
@@ -67,12 +71,12 @@ class Round:
         return self.number > 0 and self.old != tuple(range(self.nnodes))
 
     def table(self, nprocs: int) -> list[str]:
-        """The round's nodes and their ranks, old -> new: ``node 1 -> 0: ranks 2, 3 -> 0, 1``."""
+        """The round's nodes and their ranks, old -> new: ``node 1 -> 0: ranks 2, 3 -> 0, 1``, ``a new node -> 1: ...``."""
         lines = []
         for new, old in enumerate(self.old):
             ranks = names([rank_math.global_rank(new, i, nprocs) for i in range(nprocs)])
             if old is None:
-                lines.append(f"  node {new} (new): ranks {ranks}")
+                lines.append(f"  a new node -> {new}: ranks {ranks}")
             else:
                 before = names([rank_math.global_rank(old, i, nprocs) for i in range(nprocs)])
                 lines.append(f"  node {old} -> {new}: ranks {before} -> {ranks}")
@@ -132,6 +136,14 @@ def stopped_record(config: LaunchConfig, nprocs: int, cause: BaseException) -> F
         f"stopped by {signal.Signals(signum).name}" if isinstance(signum, int) else f"stopped ({type(cause).__name__})")
     line = f"mpddp: node {node}'s launcher was {how} while its ranks ran, taking rank(s) {names(ranks)} with it"
     return FailureRecord(ranks[0], node, 0, Outcome.STOPPED, code, line, time.time())
+
+
+def resized_record(newcomer: str, nnodes: int) -> FailureRecord:
+    """The round's record when a node arrives while the job runs below ``MAX``: every node restarts to admit it,
+    and that restart is not counted against --max-restarts (torchrun's rule)."""
+    line = (f"mpddp: a node arrived ({newcomer}) while the job ran on {nnodes} node(s): the group restarts to "
+            "admit it (not counted against --max-restarts)")
+    return FailureRecord(-1, -1, 0, Outcome.RESIZED, 0, line, time.time())
 
 
 def names(items: list[int]) -> str:

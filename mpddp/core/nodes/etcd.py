@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import json
 import os
 import socket
 import threading
@@ -31,6 +30,7 @@ from ...config import LaunchConfig
 from ...errors import AddressError, RendezvousError, WorkerFailed
 from ...log import logger
 from ..wire.protocol import FailureRecord
+from . import membership
 from .api import INTERVAL, POLL, RendezvousGone, Round, stopped_record
 from .etcd_client import EtcdClient, KeptLease
 
@@ -86,28 +86,26 @@ class EtcdRendezvous:
     # ---- a round ------------------------------------------------------------------------------------------
 
     def join(self, attempt: int) -> Round:
-        """This launcher's place in round ``attempt``, once its membership is decided (see the module)."""
+        """This launcher's place in the job's next round from ``attempt`` on, once its membership is decided
+        (core/nodes/membership.py: a launcher that comes to a running job is admitted, or waits as a spare)."""
         if attempt == 0:
             self._first_contact()
+        keys = _EtcdKeys(self)
         try:
             if attempt == 0:
                 self._clear_stale()
-            previous = self.rounds.get(attempt - 1)
-            mine = json.dumps({"old": previous.node_rank if previous else None, "rank": self.launched.node_rank,
-                               "since": time.time(), "host": socket.gethostname()})
-            self._put(self._key(attempt, "join", self.me), mine, leased=True)
-            members = self._members(attempt)
+                attempt = keys.latest()
+            here, members = membership.join_round(
+                keys, attempt, self.me, low=self.launched.min_nnodes, high=self.launched.nnodes,
+                node_rank=self.launched.node_rank, last_call=self.last_call, timeout=self.config.timeout,
+                previous=max(self.rounds.values(), key=lambda r: r.number, default=None),
+                start_them=f"start the missing launchers with --rdzv-backend etcd --rdzv-endpoint "
+                           f"{self.client.endpoints} --rdzv-id {self.launched.rdzv_id}")
         except RendezvousGone as e:
             raise RendezvousError(f"{e}: round {attempt} cannot start; start etcd there, or pass the members "
                                   "that run with --rdzv-endpoint host:port,host:port") from None
-        if self.me not in members:
-            raise RendezvousError(f"round {attempt} started with {len(members)} node(s) without this one "
-                                  f"(--nnodes {self._size()} allows no more): start it again to wait as a spare")
-        node = members.index(self.me)
-        old = tuple(self._old_rank(attempt, m) for m in members)
-        here = Round(attempt, len(members), node, old)
-        self.rounds[attempt], self._members_of[attempt] = here, members
-        self.config = replace(self.launched, nnodes=here.nnodes, node_rank=node)
+        self.rounds[here.number], self._members_of[here.number] = here, members
+        self.config = replace(self.launched, nnodes=here.nnodes, node_rank=here.node_rank)
         return here
 
     def _first_contact(self) -> None:
@@ -120,43 +118,10 @@ class EtcdRendezvous:
                                f"{wait:g} s): start etcd there, or pass the members that run (host:port,...)") from None
         self.reached = True
 
-    def _size(self) -> str:
-        low, high = self.launched.min_nnodes, self.launched.nnodes
-        return f"{low}:{high}" if low != high else str(high)
-
-    def _members(self, attempt: int) -> list[str]:
-        """The round's members once decided: by this launcher, if it is the first to see enough of them."""
-        low, high = self.launched.min_nnodes, self.launched.nnodes
-        deadline = time.monotonic() + self.config.timeout
-        key = self._key(attempt, "members")
-        seen, since = 0, time.monotonic()  # how many had joined, and since when (this machine's clock)
-        while True:
-            if (decided := self._get(key)) is not None:
-                return list(json.loads(decided))
-            joined = self._prefix(self._key(attempt, "join/"))
-            arrivals = {m: json.loads(v) for m, v in joined.items()}
-            if len(arrivals) != seen:
-                seen, since = len(arrivals), time.monotonic()
-            if len(arrivals) >= high or (len(arrivals) >= low and time.monotonic() - since >= self.last_call):
-                order = json.dumps(sorted(arrivals, key=lambda m: _order(arrivals[m]))[:high])
-                self.client.call(functools.partial(_create, key=key, value=order))
-                continue
-            if time.monotonic() > deadline:
-                raise RendezvousError(
-                    f"round {attempt}: {len(arrivals)} node(s) joined within --timeout {self.config.timeout:g} s, "
-                    f"but --nnodes {self._size()} needs at least {low}: start the missing launchers with "
-                    f"--rdzv-backend etcd --rdzv-endpoint {self.client.endpoints} --rdzv-id {self.launched.rdzv_id}")
-            time.sleep(POLL * 2)
-
-    def _old_rank(self, attempt: int, member: str) -> int | None:
-        previous = self._get(self._key(attempt - 1, "members")) if attempt else None
-        listed = json.loads(previous) if previous else []
-        return listed.index(member) if member in listed else None
-
     def _clear_stale(self) -> None:
         """Keys an earlier job with this --rdzv-id left, all of whose launchers are gone: not this job's."""
-        members = self._get(self._key(0, "members"))
-        if members is not None and not self._prefix(self._key(0, "join/")):
+        latest = _EtcdKeys(self).latest()
+        if self._get(self._key(latest, "members")) is not None and not self._prefix(self._key(latest, "join/")):
             logger.info("mpddp: etcd holds an ended job's keys under %s: removed", self.prefix)
             self.client.call(lambda c: c.delete_prefix(self.prefix))
 
@@ -286,14 +251,49 @@ class EtcdRendezvous:
             self._lease.revoke()
 
 
-def _create(client: Any, key: str, value: str) -> bool:
+def _create(client: Any, key: str, value: str | bytes) -> bool:
     return bool(client.create(key, value))
 
 
-def _order(arrival: dict[str, Any]) -> tuple[float, float, float]:
-    """The round's order of a launcher: its old node rank first, then its --node-rank, then when it came."""
-    old = arrival.get("old")
-    return (old if old is not None else float("inf"), float(arrival.get("rank") or 0), float(arrival["since"]))
+class _EtcdKeys:
+    """core/nodes/membership.py's keys, in etcd: arrivals put with the launcher's lease."""
+
+    def __init__(self, link: EtcdRendezvous) -> None:
+        self.link = link
+
+    def arrive(self, attempt: int, me: str, arrival: str) -> None:
+        self.link._put(self.link._key(attempt, "join", me), arrival, leased=True)
+
+    def arrivals(self, attempt: int) -> dict[str, str]:
+        return {m: v.decode() for m, v in self.link._prefix(self.link._key(attempt, "join/")).items()}
+
+    def decided(self, attempt: int) -> str | None:
+        found = self.link._get(self.link._key(attempt, "members"))
+        return found.decode() if found is not None else None
+
+    def decide(self, attempt: int, members: str) -> bool:
+        link = self.link
+        if won := link.client.call(functools.partial(_create, key=link._key(attempt, "members"), value=members)):
+            link._put(link.prefix + "round", str(attempt))
+        return bool(won)
+
+    def latest(self) -> int:
+        found = self.link._get(self.link.prefix + "round")
+        return int(found) if found else 0
+
+    def admit(self, attempt: int, record: FailureRecord) -> None:
+        key = self.link._key(attempt, "failure")
+        self.link.client.call(functools.partial(_create, key=key, value=record.encode()))
+
+    def record(self, attempt: int) -> FailureRecord | None:
+        return self.link.record(attempt)
+
+    def over(self, attempt: int, members: list[str]) -> bool:
+        left = set(self.link._prefix(self.link.prefix + "left/"))
+        return set(members) <= left or self.decided(attempt) is None  # or the last launcher removed every key
+
+    def alive(self, attempt: int, members: list[str]) -> bool:
+        return bool(set(members) & set(self.arrivals(attempt)))
 
 
 class EtcdRoundWatch:
