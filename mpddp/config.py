@@ -282,7 +282,7 @@ class LaunchConfig:
         object.__setattr__(self, "min_nnodes", self.min_nnodes or self.nnodes)
         rendezvous_options.check(self)
         check_int("node_rank", self.node_rank, 0, None, "; number the nodes 0, 1, ... nnodes-1")
-        if self.node_rank >= self.nnodes and self.rdzv_backend != "etcd":  # etcd: an order, not a place
+        if self.node_rank >= self.nnodes and self.rdzv_backend != "etcd" and self.min_nnodes == self.nnodes:
             raise ConfigError(
                 f"node_rank={self.node_rank} with nnodes={self.nnodes}: node ranks run from 0 to "
                 f"{self.nnodes - 1}; pass --node-rank {self.nnodes - 1} or raise --nnodes to {self.node_rank + 1}"

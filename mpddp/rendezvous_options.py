@@ -103,10 +103,6 @@ def check(config: LaunchConfig) -> None:
         raise ConfigError(f"nnodes={config.min_nnodes}:{config.nnodes}: the smallest size must be from 1 to the "
                           f"largest; pass e.g. --nnodes {min(config.min_nnodes, config.nnodes)}:{config.nnodes}")
     if backend != "etcd":
-        if config.min_nnodes != config.nnodes:
-            raise ConfigError(f"nnodes={config.min_nnodes}:{config.nnodes} (an elastic job) needs --rdzv-backend "
-                              "etcd for now: with c10d the nodes are fixed; pass --nnodes N, or --rdzv-backend etcd "
-                              "--rdzv-endpoint HOST:PORT")
         return
     if not config.rdzv_endpoint:
         raise ConfigError("rdzv_backend='etcd' needs the etcd cluster's members: pass --rdzv-endpoint "

@@ -349,7 +349,8 @@ def test_an_upward_import_would_be_found(monkeypatch):
 
 def test_above_the_nodes_no_module_names_a_rendezvous_backend():
     """The launcher asks core/nodes/api.py's interface; which backend runs (c10d today) is the nodes' business."""
-    backends = {"mpddp.core.nodes.c10d", "mpddp.core.nodes.etcd", "mpddp.core.nodes.etcd_client"}
+    backends = {"mpddp.core.nodes.c10d", "mpddp.core.nodes.c10d_watch", "mpddp.core.nodes.etcd",
+                "mpddp.core.nodes.etcd_client"}
     for module, targets in GRAPH.items():
         if module.startswith("mpddp.") and not module.startswith("mpddp.core.nodes.") or module == "mpddp.core.nodes.settle":
             assert not targets & backends, module
@@ -358,10 +359,10 @@ def test_above_the_nodes_no_module_names_a_rendezvous_backend():
 def test_every_backend_implements_the_whole_interface():
     import inspect
 
-    from mpddp.core.nodes import api, backends, c10d, etcd
+    from mpddp.core.nodes import api, backends, c10d, c10d_watch, etcd
 
     assert set(backends.BACKENDS) == {"c10d", "static", "etcd"}
-    for interface, backend in ((api.Rendezvous, c10d.C10dRendezvous), (api.RoundWatch, c10d.C10dRoundWatch),
+    for interface, backend in ((api.Rendezvous, c10d.C10dRendezvous), (api.RoundWatch, c10d_watch.C10dRoundWatch),
                                (api.Rendezvous, etcd.EtcdRendezvous), (api.RoundWatch, etcd.EtcdRoundWatch)):
         wanted = {name for name, _ in inspect.getmembers(interface, inspect.isfunction) if not name.startswith("_")}
         missing = {name for name in wanted if not callable(getattr(backend, name, None))}

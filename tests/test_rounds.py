@@ -196,7 +196,7 @@ def test_a_killed_store_server_ends_the_job_on_both_nodes(cluster: Cluster) -> N
     codes = finish(nodes, 60)
     assert codes[0] != 0 and codes[1] != 0
     assert f"the store server (pid {store_server.pid})" in nodes[0].stderr, nodes[0].stderr
-    assert "not restarted: on several nodes" in nodes[0].stderr
+    assert "not restarted: node 0 hosted the job's store (--rdzv-backend c10d)" in nodes[0].stderr
     assert "node 0, which hosts the rendezvous at 127.0.0.1" in nodes[1].stderr, nodes[1].stderr
     assert cluster.leftovers(wait=5) == []
 

@@ -63,6 +63,7 @@ ACCEPTED = [  # argv before the script, LaunchConfig fields, worker variables be
     (["--nproc-per-node", "cpu"], {"nprocs": CPUS}, {}),
     (["--nnodes", "1"], {}, {}),
     (["--nnodes=1:1"], {}, {}),
+    (["--nnodes=2:3", "--master-port", "29500"], {"nnodes": 3, "min_nnodes": 2, "master_port": 29500}, {}),  # elastic
     (["--nnodes", "2:2", "--node-rank", "1", "--master-addr", "node0", "--master-port", "29500"],
      {**MULTI, "master_addr": "node0"}, {}),
     (["--nnodes=2", "--node_rank=1", "--master_addr=node0", "--master_port=29500"], {**MULTI, "master_addr": "node0"},
@@ -143,8 +144,7 @@ def test_run_ids_without_the_flag():
 
 UNKNOWN_VALUE = {"--no-python", "--run-path", "--virtual-local-rank"}  # flags; the others take a value
 REFUSED_ROWS = [  # argv before the script, the start of the one line
-    (["--nnodes", "1:4"], "nnodes=1:4 (an elastic job) needs --rdzv-backend etcd for now: with c10d the nodes "),
-    (["--nnodes=2:3"], "nnodes=2:3 (an elastic job) needs --rdzv-backend etcd"),
+    (["--nnodes", "1:4"], "master_port=0 with nnodes>1: every node must know the port in advance"),
     (["--nnodes=3:2", "--rdzv-backend", "etcd"], "nnodes=3:2: the smallest size must be from 1 to the largest"),
     (["--nproc-per-node", "xpu"], "Invalid value for '--nprocs' / '--nproc-per-node' / '--nproc_per_node': "
                                   "nprocs='xpu' is not a number of workers"),
@@ -187,7 +187,7 @@ def test_each_other_torchrun_flag_is_refused_saying_what_instead(parse, argv, wo
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("argv", [["--nnodes", "1:4"], ["--rdzv-backend", "etcd"], ["--no-python"]])
+@pytest.mark.parametrize("argv", [["--nnodes", "3:2"], ["--rdzv-backend", "etcd"], ["--no-python"]])
 def test_a_refusal_is_one_line_exit_2_and_starts_nothing(tmp_path, argv):
     (tmp_path / "x.py").write_text("open('ran', 'w').close()\n")
     out = subprocess.run([sys.executable, "-m", "mpddp", "run", *argv, "--nproc-per-node", "2", "x.py"],

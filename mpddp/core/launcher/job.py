@@ -110,7 +110,9 @@ def _attempts(job: Job) -> list[Any]:
     config = job.config
     attempt = restarts = 0
     while True:
-        if job.link is not None and job.link.hosts_round_store:
+        if job.link is not None and (job.link.hosts_round_store or config.min_nnodes < config.nnodes):
+            if attempt and not job.init_group and not job.link.hosts_round_store:
+                _new_script_store(job, attempt)  # c10d's node 0, before the others read its port
             attempt = _join(job, attempt)
         elif attempt:
             if not job.init_group:
@@ -146,24 +148,30 @@ def _attempts(job: Job) -> list[Any]:
 
 
 def _join(job: Job, attempt: int) -> int:
-    """A round whose nodes the backend decides (etcd): this node's place in it, and the round's store, which
-    its first node hosts (a fresh one each round: a restarted env:// script finds no dead rank's keys)."""
+    """A round whose nodes the backend decides (etcd, an elastic job): this node's place in it, and where the
+    round's store listens. With etcd the round's first node hosts it, a fresh one each round (a restarted
+    env:// script finds no dead rank's keys); with c10d it is node 0's, for the whole job."""
     link = job.link
     assert link is not None
     here = link.join(attempt)
-    if job.store is not None:
-        _stop_store(job.store)
-        job.store = None
-    if here.node_rank == 0:
-        host = job.config.local_addr or _own_address(job.config)
-        sock = rendezvous.listen(host, 0)
-        port = sock.getsockname()[1]
-        job.store = _start_store(job.mp_context, sock, job.config)
-        link.set_store(here.number, host, port)
-    else:
+    if not link.hosts_round_store:
         host, port = link.store(here.number)
+        if here.number and not job.init_group and job.store is None:
+            job.script_port = link.script_port(here.number)
+    else:
+        if job.store is not None:
+            _stop_store(job.store)
+            job.store = None
+        if here.node_rank == 0:
+            host = job.config.local_addr or _own_address(job.config)
+            sock = rendezvous.listen(host, 0)
+            port = sock.getsockname()[1]
+            job.store = _start_store(job.mp_context, sock, job.config)
+            link.set_store(here.number, host, port)
+        else:
+            host, port = link.store(here.number)
+        job.port, job.script_port = port, None if job.init_group else port
     job.plan = for_round(job.plan, here.nnodes, here.node_rank, host, port)
-    job.port, job.script_port = port, None if job.init_group else port
     if here.changed() or (here.number == 0 and job.config.verbose):
         logger.warning("mpddp: round %d: %d node(s) x %d rank(s) = %d rank(s); this is node %d. Node -> ranks, "
                        "old -> new:\n%s", here.number, here.nnodes, job.plan.nprocs, here.nnodes * job.plan.nprocs,
@@ -183,8 +191,9 @@ def _own_address(config: LaunchConfig) -> str:
 def _final(failure: WorkerFailed | StoreLost, max_restarts: int, several_nodes: bool) -> Exception:
     """The error a job ends with: the failure itself, or that restarts gave up after it."""
     if isinstance(failure, StoreLost) and several_nodes and max_restarts:
-        return StoreLost(f"{failure}\nmpddp: not restarted: on several nodes a new store would have a port the other "
-                         "nodes do not know; start the job again")
+        return StoreLost(f"{failure}\nmpddp: not restarted: node 0 hosted the job's store (--rdzv-backend c10d), and "
+                         "no other node can take its place; with --rdzv-backend etcd the job survives the loss of any "
+                         "node, node 0 included")
     if not max_restarts:
         return failure
     gave_up = (f"{failure}\nmpddp: gave up after {max_restarts} restart(s) (max_restarts={max_restarts}); raise "

@@ -1,32 +1,25 @@
 """The ``c10d`` rendezvous backend: node 0's TCPStore keeps what the nodes of a job agree on.
 
-Owns: this launcher's line to node 0's store on a job of several nodes
-(:class:`C10dRendezvous`, one client for the whole job, the first backend of
-core/nodes/api.py's interface), the barrier that starts a restarted round
-only when every node's launcher has joined it, the barrier that ends a round
-only when every node's ranks returned or its launcher ended it, the
-heartbeat thread of a round (:class:`C10dRoundWatch`: a beat, the
-watchdog's progress between nodes, and the round's first failure as
-another node wrote it), and which nodes are lost: a launcher whose beat
-stood still while the others beat, or that never beat for --timeout. Its
-cost: node 0 is special; when its machine is lost, the job ends everywhere.
-
-Leaves what a failed round reports to core/nodes/settle.py, the store's process to
-core/nodes/store_server.py, the key names and the record's wire form to
-core/wire/protocol.py, the restart loop to core/launcher/job.py and watching the
-local ranks to core/launcher/attempt.py.
+Owns: :class:`C10dRendezvous`, one client of node 0's store for the whole job; the barriers that start a
+restarted round once every node's launcher joined it and end a round once every node's ranks returned; an
+elastic job's rounds (core/nodes/membership.py's rule on this store's keys); and which nodes are lost: a
+launcher whose beat (core/nodes/c10d_watch.py) stood still while the others beat, or that never beat for
+--timeout. Its cost: node 0 is special; when its machine is lost, the job ends everywhere.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
+import os
 import socket
 import threading
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import replace
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ... import rank_math
 from ...config import LaunchConfig
@@ -34,8 +27,14 @@ from ...errors import RendezvousError, StoreLost, WorkerFailed
 from ...log import logger
 from ..wire import protocol
 from ..wire.protocol import FailureRecord, full_key
-from .api import INTERVAL, POLL, STALLED_AFTER, RendezvousGone, Round, names, stopped_record
+from . import membership
+from .api import POLL, STALLED_AFTER, RendezvousGone, Round, names, stopped_record
 
+if TYPE_CHECKING:
+    from .c10d_watch import C10dRoundWatch
+
+_ARRIVALS, _MEMBERS = "arrivals", "members"  # an elastic job's round (core/nodes/membership.py)
+_ROUND = "mpddp/job/round"  # the round an elastic job is in now, for a launcher that comes late
 _LIVE_BEATS = 12  # ... by at least this many beats (3 s of them): a starved launcher beats again before that
 _LEAVE_WAIT = 10.0  # seconds node 0 keeps the store for the other launchers to read the last round
 
@@ -54,6 +53,10 @@ class C10dRendezvous:
         self._store: Any = None
         self._lock = threading.Lock()  # one operation at a time on the client
         self._connecting = threading.Lock()
+        self.launched = config  # as started: nnodes is MAX, min_nnodes MIN (config is the round's)
+        self.me = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+        self.rounds: dict[int, Round] = {}
+        self._last = 0  # the last round this launcher ran
 
     def call(self, op: Callable[[Any], Any], connect_timeout: float | None = None) -> Any:
         """``op(store)`` under the lock; :class:`RendezvousGone` when node 0's store cannot be reached."""
@@ -96,7 +99,10 @@ class C10dRendezvous:
 
     def join(self, attempt: int) -> Round:
         """Round ``attempt``'s barrier: return once every node's launcher has joined it; name those that did not.
-        The first round needs none: the ranks meet in node 0's store. The nodes never change."""
+        The first round needs none: the ranks meet in node 0's store. The nodes never change, but in an
+        elastic job (--nnodes MIN:MAX: core/nodes/membership.py decides each round's, node 0 always first)."""
+        if self.launched.min_nnodes < self.launched.nnodes:
+            return self._join_elastic(attempt)
         node, nnodes, timeout = self.config.node_rank, self.config.nnodes, self.config.timeout
         if attempt:
             try:
@@ -105,6 +111,24 @@ class C10dRendezvous:
                 raise StoreLost(f"node 0's store at {self.config.master_addr}:{self.port} is gone, so round {attempt} "
                                 "cannot start: node 0's launcher was killed, or its machine lost") from None
         return Round(attempt, nnodes, node, tuple(range(nnodes)))
+
+    def _join_elastic(self, attempt: int) -> Round:
+        launched = self.launched
+        keys = _C10dKeys(self)
+        try:
+            here, members = membership.join_round(
+                keys, keys.latest() if attempt == 0 else attempt, self.me, low=launched.min_nnodes,
+                high=launched.nnodes, node_rank=launched.node_rank, last_call=launched.rdzv_settings().last_call_timeout,
+                timeout=launched.timeout, previous=max(self.rounds.values(), key=lambda r: r.number, default=None),
+                start_them=f"start the missing launchers with --nnodes {launched.min_nnodes}:{launched.nnodes} "
+                           f"--master-addr {launched.master_addr} --master-port {self.port} --node-rank N")
+        except RendezvousGone:
+            raise StoreLost(f"node 0's store at {launched.master_addr}:{self.port} is gone, so round {attempt} cannot "
+                            "start: node 0's launcher was killed, or its machine lost") from None
+        self.rounds[here.number] = here
+        self.config = replace(launched, nnodes=here.nnodes, node_rank=here.node_rank)
+        self.gone = set()  # node ranks are the new round's: those lost before are not among them
+        return here
 
     def _join(self, attempt: int, node: int, nnodes: int, timeout: float) -> None:
         def arrive(s: Any) -> None:
@@ -136,6 +160,9 @@ class C10dRendezvous:
 
     def watch(self, attempt: int, share: Callable[[], bytes | None] | None = None) -> C10dRoundWatch:
         """The round's beat, from a thread of its own, until it is stopped."""
+        from .c10d_watch import C10dRoundWatch
+
+        self._last = attempt
         return C10dRoundWatch(self, attempt, share)
 
     def mark_waiting(self, attempt: int) -> None:
@@ -237,7 +264,7 @@ class C10dRendezvous:
         ended = self.call(lambda s: {n: s.check([full_key(attempt, protocol.ended_key(n))]) for n in nodes})
         lost = [n for n in nodes if not ended[n]]
         if lost:  # for node 0, which may not have found them itself, when it waits for the launchers to leave
-            self.call(lambda s: [s.set(protocol.lost_key(n), "1") for n in lost])
+            self.call(lambda s: [s.set(full_key(attempt, protocol.lost_key(n)), "1") for n in lost])
         self.gone.update(lost)
         return lost
 
@@ -307,8 +334,8 @@ class C10dRendezvous:
         but for the launchers that any node found lost: they will not come to leave."""
         nnodes = self.config.nnodes
 
-        def waited_for(s: Any) -> int:
-            lost = {n for n in range(nnodes) if s.check([protocol.lost_key(n)])}
+        def waited_for(s: Any) -> int:  # the nodes of the last round: an elastic job's may be others than before
+            lost = {n for n in range(nnodes) if s.check([full_key(self._last, protocol.lost_key(n))])}
             return nnodes - len(self.gone | lost)
 
         try:
@@ -322,71 +349,51 @@ class C10dRendezvous:
             pass
 
 
-class C10dRoundWatch:
-    """One round's heartbeat, from a daemon thread: a beat, progress between nodes, another node's failure.
+class _C10dKeys:
+    """core/nodes/membership.py's keys in node 0's store: arrivals numbered by a counter (a store lists no keys)."""
 
-    The watchdog (core/launcher/watchdog.py) calls :meth:`progressed` when a local rank
-    computed and reads :attr:`remote_progress`, which moves when a rank on
-    another node did, so that no node declares a hang while another node's
-    ranks compute. :attr:`remote_failure` is set when another node wrote the
-    round's first failure: the attempt then stops this node's ranks.
-    """
+    def __init__(self, link: C10dRendezvous) -> None:
+        self.link = link
 
-    def __init__(self, link: C10dRendezvous, attempt: int, share: Callable[[], bytes | None] | None = None) -> None:
-        self.link, self.attempt = link, attempt
-        self.share = share  # this node's ranks' collectives when they moved (core/launcher/board.py's snapshot)
-        self.remote_progress = 0  # the other nodes' progress, as last read
-        self.remote_failure: FailureRecord | None = None
-        self._progress = threading.Event()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="mpddp-round-watch", daemon=True)
-        self._thread.start()
+    def arrive(self, attempt: int, me: str, arrival: str) -> None:
+        def put(s: Any) -> None:
+            number = s.add(full_key(attempt, _ARRIVALS), 1)
+            s.set(full_key(attempt, f"{_ARRIVALS}/{number}"), json.dumps([me, arrival]))
 
-    def progressed(self) -> None:
-        self._progress.set()
+        self.link.call(put)
 
-    def _run(self) -> None:
-        node, attempt = self.link.config.node_rank, self.attempt
-        beat, progress, failure = (full_key(attempt, k) for k in (protocol.heartbeat_key(node), protocol.PROGRESS,
-                                                                   protocol.FAILURE))
-        mine = 0
+    def arrivals(self, attempt: int) -> dict[str, str]:
+        def read(s: Any) -> dict[str, str]:
+            count = s.add(full_key(attempt, _ARRIVALS), 0)
+            pairs = [json.loads(s.get(full_key(attempt, f"{_ARRIVALS}/{n}"))) for n in range(1, count + 1)]
+            return {me: arrival for me, arrival in pairs}
 
-        calls = full_key(attempt, protocol.calls_key(node))
+        return dict(self.link.call(read))
 
-        def turn(s: Any) -> tuple[int, int, bytes | None]:  # three store operations a turn, four on a failure
-            s.add(beat, 1)
-            if self.share is not None and (snapshot := self.share()) is not None:
-                s.set(calls, snapshot)  # one more when this node's ranks entered or completed a collective
-            step = 1 if self._progress.is_set() else 0
-            total = s.add(progress, step)  # every node's progress: ours is subtracted
-            return step, total, (s.get(failure) if self.remote_failure is None and s.check([failure]) else None)
+    def decided(self, attempt: int) -> str | None:
+        key = full_key(attempt, _MEMBERS)
+        found = self.link.call(lambda s: s.get(key) if s.check([key]) else None)
+        return found.decode() if found is not None else None
 
-        try:
-            while not self._stop.is_set():
-                step, total, written = self.link.call(turn)
-                if step:
-                    self._progress.clear()
-                mine += step
-                self.remote_progress = total - mine
-                if written and (record := FailureRecord.decode(written)).node_rank != node:
-                    self.remote_failure = record
-                self._stop.wait(INTERVAL)
-        except RendezvousGone:  # node 0 gone: what that means is settled after the local ranks stop
-            return
+    def decide(self, attempt: int, members: str) -> bool:
+        key = full_key(attempt, _MEMBERS)
+        won = self.link.call(lambda s: s.compare_set(key, "", members)).decode() == members
+        if won:
+            self.link.call(lambda s: s.set(_ROUND, str(attempt)))
+        return won
 
-    def others_calls(self) -> list[bytes]:
-        """The other nodes' last snapshots of their ranks' collectives (none when node 0's store is gone)."""
-        node, nnodes = self.link.config.node_rank, self.link.config.nnodes
-        keys = [full_key(self.attempt, protocol.calls_key(n)) for n in range(nnodes) if n != node]
+    def latest(self) -> int:
+        found = self.link.call(lambda s: s.get(_ROUND) if s.check([_ROUND]) else None)
+        return int(found) if found else 0
 
-        def read(s: Any) -> list[bytes]:
-            return [s.get(k) for k in keys if s.check([k])]
+    def admit(self, attempt: int, record: FailureRecord) -> None:
+        self.link.call(lambda s: s.compare_set(full_key(attempt, protocol.FAILURE), "", record.encode()))
 
-        try:
-            return self.link.call(read)
-        except RendezvousGone:
-            return []
+    def record(self, attempt: int) -> FailureRecord | None:
+        return self.link.record(attempt)
 
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(1.0)
+    def over(self, attempt: int, members: list[str]) -> bool:
+        return bool(self.link.call(lambda s: s.add(protocol.LEFT, 0)) >= len(members))
+
+    def alive(self, attempt: int, members: list[str]) -> bool:
+        return True  # a member lost is named in the round's record by the others: the wait ends there

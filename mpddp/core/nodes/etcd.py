@@ -106,6 +106,7 @@ class EtcdRendezvous:
                                   "that run with --rdzv-endpoint host:port,host:port") from None
         self.rounds[here.number], self._members_of[here.number] = here, members
         self.config = replace(self.launched, nnodes=here.nnodes, node_rank=here.node_rank)
+        self.gone = set()  # node ranks are the new round's: those lost before are not among them
         return here
 
     def _first_contact(self) -> None:

@@ -1,4 +1,5 @@
-"""The etcd rendezvous backend, with real launchers as the nodes of one job and a real 3-member etcd cluster.
+"""Elastic jobs and the loss of any node: real launchers as the nodes of one job, on a real 3-member etcd
+cluster (``--rdzv-backend etcd``) or on node 0's store (c10d).
 
 A node's machine is "lost" by SIGKILLing every process it runs at once (launcher, store server, forkserver,
 ranks), at a random step; the etcd leader is SIGKILLed the same way. Every launcher runs in its own session,
@@ -59,6 +60,25 @@ def _nodes(tmp_path, cluster, count, nnodes, steps, job_id, extra=()):
                          "--local-addr", "127.0.0.1", "--timeout", "20", *extra, str(tmp_path / "job.py")],
                         where, env={"CKPT": str(tmp_path / "ckpt"), "STEPS": str(steps)}))
     return runs
+
+
+def _c10d_nodes(tmp_path, count, steps, extra=()):
+    from multinode import free_port
+
+    (tmp_path / "job.py").write_text(JOB)
+    (tmp_path / "ckpt").mkdir(exist_ok=True)
+    port, runs = free_port(), []
+    for node in range(count):
+        runs.append(_c10d_node(tmp_path, node, port, steps, extra))
+    return runs
+
+
+def _c10d_node(tmp_path, node, port, steps, extra=()):
+    where = tmp_path / f"node{node}"
+    where.mkdir()
+    return Run(["-m", "mpddp", "run", "--nnodes", "2:3", "--node-rank", str(node), "--nprocs", "1", "--master-addr",
+                "127.0.0.1", "--master-port", str(port), "--timeout", "20", *extra, str(tmp_path / "job.py")], where,
+               env={"CKPT": str(tmp_path / "ckpt"), "STEPS": str(steps)})
 
 
 def _lose(run: Run) -> None:
@@ -189,3 +209,42 @@ def test_fewer_than_min_nodes_is_one_line_naming_min(tmp_path, etcd_cluster):
     assert out.returncode == 1, out.stderr
     assert "1 node(s) joined within --timeout 3 s, but --nnodes 2:3 needs at least 2" in out.stderr, out.stderr
     assert "ran" not in out.stdout
+
+
+def test_c10d_a_lost_node_other_than_0_is_survived_and_a_newcomer_admitted(tmp_path):
+    """c10d, 2:3: node 1's machine lost at step 15, the two others go on at world size 2; then a new launcher
+    arrives and the job grows back to 3 (a free restart), and every node ends at 0."""
+    runs = _c10d_nodes(tmp_path, 3, 150, ["--max-restarts", "1"])
+    try:
+        runs[0].wait_for(r"STEP 15 ", timeout=90)
+        for run in runs:
+            run.list_tree()
+        _lose(runs[1])
+        runs[0].wait_for(r"RESUMED step=\d+ world=2 restart=1", timeout=90)
+        port = int(runs[0].proc.args[runs[0].proc.args.index("--master-port") + 1])  # type: ignore[union-attr]
+        runs.append(_c10d_node(tmp_path, 3, port, 150))
+        survivors = [runs[0], runs[2], runs[3]]
+        assert [run.finish(120) for run in survivors] == [0, 0, 0], [run.stderr for run in survivors]
+        assert "mpddp: node(s) 1 went away" in runs[0].stderr and "node 2 -> 1: ranks 2 -> 1" in runs[0].stderr
+        for run in survivors:
+            assert "DONE world=3 restart=2" in run.stdout, run.stdout + run.stderr
+            run.assert_nothing_left()
+    finally:
+        _end(runs)
+
+
+def test_c10d_node_0_lost_ends_the_job_with_a_line_that_names_etcd(tmp_path):
+    runs = _c10d_nodes(tmp_path, 3, 150, ["--max-restarts", "1"])
+    try:
+        runs[1].wait_for(r"STEP 15 ", timeout=90)
+        for run in runs:
+            run.list_tree()
+        _lose(runs[0])
+        assert [run.finish(120) for run in runs[1:]] == [1, 1]
+        for run in runs[1:]:
+            assert "node 0, which hosts the rendezvous at 127.0.0.1:" in run.stderr, run.stderr
+            assert run.stderr.rstrip().endswith("with --rdzv-backend etcd the job survives the loss of any node, "
+                                                "node 0 included"), run.stderr
+            run.assert_nothing_left()
+    finally:
+        _end(runs)

@@ -1,0 +1,84 @@
+"""The ``c10d`` backend's beat of one round, from a thread of its own (core/nodes/c10d.py is the backend)."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from ..wire import protocol
+from ..wire.protocol import FailureRecord, full_key
+from .api import INTERVAL, RendezvousGone
+
+if TYPE_CHECKING:
+    from .c10d import C10dRendezvous
+
+
+class C10dRoundWatch:
+    """One round's heartbeat, from a daemon thread: a beat, progress between nodes, another node's failure.
+
+    The watchdog (core/launcher/watchdog.py) calls :meth:`progressed` when a local rank
+    computed and reads :attr:`remote_progress`, which moves when a rank on
+    another node did, so that no node declares a hang while another node's
+    ranks compute. :attr:`remote_failure` is set when another node wrote the
+    round's first failure: the attempt then stops this node's ranks.
+    """
+
+    def __init__(self, link: C10dRendezvous, attempt: int, share: Callable[[], bytes | None] | None = None) -> None:
+        self.link, self.attempt = link, attempt
+        self.share = share  # this node's ranks' collectives when they moved (core/launcher/board.py's snapshot)
+        self.remote_progress = 0  # the other nodes' progress, as last read
+        self.remote_failure: FailureRecord | None = None
+        self._progress = threading.Event()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="mpddp-round-watch", daemon=True)
+        self._thread.start()
+
+    def progressed(self) -> None:
+        self._progress.set()
+
+    def _run(self) -> None:
+        node, attempt = self.link.config.node_rank, self.attempt
+        beat, progress, failure = (full_key(attempt, k) for k in (protocol.heartbeat_key(node), protocol.PROGRESS,
+                                                                   protocol.FAILURE))
+        mine = 0
+
+        calls = full_key(attempt, protocol.calls_key(node))
+
+        def turn(s: Any) -> tuple[int, int, bytes | None]:  # three store operations a turn, four on a failure
+            s.add(beat, 1)
+            if self.share is not None and (snapshot := self.share()) is not None:
+                s.set(calls, snapshot)  # one more when this node's ranks entered or completed a collective
+            step = 1 if self._progress.is_set() else 0
+            total = s.add(progress, step)  # every node's progress: ours is subtracted
+            return step, total, (s.get(failure) if self.remote_failure is None and s.check([failure]) else None)
+
+        try:
+            while not self._stop.is_set():
+                step, total, written = self.link.call(turn)
+                if step:
+                    self._progress.clear()
+                mine += step
+                self.remote_progress = total - mine
+                if written and (record := FailureRecord.decode(written)).node_rank != node:
+                    self.remote_failure = record
+                self._stop.wait(INTERVAL)
+        except RendezvousGone:  # node 0 gone: what that means is settled after the local ranks stop
+            return
+
+    def others_calls(self) -> list[bytes]:
+        """The other nodes' last snapshots of their ranks' collectives (none when node 0's store is gone)."""
+        node, nnodes = self.link.config.node_rank, self.link.config.nnodes
+        keys = [full_key(self.attempt, protocol.calls_key(n)) for n in range(nnodes) if n != node]
+
+        def read(s: Any) -> list[bytes]:
+            return [s.get(k) for k in keys if s.check([k])]
+
+        try:
+            return self.link.call(read)
+        except RendezvousGone:
+            return []
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(1.0)
