@@ -57,6 +57,24 @@ def test_digits_on_two_ranks_reaches_95_percent_and_resume_auto_continues(tmp_pa
     assert len(metrics.read_text().splitlines()) == 11 and (ckpt.parent / "ckpt-000000253.pt").is_file()
 
 
+@pytest.mark.timeout(180)
+@pytest.mark.usefixtures("no_leftovers")
+def test_a_run_resumed_on_another_world_size_keeps_its_global_batch_and_its_steps(tmp_path):
+    """Two ranks stopped at step 10 of 23, resumed on one (a node lost): the global batch of 64 is kept by
+    accumulating 2 micro-batches, the epoch goes on after the samples already seen, and the run ends at the
+    uninterrupted run's step 230 (1,437 samples / 64 a step, 10 epochs) with its accuracy."""
+    first = mpddp_cli(["train", "--nprocs", "2", "--epochs", "1", "--checkpoint-every", "10"], cwd=tmp_path)
+    assert first.returncode == 0, first.stderr
+    ckpt = next((tmp_path / "runs").rglob("ckpt-000000010.pt"))
+    again = mpddp_cli(["train", "--nprocs", "1", "--resume", str(ckpt), "--run-dir", "shrunk"], cwd=tmp_path)
+    assert again.returncode == 0, again.stderr
+    assert ("[rank 0] world size 2 -> 1: the global batch of 64 is kept as 1 × 32 × accumulate 2 (accumulation)"
+            in again.stdout), again.stdout
+    assert again.stdout.strip().splitlines()[-1].startswith("checkpoint: shrunk/checkpoints/ckpt-000000230.pt")
+    epochs = [line for line in again.stdout.splitlines() if line.startswith("[rank 0] epoch")]
+    assert float(re.search(r"test acc\s+([\d.]+)%", epochs[-1]).group(1)) > 95.0, epochs[-1]
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.usefixtures("no_leftovers")
 def test_the_example_user_task_trains_with_dataloader_workers(tmp_path):

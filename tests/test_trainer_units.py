@@ -212,3 +212,27 @@ def test_progress_bar_only_on_a_terminal_and_metrics_as_json_lines(tmp_path, mon
     records = [json.loads(line) for line in (tmp_path / "pipe" / "metrics.jsonl").read_text().splitlines()]
     assert [(r["epoch"], r["step"], r["global_batch"]) for r in records] == [(1, 8, 8), (2, 16, 8)]
     assert set(records[0]) >= {"train_loss", "test_loss", "test_accuracy", "samples_per_s", "elapsed_s"}
+
+
+@pytest.mark.parametrize("before, after", [(2, 1), (2, 3), (3, 2), (4, 4)])
+def test_a_sampler_cut_after_the_samples_seen_under_another_world_size_sees_each_other_sample_once(before, after):
+    """The epoch's order is DistributedSampler's (seed, epoch); 2 batches of 8 per rank done on ``before`` ranks,
+    then the rest on ``after``: every sample once, the rest split evenly, and no cut at all on one layout."""
+    from torch.utils.data import DistributedSampler
+
+    from mpddp.trainer.loop import ResumableSampler
+
+    data, done = list(range(101)), 2 * 8
+    first = [list(DistributedSampler(data, before, r, shuffle=True, seed=7))[:done] for r in range(before)]
+    rest = []
+    for r in range(after):
+        sampler = ResumableSampler(data, after, r, shuffle=True, seed=7)
+        sampler.base = done * before
+        rest.append(list(sampler))
+        assert len(sampler) == len(rest[-1])
+    assert len({len(shard) for shard in rest}) == 1  # every rank the same number of batches: no rank waits
+    seen = [i for shard in first + rest for i in shard]
+    assert set(seen) == set(data) and len(seen) - len(data) < after  # only the padding repeats
+    plain = ResumableSampler(data, before, 0, shuffle=True, seed=7)
+    plain.skip = done
+    assert list(plain) == list(DistributedSampler(data, before, 0, shuffle=True, seed=7))[done:]

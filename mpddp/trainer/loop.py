@@ -15,7 +15,7 @@ import sys
 import time
 import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -60,14 +60,24 @@ class ResumableSampler(DistributedSampler):
     batches as an uninterrupted run.
     """
 
-    skip = 0
+    skip = 0  # samples of this rank's shard already trained on
+    base = 0  # samples of the epoch's order trained on under another world size: the shards are cut after them
+
+    def _shard(self) -> list[Any]:
+        if not self.base:
+            return list(super().__iter__())
+        order = torch.randperm(len(self.dataset), generator=torch.Generator().manual_seed(  # type: ignore[arg-type]
+            self.seed + self.epoch)).tolist()[self.base:]  # DistributedSampler's order, what is left of it
+        order += order[:(-len(order)) % self.num_replicas]  # every rank the same count, as DistributedSampler pads
+        return order[self.rank::self.num_replicas]
 
     def __iter__(self) -> Iterator[Any]:
-        indices = list(super().__iter__())
-        return iter(indices[self.skip:])
+        return iter(self._shard()[self.skip:])
 
     def __len__(self) -> int:
-        return super().__len__() - self.skip
+        if not self.base:
+            return super().__len__() - self.skip
+        return -(-(len(self.dataset) - self.base) // self.num_replicas) - self.skip  # type: ignore[arg-type]
 
 
 def _solo_context() -> WorkerContext:
@@ -92,7 +102,7 @@ class Trainer:
         self.task = build_task(config.task, config.seed, config.task_options)
         self.model = self.task.model.to(self.device)
         self.optimizer = self.task.optimizer(self.model.parameters(), config.lr)
-        self.epoch, self.batches_done, self.global_step = 0, 0, 0
+        self.epoch, self.batches_done, self.global_step, self.epoch_base = 0, 0, 0, 0
         # This epoch's training loss so far: a device tensor, so adding to it never waits for the device.
         self.loss_sum, self.loss_count = torch.zeros((), dtype=torch.float64, device=self.device), 0
         self.last_checkpoint: Path | None = None
@@ -171,7 +181,7 @@ class Trainer:
         samples, seconds = self._train_epoch()
         train_loss = self.last_train_loss = self._epoch_loss()
         test = self.evaluate()
-        self.epoch, self.batches_done = self.epoch + 1, 0
+        self.epoch, self.batches_done, self.epoch_base = self.epoch + 1, 0, 0
         self.loss_sum.zero_()
         self.loss_count = 0
         self.report.end_epoch({
@@ -186,6 +196,8 @@ class Trainer:
         """Train the rest of ``self.epoch``; return (global samples, seconds)."""
         self.model.train()
         self.sampler.set_epoch(self.epoch)  # a new shuffle every epoch, the same permutation on every rank
+        self.sampler.base, self.sampler.skip = self.epoch_base, 0
+        self.batches_per_epoch = -(-len(self.sampler) // self.config.batch_size)
         self.sampler.skip = self.batches_done * self.config.batch_size  # resumed mid-epoch: skip what was done
         self.loader_rng.manual_seed(state.epoch_seed(self.config.seed, self.epoch))
         batches, samples, begin = iter(self.train_loader), 0, time.perf_counter()
@@ -274,7 +286,7 @@ class Trainer:
         # collectives, so every rank takes part: each rank's generators, and this epoch's loss over all ranks
         rngs = state.gather_rngs(self.device, self.world)
         epoch_loss = self._all_reduce([float(self.loss_sum), float(self.loss_count)])
-        position = state.Position(self.epoch, self.batches_done, self.global_step)
+        position = state.Position(self.epoch, self.batches_done, self.global_step, self.epoch_base)
         content = state.payload(self.model, self.optimizer, position, self.config, self.world, rngs, epoch_loss)
         path = None
         if self.rank == 0:
@@ -300,8 +312,10 @@ class Trainer:
         if path is not None:
             saved = checkpoint.load(Path(path), checkpoint.signature(self.model))
             back = state.restore(saved, self.model, self.optimizer, self.config, self.rank, self.world, self.device)
-            self.epoch, self.batches_done, self.global_step = (back.position.epoch, back.position.batches_done,
-                                                               back.position.global_step)
+            self.epoch, self.batches_done, self.global_step, self.epoch_base = (
+                back.position.epoch, back.position.batches_done, back.position.global_step, back.position.base)
+            if back.layout is not None:
+                self.config = replace(self.config, batch_size=back.layout[0], accumulate=back.layout[1])
             if back.note:
                 self.report.say(back.note)
             if back.epoch_loss is not None and self.rank == 0:  # rank 0 carries the sum the others left behind

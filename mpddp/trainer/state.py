@@ -50,6 +50,7 @@ class Position:
     epoch: int = 0
     batches_done: int = 0
     global_step: int = 0
+    base: int = 0  # samples of the epoch done before, under another world size: the shards are cut after them
 
 
 @dataclass(frozen=True)
@@ -58,7 +59,8 @@ class Restored:
 
     position: Position
     epoch_loss: tuple[float, int] | None  # this epoch's (loss sum, count) so far, all ranks: rank 0 keeps it
-    note: str | None  # said to the user when the epoch cannot be continued exactly
+    note: str | None  # said to the user when the epoch cannot be continued exactly, or the world size changed
+    layout: tuple[int, int] | None = None  # (batch_size, accumulate) that keep the global batch in a new world
 
 
 def rng_state(device: torch.device) -> dict[str, Any]:
@@ -94,6 +96,7 @@ def payload(model: nn.Module, optimizer: torch.optim.Optimizer, position: Positi
         "model": model.state_dict(),  # the bare module's: loads without DDP's "module." prefix
         "optimizer": optimizer.state_dict(),
         "epoch": position.epoch, "batches_done": position.batches_done, "global_step": position.global_step,
+        "epoch_base": position.base,
         "world_size": world, "batch_size": config.batch_size, "accumulate": config.accumulate, "seed": config.seed,
         "rng": rngs,
         "epoch_loss": epoch_loss,  # this epoch so far, all ranks
@@ -106,17 +109,35 @@ def restore(state: dict[str, Any], model: nn.Module, optimizer: torch.optim.Opti
     model.load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])
     step, epoch, done = state["global_step"], state["epoch"], state["batches_done"]
-    same_layout = (state["world_size"], state["batch_size"], state["accumulate"]) == (
-        world, config.batch_size, config.accumulate)
-    note = None
-    if done and not same_layout:
+    base = state.get("epoch_base", 0)
+    note, layout = None, None
+    if state["world_size"] != world:  # a node lost or added: the same global batch, the epoch cut where it was
+        layout, note = keep_global_batch(state["batch_size"] * state["world_size"] * state["accumulate"],
+                                         state["world_size"], world, config.batch_size)
+        base, done = base + done * state["batch_size"] * state["world_size"], 0
+    elif done and (state["batch_size"], state["accumulate"]) != (config.batch_size, config.accumulate):
         note = (f"note: the checkpoint was written with world_size×batch_size×accumulate = {state['world_size']}×"
                 f"{state['batch_size']}×{state['accumulate']}; its epoch cannot be continued exactly, "
                 f"starting epoch {epoch + 2}")
-        epoch, done = epoch + 1, 0
+        epoch, done, base = epoch + 1, 0, 0
     if len(state["rng"]) == world:
         set_rng_state(state["rng"][rank], device)
     else:  # another world size: fresh, distinct, reproducible generators
         seed_rank(config.seed, rank, step)
     loss = state["epoch_loss"]
-    return Restored(Position(epoch, done, step), (loss[0], int(loss[1])) if done else None, note)
+    carried = (loss[0], int(loss[1])) if done or base else None
+    return Restored(Position(epoch, done, step, base), carried, note, layout)
+
+
+def keep_global_batch(global_batch: int, before: int, world: int, batch_size: int) -> tuple[tuple[int, int], str]:
+    """(batch_size, accumulate) that give ``world`` ranks the global batch ``before`` ranks had, and the line
+    that says how: accumulation when it divides, else the per-rank batch; the nearest when neither does."""
+    said = f"world size {before} -> {world}: the global batch of {global_batch} is kept as"
+    if global_batch % (world * batch_size) == 0:
+        accumulate = global_batch // (world * batch_size)
+        return (batch_size, accumulate), f"{said} {world} × {batch_size} × accumulate {accumulate} (accumulation)"
+    if global_batch % world == 0:
+        return (global_batch // world, 1), f"{said} {world} × {global_batch // world} (the per-rank batch)"
+    nearest = max(1, round(global_batch / world))
+    return (nearest, 1), (f"world size {before} -> {world}: a global batch of {global_batch} does not divide by "
+                          f"{world}; the nearest is {world} × {nearest} = {world * nearest} (the per-rank batch)")
