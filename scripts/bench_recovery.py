@@ -19,6 +19,10 @@ script (``init_process_group("gloo")`` from the environment).
 
     python scripts/bench_recovery.py                   # 3 interleaved reps, 1, 2, 4 and 8 nodes
     python scripts/bench_recovery.py --nodes 1,2 --reps 5 --json recovery.json
+
+It ends with a whole node's machine lost in a ``--nnodes 2:3`` job (every process of it SIGKILLed at step 20):
+node 1 under c10d, node 0 under etcd (a real 3-member etcd on loopback), timed from the loss to the survivors'
+first step of the next round; the etcd lease's TTL bounds how soon the loss is known.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import benchlib  # noqa: E402
@@ -149,6 +154,86 @@ def one_run(kind: str, nnodes: int, workdir: Path, limit: float, fail_after: flo
     return first - started, again - failing[0], in_fn - failing[0]
 
 
+NODE_LOSS_JOB = """
+import os, sys, time, torch, torch.distributed as dist
+dist.init_process_group("gloo")
+restart = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+for step in range(10**6 if restart == 0 else 20):
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    print(f"STEP {restart} {step} {time.time():.6f}", flush=True)
+    time.sleep(0.05)
+dist.destroy_process_group()
+"""
+
+
+def node_loss_run(backend: str, workdir: Path, limit: float, endpoints: str = "") -> float | None:
+    """Seconds from a node's machine lost (every process of it SIGKILLed at step 20) to the survivors' first
+    step of the next round, in a ``--nnodes 2:3`` job of three launchers of one rank; None if they did not."""
+    import uuid
+
+    job = workdir / "node_loss_job.py"
+    job.write_text(NODE_LOSS_JOB)
+    port, victim = _free_port(), 0 if backend == "etcd" else 1  # c10d survives any node but 0
+    common = [sys.executable, "-m", "mpddp", "run", "--nnodes", "2:3", "--nprocs", "1", "--max-restarts", "1",
+              "--timeout", "30"]
+    where = (["--rdzv-backend", "etcd", "--rdzv-endpoint", endpoints, "--rdzv-id", uuid.uuid4().hex,
+              "--local-addr", "127.0.0.1"] if backend == "etcd" else
+             ["--master-addr", "127.0.0.1", "--master-port", str(port)])
+    outs = [workdir / f"loss-{backend}-{n}.out" for n in range(3)]
+    procs = [subprocess.Popen([*common, *where, "--node-rank", str(n), str(job)], stdout=out.open("w"),
+                              stderr=subprocess.STDOUT) for n, out in enumerate(outs)]
+    deadline = time.monotonic() + limit
+    try:
+        while not re.search(r"STEP 0 20 ", outs[victim].read_text()):
+            if time.monotonic() > deadline or procs[victim].poll() is not None:
+                return None
+            time.sleep(0.02)
+        _kill_tree(procs[victim].pid)
+        lost_at = time.time()
+        codes = [p.wait(max(0.1, deadline - time.monotonic())) for n, p in enumerate(procs) if n != victim]
+    except subprocess.TimeoutExpired:
+        return None
+    finally:
+        for p in procs:
+            _kill_tree(p.pid)
+    firsts = [re.search(r"STEP 1 0 ([\d.]+)", out.read_text()) for n, out in enumerate(outs) if n != victim]
+    if any(codes) or not all(firsts):
+        return None
+    return max(float(m.group(1)) for m in firsts if m) - lost_at
+
+
+def node_loss_rows(reps: int, limit: float, tmp: Path) -> tuple[list[list[str]], dict[str, Any]]:
+    """The loss of a whole node's machine, on each backend (etcd needs Debian's etcd-server and etcd3gw)."""
+    import importlib.util
+    import shutil
+
+    from mpddp.rendezvous_options import DEFAULT_TTL
+
+    rows, results = [], {}
+    for backend, what in (("c10d", "node 1 of 3 lost"), ("etcd", f"node 0 of 3 lost, lease ttl {DEFAULT_TTL} s")):
+        if backend == "etcd" and (shutil.which("etcd") is None or importlib.util.find_spec("etcd3gw") is None):
+            rows.append([f"{backend}: {what}", "skipped: etcd-server or etcd3gw not installed", "-"])
+            continue
+        times = []
+        for _ in range(reps):
+            if backend == "etcd":
+                sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+                from etcd_cluster import EtcdCluster  # a real 3-member cluster on loopback
+
+                with EtcdCluster() as cluster:
+                    took = node_loss_run(backend, tmp, limit, cluster.endpoints)
+            else:
+                took = node_loss_run(backend, tmp, limit)
+            if took is None:
+                raise RuntimeError(f"{backend}: the survivors of a lost node did not go on: see {tmp}")
+            times.append(took)
+        results[backend] = {"loss_to_first_step": times, "ttl": DEFAULT_TTL if backend == "etcd" else None}
+        rows.append([f"{backend}: {what}", f"{statistics.median(times):.2f}",
+                     f"{min(times):.2f}-{max(times):.2f}"])
+    return rows, results
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--nodes", default="1,2,4,8", help="node counts, e.g. 1,2,4,8")
@@ -159,6 +244,7 @@ def main() -> None:
     parser.add_argument("--limit", type=float, default=120.0, help="seconds a job may take before it counts as hung")
     parser.add_argument("--tiny", action="store_true", help="one rep, one node (the suite's smoke run)")
     parser.add_argument("--quiet", type=float, default=60.0, help="wait until the CPUs are at most this %% busy")
+    parser.add_argument("--no-node-loss", action="store_true", help="skip the rows of a whole node's machine lost")
     parser.add_argument("--json")
     parser.add_argument("--node", type=int)
     parser.add_argument("--nnodes", type=int)
@@ -208,6 +294,14 @@ def main() -> None:
     if (one := results.get("mpddp 1")) is not None:
         ratio = statistics.median(one["ratio"])
         print(f"\ngoal on one node, recovery / start-up <= {GOAL:.2f}: {ratio:.2f} ({'met' if ratio <= GOAL else 'not met'})")
+    if not (args.tiny or args.no_node_loss):
+        with tempfile.TemporaryDirectory(prefix="mpddp-bench-loss-") as tmp:
+            loss_rows, results["node_loss"] = node_loss_rows(reps, args.limit, Path(tmp))
+        print("\na node's machine lost (--nnodes 2:3, 3 launchers x 1 rank): from the SIGKILL of its every process "
+              "to the survivors' first step of the next round\n")
+        print(benchlib.table(["job", "loss to first step s", "range"], loss_rows))
+        print("goal: under 10 s with the default settings (NVRx's in-job restart: about a minute; torchrun with "
+              "c10d: the job ends when node 0 is lost)")
     benchlib.write_json(args.json, {"results": results, "goal": GOAL})
 
 
