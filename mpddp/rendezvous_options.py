@@ -10,12 +10,28 @@ from __future__ import annotations
 
 import importlib.util
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from .errors import ConfigError
 
-if TYPE_CHECKING:
-    from .config import LaunchConfig
+
+class _Options(Protocol):
+    """The launch options :func:`check` reads (config.py's LaunchConfig has them all)."""
+
+    @property
+    def rdzv_backend(self) -> str: ...
+    @property
+    def rdzv_endpoint(self) -> str | None: ...
+    @property
+    def rdzv_id(self) -> str | None: ...
+    @property
+    def rdzv_conf(self) -> str | None: ...
+    @property
+    def min_nnodes(self) -> int: ...
+    @property
+    def nnodes(self) -> int: ...
+    @property
+    def hosts(self) -> tuple[str, ...] | None: ...
 
 RDZV_BACKENDS = ("c10d", "static", "etcd")  # static: torchrun's name for c10d's fixed membership
 DEFAULT_TTL = 3  # seconds: a lost node's keys are gone this long after its last refresh (every TTL/3)
@@ -92,7 +108,7 @@ def parse_nnodes_range(spec: str) -> tuple[int, int] | None:
     return int(low), int(high)
 
 
-def check(config: LaunchConfig) -> None:
+def check(config: _Options) -> None:
     """Raise ConfigError for rendezvous options that contradict each other, before anything starts."""
     backend = config.rdzv_backend
     if backend not in RDZV_BACKENDS:

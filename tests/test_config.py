@@ -109,3 +109,12 @@ def test_a_log_dir_is_checked_without_creating_it(tmp_path, monkeypatch):
                                           r"or not yours\): pass a directory you can write, e.g. logs$"):
         LaunchConfig(log_dir="new/logs")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["afile", "new"]  # only what the test made
+
+
+def test_an_elastic_size_reads_as_min_and_max_from_the_api_as_from_the_cli():
+    from mpddp.core.launcher.api import make_config
+
+    config = LaunchConfig(nnodes="2:4", master_port=29500)  # type: ignore[arg-type]  # launch(nnodes="2:4")
+    assert (config.min_nnodes, config.nnodes) == (2, 4)
+    assert (LaunchConfig(nnodes="3:3", master_port=29500).min_nnodes, LaunchConfig(nnodes=3, master_port=1).min_nnodes) == (3, 3)  # type: ignore[arg-type]
+    assert make_config({"nnodes": "2:4", "master_port": 29500}).min_nnodes == 2
