@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import shutil
 import signal
 import socket
 import statistics
@@ -206,7 +207,6 @@ def node_loss_run(backend: str, workdir: Path, limit: float, endpoints: str = ""
 def node_loss_rows(reps: int, limit: float, tmp: Path) -> tuple[list[list[str]], dict[str, Any]]:
     """The loss of a whole node's machine, on each backend (etcd needs Debian's etcd-server and etcd3gw)."""
     import importlib.util
-    import shutil
 
     from mpddp.rendezvous_options import DEFAULT_TTL
 
@@ -226,7 +226,7 @@ def node_loss_rows(reps: int, limit: float, tmp: Path) -> tuple[list[list[str]],
             else:
                 took = node_loss_run(backend, tmp, limit)
             if took is None:
-                raise RuntimeError(f"{backend}: the survivors of a lost node did not go on: see {tmp}")
+                raise RuntimeError(f"{backend}: the survivors of a lost node did not go on: see {tmp}/loss-*.out")
             times.append(took)
         results[backend] = {"loss_to_first_step": times, "ttl": DEFAULT_TTL if backend == "etcd" else None}
         rows.append([f"{backend}: {what}", f"{statistics.median(times):.2f}",
@@ -295,8 +295,9 @@ def main() -> None:
         ratio = statistics.median(one["ratio"])
         print(f"\ngoal on one node, recovery / start-up <= {GOAL:.2f}: {ratio:.2f} ({'met' if ratio <= GOAL else 'not met'})")
     if not (args.tiny or args.no_node_loss):
-        with tempfile.TemporaryDirectory(prefix="mpddp-bench-loss-") as tmp:
-            loss_rows, results["node_loss"] = node_loss_rows(reps, args.limit, Path(tmp))
+        kept = Path(tempfile.mkdtemp(prefix="mpddp-bench-loss-"))  # kept when a run did not recover: its outputs
+        loss_rows, results["node_loss"] = node_loss_rows(reps, args.limit, kept)
+        shutil.rmtree(kept, ignore_errors=True)
         print("\na node's machine lost (--nnodes 2:3, 3 launchers x 1 rank): from the SIGKILL of its every process "
               "to the survivors' first step of the next round\n")
         print(benchlib.table(["job", "loss to first step s", "range"], loss_rows))

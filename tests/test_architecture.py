@@ -349,7 +349,7 @@ def test_an_upward_import_would_be_found(monkeypatch):
 
 def test_above_the_nodes_no_module_names_a_rendezvous_backend():
     """The launcher asks core/nodes/api.py's interface; which backend runs (c10d today) is the nodes' business."""
-    backends = {"mpddp.core.nodes.c10d", "mpddp.core.nodes.c10d_watch", "mpddp.core.nodes.etcd",
+    backends = {"mpddp.core.nodes.c10d", "mpddp.core.nodes.c10d_watch", "mpddp.core.nodes.c10d_keys", "mpddp.core.nodes.etcd",
                 "mpddp.core.nodes.etcd_client"}
     for module, targets in GRAPH.items():
         if module.startswith("mpddp.") and not module.startswith("mpddp.core.nodes.") or module == "mpddp.core.nodes.settle":

@@ -248,3 +248,23 @@ def test_c10d_node_0_lost_ends_the_job_with_a_line_that_names_etcd(tmp_path):
             run.assert_nothing_left()
     finally:
         _end(runs)
+
+
+def test_c10d_a_second_launcher_with_a_taken_node_rank_is_refused_in_one_line(tmp_path):
+    runs = _c10d_nodes(tmp_path, 2, 80)
+    try:
+        runs[0].wait_for(r"STEP 5 ", timeout=90)
+        port = int(runs[0].proc.args[runs[0].proc.args.index("--master-port") + 1])  # type: ignore[union-attr]
+        where = tmp_path / "twin"
+        where.mkdir()
+        twin = Run(["-m", "mpddp", "run", "--nnodes", "2:3", "--node-rank", "1", "--nprocs", "1", "--master-addr",
+                    "127.0.0.1", "--master-port", str(port), "--timeout", "20", str(tmp_path / "job.py")], where,
+                   env={"CKPT": str(tmp_path / "ckpt"), "STEPS": "80"})
+        runs.append(twin)
+        assert twin.finish(60) == 2, twin.stderr
+        assert twin.stderr.startswith("mpddp: error: --node-rank 1 is taken: the launcher "), twin.stderr
+        assert len(twin.stderr.strip().splitlines()) == 1 and "STEP" not in twin.stdout
+        assert [run.finish(120) for run in runs[:2]] == [0, 0]  # the job itself goes on, unchanged
+        assert all("DONE world=2 restart=0" in run.stdout for run in runs[:2])
+    finally:
+        _end(runs)

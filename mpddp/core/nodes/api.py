@@ -27,7 +27,8 @@ The interface, by what it is for:
   whose ranks returned (:meth:`~Rendezvous.returned`), which nodes never
   arrived (:meth:`~Rendezvous.never_arrived`), and what to say when the backend
   itself is gone (:meth:`~Rendezvous.gone_error`);
-* :meth:`~Rendezvous.leave` the job.
+* :meth:`~Rendezvous.pause` until the round's keys change (etcd: a watch), and
+  :meth:`~Rendezvous.leave` the job.
 """
 
 from __future__ import annotations
@@ -123,6 +124,7 @@ class Rendezvous(Protocol):
     def returned(self, attempt: int) -> dict[int, float]: ...
     def never_arrived(self, attempt: int) -> RendezvousError | None: ...
     def gone_error(self, local: WorkerFailed) -> RendezvousError: ...
+    def pause(self, attempt: int) -> None: ...  # until the round's keys change, or a moment (POLL and more)
     def leave(self) -> None: ...
 
 

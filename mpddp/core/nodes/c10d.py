@@ -10,7 +10,6 @@ launcher whose beat (core/nodes/c10d_watch.py) stood still while the others beat
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import socket
 import threading
@@ -33,8 +32,6 @@ from .api import POLL, STALLED_AFTER, RendezvousGone, Round, names, stopped_reco
 if TYPE_CHECKING:
     from .c10d_watch import C10dRoundWatch
 
-_ARRIVALS, _MEMBERS = "arrivals", "members"  # an elastic job's round (core/nodes/membership.py)
-_ROUND = "mpddp/job/round"  # the round an elastic job is in now, for a launcher that comes late
 _LIVE_BEATS = 12  # ... by at least this many beats (3 s of them): a starved launcher beats again before that
 _LEAVE_WAIT = 10.0  # seconds node 0 keeps the store for the other launchers to read the last round
 
@@ -114,14 +111,17 @@ class C10dRendezvous:
 
     def _join_elastic(self, attempt: int) -> Round:
         launched = self.launched
-        keys = _C10dKeys(self)
+        from .c10d_keys import C10dKeys
+
+        keys = C10dKeys(self)
         try:
             here, members = membership.join_round(
                 keys, keys.latest() if attempt == 0 else attempt, self.me, low=launched.min_nnodes,
                 high=launched.nnodes, node_rank=launched.node_rank, last_call=launched.rdzv_settings().last_call_timeout,
                 timeout=launched.timeout, previous=max(self.rounds.values(), key=lambda r: r.number, default=None),
                 start_them=f"start the missing launchers with --nnodes {launched.min_nnodes}:{launched.nnodes} "
-                           f"--master-addr {launched.master_addr} --master-port {self.port} --node-rank N")
+                           f"--master-addr {launched.master_addr} --master-port {self.port} --node-rank N",
+                zero_is_a_claim=True)
         except RendezvousGone:
             raise StoreLost(f"node 0's store at {launched.master_addr}:{self.port} is gone, so round {attempt} cannot "
                             "start: node 0's launcher was killed, or its machine lost") from None
@@ -329,6 +329,9 @@ class C10dRendezvous:
                            "all returned", attempt, me)
             return None
 
+    def pause(self, attempt: int) -> None:
+        time.sleep(POLL)  # a store has no watch: look again soon
+
     def leave(self) -> None:
         """Done with the store. Node 0 keeps it until every other launcher has left too (or a short while),
         but for the launchers that any node found lost: they will not come to leave."""
@@ -347,53 +350,3 @@ class C10dRendezvous:
                 time.sleep(POLL)
         except RendezvousGone:
             pass
-
-
-class _C10dKeys:
-    """core/nodes/membership.py's keys in node 0's store: arrivals numbered by a counter (a store lists no keys)."""
-
-    def __init__(self, link: C10dRendezvous) -> None:
-        self.link = link
-
-    def arrive(self, attempt: int, me: str, arrival: str) -> None:
-        def put(s: Any) -> None:
-            number = s.add(full_key(attempt, _ARRIVALS), 1)
-            s.set(full_key(attempt, f"{_ARRIVALS}/{number}"), json.dumps([me, arrival]))
-
-        self.link.call(put)
-
-    def arrivals(self, attempt: int) -> dict[str, str]:
-        def read(s: Any) -> dict[str, str]:
-            count = s.add(full_key(attempt, _ARRIVALS), 0)
-            pairs = [json.loads(s.get(full_key(attempt, f"{_ARRIVALS}/{n}"))) for n in range(1, count + 1)]
-            return {me: arrival for me, arrival in pairs}
-
-        return dict(self.link.call(read))
-
-    def decided(self, attempt: int) -> str | None:
-        key = full_key(attempt, _MEMBERS)
-        found = self.link.call(lambda s: s.get(key) if s.check([key]) else None)
-        return found.decode() if found is not None else None
-
-    def decide(self, attempt: int, members: str) -> bool:
-        key = full_key(attempt, _MEMBERS)
-        won = self.link.call(lambda s: s.compare_set(key, "", members)).decode() == members
-        if won:
-            self.link.call(lambda s: s.set(_ROUND, str(attempt)))
-        return won
-
-    def latest(self) -> int:
-        found = self.link.call(lambda s: s.get(_ROUND) if s.check([_ROUND]) else None)
-        return int(found) if found else 0
-
-    def admit(self, attempt: int, record: FailureRecord) -> None:
-        self.link.call(lambda s: s.compare_set(full_key(attempt, protocol.FAILURE), "", record.encode()))
-
-    def record(self, attempt: int) -> FailureRecord | None:
-        return self.link.record(attempt)
-
-    def over(self, attempt: int, members: list[str]) -> bool:
-        return bool(self.link.call(lambda s: s.add(protocol.LEFT, 0)) >= len(members))
-
-    def alive(self, attempt: int, members: list[str]) -> bool:
-        return True  # a member lost is named in the round's record by the others: the wait ends there

@@ -31,10 +31,11 @@ from ...errors import AddressError, RendezvousError, WorkerFailed
 from ...log import logger
 from ..wire.protocol import FailureRecord
 from . import membership
-from .api import INTERVAL, POLL, RendezvousGone, Round, stopped_record
+from .api import INTERVAL, RendezvousGone, Round, stopped_record
 from .etcd_client import EtcdClient, KeptLease
 
 _FIRST_CONTACT = 5.0  # seconds the first contact with etcd may take, at most
+_PAUSE = 0.5  # seconds a wait for the round's keys watches them before it looks again (a change it missed)
 
 
 class EtcdRendezvous:
@@ -137,7 +138,7 @@ class EtcdRendezvous:
             if time.monotonic() > deadline or 0 in self.stalled(attempt, {}):
                 raise RendezvousError(f"round {attempt}'s first node did not publish its store within --timeout "
                                       f"{self.config.timeout:g} s: its launcher is gone or stopped")
-            time.sleep(POLL)
+            self.pause(attempt)
         host, _, port = found.decode().rpartition(":")
         return host, int(port)
 
@@ -166,7 +167,7 @@ class EtcdRendezvous:
                     return record
                 if not set(pending) - set(self.stalled(attempt, {})):
                     return None
-                time.sleep(POLL * 2)
+                self.pause(attempt)
         except RendezvousGone:
             logger.warning("mpddp: etcd went away before every node ended round %d; node %d's ranks had all "
                            "returned", attempt, me)
@@ -236,6 +237,15 @@ class EtcdRendezvous:
         return RendezvousError(f"etcd at {self.client.endpoints} does not answer, so this node cannot learn what "
                                f"the others saw; the failures below are what this node saw\n{local}")
 
+    def pause(self, attempt: int) -> None:
+        """Until a key of the round changes (a watch: no poll), or :data:`_PAUSE` seconds."""
+        from etcd3gw import exceptions
+
+        try:
+            self.client.call(lambda c: c.watch_prefix_once(self._key(attempt, ""), timeout=_PAUSE), timeout=_PAUSE)
+        except exceptions.WatchTimedOut:
+            pass
+
     def leave(self) -> None:
         """Done with the job: this launcher's lease goes, and the last launcher to leave removes the job's keys."""
         if not self.reached:
@@ -295,6 +305,9 @@ class _EtcdKeys:
 
     def alive(self, attempt: int, members: list[str]) -> bool:
         return bool(set(members) & set(self.arrivals(attempt)))
+
+    def pause(self, attempt: int) -> None:
+        self.link.pause(attempt)
 
 
 class EtcdRoundWatch:

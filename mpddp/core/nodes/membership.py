@@ -16,10 +16,10 @@ import socket
 import time
 from typing import Protocol
 
-from ...errors import RendezvousError
+from ...errors import ConfigError, RendezvousError
 from ...log import logger
 from ..wire.protocol import FailureRecord
-from .api import POLL, NotNeeded, Round, resized_record
+from .api import NotNeeded, Round, resized_record
 
 
 class Keys(Protocol):
@@ -34,15 +34,20 @@ class Keys(Protocol):
     def record(self, attempt: int) -> FailureRecord | None: ...
     def over(self, attempt: int, members: list[str]) -> bool: ...  # the job ended well without this launcher
     def alive(self, attempt: int, members: list[str]) -> bool: ...  # a member of the round is still there
+    def pause(self, attempt: int) -> None: ...  # until the round's keys change, or a moment
 
 
 def join_round(keys: Keys, attempt: int, me: str, *, low: int, high: int, node_rank: int, last_call: float,
-               timeout: float, previous: Round | None, start_them: str) -> tuple[Round, list[str]]:
+               timeout: float, previous: Round | None, start_them: str,
+               zero_is_a_claim: bool = False) -> tuple[Round, list[str]]:
     """This launcher's round from ``attempt`` on (later, if it comes to a job that runs without it) and the
-    round's launchers by node rank. ``start_them`` ends the line that names missing nodes: how to start them."""
+    round's launchers by node rank. ``start_them`` ends the line that names missing nodes: how to start them.
+    ``zero_is_a_claim``: --node-rank 0 is given, not the default (c10d: node 0 hosts the store)."""
     while True:
         arrival = {"old": previous.node_rank if previous is not None and previous.number == attempt - 1 else None,
                    "rank": node_rank, "since": time.time(), "host": socket.gethostname()}
+        if previous is None and (node_rank or zero_is_a_claim):  # before arriving: a refused one is never counted
+            _check_claim(keys.arrivals(attempt), node_rank, arrival["host"])
         keys.arrive(attempt, me, json.dumps(arrival))
         members = _members(keys, attempt, low, high, last_call, timeout, start_them)
         if me in members:
@@ -52,6 +57,15 @@ def join_round(keys: Keys, attempt: int, me: str, *, low: int, high: int, node_r
     before = json.loads(keys.decided(attempt - 1) or "[]") if attempt else []
     old = tuple(before.index(m) if m in before else None for m in members)
     return Round(attempt, len(members), members.index(me), old), members
+
+
+def _check_claim(arrivals: dict[str, str], node_rank: int, host: object) -> None:
+    """Bad input: another launcher came first to this round with this --node-rank."""
+    for other, text in arrivals.items():
+        theirs = json.loads(text)
+        if theirs.get("rank") == node_rank:
+            raise ConfigError(f"--node-rank {node_rank} is taken: the launcher {other} on {theirs.get('host')} came "
+                              f"first with it; pass another --node-rank on this machine ({host})")
 
 
 def _size(low: int, high: int) -> str:
@@ -75,7 +89,7 @@ def _members(keys: Keys, attempt: int, low: int, high: int, last_call: float, ti
         if time.monotonic() > deadline:
             raise RendezvousError(f"round {attempt}: {len(arrivals)} node(s) joined within --timeout {timeout:g} s, "
                                   f"but --nnodes {_size(low, high)} needs at least {low}: {start_them}")
-        time.sleep(POLL * 2)
+        keys.pause(attempt)
 
 
 def _order(arrival: dict[str, object]) -> tuple[float, float, float]:
@@ -99,4 +113,4 @@ def _wait_outside(keys: Keys, attempt: int, members: list[str], high: int, size:
                             "it was not needed")
         if not keys.alive(attempt, members):
             return
-        time.sleep(POLL * 4)
+        keys.pause(attempt)

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from ... import rank_math
 from ...errors import Outcome, RendezvousError, WorkerFailed
 from ..wire.protocol import FailureRecord
-from .api import POLL, STALLED_AFTER, Rendezvous, RendezvousGone, names
+from .api import STALLED_AFTER, Rendezvous, RendezvousGone, names
 
 _RECORD_WAIT = 10.0  # seconds a node whose ranks only saw a peer vanish waits for the record of the cause, at least
 
@@ -154,7 +154,7 @@ def _wait_for(link: Rendezvous, attempt: int, local: WorkerFailed, outcome: Outc
             return Lost(silent, beat=False)
         if now - start > _RECORD_WAIT and (now - start > link.config.timeout or not link.busy(attempt)):
             return link.publish(attempt, _record_of(local, outcome, link))
-        time.sleep(POLL)
+        link.pause(attempt)
 
 
 def _record_of(error: WorkerFailed, cause: Outcome | None, link: Rendezvous) -> FailureRecord:

@@ -1,0 +1,70 @@
+"""core/nodes/membership.py's keys in node 0's store, for an elastic job on the ``c10d`` backend."""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import TYPE_CHECKING, Any
+
+from ..wire import protocol
+from ..wire.protocol import FailureRecord, full_key
+from .api import POLL
+
+if TYPE_CHECKING:
+    from .c10d import C10dRendezvous
+
+_ARRIVALS, _MEMBERS = "arrivals", "members"  # an elastic job's round
+_ROUND = "mpddp/job/round"  # the round an elastic job is in now, for a launcher that comes late
+
+
+class C10dKeys:
+    """core/nodes/membership.py's keys in node 0's store: arrivals numbered by a counter (a store lists no keys)."""
+
+    def __init__(self, link: C10dRendezvous) -> None:
+        self.link = link
+
+    def arrive(self, attempt: int, me: str, arrival: str) -> None:
+        def put(s: Any) -> None:
+            number = s.add(full_key(attempt, _ARRIVALS), 1)
+            s.set(full_key(attempt, f"{_ARRIVALS}/{number}"), json.dumps([me, arrival]))
+
+        self.link.call(put)
+
+    def arrivals(self, attempt: int) -> dict[str, str]:
+        def read(s: Any) -> dict[str, str]:
+            count = s.add(full_key(attempt, _ARRIVALS), 0)
+            pairs = [json.loads(s.get(full_key(attempt, f"{_ARRIVALS}/{n}"))) for n in range(1, count + 1)]
+            return {me: arrival for me, arrival in pairs}
+
+        return dict(self.link.call(read))
+
+    def decided(self, attempt: int) -> str | None:
+        key = full_key(attempt, _MEMBERS)
+        found = self.link.call(lambda s: s.get(key) if s.check([key]) else None)
+        return found.decode() if found is not None else None
+
+    def decide(self, attempt: int, members: str) -> bool:
+        key = full_key(attempt, _MEMBERS)
+        won = self.link.call(lambda s: s.compare_set(key, "", members)).decode() == members
+        if won:
+            self.link.call(lambda s: s.set(_ROUND, str(attempt)))
+        return won
+
+    def latest(self) -> int:
+        found = self.link.call(lambda s: s.get(_ROUND) if s.check([_ROUND]) else None)
+        return int(found) if found else 0
+
+    def admit(self, attempt: int, record: FailureRecord) -> None:
+        self.link.call(lambda s: s.compare_set(full_key(attempt, protocol.FAILURE), "", record.encode()))
+
+    def record(self, attempt: int) -> FailureRecord | None:
+        return self.link.record(attempt)
+
+    def over(self, attempt: int, members: list[str]) -> bool:
+        return bool(self.link.call(lambda s: s.add(protocol.LEFT, 0)) >= len(members))
+
+    def alive(self, attempt: int, members: list[str]) -> bool:
+        return True  # a member lost is named in the round's record by the others: the wait ends there
+
+    def pause(self, attempt: int) -> None:
+        time.sleep(POLL * 2)
