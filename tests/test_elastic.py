@@ -262,8 +262,10 @@ def test_c10d_a_second_launcher_with_a_taken_node_rank_is_refused_in_one_line(tm
                    env={"CKPT": str(tmp_path / "ckpt"), "STEPS": "80"})
         runs.append(twin)
         assert twin.finish(60) == 2, twin.stderr
-        assert twin.stderr.startswith("mpddp: error: --node-rank 1 is taken: the launcher "), twin.stderr
-        assert len(twin.stderr.strip().splitlines()) == 1 and "STEP" not in twin.stdout
+        # mpddp's one line; on a loaded machine torch's store client may print its own retries before it
+        said = [line for line in twin.stderr.splitlines() if line.startswith("mpddp:")]
+        assert len(said) == 1 and said[0].startswith("mpddp: error: --node-rank 1 is taken: the launcher "), said
+        assert "Traceback" not in twin.stderr and "STEP" not in twin.stdout
         assert [run.finish(120) for run in runs[:2]] == [0, 0]  # the job itself goes on, unchanged
         assert all("DONE world=2 restart=0" in run.stdout for run in runs[:2])
     finally:
