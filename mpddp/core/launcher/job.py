@@ -1,15 +1,11 @@
 """One job from start to end: its store, its rounds, and the restart loop.
 
-Owns: what lives for the whole job and is built once (:class:`Job`: the
-config, the plan, the start method's context, ``fn`` shipped by value, and
-on node 0 the store server on the one port every node finds for the
-whole job), the attempts (each a round that every node joins before its
-ranks start, core/nodes/api.py) and what a failed attempt becomes: a restart
-while ``max_restarts`` allows, else the report. On a single node a store server
-that was lost is replaced by a fresh one for the next attempt; on several
-nodes the others could not find a new one, so the job ends there. Leaves
-one attempt (start, watch, stop, report) to core/launcher/attempt.py, the store server's
-process to core/nodes/store_server.py and the words of a report to core/launcher/report.py.
+Owns: what lives for the whole job and is built once (:class:`Job`: the config, the plan, the start method's
+context, ``fn`` shipped by value, the rendezvous), the store server (c10d: node 0's, on the one port every node
+finds, for the whole job; etcd: each round's, on the round's first node), the rounds (who is in each, the
+plan of this node's ranks in it) and what a failed round becomes: a restart while ``max_restarts`` allows (one
+that admits a node is free), else the report. A store server lost is replaced for the next round on one node
+and under etcd; under c10d on several nodes the others could not find a new one, so the job ends there.
 """
 
 from __future__ import annotations

@@ -31,10 +31,11 @@ class C10dKeys:
         self.link.call(put)
 
     def arrivals(self, attempt: int) -> dict[str, str]:
-        def read(s: Any) -> dict[str, str]:
+        def read(s: Any) -> dict[str, str]:  # two operations, however many came (torch 2.1, 2.2: one a key)
             count = s.add(full_key(attempt, _ARRIVALS), 0)
-            pairs = [json.loads(s.get(full_key(attempt, f"{_ARRIVALS}/{n}"))) for n in range(1, count + 1)]
-            return {me: arrival for me, arrival in pairs}
+            keys = [full_key(attempt, f"{_ARRIVALS}/{n}") for n in range(1, count + 1)]
+            values = (s.multi_get(keys) if hasattr(s, "multi_get") else [s.get(k) for k in keys]) if keys else []
+            return dict(json.loads(value) for value in values)
 
         return dict(self.link.call(read))
 

@@ -80,7 +80,7 @@ class EtcdRendezvous:
     def _lease_object(self) -> Any:
         from etcd3gw.lease import Lease
 
-        if self._lease is None:
+        if self._lease is None or self._lease.lost:  # lost: etcd took this launcher for gone (a starved machine)
             self._lease = KeptLease(self.client, self.ttl)
         return Lease(self._lease.id, client=None)  # type: ignore[arg-type]  # put() reads only its id
 
