@@ -270,3 +270,25 @@ def test_c10d_a_second_launcher_with_a_taken_node_rank_is_refused_in_one_line(tm
         assert all("DONE world=2 restart=0" in run.stdout for run in runs[:2])
     finally:
         _end(runs)
+
+
+def test_a_lease_that_ran_out_under_a_starved_launcher_is_taken_again(etcd_cluster):
+    """etcd deletes a launcher's keys when its lease runs out (here: revoked under it); its next arrival must
+    not be refused for the dead lease, it takes a new one (and its old keys stay gone: that is the loss)."""
+    from etcd3gw.lease import Lease
+
+    from mpddp.config import LaunchConfig
+    from mpddp.core.nodes.etcd import EtcdRendezvous
+
+    config = LaunchConfig(nnodes=2, rdzv_backend="etcd", rdzv_endpoint=etcd_cluster.endpoints, rdzv_id="starved")
+    link = EtcdRendezvous(config, 0, 1)
+    try:
+        link._put(link._key(0, "join", "a"), "1", leased=True)
+        first = link._lease.id  # type: ignore[union-attr]
+        link.client.call(lambda c: Lease(first, client=c).revoke())
+        assert link._get(link._key(0, "join", "a")) is None
+        link._put(link._key(1, "join", "a"), "1", leased=True)
+        assert link._lease.id != first and link._get(link._key(1, "join", "a")) == b"1"  # type: ignore[union-attr]
+    finally:
+        link.leave()
+        link.client.call(lambda c: c.delete_prefix(link.prefix))

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import json
 import os
 import socket
 import threading
@@ -35,6 +36,7 @@ from .api import INTERVAL, RendezvousGone, Round, stopped_record
 from .etcd_client import EtcdClient, KeptLease
 
 _FIRST_CONTACT = 5.0  # seconds the first contact with etcd may take, at most
+_NOT_FOUND = 5  # the gRPC status of a put with a lease that is gone
 _PAUSE = 0.5  # seconds a wait for the round's keys watches them before it looks again (a change it missed)
 
 
@@ -66,8 +68,18 @@ class EtcdRendezvous:
         return self.prefix + f"r/{attempt}/" + "/".join(map(str, parts))
 
     def _put(self, key: str, value: str | bytes, leased: bool = False) -> None:
+        from etcd3gw import exceptions
+
         lease = self._lease_object() if leased else None
-        self.client.call(lambda c: c.put(key, value, lease=lease))
+        try:
+            self.client.call(lambda c: c.put(key, value, lease=lease))
+        except exceptions.Etcd3Exception as e:
+            if not (leased and _grpc_code(e) == _NOT_FOUND):
+                raise
+            assert self._lease is not None  # the lease ran out before its thread saw it (a starved machine)
+            self._lease.lost = True
+            lease = self._lease_object()
+            self.client.call(lambda c: c.put(key, value, lease=lease))
 
     def _get(self, key: str) -> bytes | None:
         found = self.client.call(lambda c: c.get(key))
@@ -260,6 +272,15 @@ class EtcdRendezvous:
             pass
         if self._lease is not None:
             self._lease.revoke()
+
+
+def _grpc_code(error: Exception) -> int | None:
+    """The gRPC status code in the gateway's answer to a refused request (5: NOT_FOUND, e.g. a lease gone)."""
+    try:
+        code = json.loads(getattr(error, "detail_text", None) or "{}").get("code")
+    except (ValueError, AttributeError):
+        return None
+    return code if isinstance(code, int) else None
 
 
 def _create(client: Any, key: str, value: str | bytes) -> bool:

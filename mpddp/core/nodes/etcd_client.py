@@ -83,11 +83,15 @@ class KeptLease:
         self._thread.start()
 
     def _keep(self) -> None:
+        from etcd3gw import exceptions
+
         while not self._stop.wait(self.ttl / 3):
             try:
                 left = self.client.call(self._refresh, timeout=self.ttl)
             except RendezvousGone:
                 continue  # no member answers now; the next try may reach one
+            except exceptions.Etcd3Exception:  # refused: the lease is gone
+                left = -1
             if left <= 0:
                 self.lost = True
                 return
