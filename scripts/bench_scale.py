@@ -188,8 +188,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--nodes", default="8,64,256,1024")
     parser.add_argument("--backends", default="c10d,etcd")
+    parser.add_argument("--tiny", action="store_true", help="8 nodes on c10d (the suite's smoke run)")
     parser.add_argument("--json")
     args = parser.parse_args()
+    if args.tiny:
+        args.nodes, args.backends = "8", "c10d"
     import resource
 
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)

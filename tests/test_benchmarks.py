@@ -204,3 +204,11 @@ def test_bench_interrupt(tmp_path):
     (delay,) = data["delays"].values()
     assert data["import_s"] > 0 and delay["codes"] == [130] and delay["left"] == []
     assert delay["median"] > 0 and "Ctrl-C during `mpddp train --nprocs 2` start-up" in stdout
+
+
+def test_bench_scale(tmp_path):
+    stdout, data = tiny("bench_scale.py", tmp_path)
+    (row,) = data["results"]
+    assert (row["backend"], row["nodes"]) == ("c10d", 8) and "failure known s" in stdout
+    assert json.loads(stdout.strip().splitlines()[-1])["results"] == data["results"]  # the last line, for a check
+    assert row["ops_per_s"] > 0 and 0 < row["failure_known_s"] < 60 and row["next_round_s"] > 0
