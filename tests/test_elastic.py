@@ -93,6 +93,14 @@ def _lose(run: Run) -> None:
     run.proc.wait(10)
 
 
+def _lose_at(runs: list[Run], step: int, victim: Run, watched: Run) -> None:
+    """Once ``watched`` printed ``step``: every run's tree listed (for the leftover check), ``victim`` lost."""
+    watched.wait_for(rf"STEP {step} ", timeout=90)
+    for run in runs:
+        run.list_tree()
+    _lose(victim)
+
+
 def _end(runs: list[Run]) -> None:
     for run in runs:
         run.kill()
@@ -216,10 +224,7 @@ def test_c10d_a_lost_node_other_than_0_is_survived_and_a_newcomer_admitted(tmp_p
     arrives and the job grows back to 3 (a free restart), and every node ends at 0."""
     runs = _c10d_nodes(tmp_path, 3, 150, ["--max-restarts", "1"])
     try:
-        runs[0].wait_for(r"STEP 15 ", timeout=90)
-        for run in runs:
-            run.list_tree()
-        _lose(runs[1])
+        _lose_at(runs, 15, victim=runs[1], watched=runs[0])
         runs[0].wait_for(r"RESUMED step=\d+ world=2 restart=1", timeout=90)
         port = int(runs[0].proc.args[runs[0].proc.args.index("--master-port") + 1])  # type: ignore[union-attr]
         runs.append(_c10d_node(tmp_path, 3, port, 150))
@@ -236,10 +241,7 @@ def test_c10d_a_lost_node_other_than_0_is_survived_and_a_newcomer_admitted(tmp_p
 def test_c10d_node_0_lost_ends_the_job_with_a_line_that_names_etcd(tmp_path):
     runs = _c10d_nodes(tmp_path, 3, 150, ["--max-restarts", "1"])
     try:
-        runs[1].wait_for(r"STEP 15 ", timeout=90)
-        for run in runs:
-            run.list_tree()
-        _lose(runs[0])
+        _lose_at(runs, 15, victim=runs[0], watched=runs[1])
         assert [run.finish(120) for run in runs[1:]] == [1, 1]
         for run in runs[1:]:
             assert "node 0, which hosts the rendezvous at 127.0.0.1:" in run.stderr, run.stderr

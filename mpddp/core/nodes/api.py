@@ -34,6 +34,7 @@ The interface, by what it is for:
 from __future__ import annotations
 
 import signal
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -93,6 +94,30 @@ class RoundWatch(Protocol):
     def progressed(self) -> None: ...
     def others_calls(self) -> list[bytes]: ...
     def stop(self) -> None: ...
+
+
+class BeatThread:
+    """What every backend's round watch shares: the two values the attempt reads, the flag the watchdog sets,
+    and the daemon thread that runs the backend's ``_run`` until :meth:`stop`."""
+
+    def __init__(self, attempt: int, share: Callable[[], bytes | None] | None) -> None:
+        self.attempt = attempt
+        self.share = share  # this node's ranks' collectives when they moved (core/launcher/board.py's snapshot)
+        self.remote_progress = 0  # the other nodes' progress, as last read
+        self.remote_failure: FailureRecord | None = None  # the round's first failure, once another node wrote it
+        self._progress = threading.Event()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="mpddp-round-watch", daemon=True)
+
+    def progressed(self) -> None:
+        self._progress.set()
+
+    def _run(self) -> None:
+        raise NotImplementedError
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(1.0)
 
 
 class Rendezvous(Protocol):

@@ -2,19 +2,18 @@
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from ..wire import protocol
 from ..wire.protocol import FailureRecord, full_key
-from .api import INTERVAL, RendezvousGone
+from .api import INTERVAL, BeatThread, RendezvousGone
 
 if TYPE_CHECKING:
     from .c10d import C10dRendezvous
 
 
-class C10dRoundWatch:
+class C10dRoundWatch(BeatThread):
     """One round's heartbeat, from a daemon thread: a beat, progress between nodes, another node's failure.
 
     The watchdog (core/launcher/watchdog.py) calls :meth:`progressed` when a local rank
@@ -25,17 +24,9 @@ class C10dRoundWatch:
     """
 
     def __init__(self, link: C10dRendezvous, attempt: int, share: Callable[[], bytes | None] | None = None) -> None:
-        self.link, self.attempt = link, attempt
-        self.share = share  # this node's ranks' collectives when they moved (core/launcher/board.py's snapshot)
-        self.remote_progress = 0  # the other nodes' progress, as last read
-        self.remote_failure: FailureRecord | None = None
-        self._progress = threading.Event()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="mpddp-round-watch", daemon=True)
+        super().__init__(attempt, share)
+        self.link = link
         self._thread.start()
-
-    def progressed(self) -> None:
-        self._progress.set()
 
     def _run(self) -> None:
         node, attempt = self.link.config.node_rank, self.attempt
@@ -78,7 +69,3 @@ class C10dRoundWatch:
             return self.link.call(read)
         except RendezvousGone:
             return []
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(1.0)

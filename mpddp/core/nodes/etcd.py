@@ -20,7 +20,6 @@ import functools
 import json
 import os
 import socket
-import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -32,7 +31,7 @@ from ...errors import AddressError, RendezvousError, WorkerFailed
 from ...log import logger
 from ..wire.protocol import FailureRecord
 from . import membership
-from .api import INTERVAL, RendezvousGone, Round, stopped_record
+from .api import INTERVAL, BeatThread, RendezvousGone, Round, stopped_record
 from .etcd_client import EtcdClient, KeptLease
 
 _FIRST_CONTACT = 5.0  # seconds the first contact with etcd may take, at most
@@ -331,22 +330,15 @@ class _EtcdKeys:
         self.link.pause(attempt)
 
 
-class EtcdRoundWatch:
+class EtcdRoundWatch(BeatThread):
     """One round's beat on etcd: this node's progress put when it moved, and the round's keys read in one
     request, for the others' progress and the round's first failure (core/nodes/c10d.py's has the rules)."""
 
     def __init__(self, link: EtcdRendezvous, attempt: int, share: Callable[[], bytes | None] | None = None) -> None:
-        self.link, self.attempt, self.share = link, attempt, share
-        self.remote_progress = 0
-        self.remote_failure: FailureRecord | None = None
+        super().__init__(attempt, share)
+        self.link = link
         self._calls: dict[int, bytes] = {}
-        self._progress = threading.Event()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="mpddp-round-watch", daemon=True)
         self._thread.start()
-
-    def progressed(self) -> None:
-        self._progress.set()
 
     def _run(self) -> None:
         link, node = self.link, self.link.config.node_rank
@@ -371,7 +363,3 @@ class EtcdRoundWatch:
 
     def others_calls(self) -> list[bytes]:
         return list(self._calls.values())
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(1.0)
