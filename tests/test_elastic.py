@@ -276,6 +276,9 @@ def test_c10d_a_second_launcher_with_a_taken_node_rank_is_refused_in_one_line(tm
         for run in runs[:2]:  # the twin has exited
             run.list_tree()
         _end(runs)  # killed: how the job would end is not the point here
+        deadline = time.monotonic() + 5  # zombies count: a killed parent's children are reaped a moment later
+        while any(alive_or_zombie(run.pids) for run in runs) and time.monotonic() < deadline:
+            time.sleep(0.05)
         assert not any(alive_or_zombie(run.pids) for run in runs)
     finally:
         _end(runs)
