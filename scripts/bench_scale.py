@@ -9,6 +9,7 @@ nothing trains. The store is the real thing, in a process of its own: torch's TC
 
 Per backend and size it prints:
 
+  connect_s           every node's client connected (c10d: a TCPStore client; etcd: a first request)
   join_s              all nodes in the round, from their first arrival to the last one's member list
   ops_per_node_per_s  store operations a node makes in steady state (its beat), and ops_per_s in all
   failure_*           the same while the nodes learn of a failure, and failure_known_s: from the record
@@ -136,6 +137,10 @@ def one_size(backend: str, nodes: int, where: str, store_procs: list[psutil.Proc
     counter = [0]
     links = _links(backend, nodes, where, counter)
     started = time.monotonic()
+    _parallel([(lambda link=link: link.call(lambda s: None)) if backend == "c10d" else link._first_contact
+               for link in links])
+    connect_s = time.monotonic() - started
+    started = time.monotonic()
     _parallel([lambda link=link: link.join(0) for link in links])
     join_s = time.monotonic() - started
     watches = [link.watch(0) for link in links]
@@ -170,7 +175,7 @@ def one_size(backend: str, nodes: int, where: str, store_procs: list[psutil.Proc
     for link in links:
         if backend == "etcd":
             link.leave()
-    return {"backend": backend, "nodes": nodes, "join_s": round(join_s, 3),
+    return {"backend": backend, "nodes": nodes, "connect_s": round(connect_s, 3), "join_s": round(join_s, 3),
             "ops_per_node_per_s": round(steady_ops / steady_s / nodes, 2), "ops_per_s": round(steady_ops / steady_s),
             "failure_ops_per_node_per_s": round(failure_ops / failure_s / nodes, 2),
             "failure_known_s": round(known_s, 3), "beat_s": api.INTERVAL, "next_round_s": round(next_s, 3),
@@ -221,9 +226,9 @@ def main() -> None:
                     server.kill()
                     server.wait()
             print(json.dumps(results[-1]), file=sys.stderr, flush=True)
-    header = ["backend", "nodes", "join s", "ops/node/s", "ops/s", "failure ops/node/s", "failure known s",
+    header = ["backend", "nodes", "connect s", "join s", "ops/node/s", "ops/s", "failure ops/node/s", "failure known s",
               "next round s", "store CPU/s"]
-    rows = [[r["backend"], r["nodes"], r["join_s"], r["ops_per_node_per_s"], r["ops_per_s"],
+    rows = [[r["backend"], r["nodes"], r["connect_s"], r["join_s"], r["ops_per_node_per_s"], r["ops_per_s"],
              r["failure_ops_per_node_per_s"], r["failure_known_s"], r["next_round_s"], r["store_cpu_per_s"]]
             for r in results]
     print(f"\n{benchlib.machine()}; beat every {api.INTERVAL} s\n")

@@ -274,30 +274,67 @@ def test_a_launcher_stopped_by_ctrl_c_is_named_by_the_other_node(cluster: Cluste
 
 
 class _Beats:
-    """A store with only the keys the beat check reads: every node's beat counter, and who ended."""
+    """A store in one dict, with TCPStore's semantics for the operations the launchers use: every node's beat
+    counter, and who ended (as ``end_round`` marks it: its key, and the counters of the nodes done)."""
 
     def __init__(self, beats: dict[int, int], ended: set[int] = frozenset()) -> None:
         from mpddp.core.wire import protocol
 
-        self.values = {protocol.full_key(0, protocol.heartbeat_key(n)): b for n, b in beats.items()}
-        self.values |= {protocol.full_key(0, protocol.ended_key(n)): 1 for n in ended}
+        self.values: dict[str, object] = {protocol.full_key(0, protocol.heartbeat_key(n)): b for n, b in beats.items()}
+        for n in ended:
+            _mark_ended(self, n)
 
     def add(self, key: str, amount: int) -> int:
-        self.values[key] = self.values.get(key, 0) + amount
-        return self.values[key]
+        self.values[key] = int(self.values.get(key, 0)) + amount  # type: ignore[call-overload]
+        return int(self.values[key])  # type: ignore[call-overload]
 
     def check(self, keys: list[str]) -> bool:
         return all(k in self.values for k in keys)
 
     def set(self, key: str, value: str | bytes) -> None:
-        self.values[key] = value
+        self.values[key] = value.encode() if isinstance(value, str) else value
 
-    def get(self, key: str) -> object:
-        return self.values[key]
+    def get(self, key: str) -> bytes:
+        value = self.values[key]
+        return value if isinstance(value, bytes) else str(value).encode()
 
-    def compare_set(self, key: str, expected: str, desired: bytes) -> object:  # TCPStore's, for a new key
-        self.values.setdefault(key, desired)
-        return self.values[key]
+    def multi_get(self, keys: list[str]) -> list[bytes]:
+        return [self.get(k) for k in keys]
+
+    def compare_set(self, key: str, expected: str, desired: str | bytes) -> bytes:
+        """TCPStore's: a key that is not there is set only when ``expected`` is empty, else ``expected`` comes back."""
+        if key not in self.values:
+            if expected:
+                return expected.encode()
+            self.set(key, desired)
+        elif self.get(key) == (expected.encode() if isinstance(expected, str) else expected):
+            self.set(key, desired)
+        return self.get(key)
+
+
+def _mark_ended(beats: _Beats, node: int) -> None:
+    """What node ``node``'s end_round leaves in the store."""
+    from mpddp.core.wire import protocol
+
+    beats.set(protocol.full_key(0, protocol.ended_key(node)), "1")
+    for key, counter in ((protocol.quiet_key, protocol.QUIET), (protocol.done_key, protocol.DONE)):
+        if not beats.check([protocol.full_key(0, key(node))]):
+            beats.set(protocol.full_key(0, key(node)), "1")
+            beats.add(protocol.full_key(0, counter), 1)
+
+
+def _mark_returned(beats: _Beats, node: int) -> None:
+    """What node ``node``'s finish leaves in the store when its ranks all returned."""
+    import json
+
+    from mpddp.core.wire import protocol
+
+    number = beats.add(protocol.full_key(0, protocol.RETURNED), 1)
+    beats.set(protocol.full_key(0, protocol.returned_entry(number)), json.dumps([node, time.time()]))
+    for key, counter in ((protocol.quiet_key, protocol.QUIET), (protocol.done_key, protocol.DONE)):
+        if not beats.check([protocol.full_key(0, key(node))]):
+            beats.set(protocol.full_key(0, key(node)), "1")
+            beats.add(protocol.full_key(0, counter), 1)
 
 
 def _link(node: int, beats: _Beats, timeout: float = 180.0) -> object:
@@ -352,10 +389,8 @@ def test_a_node_that_never_beat_is_silent(now, ended, silent) -> None:
 def test_a_node_that_never_beat_is_named_gone_once_its_peers_waited_the_timeout() -> None:
     import mpddp
     from mpddp.core.nodes import settle
-    from mpddp.core.wire import protocol
 
-    link = _link(0, _Beats({0: 12, 1: 0, 2: 12}), timeout=1.0)  # node 2 ended its round, node 1 never beat
-    link._store.set(protocol.full_key(0, protocol.ended_key(2)), "1")
+    link = _link(0, _Beats({0: 12, 1: 0, 2: 12}, ended={2}), timeout=1.0)  # node 2 ended, node 1 never beat
     victim = mpddp.WorkerFailed("mpddp: rank 0 failed in all_reduce: Connection closed by peer", rank=0)
     started = time.monotonic()
     said = settle.settle(link, 0, victim, mpddp.Outcome.COLLECTIVE, None, lambda record: None, lambda: None)
@@ -466,11 +501,9 @@ def test_a_node_whose_ranks_returned_while_ours_waited_is_named_at_once() -> Non
     break: node 0 names node 2's first rank as the cause, in the line node 0 words, for every node."""
     import mpddp
     from mpddp.core.nodes import settle
-    from mpddp.core.wire import protocol
 
     beats = _Beats({0: 12, 1: 12, 2: 12})
-    beats.set(protocol.full_key(0, protocol.returned_key(2)), repr(time.time()))
-    beats.add(protocol.full_key(0, protocol.RETURNED), 1)
+    _mark_returned(beats, 2)
     link = _link(0, beats, timeout=30.0)
     victim = mpddp.WorkerFailed("mpddp: rank 0 failed in all_reduce: Connection closed by peer", rank=0)
     started = time.monotonic()
@@ -496,9 +529,9 @@ def test_a_node_whose_ranks_returned_waits_for_the_others_to_end_the_round(then:
     cause = FailureRecord(rank=2, node_rank=2, local_rank=0, outcome=mpddp.Outcome.RAISED, exit_code=3,
                           line="mpddp: rank 2 (node 2, local rank 0) failed first", wall_time=time.time())
     late = threading.Timer(1.0, {
-        "returned": lambda: beats.set(protocol.full_key(0, protocol.returned_key(2)), repr(time.time())),
-        "ended": lambda: beats.set(protocol.full_key(0, protocol.ended_key(2)), "1"),
-        "failed": lambda: (other.publish(0, cause), beats.set(protocol.full_key(0, protocol.ended_key(2)), "1")),
+        "returned": lambda: _mark_returned(beats, 2),
+        "ended": lambda: _mark_ended(beats, 2),
+        "failed": lambda: (other.publish(0, cause), _mark_ended(beats, 2)),
     }[then])
     late.start()
     started = time.monotonic()
@@ -508,4 +541,4 @@ def test_a_node_whose_ranks_returned_waits_for_the_others_to_end_the_round(then:
         late.join()
     assert 1.0 <= time.monotonic() - started < 3.0
     assert found == (replace(cause, writer=2) if then == "failed" else None)
-    assert beats.values[protocol.full_key(0, protocol.RETURNED)] == 1
+    assert beats.values[protocol.full_key(0, protocol.RETURNED)] == 1 + (then == "returned")

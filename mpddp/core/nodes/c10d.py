@@ -10,6 +10,7 @@ launcher whose beat (core/nodes/c10d_watch.py) stood still while the others beat
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import socket
 import threading
@@ -32,8 +33,17 @@ from .api import POLL, STALLED_AFTER, RendezvousGone, Round, names, stopped_reco
 if TYPE_CHECKING:
     from .c10d_watch import C10dRoundWatch
 
+ABSENT = "\x00absent"  # compare_set's answer for a key that is not there (it sets nothing then): a get in one
 _LIVE_BEATS = 12  # ... by at least this many beats (3 s of them): a starved launcher beats again before that
 _LEAVE_WAIT = 10.0  # seconds node 0 keeps the store for the other launchers to read the last round
+
+
+def first_record(s: Any, attempt: int, record: bytes) -> bytes:
+    """The round's record: ``record`` unless another was written first; its writer adds FAILED to the progress."""
+    standing = s.compare_set(full_key(attempt, protocol.FAILURE), "", record)
+    if standing == record:
+        s.add(full_key(attempt, protocol.PROGRESS), protocol.FAILED)
+    return bytes(standing)
 
 
 class C10dRendezvous:
@@ -131,22 +141,28 @@ class C10dRendezvous:
         return here
 
     def _join(self, attempt: int, node: int, nnodes: int, timeout: float) -> None:
-        def arrive(s: Any) -> None:
-            s.set(full_key(attempt, protocol.joined_key(node)), "1")
-            s.add(full_key(attempt, protocol.JOINED), 1)
+        """The last launcher to arrive says so; the others wait for that key in the store (no poll)."""
+        everyone = full_key(attempt, protocol.ALL_JOINED)
 
-        self.call(arrive)
-        deadline = time.monotonic() + timeout
-        while self.call(lambda s: s.add(full_key(attempt, protocol.JOINED), 0)) < nnodes:
-            if time.monotonic() > deadline:
-                joined = self.call(lambda s: [s.check([full_key(attempt, protocol.joined_key(n))])
-                                              for n in range(nnodes)])
-                missing = [n for n in range(nnodes) if not joined[n]]
-                raise RendezvousError(
-                    f"node(s) {names(missing)} did not join round {attempt} (restart {attempt} of "
-                    f"{self.config.max_restarts}) within --timeout {timeout:g} s: their launchers are gone or stopped "
-                    "(killed, preempted, machine lost); every node must be running to restart the group")
-            time.sleep(POLL)
+        def arrive(s: Any) -> bool:
+            s.set(full_key(attempt, protocol.joined_key(node)), "1")
+            if s.add(full_key(attempt, protocol.JOINED), 1) >= nnodes:
+                s.set(everyone, "1")
+                return True
+            try:
+                s.wait([everyone], timedelta(seconds=timeout))
+                return True
+            except Exception:  # noqa: BLE001 - torch's timeout; a store that is gone fails the next operation
+                return False
+
+        if self.call(arrive):
+            return
+        joined = self.call(lambda s: [s.check([full_key(attempt, protocol.joined_key(n))]) for n in range(nnodes)])
+        missing = [n for n in range(nnodes) if not joined[n]]
+        raise RendezvousError(
+            f"node(s) {names(missing)} did not join round {attempt} (restart {attempt} of "
+            f"{self.config.max_restarts}) within --timeout {timeout:g} s: their launchers are gone or stopped "
+            "(killed, preempted, machine lost); every node must be running to restart the group")
 
     def set_store(self, attempt: int, host: str, port: int) -> None:
         """Nothing to publish: every round's store is node 0's, at --master-addr and --master-port."""
@@ -169,14 +185,26 @@ class C10dRendezvous:
         """This node waits for the round's record: its ranks only saw a peer vanish."""
         me = self.config.node_rank
         self.call(lambda s: s.set(full_key(attempt, protocol.waiting_key(me)), "1"))
+        self._count_once(attempt, me, (protocol.quiet_key, protocol.QUIET))
+
+    def _count_once(self, attempt: int, node: int, *marks: tuple[Callable[[int], str], str]) -> None:
+        """Count ``node`` in each mark's counter, the first time only: a set-once key says whether it was."""
+        token = f"{self.me}-{time.monotonic_ns()}"
+
+        def count(s: Any) -> None:
+            for key, counter in marks:
+                if s.compare_set(full_key(attempt, key(node)), "", token) == token.encode():
+                    s.add(full_key(attempt, counter), 1)
+
+        self.call(count)
 
     def never_arrived(self, attempt: int) -> RendezvousError | None:
         """The nodes whose ranks never reached node 0's store in round ``attempt`` (core/rank/worker.py marks
         each rank's arrival), as the error that names them and how to start them; None when every rank came."""
         config, port, world_size = self.config, self.port, self.config.nnodes * self.nprocs
-        try:
-            missing = self.call(lambda s: [r for r in range(world_size)
-                                           if not s.check([full_key(attempt, protocol.arrived_key(r))])],
+        keys = [full_key(attempt, protocol.arrived_key(r)) for r in range(world_size)]
+        try:  # one operation when every rank came; one a rank only when some did not
+            missing = self.call(lambda s: [] if s.check(keys) else [r for r, k in enumerate(keys) if not s.check([k])],
                                 connect_timeout=2.0)
         except RendezvousGone:
             return None
@@ -205,14 +233,14 @@ class C10dRendezvous:
 
     def record(self, attempt: int) -> FailureRecord | None:
         key = full_key(attempt, protocol.FAILURE)
-        data = self.call(lambda s: s.get(key) if s.check([key]) else None)
-        return FailureRecord.decode(data) if data else None
+        data = self.call(lambda s: s.compare_set(key, ABSENT, ABSENT))  # one operation: the value, or ABSENT
+        return FailureRecord.decode(data) if data and data != ABSENT.encode() else None
 
     def publish(self, attempt: int, record: FailureRecord) -> FailureRecord:
-        """Write the round's first failure unless another node did first; the record that stands."""
-        key = full_key(attempt, protocol.FAILURE)
-        mine = replace(record, writer=self.config.node_rank).encode()
-        return FailureRecord.decode(self.call(lambda s: s.compare_set(key, "", mine)))
+        """Write the round's first failure unless another node did first; the record that stands. Its writer
+        also adds :data:`~mpddp.core.wire.protocol.FAILED` to the progress counter: every node's next beat sees it."""
+        return FailureRecord.decode(self.call(lambda s: first_record(s, attempt, replace(
+            record, writer=self.config.node_rank).encode())))
 
     def stopped(self, attempt: int, cause: BaseException) -> None:
         """This launcher was stopped (Ctrl-C, SIGTERM, ...) while its ranks ran: the round's failure, if first."""
@@ -221,17 +249,24 @@ class C10dRendezvous:
 
     def end_round(self, attempt: int) -> None:
         """This node's part of the round is over: its beat stops now, and that is no loss."""
+        me = self.config.node_rank
         try:
-            self.call(lambda s: s.set(full_key(attempt, protocol.ended_key(self.config.node_rank)), "1"),
-                      connect_timeout=2.0)
+            self.call(lambda s: s.set(full_key(attempt, protocol.ended_key(me)), "1"), connect_timeout=2.0)
+            self._count_once(attempt, me, (protocol.quiet_key, protocol.QUIET), (protocol.done_key, protocol.DONE))
         except RendezvousGone:
             pass
 
     def heartbeats(self, attempt: int) -> dict[int, int]:
-        """Every node's beat counter now, this node's own too (its round watch beats while it waits)."""
-        nodes = range(self.config.nnodes)
-        return dict(zip(nodes, self.call(lambda s: [s.add(full_key(attempt, protocol.heartbeat_key(n)), 0)
-                                                     for n in nodes])))
+        """Every node's beat counter now, this node's own too (its round watch beats while it waits): one
+        operation (a batch) once every node has beaten, read only while this node waits for the round's end."""
+        keys = [full_key(attempt, protocol.heartbeat_key(n)) for n in range(self.config.nnodes)]
+
+        def read(s: Any) -> list[int]:
+            if hasattr(s, "multi_get") and s.check(keys):
+                return [int(v) for v in s.multi_get(keys)]
+            return [int(s.add(k, 0)) for k in keys]  # a node that never beat: 0 (torch 2.1, 2.2: always so)
+
+        return dict(enumerate(self.call(read)))
 
     def stalled(self, attempt: int, before: dict[int, int]) -> list[int] | None:
         """Other nodes whose beat did not move since ``before`` although they did not end the round.
@@ -263,39 +298,40 @@ class C10dRendezvous:
         """Of ``nodes``, those that did not end the round: found lost from now on."""
         ended = self.call(lambda s: {n: s.check([full_key(attempt, protocol.ended_key(n))]) for n in nodes})
         lost = [n for n in nodes if not ended[n]]
-        if lost:  # for node 0, which may not have found them itself, when it waits for the launchers to leave
-            self.call(lambda s: [s.set(full_key(attempt, protocol.lost_key(n)), "1") for n in lost])
+        for n in set(lost) - self.gone:  # counted once, for node 0, which waits for the launchers to leave
+            self._count_once(attempt, n, (protocol.lost_key, protocol.LOST))
         self.gone.update(lost)
         return lost
 
-    def busy(self, attempt: int) -> list[int]:
-        """The other nodes that still run the round: neither ended it, nor wait for its record or for the other
-        nodes (their ranks all returned), nor are lost."""
-        return self._others_without(attempt, (protocol.ended_key, protocol.waiting_key, protocol.returned_key))
+    def busy(self, attempt: int) -> bool:
+        """Another node still runs the round: it neither ended it, nor waits for its record or for the other
+        nodes (its ranks all returned), nor is lost. Two operations (a counter), and one a lost node."""
+        return self._short_of(attempt, protocol.QUIET, protocol.quiet_key)
+
+    def _short_of(self, attempt: int, counter: str, mark: Callable[[int], str]) -> bool:
+        """Fewer nodes counted in ``counter`` (or lost without its mark) than the round has."""
+        gone = sorted(self.gone)
+        counted, unmarked = self.call(lambda s: (s.add(full_key(attempt, counter), 0),
+                                                 sum(not s.check([full_key(attempt, mark(n))]) for n in gone)))
+        return bool(counted + unmarked < self.config.nnodes)
 
     def waiting(self, attempt: int, nodes: set[int]) -> bool:
         """Every one of ``nodes`` waits for the round's record itself (its ranks only saw a peer vanish)."""
         keys = [full_key(attempt, protocol.waiting_key(n)) for n in sorted(nodes)]
         return bool(keys) and self.call(lambda s: s.check(keys))
 
-    def _others_without(self, attempt: int, marks: tuple[Callable[[int], str], ...]) -> list[int]:
-        """The other nodes not found lost that have set none of ``marks`` in this round."""
-        me, nnodes = self.config.node_rank, self.config.nnodes
-        keys = {n: [full_key(attempt, mark(n)) for mark in marks] for n in range(nnodes) if n != me and n not in self.gone}
-        done = self.call(lambda s: {n: any(s.check([key]) for key in node_keys) for n, node_keys in keys.items()})
-        return [n for n, finished in done.items() if not finished]
-
     def returned(self, attempt: int) -> dict[int, float]:
-        """The other nodes whose ranks all returned in this round, and when (their wall clock)."""
+        """The other nodes whose ranks all returned in this round, and when (their wall clock): one operation
+        while none has, two once some have (their entries, numbered by a counter)."""
         me = self.config.node_rank
 
-        def read(s: Any) -> dict[int, float]:
-            if s.add(full_key(attempt, protocol.RETURNED), 0) == 0:  # one operation while none has
-                return {}
-            keys = {n: full_key(attempt, protocol.returned_key(n)) for n in range(self.config.nnodes) if n != me}
-            return {n: float(s.get(key)) for n, key in keys.items() if s.check([key])}
+        def read(s: Any) -> list[bytes]:
+            count = s.add(full_key(attempt, protocol.RETURNED), 0)
+            keys = [full_key(attempt, protocol.returned_entry(n)) for n in range(1, count + 1)]
+            return (list(s.multi_get(keys)) if hasattr(s, "multi_get") else [s.get(k) for k in keys]) if keys else []
 
-        return self.call(read)
+        entries = [json.loads(value) for value in self.call(read)]
+        return {int(node): float(when) for node, when in entries if node != me}
 
     def finish(self, attempt: int) -> FailureRecord | None:
         """This node's ranks all returned: say so, and wait until every other node's ranks returned too, or it
@@ -308,12 +344,14 @@ class C10dRendezvous:
         """
         me = self.config.node_rank
         try:
-            self.call(lambda s: (s.set(full_key(attempt, protocol.returned_key(me)), repr(time.time())),
-                                 s.add(full_key(attempt, protocol.RETURNED), 1)))
+            entry = json.dumps([me, time.time()])
+            self.call(lambda s: s.set(full_key(attempt, protocol.returned_entry(
+                s.add(full_key(attempt, protocol.RETURNED), 1))), entry))
+            self._count_once(attempt, me, (protocol.quiet_key, protocol.QUIET), (protocol.done_key, protocol.DONE))
             start = time.monotonic()
             beats, since = self.heartbeats(attempt), start
             while True:
-                pending = self._others_without(attempt, (protocol.ended_key, protocol.returned_key))
+                pending = self._short_of(attempt, protocol.DONE, protocol.done_key)
                 if (record := self.record(attempt)) is not None:  # read after: a node writes it, then ends
                     return record
                 if not pending:
@@ -323,7 +361,7 @@ class C10dRendezvous:
                     beats, since = self.heartbeats(attempt), now  # lost nodes are in self.gone from now on
                 if now - start > self.config.timeout:
                     self.silent(attempt)
-                time.sleep(POLL)
+                time.sleep(2 * POLL)
         except RendezvousGone:  # node 0 gone after our ranks returned: nothing more to learn, and nothing went wrong here
             logger.warning("mpddp: node 0's store went away before every node ended round %d; node %d's ranks had "
                            "all returned", attempt, me)
@@ -337,9 +375,8 @@ class C10dRendezvous:
         but for the launchers that any node found lost: they will not come to leave."""
         nnodes = self.config.nnodes
 
-        def waited_for(s: Any) -> int:  # the nodes of the last round: an elastic job's may be others than before
-            lost = {n for n in range(nnodes) if s.check([full_key(self._last, protocol.lost_key(n))])}
-            return nnodes - len(self.gone | lost)
+        def waited_for(s: Any) -> int:  # the nodes of the last round, but for those any node found lost
+            return nnodes - max(len(self.gone), s.add(full_key(self._last, protocol.LOST), 0))
 
         try:
             self.call(lambda s: s.add(protocol.LEFT, 1), connect_timeout=2.0)

@@ -4,16 +4,14 @@ from __future__ import annotations
 
 import json
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ..wire import protocol
 from ..wire.protocol import FailureRecord, full_key
-from .api import POLL
+from .c10d import ABSENT, C10dRendezvous, first_record
+from .membership import poll_interval
 
-if TYPE_CHECKING:
-    from .c10d import C10dRendezvous
-
-_ARRIVALS, _MEMBERS = "arrivals", "members"  # an elastic job's round
+_ARRIVALS, _MEMBERS, _CLAIMS = "arrivals", "members", "claims"  # an elastic job's round
 _ROUND = "mpddp/job/round"  # the round an elastic job is in now, for a launcher that comes late
 
 
@@ -23,12 +21,21 @@ class C10dKeys:
     def __init__(self, link: C10dRendezvous) -> None:
         self.link = link
 
-    def arrive(self, attempt: int, me: str, arrival: str) -> None:
-        def put(s: Any) -> None:
+    def arrive(self, attempt: int, me: str, arrival: str) -> int:
+        def put(s: Any) -> int:
             number = s.add(full_key(attempt, _ARRIVALS), 1)
             s.set(full_key(attempt, f"{_ARRIVALS}/{number}"), json.dumps([me, arrival]))
+            return int(number)
 
-        self.link.call(put)
+        return int(self.link.call(put))
+
+    def count(self, attempt: int) -> int:
+        return int(self.link.call(lambda s: s.add(full_key(attempt, _ARRIVALS), 0)))
+
+    def claim(self, attempt: int, node_rank: int, me: str) -> str | None:
+        key = full_key(attempt, f"{_CLAIMS}/{node_rank}")
+        standing = self.link.call(lambda s: s.compare_set(key, "", me)).decode()
+        return None if standing == me else standing
 
     def arrivals(self, attempt: int) -> dict[str, str]:
         def read(s: Any) -> dict[str, str]:  # two operations, however many came (torch 2.1, 2.2: one a key)
@@ -41,8 +48,15 @@ class C10dKeys:
 
     def decided(self, attempt: int) -> str | None:
         key = full_key(attempt, _MEMBERS)
-        found = self.link.call(lambda s: s.get(key) if s.check([key]) else None)
-        return found.decode() if found is not None else None
+        found = self.link.call(lambda s: s.compare_set(key, ABSENT, ABSENT)).decode()  # one operation
+        return found if found != ABSENT else None
+
+    def look(self, nodes: int) -> float:
+        return poll_interval(nodes)
+
+    def await_decided(self, attempt: int, timeout: float) -> str | None:
+        time.sleep(timeout)  # a store's wait prints torch's warning when it times out: look, then
+        return self.decided(attempt)
 
     def decide(self, attempt: int, members: str) -> bool:
         key = full_key(attempt, _MEMBERS)
@@ -56,7 +70,7 @@ class C10dKeys:
         return int(found) if found else 0
 
     def admit(self, attempt: int, record: FailureRecord) -> None:
-        self.link.call(lambda s: s.compare_set(full_key(attempt, protocol.FAILURE), "", record.encode()))
+        self.link.call(lambda s: first_record(s, attempt, record.encode()))
 
     def record(self, attempt: int) -> FailureRecord | None:
         return self.link.record(attempt)
@@ -68,4 +82,4 @@ class C10dKeys:
         return True  # a member lost is named in the round's record by the others: the wait ends there
 
     def pause(self, attempt: int) -> None:
-        time.sleep(POLL * 2)
+        time.sleep(poll_interval(self.link.config.nnodes))

@@ -6,7 +6,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from ..wire import protocol
-from ..wire.protocol import FailureRecord, full_key
+from ..wire.protocol import full_key
 from .api import INTERVAL, BeatThread, RendezvousGone
 
 if TYPE_CHECKING:
@@ -30,29 +30,33 @@ class C10dRoundWatch(BeatThread):
 
     def _run(self) -> None:
         node, attempt = self.link.config.node_rank, self.attempt
-        beat, progress, failure = (full_key(attempt, k) for k in (protocol.heartbeat_key(node), protocol.PROGRESS,
-                                                                   protocol.FAILURE))
-        mine = 0
+        beat, progress, calls = (full_key(attempt, k) for k in (protocol.heartbeat_key(node), protocol.PROGRESS,
+                                                                 protocol.calls_key(node)))
+        mine = beats = 0
 
-        calls = full_key(attempt, protocol.calls_key(node))
-
-        def turn(s: Any) -> tuple[int, int, bytes | None]:  # three store operations a turn, four on a failure
-            s.add(beat, 1)
-            if self.share is not None and (snapshot := self.share()) is not None:
-                s.set(calls, snapshot)  # one more when this node's ranks entered or completed a collective
+        def turn(s: Any) -> tuple[int, int]:  # two store operations a turn, however many nodes: flat
             step = 1 if self._progress.is_set() else 0
-            total = s.add(progress, step)  # every node's progress: ours is subtracted
-            return step, total, (s.get(failure) if self.remote_failure is None and s.check([failure]) else None)
+            total = s.add(progress, step)  # every node's progress, ours subtracted; FAILED once a record is written
+            snapshot = self.share() if self.share is not None else None  # this node's collectives, when they moved
+            if snapshot is None:
+                s.set(beat, str(beats))
+            elif hasattr(s, "multi_set"):
+                s.multi_set([beat, calls], [str(beats), snapshot])
+            else:  # torch 2.1, 2.2
+                s.set(beat, str(beats)), s.set(calls, snapshot)
+            return step, total
 
         try:
             while not self._stop.is_set():
-                step, total, written = self.link.call(turn)
+                beats += 1
+                step, total = self.link.call(turn)
                 if step:
                     self._progress.clear()
                 mine += step
-                self.remote_progress = total - mine
-                if written and (record := FailureRecord.decode(written)).node_rank != node:
-                    self.remote_failure = record
+                self.remote_progress = total % protocol.FAILED - mine
+                if total >= protocol.FAILED and self.remote_failure is None:  # one more operation, once
+                    if (record := self.link.record(attempt)) is not None and record.node_rank != node:
+                        self.remote_failure = record
                 self._stop.wait(INTERVAL)
         except RendezvousGone:  # node 0 gone: what that means is settled after the local ranks stop
             return
@@ -62,7 +66,9 @@ class C10dRoundWatch(BeatThread):
         node, nnodes = self.link.config.node_rank, self.link.config.nnodes
         keys = [full_key(self.attempt, protocol.calls_key(n)) for n in range(nnodes) if n != node]
 
-        def read(s: Any) -> list[bytes]:
+        def read(s: Any) -> list[bytes]:  # once a hang is suspected: one operation while every node beat
+            if keys and hasattr(s, "multi_get") and s.check(keys):
+                return list(s.multi_get(keys))
             return [s.get(k) for k in keys if s.check([k])]
 
         try:

@@ -16,7 +16,6 @@ is ``failure``, created only if absent, as under c10d.
 from __future__ import annotations
 
 import contextlib
-import functools
 import json
 import os
 import socket
@@ -31,8 +30,9 @@ from ...errors import AddressError, RendezvousError, WorkerFailed
 from ...log import logger
 from ..wire.protocol import FailureRecord
 from . import membership
-from .api import INTERVAL, BeatThread, RendezvousGone, Round, stopped_record
+from .api import RendezvousGone, Round, stopped_record
 from .etcd_client import EtcdClient, KeptLease
+from .etcd_keys import EtcdKeys, EtcdRoundWatch
 
 _FIRST_CONTACT = 5.0  # seconds the first contact with etcd may take, at most
 _NOT_FOUND = 5  # the gRPC status of a put with a lease that is gone
@@ -59,6 +59,7 @@ class EtcdRendezvous:
         self.reached = False
         self.rounds: dict[int, Round] = {}
         self._members_of: dict[int, list[str]] = {}  # each round's launchers, by node rank
+        self._lost_at: dict[int, tuple[int, list[int]]] = {}  # a round's alive count when last read, and the lost
         self._lease: KeptLease | None = None
 
     # ---- keys ---------------------------------------------------------------------------------------------
@@ -88,6 +89,32 @@ class EtcdRendezvous:
         items = self.client.call(lambda c: c.get_prefix(prefix))
         return {meta["key"].decode()[len(prefix):]: value for value, meta in items}
 
+    def _count(self, prefix: str) -> int:
+        """How many keys lie under ``prefix``: one request, no key read (etcd's count_only)."""
+        from etcd3gw.utils import _encode, _increment_last_byte
+
+        body = {"key": _encode(prefix), "range_end": _encode(_increment_last_byte(prefix)), "count_only": True}
+        return int(self.client.call(lambda c: c.post(c.get_url("/kv/range"), json=body)).get("count", 0))
+
+    def _put_all(self, pairs: dict[str, str | bytes], leased: bool = False) -> None:
+        """Several keys in one request (a transaction of puts)."""
+        from etcd3gw.utils import _encode
+
+        lease = self._lease_object().id if leased else None
+        puts = [{"request_put": {"key": _encode(k), "value": _encode(v), **({"lease": lease} if lease else {})}}
+                for k, v in pairs.items()]
+        self.client.call(lambda c: c.transaction({"compare": [], "success": puts, "failure": []}))
+
+    def _mark(self, attempt: int, *marks: str) -> None:
+        """This node's ``marks`` in the round (``waiting``, ``returned``, ``ended``), and ``quiet`` (all three)
+        and ``done`` (the last two) beside them, which the others count without reading them."""
+        me = self.config.node_rank
+        pairs: dict[str, str | bytes] = {self._key(attempt, m, me): repr(time.time()) for m in marks}
+        pairs[self._key(attempt, "quiet", me)] = "1"
+        if set(marks) & {"returned", "ended"}:
+            pairs[self._key(attempt, "done", me)] = "1"
+        self._put_all(pairs)
+
     def _lease_object(self) -> Any:
         from etcd3gw.lease import Lease
 
@@ -100,13 +127,12 @@ class EtcdRendezvous:
     def join(self, attempt: int) -> Round:
         """This launcher's place in the job's next round from ``attempt`` on, once its membership is decided
         (core/nodes/membership.py: a launcher that comes to a running job is admitted, or waits as a spare)."""
-        if attempt == 0:
+        if attempt == 0 and not self.reached:
             self._first_contact()
-        keys = _EtcdKeys(self)
+        keys = EtcdKeys(self)
         try:
             if attempt == 0:
-                self._clear_stale()
-                attempt = keys.latest()
+                attempt = self._clear_stale(keys)
             here, members = membership.join_round(
                 keys, attempt, self.me, low=self.launched.min_nnodes, high=self.launched.nnodes,
                 node_rank=self.launched.node_rank, last_call=self.last_call, timeout=self.config.timeout,
@@ -119,6 +145,7 @@ class EtcdRendezvous:
         self.rounds[here.number], self._members_of[here.number] = here, members
         self.config = replace(self.launched, nnodes=here.nnodes, node_rank=here.node_rank)
         self.gone = set()  # node ranks are the new round's: those lost before are not among them
+        self._put(self._key(here.number, "alive", here.node_rank), "1", leased=True)  # counted, not read
         return here
 
     def _first_contact(self) -> None:
@@ -131,12 +158,16 @@ class EtcdRendezvous:
                                f"{wait:g} s): start etcd there, or pass the members that run (host:port,...)") from None
         self.reached = True
 
-    def _clear_stale(self) -> None:
-        """Keys an earlier job with this --rdzv-id left, all of whose launchers are gone: not this job's."""
-        latest = _EtcdKeys(self).latest()
-        if self._get(self._key(latest, "members")) is not None and not self._prefix(self._key(latest, "join/")):
+    def _clear_stale(self, keys: EtcdKeys) -> int:
+        """The round the job is in (0: a new job; one request then), once the keys an earlier job with this
+        --rdzv-id left, all of whose launchers are gone, are removed: they are not this job's."""
+        latest = self._get(self.prefix + "round")
+        if latest is None:
+            return 0
+        if self._get(self._key(int(latest), "members")) is not None and not self._count(self._key(int(latest), "join/")):
             logger.info("mpddp: etcd holds an ended job's keys under %s: removed", self.prefix)
             self.client.call(lambda c: c.delete_prefix(self.prefix))
+        return keys.latest()
 
     def set_store(self, attempt: int, host: str, port: int) -> None:
         """The round's first node: where its process-group store listens, for the others."""
@@ -145,11 +176,12 @@ class EtcdRendezvous:
     def store(self, attempt: int) -> tuple[str, int]:
         """Where the round's process-group store listens, once its first node has published it."""
         deadline = time.monotonic() + self.config.timeout
-        while (found := self._get(self._key(attempt, "store"))) is None:
+        key = self._key(attempt, "store")
+        while (found := self._get(key)) is None:
             if time.monotonic() > deadline or 0 in self.stalled(attempt, {}):
                 raise RendezvousError(f"round {attempt}'s first node did not publish its store within --timeout "
                                       f"{self.config.timeout:g} s: its launcher is gone or stopped")
-            self.pause(attempt)
+            self.pause(attempt, key)
         host, _, port = found.decode().rpartition(":")
         return host, int(port)
 
@@ -164,19 +196,19 @@ class EtcdRendezvous:
 
     def end_round(self, attempt: int) -> None:
         with contextlib.suppress(RendezvousGone):
-            self.client.call(lambda c: c.put(self._key(attempt, "ended", self.config.node_rank), "1"), timeout=2.0)
+            self._mark(attempt, "ended")
 
     def finish(self, attempt: int) -> FailureRecord | None:
         """This node's ranks all returned: wait for the others' (or their end, or their loss); the round's
         record if one is written meanwhile (as core/nodes/c10d.py's, whose docstring says why)."""
         me = self.config.node_rank
         try:
-            self._put(self._key(attempt, "returned", me), repr(time.time()))
+            self._mark(attempt, "returned")
             while True:
-                pending = self._others_without(attempt, ("ended", "returned"))
+                pending = self._short_of(attempt, "done")
                 if (record := self.record(attempt)) is not None:
                     return record
-                if not set(pending) - set(self.stalled(attempt, {})):
+                if not pending:
                     return None
                 self.pause(attempt)
         except RendezvousGone:
@@ -208,38 +240,45 @@ class EtcdRendezvous:
         return {}
 
     def stalled(self, attempt: int, before: dict[int, int]) -> list[int]:
-        """The other nodes of the round whose lease ran out (their ``join`` key, put with it, is gone) and that
-        did not end it: lost, never a guess from timing."""
-        alive = self._prefix(self._key(attempt, "join/"))
-        ended = self._prefix(self._key(attempt, "ended/"))
-        me, members = self.config.node_rank, self._members_of.get(attempt, [])
-        lost = [n for n, m in enumerate(members) if n != me and m not in alive and str(n) not in ended]
+        """The other nodes of the round whose lease ran out (their ``alive`` key, put with it, is gone) and that
+        did not end it: lost, never a guess from timing. One request (a count) while every lease holds; the
+        keys themselves are read only when the count fell (a node lost, or one that left after its end)."""
+        members = self._members_of.get(attempt, [])
+        alive = self._count(self._key(attempt, "alive/"))
+        if alive >= len(members) or self._lost_at.get(attempt, (-1, []))[0] == alive:
+            return self._lost_at.get(attempt, (alive, []))[1] if alive < len(members) else []
+        here = {int(n) for n in self._prefix(self._key(attempt, "alive/"))}
+        ended = {int(n) for n in self._prefix(self._key(attempt, "ended/"))}
+        me = self.config.node_rank
+        lost = [n for n in range(len(members)) if n != me and n not in here and n not in ended]
+        self._lost_at[attempt] = (alive, lost)
         self.gone.update(lost)
         return lost
 
     def silent(self, attempt: int) -> list[int]:
         return self.stalled(attempt, {})
 
-    def busy(self, attempt: int) -> list[int]:
-        return [n for n in self._others_without(attempt, ("ended", "waiting", "returned")) if n not in self.gone]
+    def busy(self, attempt: int) -> bool:
+        return self._short_of(attempt, "quiet")
 
-    def _others_without(self, attempt: int, marks: tuple[str, ...]) -> list[int]:
-        marked = set()
-        for mark in marks:
-            marked |= {int(n) for n in self._prefix(self._key(attempt, mark + "/"))}
-        me = self.config.node_rank
-        return [n for n in range(self.config.nnodes) if n != me and n not in marked]
+    def _short_of(self, attempt: int, mark: str) -> bool:
+        """Fewer nodes have put ``mark`` (or are lost without it) than the round has: counted, not read."""
+        lost = self.stalled(attempt, {})
+        unmarked = sum(self._get(self._key(attempt, mark, n)) is None for n in lost)
+        return self._count(self._key(attempt, mark + "/")) + unmarked < self.config.nnodes
 
     def mark_waiting(self, attempt: int) -> None:
-        self._put(self._key(attempt, "waiting", self.config.node_rank), "1")
+        self._mark(attempt, "waiting")
 
     def waiting(self, attempt: int, nodes: set[int]) -> bool:
-        marked = {int(n) for n in self._prefix(self._key(attempt, "waiting/"))}
-        return bool(nodes) and nodes <= marked
+        return bool(nodes) and all(self._get(self._key(attempt, "waiting", n)) is not None for n in sorted(nodes))
 
     def returned(self, attempt: int) -> dict[int, float]:
-        me = self.config.node_rank
-        return {int(n): float(v) for n, v in self._prefix(self._key(attempt, "returned/")).items() if int(n) != me}
+        """One request (a count) while no node's ranks returned; their keys once some did."""
+        me, key = self.config.node_rank, self._key(attempt, "returned/")
+        if not self._count(key):
+            return {}
+        return {int(n): float(v) for n, v in self._prefix(key).items() if int(n) != me}
 
     def never_arrived(self, attempt: int) -> RendezvousError | None:
         return None  # a round starts with the nodes that joined it: none can be missing from it
@@ -248,12 +287,13 @@ class EtcdRendezvous:
         return RendezvousError(f"etcd at {self.client.endpoints} does not answer, so this node cannot learn what "
                                f"the others saw; the failures below are what this node saw\n{local}")
 
-    def pause(self, attempt: int) -> None:
-        """Until a key of the round changes (a watch: no poll), or :data:`_PAUSE` seconds."""
+    def pause(self, attempt: int, key: str | None = None) -> None:
+        """Until the round's record is written, or ``key`` (a watch: no poll), or :data:`_PAUSE` seconds."""
         from etcd3gw import exceptions
 
+        watched = key or self._key(attempt, "failure")
         try:
-            self.client.call(lambda c: c.watch_prefix_once(self._key(attempt, ""), timeout=_PAUSE), timeout=_PAUSE)
+            self.client.call(lambda c: c.watch_once(watched, timeout=_PAUSE), timeout=_PAUSE)
         except exceptions.WatchTimedOut:
             pass
 
@@ -264,8 +304,7 @@ class EtcdRendezvous:
         try:
             self.client.call(lambda c: c.put(self.prefix + "left/" + self.me, "1"), timeout=2.0)
             last = max(self.rounds, default=None)
-            left = self.client.call(lambda c: c.get_prefix(self.prefix + "left/"), timeout=2.0)
-            if last is not None and len(left) >= self.rounds[last].nnodes:
+            if last is not None and self._count(self.prefix + "left/") >= self.rounds[last].nnodes:
                 self.client.call(lambda c: c.delete_prefix(self.prefix), timeout=2.0)
         except RendezvousGone:
             pass
@@ -280,86 +319,3 @@ def _grpc_code(error: Exception) -> int | None:
     except (ValueError, AttributeError):
         return None
     return code if isinstance(code, int) else None
-
-
-def _create(client: Any, key: str, value: str | bytes) -> bool:
-    return bool(client.create(key, value))
-
-
-class _EtcdKeys:
-    """core/nodes/membership.py's keys, in etcd: arrivals put with the launcher's lease."""
-
-    def __init__(self, link: EtcdRendezvous) -> None:
-        self.link = link
-
-    def arrive(self, attempt: int, me: str, arrival: str) -> None:
-        self.link._put(self.link._key(attempt, "join", me), arrival, leased=True)
-
-    def arrivals(self, attempt: int) -> dict[str, str]:
-        return {m: v.decode() for m, v in self.link._prefix(self.link._key(attempt, "join/")).items()}
-
-    def decided(self, attempt: int) -> str | None:
-        found = self.link._get(self.link._key(attempt, "members"))
-        return found.decode() if found is not None else None
-
-    def decide(self, attempt: int, members: str) -> bool:
-        link = self.link
-        if won := link.client.call(functools.partial(_create, key=link._key(attempt, "members"), value=members)):
-            link._put(link.prefix + "round", str(attempt))
-        return bool(won)
-
-    def latest(self) -> int:
-        found = self.link._get(self.link.prefix + "round")
-        return int(found) if found else 0
-
-    def admit(self, attempt: int, record: FailureRecord) -> None:
-        key = self.link._key(attempt, "failure")
-        self.link.client.call(functools.partial(_create, key=key, value=record.encode()))
-
-    def record(self, attempt: int) -> FailureRecord | None:
-        return self.link.record(attempt)
-
-    def over(self, attempt: int, members: list[str]) -> bool:
-        left = set(self.link._prefix(self.link.prefix + "left/"))
-        return set(members) <= left or self.decided(attempt) is None  # or the last launcher removed every key
-
-    def alive(self, attempt: int, members: list[str]) -> bool:
-        return bool(set(members) & set(self.arrivals(attempt)))
-
-    def pause(self, attempt: int) -> None:
-        self.link.pause(attempt)
-
-
-class EtcdRoundWatch(BeatThread):
-    """One round's beat on etcd: this node's progress put when it moved, and the round's keys read in one
-    request, for the others' progress and the round's first failure (core/nodes/c10d.py's has the rules)."""
-
-    def __init__(self, link: EtcdRendezvous, attempt: int, share: Callable[[], bytes | None] | None = None) -> None:
-        super().__init__(attempt, share)
-        self.link = link
-        self._calls: dict[int, bytes] = {}
-        self._thread.start()
-
-    def _run(self) -> None:
-        link, node = self.link, self.link.config.node_rank
-        mine = 0
-        try:
-            while not self._stop.is_set():
-                if self._progress.is_set():
-                    self._progress.clear()
-                    mine += 1
-                    link._put(link._key(self.attempt, "progress", node), str(mine))
-                if self.share is not None and (snapshot := self.share()) is not None:
-                    link._put(link._key(self.attempt, "calls", node), snapshot)
-                keys = link._prefix(link._key(self.attempt, ""))
-                self.remote_progress = sum(int(v) for k, v in keys.items()
-                                           if k.startswith("progress/") and k != f"progress/{node}")
-                self._calls = {int(k[6:]): v for k, v in keys.items() if k.startswith("calls/") and k != f"calls/{node}"}
-                if (written := keys.get("failure")) and (record := FailureRecord.decode(written)).node_rank != node:
-                    self.remote_failure = record
-                self._stop.wait(INTERVAL)
-        except RendezvousGone:
-            return
-
-    def others_calls(self) -> list[bytes]:
-        return list(self._calls.values())

@@ -25,9 +25,13 @@ from .api import NotNeeded, Round, resized_record
 class Keys(Protocol):
     """What the rule needs of a backend's keys (etcd's, or node 0's store's)."""
 
-    def arrive(self, attempt: int, me: str, arrival: str) -> None: ...
+    def arrive(self, attempt: int, me: str, arrival: str) -> int: ...  # how many had come, this one included
+    def count(self, attempt: int) -> int: ...  # how many have come (one cheap operation: no arrival is read)
     def arrivals(self, attempt: int) -> dict[str, str]: ...  # launcher id -> its arrival, for those still there
+    def claim(self, attempt: int, node_rank: int, me: str) -> str | None: ...  # None, or who came first with it
     def decided(self, attempt: int) -> str | None: ...  # the member list, once written
+    def await_decided(self, attempt: int, timeout: float) -> str | None: ...  # ... within timeout (a watch, a look)
+    def look(self, nodes: int) -> float: ...  # seconds between two looks of a waiting launcher
     def decide(self, attempt: int, members: str) -> bool: ...  # write it unless written: True if this one stands
     def latest(self) -> int: ...  # the round the job is in now (0: a new job)
     def admit(self, attempt: int, record: FailureRecord) -> None: ...  # the round's record, unless written
@@ -47,9 +51,9 @@ def join_round(keys: Keys, attempt: int, me: str, *, low: int, high: int, node_r
         arrival = {"old": previous.node_rank if previous is not None and previous.number == attempt - 1 else None,
                    "rank": node_rank, "since": time.time(), "host": socket.gethostname()}
         if previous is None and (node_rank or zero_is_a_claim):  # before arriving: a refused one is never counted
-            _check_claim(keys.arrivals(attempt), node_rank, arrival["host"])
-        keys.arrive(attempt, me, json.dumps(arrival))
-        members = _members(keys, attempt, low, high, last_call, timeout, start_them)
+            _check_claim(keys.claim(attempt, node_rank, f"{me} on {arrival['host']}"), node_rank, arrival["host"])
+        number = keys.arrive(attempt, me, json.dumps(arrival))
+        members = _members(keys, attempt, number, low, high, last_call, timeout, start_them)
         if me in members:
             break
         _wait_outside(keys, attempt, members, high, _size(low, high))
@@ -59,37 +63,48 @@ def join_round(keys: Keys, attempt: int, me: str, *, low: int, high: int, node_r
     return Round(attempt, len(members), members.index(me), old), members
 
 
-def _check_claim(arrivals: dict[str, str], node_rank: int, host: object) -> None:
+def _check_claim(other: str | None, node_rank: int, host: object) -> None:
     """Bad input: another launcher came first to this round with this --node-rank."""
-    for other, text in arrivals.items():
-        theirs = json.loads(text)
-        if theirs.get("rank") == node_rank:
-            raise ConfigError(f"--node-rank {node_rank} is taken: the launcher {other} on {theirs.get('host')} came "
-                              f"first with it; pass another --node-rank on this machine ({host})")
+    if other is not None:
+        raise ConfigError(f"--node-rank {node_rank} is taken: the launcher {other} came first with it; pass "
+                          f"another --node-rank on this machine ({host})")
 
 
 def _size(low: int, high: int) -> str:
     return f"{low}:{high}" if low != high else str(high)
 
 
-def _members(keys: Keys, attempt: int, low: int, high: int, last_call: float, timeout: float,
+def _members(keys: Keys, attempt: int, number: int, low: int, high: int, last_call: float, timeout: float,
              start_them: str) -> list[str]:
-    """The round's launchers once decided: by this one, if it is the first to see enough of them."""
+    """The round's launchers once decided. One launcher decides, by the counter alone: the one whose arrival
+    made it ``MAX``, or the last to come once ``MIN`` came and nobody else for ``last_call_timeout`` (the
+    others too, once the count stood still for two looks, in case it is gone). Only that one reads the
+    arrivals, once; the others wait for the member list (etcd: a watch) and count the arrivals every fourth
+    look, less often the more launchers there are: flat per node."""
     deadline = time.monotonic() + timeout
-    seen, since = 0, time.monotonic()  # how many had come, and since when (this machine's clock)
+    seen = number  # how many had come, as last counted
+    since = counted = time.monotonic()  # when that count last changed, and when it was read (this machine's clock)
     while True:
-        if (decided := keys.decided(attempt)) is not None:
-            return list(json.loads(decided))
-        arrivals = {m: json.loads(a) for m, a in keys.arrivals(attempt).items()}
-        if len(arrivals) != seen:
-            seen, since = len(arrivals), time.monotonic()
-        if len(arrivals) >= high or (len(arrivals) >= low and time.monotonic() - since >= last_call):
+        look, now = keys.look(seen), time.monotonic()
+        latest = number == seen  # the last to come: it times the last call
+        if (latest or now - since >= 2 * look) and (seen >= high or (seen >= low and now - since >= last_call)):
+            arrivals = {m: json.loads(a) for m, a in keys.arrivals(attempt).items()}
             keys.decide(attempt, json.dumps(sorted(arrivals, key=lambda m: _order(arrivals[m]))[:high]))
-            continue
+        if (decided := keys.await_decided(attempt, look)) is not None:
+            return list(json.loads(decided))
+        if time.monotonic() - counted >= (look if latest else 4 * look):  # the others count seldom
+            counted = time.monotonic()
+            if (count := keys.count(attempt)) != seen:
+                seen, since = count, counted
         if time.monotonic() > deadline:
-            raise RendezvousError(f"round {attempt}: {len(arrivals)} node(s) joined within --timeout {timeout:g} s, "
+            raise RendezvousError(f"round {attempt}: {seen} node(s) joined within --timeout {timeout:g} s, "
                                   f"but --nnodes {_size(low, high)} needs at least {low}: {start_them}")
-        keys.pause(attempt)
+
+
+def poll_interval(nodes: int) -> float:
+    """Seconds between two looks of a launcher that waits for the others: 0.1 s up to 100 nodes, then longer,
+    so that all of them together look about a thousand times a second at most (1 s at 1,000 nodes)."""
+    return min(1.0, max(0.1, nodes / 1000))
 
 
 def _order(arrival: dict[str, object]) -> tuple[float, float, float]:

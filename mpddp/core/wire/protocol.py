@@ -157,13 +157,19 @@ JOINED = "joined"  # a counter: the node launchers that joined this round (core/
 FAILURE = "failure"  # the round's first failure, a FailureRecord: the first node to write it wins
 PROGRESS = "progress"  # a counter every node's watchdog bumps while its ranks compute (core/launcher/watchdog.py)
 SCRIPT_PORT = "script_port"  # the round's own store for env:// scripts, from the second round on (core/launcher/job.py)
-RETURNED = "returned"  # a counter: the nodes whose ranks all returned (returned_key), read before any node's key
+RETURNED = "returned"  # a counter: the nodes whose ranks all returned, numbering their returned_entry
+QUIET = "quiet"  # a counter: the nodes that wait for the record, returned or ended (each counted once: quiet_key)
+DONE = "done"  # a counter: the nodes whose ranks returned or that ended the round (each once: done_key)
+ALL_JOINED = "all_joined"  # set by the last node launcher to join a restarted round: the others wait for it
+FAILED = 1 << 40  # added to PROGRESS by the writer of the round's record: every beat's one add also tells of it
 LEFT = "mpddp/job/left"  # a counter, job-wide: the launchers that are done with the store (node 0 waits for them)
+LOST = "lost"  # a counter: the nodes found lost in the round (each once: lost_key)
 
 
 def lost_key(node: int) -> str:
-    """Job-wide: set by any launcher that found node ``node`` lost; node 0 does not wait for it to leave."""
-    return f"mpddp/job/lost/{node}"
+    """Set once by the first launcher that found node ``node`` lost (LOST counts it): node 0 does not wait for
+    it to leave."""
+    return f"lost/{node}"
 
 
 def joined_key(node: int) -> str:
@@ -186,10 +192,19 @@ def waiting_key(node: int) -> str:
     return f"waiting/{node}"
 
 
-def returned_key(node: int) -> str:
-    """Set by a node whose ranks all returned (the wall time): it waits for the other nodes to end the round, and
-    a node whose ranks still wait for its ranks in a collective names them as the cause (core/nodes/settle.py)."""
-    return f"returned/{node}"
+def returned_entry(number: int) -> str:
+    """The ``number``-th node whose ranks all returned (a counter numbers them): ``[node, wall time]``."""
+    return f"returned/entry/{number}"
+
+
+def quiet_key(node: int) -> str:
+    """Set once, the first time a node waits, returned or ended (QUIET counts it then)."""
+    return f"quiet/{node}"
+
+
+def done_key(node: int) -> str:
+    """Set once, the first time a node's ranks returned or it ended the round (DONE counts it then)."""
+    return f"done/{node}"
 
 
 def ended_key(node: int) -> str:

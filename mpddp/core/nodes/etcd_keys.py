@@ -1,0 +1,161 @@
+"""The ``etcd`` backend's membership keys and its beat of one round (core/nodes/etcd.py is the backend).
+
+Owns: :class:`EtcdKeys`, core/nodes/membership.py's keys in etcd (arrivals put with the launcher's lease,
+counted without being read; a watch on the member list instead of a poll), and :class:`EtcdRoundWatch`, a
+round's beat in one request: this node's progress and collectives put, the round's progress and first
+failure read, in one transaction, whatever the number of nodes.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from ..wire.protocol import FailureRecord
+from .api import INTERVAL, BeatThread, RendezvousGone
+from .membership import poll_interval
+
+if TYPE_CHECKING:
+    from .etcd import EtcdRendezvous
+
+
+def _create(client: Any, key: str, value: str | bytes, lease: Any = None) -> bool:
+    return bool(client.create(key, value, lease=lease))
+
+
+def _transaction(client: Any, txn: dict[str, Any]) -> Any:
+    return client.transaction(txn)
+
+
+class EtcdKeys:
+    """core/nodes/membership.py's keys, in etcd: arrivals put with the launcher's lease."""
+
+    def __init__(self, link: EtcdRendezvous) -> None:
+        self.link = link
+        self._revision: dict[int, int] = {}  # the revision of this launcher's arrival, by round: watched from
+
+    def arrive(self, attempt: int, me: str, arrival: str) -> int:
+        """Put this launcher's arrival and count them all, in one request (a transaction)."""
+        from etcd3gw.utils import _encode, _increment_last_byte
+
+        link, prefix = self.link, self.link._key(attempt, "join/")
+        lease = link._lease_object().id
+        txn = {"compare": [], "failure": [], "success": [
+            {"request_put": {"key": _encode(prefix + me), "value": _encode(arrival), "lease": lease}},
+            {"request_range": {"key": _encode(prefix), "range_end": _encode(_increment_last_byte(prefix)),
+                               "count_only": True}}]}
+        answer = link.client.call(functools.partial(_transaction, txn=txn))
+        self._revision[attempt] = int(answer["header"]["revision"])
+        return int(answer["responses"][1]["response_range"].get("count", 0))
+
+    def count(self, attempt: int) -> int:
+        return self.link._count(self.link._key(attempt, "join/"))
+
+    def arrivals(self, attempt: int) -> dict[str, str]:
+        return {m: v.decode() for m, v in self.link._prefix(self.link._key(attempt, "join/")).items()}
+
+    def claim(self, attempt: int, node_rank: int, me: str) -> str | None:
+        link, key = self.link, self.link._key(attempt, "claim", node_rank)
+        if link.client.call(functools.partial(_create, key=key, value=me, lease=link._lease_object())):
+            return None
+        standing = link._get(key)
+        return standing.decode() if standing is not None else None  # its launcher left meanwhile: free again
+
+    def decided(self, attempt: int) -> str | None:
+        found = self.link._get(self.link._key(attempt, "members"))
+        return found.decode() if found is not None else None
+
+    def look(self, nodes: int) -> float:
+        return max(1.0, poll_interval(nodes))  # a watch wakes at once: the looks are only for the counts
+
+    def await_decided(self, attempt: int, timeout: float) -> str | None:
+        """The member list, once written: a watch on its one key, from this launcher's arrival on (so that
+        one written meanwhile is not missed), which nothing else wakes; one request, however many came."""
+        from etcd3gw import exceptions
+
+        key, since = self.link._key(attempt, "members"), self._revision.get(attempt)
+        if since is None:
+            return self.decided(attempt)
+        try:
+            event = self.link.client.call(lambda c: c.watch_once(key, timeout=timeout, start_revision=since + 1),
+                                          timeout=timeout)
+        except exceptions.WatchTimedOut:
+            return None
+        value = event.get("kv", {}).get("value")
+        return value.decode() if isinstance(value, bytes) else self.decided(attempt)
+
+    def decide(self, attempt: int, members: str) -> bool:
+        link = self.link
+        if won := link.client.call(functools.partial(_create, key=link._key(attempt, "members"), value=members)):
+            link._put(link.prefix + "round", str(attempt))
+        return bool(won)
+
+    def latest(self) -> int:
+        found = self.link._get(self.link.prefix + "round")
+        return int(found) if found else 0
+
+    def admit(self, attempt: int, record: FailureRecord) -> None:
+        key = self.link._key(attempt, "failure")
+        self.link.client.call(functools.partial(_create, key=key, value=record.encode()))
+
+    def record(self, attempt: int) -> FailureRecord | None:
+        return self.link.record(attempt)
+
+    def over(self, attempt: int, members: list[str]) -> bool:
+        left = set(self.link._prefix(self.link.prefix + "left/"))
+        return set(members) <= left or self.decided(attempt) is None  # or the last launcher removed every key
+
+    def alive(self, attempt: int, members: list[str]) -> bool:
+        return bool(set(members) & set(self.arrivals(attempt)))
+
+    def pause(self, attempt: int) -> None:
+        self.link.pause(attempt)
+
+
+class EtcdRoundWatch(BeatThread):
+    """One round's beat on etcd, one request a beat: a transaction that puts this node's progress (one shared
+    key: its version counts every node's steps) and collectives when they moved, and reads the progress key
+    and the round's first failure (core/nodes/c10d_watch.py's has the rules)."""
+
+    def __init__(self, link: EtcdRendezvous, attempt: int, share: Callable[[], bytes | None] | None = None) -> None:
+        super().__init__(attempt, share)
+        self.link = link
+        self._thread.start()
+
+    def _run(self) -> None:
+        from etcd3gw.utils import _decode, _encode
+
+        link, node = self.link, self.link.config.node_rank
+        progress, failure = (_encode(link._key(self.attempt, k)) for k in ("progress", "failure"))
+        mine = 0
+        try:
+            while not self._stop.is_set():
+                puts = []
+                if self._progress.is_set():
+                    self._progress.clear()
+                    mine += 1
+                    puts.append({"request_put": {"key": progress, "value": _encode(str(node))}})
+                if self.share is not None and (snapshot := self.share()) is not None:
+                    puts.append({"request_put": {"key": _encode(link._key(self.attempt, "calls", node)),
+                                                 "value": _encode(snapshot)}})
+                reads = [{"request_range": {"key": progress}}, {"request_range": {"key": failure}}]
+                answers = link.client.call(functools.partial(_transaction, txn={
+                    "compare": [], "success": puts + reads, "failure": []}))["responses"][len(puts):]
+                found = [a.get("response_range", {}).get("kvs", []) for a in answers]
+                self.remote_progress = (int(found[0][0].get("version", 0)) if found[0] else 0) - mine
+                if found[1] and self.remote_failure is None and (
+                        record := FailureRecord.decode(_decode(found[1][0]["value"]))).node_rank != node:
+                    self.remote_failure = record
+                self._stop.wait(INTERVAL)
+        except RendezvousGone:
+            return
+
+    def others_calls(self) -> list[bytes]:
+        """The other nodes' last collectives, read once a hang is suspected (one request)."""
+        node = self.link.config.node_rank
+        try:
+            calls = self.link._prefix(self.link._key(self.attempt, "calls/"))
+        except RendezvousGone:
+            return []
+        return [v for k, v in calls.items() if k != str(node)]
