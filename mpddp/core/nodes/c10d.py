@@ -29,21 +29,13 @@ from ..wire import protocol
 from ..wire.protocol import FailureRecord, full_key
 from . import membership
 from .api import POLL, STALLED_AFTER, RendezvousGone, Round, names, stopped_record
+from .c10d_keys import ABSENT, C10dKeys, first_record
 
 if TYPE_CHECKING:
     from .c10d_watch import C10dRoundWatch
 
-ABSENT = "\x00absent"  # compare_set's answer for a key that is not there (it sets nothing then): a get in one
 _LIVE_BEATS = 12  # ... by at least this many beats (3 s of them): a starved launcher beats again before that
 _LEAVE_WAIT = 10.0  # seconds node 0 keeps the store for the other launchers to read the last round
-
-
-def first_record(s: Any, attempt: int, record: bytes) -> bytes:
-    """The round's record: ``record`` unless another was written first; its writer adds FAILED to the progress."""
-    standing = s.compare_set(full_key(attempt, protocol.FAILURE), "", record)
-    if standing == record:
-        s.add(full_key(attempt, protocol.PROGRESS), protocol.FAILED)
-    return bytes(standing)
 
 
 class C10dRendezvous:
@@ -121,8 +113,6 @@ class C10dRendezvous:
 
     def _join_elastic(self, attempt: int) -> Round:
         launched = self.launched
-        from .c10d_keys import C10dKeys
-
         keys = C10dKeys(self)
         try:
             here, members = membership.join_round(

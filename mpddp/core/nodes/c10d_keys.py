@@ -4,15 +4,26 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..wire import protocol
 from ..wire.protocol import FailureRecord, full_key
-from .c10d import ABSENT, C10dRendezvous, first_record
 from .membership import poll_interval
 
+if TYPE_CHECKING:
+    from .c10d import C10dRendezvous
+
 _ARRIVALS, _MEMBERS, _CLAIMS = "arrivals", "members", "claims"  # an elastic job's round
+ABSENT = "\x00absent"  # compare_set's answer for a key that is not there (it sets nothing then): a get in one
 _ROUND = "mpddp/job/round"  # the round an elastic job is in now, for a launcher that comes late
+
+
+def first_record(s: Any, attempt: int, record: bytes) -> bytes:
+    """The round's record: ``record`` unless another was written first; its writer adds FAILED to the progress."""
+    standing = s.compare_set(full_key(attempt, protocol.FAILURE), "", record)
+    if standing == record:
+        s.add(full_key(attempt, protocol.PROGRESS), protocol.FAILED)
+    return bytes(standing)
 
 
 class C10dKeys:

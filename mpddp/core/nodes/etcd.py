@@ -181,7 +181,7 @@ class EtcdRendezvous:
             if time.monotonic() > deadline or 0 in self.stalled(attempt, {}):
                 raise RendezvousError(f"round {attempt}'s first node did not publish its store within --timeout "
                                       f"{self.config.timeout:g} s: its launcher is gone or stopped")
-            self.pause(attempt, key)
+            self._watch_once(key)
         host, _, port = found.decode().rpartition(":")
         return host, int(port)
 
@@ -287,13 +287,15 @@ class EtcdRendezvous:
         return RendezvousError(f"etcd at {self.client.endpoints} does not answer, so this node cannot learn what "
                                f"the others saw; the failures below are what this node saw\n{local}")
 
-    def pause(self, attempt: int, key: str | None = None) -> None:
-        """Until the round's record is written, or ``key`` (a watch: no poll), or :data:`_PAUSE` seconds."""
+    def pause(self, attempt: int) -> None:
+        """Until the round's record is written (a watch on its one key: no poll), or :data:`_PAUSE` seconds."""
+        self._watch_once(self._key(attempt, "failure"))
+
+    def _watch_once(self, key: str) -> None:
         from etcd3gw import exceptions
 
-        watched = key or self._key(attempt, "failure")
         try:
-            self.client.call(lambda c: c.watch_once(watched, timeout=_PAUSE), timeout=_PAUSE)
+            self.client.call(lambda c: c.watch_once(key, timeout=_PAUSE), timeout=_PAUSE)
         except exceptions.WatchTimedOut:
             pass
 
