@@ -196,6 +196,8 @@ def main() -> None:
     parser.add_argument("--tiny", action="store_true", help="8 nodes on c10d (the suite's smoke run)")
     parser.add_argument("--json")
     args = parser.parse_args()
+    import torch.distributed  # noqa: F401 - imported once here, not by the first simulated node's connection
+
     if args.tiny:
         args.nodes, args.backends = "8", "c10d"
     import resource

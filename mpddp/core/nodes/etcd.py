@@ -59,7 +59,7 @@ class EtcdRendezvous:
         self.reached = False
         self.rounds: dict[int, Round] = {}
         self._members_of: dict[int, list[str]] = {}  # each round's launchers, by node rank
-        self._lost_at: dict[int, tuple[int, list[int]]] = {}  # a round's alive count when last read, and the lost
+        self._known_gone: dict[int, set[int]] = {}  # a round's nodes whose lease is known gone (lost, or left)
         self._lease: KeptLease | None = None
 
     # ---- keys ---------------------------------------------------------------------------------------------
@@ -241,19 +241,22 @@ class EtcdRendezvous:
 
     def stalled(self, attempt: int, before: dict[int, int]) -> list[int]:
         """The other nodes of the round whose lease ran out (their ``alive`` key, put with it, is gone) and that
-        did not end it: lost, never a guess from timing. One request (a count) while every lease holds; the
-        keys themselves are read only when the count fell (a node lost, or one that left after its end)."""
+        did not end it: lost, never a guess from timing. One request (a count) while the leases held that are
+        not known gone (lost, or ended and left); the keys themselves are read only when the count says more
+        went than are known: a node lost, one that left after its end, or one not yet alive at the start."""
         members = self._members_of.get(attempt, [])
+        known = self._known_gone.setdefault(attempt, set())
         alive = self._count(self._key(attempt, "alive/"))
-        if alive >= len(members) or self._lost_at.get(attempt, (-1, []))[0] == alive:
-            return self._lost_at.get(attempt, (alive, []))[1] if alive < len(members) else []
+        if alive + len(known) >= len(members):
+            return sorted(n for n in known if n in self.gone)
         here = {int(n) for n in self._prefix(self._key(attempt, "alive/"))}
         ended = {int(n) for n in self._prefix(self._key(attempt, "ended/"))}
+        joined = set(self._prefix(self._key(attempt, "join/")))  # put with the same lease: alive too, till then
         me = self.config.node_rank
-        lost = [n for n in range(len(members)) if n != me and n not in here and n not in ended]
-        self._lost_at[attempt] = (alive, lost)
+        lost = [n for n, m in enumerate(members) if n != me and n not in here | ended and m not in joined]
+        known |= {n for n in range(len(members)) if n not in here and (n in ended or n in lost)}
         self.gone.update(lost)
-        return lost
+        return sorted(set(lost) | (known & self.gone))
 
     def silent(self, attempt: int) -> list[int]:
         return self.stalled(attempt, {})

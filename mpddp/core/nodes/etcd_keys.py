@@ -34,19 +34,23 @@ class EtcdKeys:
     def __init__(self, link: EtcdRendezvous) -> None:
         self.link = link
         self._revision: dict[int, int] = {}  # the revision of this launcher's arrival, by round: watched from
+        self._early: dict[int, str] = {}  # a round's member list, when it was decided before this launcher came
 
     def arrive(self, attempt: int, me: str, arrival: str) -> int:
         """Put this launcher's arrival and count them all, in one request (a transaction)."""
-        from etcd3gw.utils import _encode, _increment_last_byte
+        from etcd3gw.utils import _decode, _encode, _increment_last_byte
 
         link, prefix = self.link, self.link._key(attempt, "join/")
         lease = link._lease_object().id
         txn = {"compare": [], "failure": [], "success": [
             {"request_put": {"key": _encode(prefix + me), "value": _encode(arrival), "lease": lease}},
             {"request_range": {"key": _encode(prefix), "range_end": _encode(_increment_last_byte(prefix)),
-                               "count_only": True}}]}
+                               "count_only": True}},
+            {"request_range": {"key": _encode(link._key(attempt, "members"))}}]}
         answer = link.client.call(functools.partial(_transaction, txn=txn))
         self._revision[attempt] = int(answer["header"]["revision"])
+        if found := answer["responses"][2].get("response_range", {}).get("kvs"):  # decided before this one came
+            self._early[attempt] = _decode(found[0]["value"]).decode()
         return int(answer["responses"][1]["response_range"].get("count", 0))
 
     def count(self, attempt: int) -> int:
@@ -75,6 +79,8 @@ class EtcdKeys:
         from etcd3gw import exceptions
 
         key, since = self.link._key(attempt, "members"), self._revision.get(attempt)
+        if attempt in self._early:
+            return self._early[attempt]
         if since is None:
             return self.decided(attempt)
         try:
