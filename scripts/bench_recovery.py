@@ -20,7 +20,8 @@ script (``init_process_group("gloo")`` from the environment).
     python scripts/bench_recovery.py                   # 3 interleaved reps, 1, 2, 4 and 8 nodes
     python scripts/bench_recovery.py --nodes 1,2 --reps 5 --json recovery.json
 
-It ends with a whole node's machine lost in a ``--nnodes 2:3`` job (every process of it SIGKILLed at step 20):
+It ends with a whole node's machine lost in a ``--nnodes N-1:N`` job (every process of it SIGKILLed at step 20;
+N is 3, or each of ``--loss-nodes 3,16``):
 node 1 under c10d, node 0 under etcd (a real 3-member etcd on loopback), timed from the loss to the survivors'
 first step of the next round; the etcd lease's TTL bounds how soon the loss is known.
 """
@@ -168,20 +169,23 @@ dist.destroy_process_group()
 """
 
 
-def node_loss_run(backend: str, workdir: Path, limit: float, endpoints: str = "") -> float | None:
-    """Seconds from a node's machine lost (every process of it SIGKILLed at step 20) to the survivors' first
-    step of the next round, in a ``--nnodes 2:3`` job of three launchers of one rank; None if they did not."""
+def node_loss_run(backend: str, workdir: Path, limit: float, endpoints: str = "",
+                  nodes: int = 3) -> tuple[float, float] | None:
+    """The start-up (from the launchers' start to the last rank's first step) and the seconds from a node's
+    machine lost (every process of it SIGKILLed at step 20) to the survivors' first step of the next round,
+    in a ``--nnodes N-1:N`` job of N launchers of one rank; None if they did not."""
     import uuid
 
     job = workdir / "node_loss_job.py"
     job.write_text(NODE_LOSS_JOB)
     port, victim = _free_port(), 0 if backend == "etcd" else 1  # c10d survives any node but 0
-    common = [sys.executable, "-m", "mpddp", "run", "--nnodes", "2:3", "--nprocs", "1", "--max-restarts", "1",
-              "--timeout", "30"]
+    common = [sys.executable, "-m", "mpddp", "run", "--nnodes", f"{nodes - 1}:{nodes}", "--nprocs", "1",
+              "--max-restarts", "1", "--timeout", str(30 + nodes)]
     where = (["--rdzv-backend", "etcd", "--rdzv-endpoint", endpoints, "--rdzv-id", uuid.uuid4().hex,
               "--local-addr", "127.0.0.1"] if backend == "etcd" else
              ["--master-addr", "127.0.0.1", "--master-port", str(port)])
-    outs = [workdir / f"loss-{backend}-{n}.out" for n in range(3)]
+    outs = [workdir / f"loss-{backend}-{n}.out" for n in range(nodes)]
+    started = time.time()
     procs = [subprocess.Popen([*common, *where, "--node-rank", str(n), str(job)], stdout=out.open("w"),
                               stderr=subprocess.STDOUT) for n, out in enumerate(outs)]
     deadline = time.monotonic() + limit
@@ -199,19 +203,22 @@ def node_loss_run(backend: str, workdir: Path, limit: float, endpoints: str = ""
         for p in procs:
             _kill_tree(p.pid)
     firsts = [re.search(r"STEP 1 0 ([\d.]+)", out.read_text()) for n, out in enumerate(outs) if n != victim]
-    if any(codes) or not all(firsts):
+    starts = [re.search(r"STEP 0 0 ([\d.]+)", out.read_text()) for out in outs]
+    if any(codes) or not all(firsts) or not all(starts):
         return None
-    return max(float(m.group(1)) for m in firsts if m) - lost_at
+    return max(float(m.group(1)) for m in starts if m) - started, max(float(m.group(1)) for m in firsts if m) - lost_at
 
 
-def node_loss_rows(reps: int, limit: float, tmp: Path) -> tuple[list[list[str]], dict[str, Any]]:
+def node_loss_rows(reps: int, limit: float, tmp: Path, sizes: list[int]) -> tuple[list[list[str]], dict[str, Any]]:
     """The loss of a whole node's machine, on each backend (etcd needs Debian's etcd-server and etcd3gw)."""
     import importlib.util
 
     from mpddp.rendezvous_options import DEFAULT_TTL
 
     rows, results = [], {}
-    for backend, what in (("c10d", "node 1 of 3 lost"), ("etcd", f"node 0 of 3 lost, lease ttl {DEFAULT_TTL} s")):
+    cases = [(backend, n, f"node {0 if backend == 'etcd' else 1} of {n} lost" + (
+        f", lease ttl {DEFAULT_TTL} s" if backend == "etcd" else "")) for n in sizes for backend in ("c10d", "etcd")]
+    for backend, nodes, what in cases:
         if backend == "etcd" and (shutil.which("etcd") is None or importlib.util.find_spec("etcd3gw") is None):
             rows.append([f"{backend}: {what}", "skipped: etcd-server or etcd3gw not installed", "-"])
             continue
@@ -222,15 +229,17 @@ def node_loss_rows(reps: int, limit: float, tmp: Path) -> tuple[list[list[str]],
                 from etcd_cluster import EtcdCluster  # a real 3-member cluster on loopback
 
                 with EtcdCluster() as cluster:
-                    took = node_loss_run(backend, tmp, limit, cluster.endpoints)
+                    took = node_loss_run(backend, tmp, limit, cluster.endpoints, nodes)
             else:
-                took = node_loss_run(backend, tmp, limit)
+                took = node_loss_run(backend, tmp, limit, nodes=nodes)
             if took is None:
                 raise RuntimeError(f"{backend}: the survivors of a lost node did not go on: see {tmp}/loss-*.out")
             times.append(took)
-        results[backend] = {"loss_to_first_step": times, "ttl": DEFAULT_TTL if backend == "etcd" else None}
-        rows.append([f"{backend}: {what}", f"{statistics.median(times):.2f}",
-                     f"{min(times):.2f}-{max(times):.2f}"])
+        starts, losses = [t[0] for t in times], [t[1] for t in times]
+        results[f"{backend} {nodes}"] = {"startup": starts, "loss_to_first_step": losses,
+                                         "ttl": DEFAULT_TTL if backend == "etcd" else None}
+        rows.append([f"{backend}: {what}", f"{statistics.median(starts):.2f}", f"{statistics.median(losses):.2f}",
+                     f"{min(losses):.2f}-{max(losses):.2f}"])
     return rows, results
 
 
@@ -245,6 +254,7 @@ def main() -> None:
     parser.add_argument("--tiny", action="store_true", help="one rep, one node (the suite's smoke run)")
     parser.add_argument("--quiet", type=float, default=60.0, help="wait until the CPUs are at most this %% busy")
     parser.add_argument("--no-node-loss", action="store_true", help="skip the rows of a whole node's machine lost")
+    parser.add_argument("--loss-nodes", default="3", help="launchers of the node-loss jobs, e.g. 3,16")
     parser.add_argument("--json")
     parser.add_argument("--node", type=int)
     parser.add_argument("--nnodes", type=int)
@@ -296,11 +306,12 @@ def main() -> None:
         print(f"\ngoal on one node, recovery / start-up <= {GOAL:.2f}: {ratio:.2f} ({'met' if ratio <= GOAL else 'not met'})")
     if not (args.tiny or args.no_node_loss):
         kept = Path(tempfile.mkdtemp(prefix="mpddp-bench-loss-"))  # kept when a run did not recover: its outputs
-        loss_rows, results["node_loss"] = node_loss_rows(reps, args.limit, kept)
+        sizes = [int(n) for n in args.loss_nodes.split(",")]
+        loss_rows, results["node_loss"] = node_loss_rows(reps, args.limit, kept, sizes)
         shutil.rmtree(kept, ignore_errors=True)
-        print("\na node's machine lost (--nnodes 2:3, 3 launchers x 1 rank): from the SIGKILL of its every process "
-              "to the survivors' first step of the next round\n")
-        print(benchlib.table(["job", "loss to first step s", "range"], loss_rows))
+        print("\na node's machine lost (--nnodes N-1:N, N launchers x 1 rank): from the SIGKILL of its every "
+              "process to the survivors' first step of the next round\n")
+        print(benchlib.table(["job", "start-up s", "loss to first step s", "range"], loss_rows))
         print("goal: under 10 s with the default settings (NVRx's in-job restart: about a minute; torchrun with "
               "c10d: the job ends when node 0 is lost)")
     benchlib.write_json(args.json, {"results": results, "goal": GOAL})

@@ -27,7 +27,7 @@ The interface, by what it is for:
   whose ranks returned (:meth:`~Rendezvous.returned`), which nodes never
   arrived (:meth:`~Rendezvous.never_arrived`), and what to say when the backend
   itself is gone (:meth:`~Rendezvous.gone_error`);
-* :meth:`~Rendezvous.pause` until the round's keys change (etcd: a watch), and
+* :meth:`~Rendezvous.pause` between two looks (longer the more nodes look), and
   :meth:`~Rendezvous.leave` the job.
 """
 

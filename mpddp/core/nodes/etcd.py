@@ -32,11 +32,10 @@ from ..wire.protocol import FailureRecord
 from . import membership
 from .api import RendezvousGone, Round, stopped_record
 from .etcd_client import EtcdClient, KeptLease
-from .etcd_keys import EtcdKeys, EtcdRoundWatch
+from .etcd_keys import EtcdKeys, EtcdRoundWatch, etcd_interval
 
 _FIRST_CONTACT = 5.0  # seconds the first contact with etcd may take, at most
 _NOT_FOUND = 5  # the gRPC status of a put with a lease that is gone
-_PAUSE = 0.5  # seconds a wait for the round's keys watches them before it looks again (a change it missed)
 
 
 class EtcdRendezvous:
@@ -181,7 +180,7 @@ class EtcdRendezvous:
             if time.monotonic() > deadline or 0 in self.stalled(attempt, {}):
                 raise RendezvousError(f"round {attempt}'s first node did not publish its store within --timeout "
                                       f"{self.config.timeout:g} s: its launcher is gone or stopped")
-            self._watch_once(key)
+            self.pause(attempt)
         host, _, port = found.decode().rpartition(":")
         return host, int(port)
 
@@ -291,16 +290,9 @@ class EtcdRendezvous:
                                f"the others saw; the failures below are what this node saw\n{local}")
 
     def pause(self, attempt: int) -> None:
-        """Until the round's record is written (a watch on its one key: no poll), or :data:`_PAUSE` seconds."""
-        self._watch_once(self._key(attempt, "failure"))
-
-    def _watch_once(self, key: str) -> None:
-        from etcd3gw import exceptions
-
-        try:
-            self.client.call(lambda c: c.watch_once(key, timeout=_PAUSE), timeout=_PAUSE)
-        except exceptions.WatchTimedOut:
-            pass
+        """A moment between two looks, longer the more nodes look (:func:`etcd_interval`). Not a
+        watch: etcd's HTTP gateway serves a few hundred streams at once (etcd_keys.py's await_decided)."""
+        time.sleep(etcd_interval(self.config.nnodes))
 
     def leave(self) -> None:
         """Done with the job: this launcher's lease goes, and the last launcher to leave removes the job's keys."""

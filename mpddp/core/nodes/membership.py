@@ -30,7 +30,7 @@ class Keys(Protocol):
     def arrivals(self, attempt: int) -> dict[str, str]: ...  # launcher id -> its arrival, for those still there
     def claim(self, attempt: int, node_rank: int, me: str) -> str | None: ...  # None, or who came first with it
     def decided(self, attempt: int) -> str | None: ...  # the member list, once written
-    def await_decided(self, attempt: int, timeout: float) -> str | None: ...  # ... within timeout (a watch, a look)
+    def await_decided(self, attempt: int, timeout: float) -> str | None: ...  # ... after a look of timeout
     def look(self, nodes: int) -> float: ...  # seconds between two looks of a waiting launcher
     def decide(self, attempt: int, members: str) -> bool: ...  # write it unless written: True if this one stands
     def latest(self) -> int: ...  # the round the job is in now (0: a new job)
@@ -58,8 +58,8 @@ def join_round(keys: Keys, attempt: int, me: str, *, low: int, high: int, node_r
             break
         _wait_outside(keys, attempt, members, high, _size(low, high))
         attempt += 1
-    before = json.loads(keys.decided(attempt - 1) or "[]") if attempt else []
-    old = tuple(before.index(m) if m in before else None for m in members)
+    before = {m: n for n, m in enumerate(json.loads(keys.decided(attempt - 1) or "[]") if attempt else [])}
+    old = tuple(before.get(m) for m in members)  # a dict: a list's index() is O(N) a member, O(N^2) a node
     return Round(attempt, len(members), members.index(me), old), members
 
 
@@ -79,7 +79,7 @@ def _members(keys: Keys, attempt: int, number: int, low: int, high: int, last_ca
     """The round's launchers once decided. One launcher decides, by the counter alone: the one whose arrival
     made it ``MAX``, or the last to come once ``MIN`` came and nobody else for ``last_call_timeout`` (the
     others too, once the count stood still for two looks, in case it is gone). Only that one reads the
-    arrivals, once; the others wait for the member list (etcd: a watch) and count the arrivals every fourth
+    arrivals, once; the others look at the member list and count the arrivals every fourth
     look, less often the more launchers there are: flat per node."""
     deadline = time.monotonic() + timeout
     seen = number  # how many had come, as last counted
