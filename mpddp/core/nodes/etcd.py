@@ -1,16 +1,17 @@
 """The ``etcd`` rendezvous backend: what the nodes of a job agree on, kept by an etcd cluster, so that no node
 is special.
 
-Owns: :class:`EtcdRendezvous`, core/nodes/api.py's interface on etcd's own means, and :class:`EtcdRoundWatch`,
-a round's progress and first failure read in one request a beat. Every key lies under ``/mpddp/<rdzv-id>/``;
+Owns: :class:`EtcdRendezvous`, core/nodes/api.py's interface on etcd's own means (its round watch,
+:class:`~mpddp.core.nodes.etcd_keys.EtcdRoundWatch`, reads a round's progress and first failure in one request a beat). Every key lies under ``/mpddp/<rdzv-id>/``;
 a round's keys under ``r/<round>/``. Membership is decided per round: each launcher puts ``join/<its id>``;
 once ``MAX`` have joined, or ``MIN`` and no newcomer came for ``last_call_timeout``, the first launcher to
 see it writes ``members`` (a create-if-absent transaction: the first writer wins) and the order of that list
 is the round's node ranks: the last round's nodes first, in their old order, then ``--node-rank``, then
 arrival. So the ranks are compacted when a node is gone. The round's first node hosts its process-group
-store and publishes ``store``. Liveness is the launcher's lease: its ``join`` keys are put with it, and a
-node whose key vanished without ``ended/<node>`` was lost (its launcher, or its machine). The first failure
-is ``failure``, created only if absent, as under c10d.
+store and publishes ``store``. Liveness is the launcher's lease: its ``join`` and ``alive/<node>`` keys are
+put with it, and a node whose keys vanished without ``ended/<node>`` was lost (its launcher, or its
+machine); the alive keys are counted, and read only when the count fell. The first failure is ``failure``,
+created only if absent, as under c10d. What a node costs is flat: core/nodes/etcd_keys.py.
 """
 
 from __future__ import annotations
