@@ -29,7 +29,7 @@ from ..wire import protocol
 from ..wire.protocol import FailureRecord, full_key
 from . import membership
 from .api import POLL, STALLED_AFTER, RendezvousGone, Round, names, stopped_record
-from .c10d_keys import ABSENT, C10dKeys, first_record
+from .c10d_keys import ABSENT, C10dKeys, first_record, read_all
 
 if TYPE_CHECKING:
     from .c10d_watch import C10dRoundWatch
@@ -318,7 +318,7 @@ class C10dRendezvous:
         def read(s: Any) -> list[bytes]:
             count = s.add(full_key(attempt, protocol.RETURNED), 0)
             keys = [full_key(attempt, protocol.returned_entry(n)) for n in range(1, count + 1)]
-            return (list(s.multi_get(keys)) if hasattr(s, "multi_get") else [s.get(k) for k in keys]) if keys else []
+            return read_all(s, keys)
 
         entries = [json.loads(value) for value in self.call(read)]
         return {int(node): float(when) for node, when in entries if node != me}

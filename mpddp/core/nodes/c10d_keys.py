@@ -26,6 +26,13 @@ def first_record(s: Any, attempt: int, record: bytes) -> bytes:
     return bytes(standing)
 
 
+def read_all(s: Any, keys: list[str]) -> list[bytes]:
+    """The values of ``keys``, which all exist: one operation (torch 2.1, 2.2: one a key)."""
+    if not keys:
+        return []
+    return list(s.multi_get(keys)) if hasattr(s, "multi_get") else [s.get(k) for k in keys]
+
+
 class C10dKeys:
     """core/nodes/membership.py's keys in node 0's store: arrivals numbered by a counter (a store lists no keys)."""
 
@@ -52,7 +59,7 @@ class C10dKeys:
         def read(s: Any) -> dict[str, str]:  # two operations, however many came (torch 2.1, 2.2: one a key)
             count = s.add(full_key(attempt, _ARRIVALS), 0)
             keys = [full_key(attempt, f"{_ARRIVALS}/{n}") for n in range(1, count + 1)]
-            values = (s.multi_get(keys) if hasattr(s, "multi_get") else [s.get(k) for k in keys]) if keys else []
+            values = read_all(s, keys)
             return dict(json.loads(value) for value in values)
 
         return dict(self.link.call(read))
