@@ -220,7 +220,7 @@ def node_loss_rows(reps: int, limit: float, tmp: Path, sizes: list[int]) -> tupl
         f", lease ttl {DEFAULT_TTL} s" if backend == "etcd" else "")) for n in sizes for backend in ("c10d", "etcd")]
     for backend, nodes, what in cases:
         if backend == "etcd" and (shutil.which("etcd") is None or importlib.util.find_spec("etcd3gw") is None):
-            rows.append([f"{backend}: {what}", "skipped: etcd-server or etcd3gw not installed", "-"])
+            rows.append([f"{backend}: {what}", "-", "skipped: etcd-server or etcd3gw not installed", "-"])
             continue
         times = []
         for _ in range(reps):
