@@ -128,7 +128,7 @@ def test_a_rank_hung_on_node_1_is_named_by_collective_on_both_nodes(cluster: Clu
     assert lines[0] == lines[1] and codes == [1, 1], "\n\n".join(n.stderr for n in nodes)
     # step 2's backward all-reduces DDP's one bucket as collective #5 (#1 and #2: DDP's own at its start)
     assert re.match(r"mpddp: rank 3 made no progress for \d+ s while ranks 0, 1, 2 waited for it in all_reduce #\d+ "
-                    r"\(float32\[5\]\)", lines[0]), lines[0]
+                    r"\(float32\[5\]\)", lines[0]), "\n\n".join(n.stderr for n in nodes)
     hung = next(n for n in nodes if "the collectives each rank reached" in n.stderr)  # the node that told it first
     assert re.search(r"  ranks 0, 1, 2 entered all_reduce #(\d+) \(float32\[5\]\) [0-9.]+ s ago; rank 3 is still at "
                      r"#\d+ \(all_reduce\): it is the one to look at", hung.stderr), hung.stderr
@@ -496,6 +496,65 @@ def test_a_hang_blamed_on_a_node_that_itself_only_waits_is_told_at_once() -> Non
     assert said is seen_here and link.record(0).line == str(seen_here) and link.record(0).writer == 0
 
 
+def test_a_hang_that_names_ranks_here_and_elsewhere_is_told_again_once_the_other_node_waits() -> None:
+    """Node 1's watchdog named its rank 1 and node 2's rank 2 (node 2's collectives, as shared a starved beat
+    ago, had not reached the all_reduce yet). Node 2's rank only saw the group stop and node 2 waits: node 1
+    tells its report again from what the nodes share by then, which names rank 1 alone. Before, node 1 wrote
+    its first words at once, and every node named ranks 1 and 2 (seen with two suites on 2 cores)."""
+    import mpddp
+    from mpddp.core.nodes import settle
+    from mpddp.core.wire import protocol
+
+    beats = _Beats({0: 12, 1: 12, 2: 12})
+    for node in (0, 2):  # node 0's rank saw the group stop too: both wait, their collectives shared first
+        beats.set(protocol.full_key(0, protocol.waiting_key(node)), "1")
+        _mark_quiet(beats, node)
+    link = _link(1, beats, timeout=30.0)
+    stale = mpddp.WorkerFailed("mpddp: ranks 1, 2 made no progress for 4 s while rank 0 waited", rank=1)
+    fresh = mpddp.WorkerFailed("mpddp: rank 1 made no progress for 4 s while ranks 0, 2 waited", rank=1)
+    blame = settle.Blame.of([1, 2], here=[1], again=lambda: (fresh, mpddp.Outcome.HUNG))
+    assert blame.culprits == {2}
+    started = time.monotonic()
+    said = settle.settle(link, 0, stale, mpddp.Outcome.HUNG, None, lambda record: record, lambda: None, blame=blame)
+    assert time.monotonic() - started < 1.0
+    assert said is fresh and link.record(0).line == str(fresh) and link.record(0).writer == 1
+
+
+def test_a_hang_told_again_waits_for_a_node_that_has_not_shared_its_collectives_yet() -> None:
+    """As above, but node 0 still runs its round (its rank has not yet seen the group stop, so its collectives
+    in the store may be a starved beat old): node 1 waits until node 0 waits too, and only then tells again."""
+    import threading
+
+    import mpddp
+    from mpddp.core.nodes import settle
+    from mpddp.core.wire import protocol
+
+    beats = _Beats({0: 12, 1: 12, 2: 12})
+    beats.set(protocol.full_key(0, protocol.waiting_key(2)), "1")
+    _mark_quiet(beats, 2)
+    told: list[float] = []
+    fresh = mpddp.WorkerFailed("mpddp: ranks 0, 2 called all_reduce #41 while rank 1 called broadcast #41", rank=1)
+    later = threading.Timer(1.5, lambda: _mark_quiet(beats, 0))
+    later.start()
+    started = time.monotonic()
+    try:
+        said = settle.settle(_link(1, beats, timeout=30.0), 0, mpddp.WorkerFailed("stale", rank=1),
+                             mpddp.Outcome.MISMATCH, None, lambda record: record, lambda: None,
+                             blame=settle.Blame.of([1, 2], here=[1], again=lambda: (
+                                 told.append(time.monotonic() - started) or fresh, mpddp.Outcome.MISMATCH)))
+    finally:
+        later.join()
+    assert said is fresh and len(told) == 1 and 1.5 <= told[0] < 5.0, told
+
+
+def _mark_quiet(beats: _Beats, node: int) -> None:
+    """What a node's mark_waiting (or end_round) counts: QUIET, once."""
+    from mpddp.core.wire import protocol
+
+    beats.set(protocol.full_key(0, protocol.quiet_key(node)), "1")
+    beats.add(protocol.full_key(0, protocol.QUIET), 1)
+
+
 def test_a_node_whose_ranks_returned_while_ours_waited_is_named_at_once() -> None:
     """Node 2's ranks returned (it waits for the others to end the round); node 0's rank then saw its all_reduce
     break: node 0 names node 2's first rank as the cause, in the line node 0 words, for every node."""
@@ -542,3 +601,17 @@ def test_a_node_whose_ranks_returned_waits_for_the_others_to_end_the_round(then:
     assert 1.0 <= time.monotonic() - started < 3.0
     assert found == (replace(cause, writer=2) if then == "failed" else None)
     assert beats.values[protocol.full_key(0, protocol.RETURNED)] == 1 + (then == "returned")
+
+
+def test_a_mismatch_that_saw_only_some_ranks_calls_names_the_others_in_doubt() -> None:
+    """Rank 0's all_reduce #41 against rank 1's broadcast #41 is a tie while rank 2's call (node 2's, in a
+    snapshot a starved beat old) is unseen: rank 2 could outvote either, so its node's word is waited for."""
+    from mpddp.core.launcher import board
+    from mpddp.core.wire.protocol import Call
+
+    calls = {r: Call("0", 41, op, ((1,),), ("float32",), 1, "gloo", 0, 41) for r, op in ((0, "all_reduce"),
+                                                                                        (1, "broadcast"))}
+    assert board.unseen(board.Mismatch(calls, odd=1), world_size=3) == {2}
+    assert board.unseen(board.Mismatch({**calls, 2: calls[0]}, odd=1), world_size=3) == frozenset()
+    subgroup = {r: replace(c, group="1") for r, c in calls.items()}  # a subgroup's members are not known here
+    assert board.unseen(board.Mismatch(subgroup, odd=1), world_size=3) == frozenset()

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import tempfile
 import threading
+from collections.abc import Callable
 from multiprocessing import util
 from typing import TYPE_CHECKING, Any
 
@@ -25,6 +26,7 @@ from ..nodes import settle
 from ..nodes.api import RoundWatch
 from ..procs import teardown
 from ..wire import errorfile, protocol
+from . import board
 from .board import Board, Mismatch
 from .channels import receive, start_ranks
 from .classify import Hang, RankState, Verdict, classify, node_cause
@@ -72,6 +74,7 @@ class Attempt:
         self.board = Board(slot.rank for slot in job.plan.slots)  # the ranks' collectives (flight recorder)
         self.hang: Hang | None = None
         self.mismatch: Mismatch | None = None
+        self.watchdog: Watchdog | None = None
         self.failed_here = False  # a local rank failed or hung (else another node's failure stopped ours)
 
     def start(self) -> None:
@@ -82,7 +85,8 @@ class Attempt:
 
     def watch(self) -> None:
         store = self.job.store
-        watchdog = Watchdog(self.job.config.timeout, self.round_watch, self.board, lambda: self.relay.received)
+        watchdog = self.watchdog = Watchdog(self.job.config.timeout, self.round_watch, self.board,
+                                            lambda: self.relay.received)
         stall = watch(self.states, watchdog, self.job.lags, store, self.round_watch)
         self.hang = stall if isinstance(stall, Hang) else None
         self.mismatch = stall if isinstance(stall, Mismatch) else None
@@ -115,8 +119,9 @@ class Attempt:
         error = _report(states, verdict, self.hang, self.mismatch, self.relay) if self.failed_here and not lost else None
         remote = self.round_watch is not None and self.round_watch.remote_failure is not None and not all(
             s.succeeded for s in states)
-        settled = _settle(job, self.number, states, verdict, error, self.round_watch) if job.link and (
-            error or remote) else error
+        doubt = _doubt(states, verdict, self.mismatch, job.config.nnodes * job.plan.nprocs)
+        settled = _settle(job, self.number, states, verdict, error, self.round_watch, self._again,
+                          doubt) if job.link and (error or remote) else error
         if lost:
             raise StoreLost(store.loss())  # type: ignore[union-attr]
         if settled is not None:
@@ -126,6 +131,14 @@ class Attempt:
                 s.tail = self.relay.tail(s.slot.rank)
             raise remote_error(record, states, verdict, job.config.node_rank)
         return [_value(s) for s in states]
+
+    def _again(self) -> tuple[WorkerFailed, Outcome | None]:
+        """This node's report of its hang or mismatch once more, with the other nodes' collectives as they are
+        now (core/nodes/settle.py asks, once the nodes of the ranks it named wait: they see nothing better)."""
+        assert self.watchdog is not None
+        hang, mismatch = self.watchdog.again(self.states, self.hang, self.mismatch)
+        verdict = classify(self.states, hang, mismatch)
+        return _report(self.states, verdict, hang, mismatch, self.relay, again=True), node_cause(self.states, verdict)
 
     def close(self, stopped_by: BaseException | None = None) -> None:
         """The round is over for this node: its beat stops now, and the other nodes read that as no loss.
@@ -143,12 +156,13 @@ class Attempt:
 
 
 def _report(states: list[RankState], verdict: Verdict, hang: Hang | None, mismatch: Mismatch | None,
-            relay: Relay) -> WorkerFailed:
-    """This node's own report of the failure: the root cause, with each rank's last lines and stacks."""
+            relay: Relay, again: bool = False) -> WorkerFailed:
+    """This node's own report of the failure: the root cause, with each rank's last lines and stacks (written
+    into the ranks' logs once, not ``again``)."""
     forkserver_lost(states)
     for s in states:
         s.tail = relay.tail(s.slot.rank)
-        if s.location is not None:
+        if s.location is not None and not again:
             relay.note(s.slot.rank, f"mpddp: rank {s.slot.rank}'s stacks when it was stopped:\n{s.location.dump}")
     if mismatch is not None:
         return mismatch_error(states, verdict, mismatch)
@@ -158,21 +172,37 @@ def _report(states: list[RankState], verdict: Verdict, hang: Hang | None, mismat
 
 
 def _settle(job: Job, attempt: int, states: list[RankState], verdict: Verdict, local: WorkerFailed | None,
-            round_watch: RoundWatch | None) -> WorkerFailed | RendezvousError:
-    """Several nodes: the same first failure on every node (core/nodes/settle.py), whichever node it happened on."""
+            round_watch: RoundWatch | None,
+            again: Callable[[], tuple[WorkerFailed, Outcome | None]],
+            doubt: frozenset[int] = frozenset()) -> WorkerFailed | RendezvousError:
+    """Several nodes: the same first failure on every node (core/nodes/settle.py), whichever node it happened on.
+    ``doubt``: the ranks a mismatch could not see the call of (another node's), which may outvote its odd one."""
     link = job.link
     assert link is not None
     cause = node_cause(states, verdict) if local is not None else None
     remote = round_watch.remote_failure if round_watch is not None and local is None else None
     node = job.config.node_rank
     link.reached |= any(s.joined for s in states)  # our ranks got through the store: it was up
-    blame = settle.Blame.of(verdict.culprits if verdict.case in ("hang", "mismatch") else (),
-                            here=[s.slot.rank for s in states],
-                            early_exit=lambda rank: early_exit_line(states, verdict, rank))
+    if round_watch is not None:
+        round_watch.share_now()  # our ranks' collectives as they ended, before this node waits or tells
+    stop = verdict.case in ("hang", "mismatch")
+    blame = settle.Blame.of({*verdict.culprits, *doubt} if stop else (), here=[s.slot.rank for s in states],
+                            early_exit=lambda rank: early_exit_line(states, verdict, rank), again=again if stop else None)
     return settle.settle(link, attempt, local, cause, remote,
                          remote_error=lambda record: remote_error(record, states, verdict, node),
                          missing=lambda: link.never_arrived(attempt) if job.store and job.init_group else None,
                          blame=blame)
+
+
+def _doubt(states: list[RankState], verdict: Verdict, mismatch: Mismatch | None, world_size: int) -> frozenset[int]:
+    """The other nodes' ranks this node's verdict may wrong, for their nodes' word first (several nodes): those a
+    mismatch did not see the call of, and all of them when a hang found no rank behind another (this node saw
+    only its own ranks wait, the culprit may be anywhere)."""
+    if mismatch is not None:
+        return board.unseen(mismatch, world_size)
+    if verdict.hang is not None and verdict.hang.case == "nowhere":
+        return frozenset(range(world_size)) - {s.slot.rank for s in states}
+    return frozenset()
 
 
 def _value(state: RankState) -> Any:

@@ -156,11 +156,11 @@ class Board:
             return True
         return members - row.keys() <= elsewhere
 
-    def snapshot(self) -> bytes | None:
+    def snapshot(self, whole: bool = False) -> bytes | None:
         """This node's ranks' last collective per lane and how far each completed, for the other nodes (JSON);
-        None when nothing moved since the last snapshot."""
+        None when nothing moved since the last snapshot, unless ``whole``."""
         with self._lock:
-            if self._version == self._shared:
+            if self._version == self._shared and not whole:
                 return None
             self._shared = self._version
             return json.dumps({str(r): {"last": [[*c.lane, c.seq, c.op, c.sizes, c.dtypes, c.entered, c.op_id]
@@ -280,6 +280,14 @@ def standing_rows(standings: list[Standing], now_ns: int) -> list[str]:
             rows.append(f"{head}, and it completed on every rank: what they wait for now is not in the recorder "
                         "(point-to-point ops, monitored_barrier): see where each rank is")
     return rows
+
+
+def unseen(mismatch: Mismatch, world_size: int) -> frozenset[int]:
+    """The default group's ranks whose call at the mismatch's number was not seen (another node's, in a snapshot
+    older than their call): what they called could outvote the rank named odd."""
+    calls = mismatch.calls
+    group = next(iter(calls.values())).group if calls else ""
+    return frozenset(range(world_size)) - set(calls) if group == "0" else frozenset()
 
 
 def mismatch_line(m: Mismatch) -> str:

@@ -23,7 +23,7 @@ import psutil
 from ...log import logger
 from ..nodes.api import RoundWatch
 from ..wire import stacks
-from .board import Board, Standing
+from .board import Board, Mismatch, Standing
 from .classify import Hang, RankState
 
 BUSY = 0.1  # fraction of one core over a sample: more is computing
@@ -88,6 +88,22 @@ class Watchdog:
         """Where the ranks stand in their collectives (empty without a flight recorder)."""
         whole = self._whole(states)
         return tuple(whole[0].standings(whole[1])) if whole is not None else ()
+
+    def again(self, states: list[RankState], hang: Hang | None,
+              mismatch: Mismatch | None) -> tuple[Hang | None, Mismatch | None]:
+        """A stop that named another node's ranks, seen again through the other nodes' collectives as they are
+        now: a snapshot read at the stop may have been a beat old, or more on a starved machine (a rank that
+        had entered the collective then looked behind)."""
+        whole = self._whole(states) if hang is not None or mismatch is not None else None
+        if whole is None:
+            return hang, mismatch
+        board, world = whole
+        crossed = board.crossed()
+        if crossed is not None:  # as the watch tells it: a mismatch is a bug, whatever else stopped
+            return None, replace(crossed, after=hang.seconds if hang is not None else mismatch.after)  # type: ignore[union-attr]
+        if hang is not None:
+            return replace(hang, standings=tuple(board.standings(world))), None
+        return None, mismatch
 
     def _whole(self, states: list[RankState]) -> tuple[Board, list[int]] | None:
         """The board to tell a stop from, and its ranks: on several nodes every node's ranks, from the snapshots

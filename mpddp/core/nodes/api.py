@@ -93,6 +93,7 @@ class RoundWatch(Protocol):
 
     def progressed(self) -> None: ...
     def others_calls(self) -> list[bytes]: ...
+    def share_now(self) -> None: ...
     def stop(self) -> None: ...
 
 
@@ -100,7 +101,7 @@ class BeatThread:
     """What every backend's round watch shares: the two values the attempt reads, the flag the watchdog sets,
     and the daemon thread that runs the backend's ``_run`` until :meth:`stop`."""
 
-    def __init__(self, attempt: int, share: Callable[[], bytes | None] | None) -> None:
+    def __init__(self, attempt: int, share: Callable[[bool], bytes | None] | None) -> None:
         self.attempt = attempt
         self.share = share  # this node's ranks' collectives when they moved (core/launcher/board.py's snapshot)
         self.remote_progress = 0  # the other nodes' progress, as last read
@@ -111,6 +112,19 @@ class BeatThread:
 
     def progressed(self) -> None:
         self._progress.set()
+
+    def share_now(self) -> None:
+        """This node's ranks' collectives into the store now, whole, from the caller's thread: before a node
+        says it waits for the round's record, so that a node that tells a hang once it waits reads them as
+        they ended, not as a starved beat last shared them."""
+        if self.share is not None and (snapshot := self.share(True)) is not None:
+            try:
+                self._put_calls(snapshot)
+            except RendezvousGone:  # the store is gone: what that means is settled after
+                return
+
+    def _put_calls(self, snapshot: bytes) -> None:
+        raise NotImplementedError
 
     def _run(self) -> None:
         raise NotImplementedError
@@ -134,7 +148,7 @@ class Rendezvous(Protocol):
     def store(self, attempt: int) -> tuple[str, int]: ...
     def set_script_port(self, attempt: int, port: int) -> None: ...
     def script_port(self, attempt: int) -> int: ...
-    def watch(self, attempt: int, share: Callable[[], bytes | None] | None = None) -> RoundWatch: ...
+    def watch(self, attempt: int, share: Callable[[bool], bytes | None] | None = None) -> RoundWatch: ...
     def end_round(self, attempt: int) -> None: ...
     def finish(self, attempt: int) -> FailureRecord | None: ...
     def publish(self, attempt: int, record: FailureRecord) -> FailureRecord: ...

@@ -164,7 +164,7 @@ class C10dRendezvous:
         """Node 0: the port of the round's own store for env:// scripts, for the other nodes to read."""
         self.call(lambda s: s.set(full_key(attempt, protocol.SCRIPT_PORT), str(port)))
 
-    def watch(self, attempt: int, share: Callable[[], bytes | None] | None = None) -> C10dRoundWatch:
+    def watch(self, attempt: int, share: Callable[[bool], bytes | None] | None = None) -> C10dRoundWatch:
         """The round's beat, from a thread of its own, until it is stopped."""
         from .c10d_watch import C10dRoundWatch
 

@@ -23,7 +23,8 @@ class C10dRoundWatch(BeatThread):
     round's first failure: the attempt then stops this node's ranks.
     """
 
-    def __init__(self, link: C10dRendezvous, attempt: int, share: Callable[[], bytes | None] | None = None) -> None:
+    def __init__(self, link: C10dRendezvous, attempt: int,
+                 share: Callable[[bool], bytes | None] | None = None) -> None:
         super().__init__(attempt, share)
         self.link = link
         self._thread.start()
@@ -37,7 +38,7 @@ class C10dRoundWatch(BeatThread):
         def turn(s: Any) -> tuple[int, int]:  # two store operations a turn, however many nodes: flat
             step = 1 if self._progress.is_set() else 0
             total = s.add(progress, step)  # every node's progress, ours subtracted; FAILED once a record is written
-            snapshot = self.share() if self.share is not None else None  # this node's collectives, when they moved
+            snapshot = self.share(False) if self.share is not None else None  # this node's collectives, when they moved
             if snapshot is None:
                 s.set(beat, str(beats))
             elif hasattr(s, "multi_set"):
@@ -60,6 +61,10 @@ class C10dRoundWatch(BeatThread):
                 self._stop.wait(INTERVAL)
         except RendezvousGone:  # node 0 gone: what that means is settled after the local ranks stop
             return
+
+    def _put_calls(self, snapshot: bytes) -> None:
+        key = full_key(self.attempt, protocol.calls_key(self.link.config.node_rank))
+        self.link.call(lambda s: s.set(key, snapshot))
 
     def others_calls(self) -> list[bytes]:
         """The other nodes' last snapshots of their ranks' collectives (none when node 0's store is gone)."""

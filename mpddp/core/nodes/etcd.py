@@ -191,7 +191,7 @@ class EtcdRendezvous:
     def script_port(self, attempt: int) -> int:
         return self.store(attempt)[1]
 
-    def watch(self, attempt: int, share: Callable[[], bytes | None] | None = None) -> EtcdRoundWatch:
+    def watch(self, attempt: int, share: Callable[[bool], bytes | None] | None = None) -> EtcdRoundWatch:
         return EtcdRoundWatch(self, attempt, share)
 
     def end_round(self, attempt: int) -> None:

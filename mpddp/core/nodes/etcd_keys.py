@@ -121,7 +121,8 @@ class EtcdRoundWatch(BeatThread):
     key: its version counts every node's steps) and collectives when they moved, and reads the progress key
     and the round's first failure (core/nodes/c10d_watch.py's has the rules)."""
 
-    def __init__(self, link: EtcdRendezvous, attempt: int, share: Callable[[], bytes | None] | None = None) -> None:
+    def __init__(self, link: EtcdRendezvous, attempt: int,
+                 share: Callable[[bool], bytes | None] | None = None) -> None:
         super().__init__(attempt, share)
         self.link = link
         self._thread.start()
@@ -139,7 +140,7 @@ class EtcdRoundWatch(BeatThread):
                     self._progress.clear()
                     mine += 1
                     puts.append({"request_put": {"key": progress, "value": _encode(str(node))}})
-                if self.share is not None and (snapshot := self.share()) is not None:
+                if self.share is not None and (snapshot := self.share(False)) is not None:
                     puts.append({"request_put": {"key": _encode(link._key(self.attempt, "calls", node)),
                                                  "value": _encode(snapshot)}})
                 reads = [{"request_range": {"key": progress}}, {"request_range": {"key": failure}}]
@@ -153,6 +154,9 @@ class EtcdRoundWatch(BeatThread):
                 self._stop.wait(INTERVAL)
         except RendezvousGone:
             return
+
+    def _put_calls(self, snapshot: bytes) -> None:
+        self.link._put(self.link._key(self.attempt, "calls", self.link.config.node_rank), snapshot)
 
     def others_calls(self) -> list[bytes]:
         """The other nodes' last collectives, read once a hang is suspected (one request)."""

@@ -15,11 +15,13 @@ names the same rank:
   stopped beating without ending its round (killed, machine lost), or never
   beat in it for --timeout; when another node's ranks all returned while its
   own waited for them, it names one of those as the cause (it returned early);
-* so does a node whose watchdog found a hang or a mismatch that names only
-  other nodes' ranks (seen through the collectives the nodes share every
-  beat): their own node sees them better (their stacks, a flight recorder
-  not a beat old), and its record stands unless it never comes, or that
-  node waits for the record itself.
+* so does a node whose watchdog found a hang or a mismatch that names other
+  nodes' ranks, with or without its own (seen through the collectives the
+  nodes share every beat): their own node sees them better (their stacks, a
+  flight recorder not a beat old), and its record stands unless it never
+  comes, or that node waits for the record itself; then this node tells its
+  report again from the collectives shared by then (those it named may have
+  been entered while the snapshot it read was old: a starved launcher's).
 
 The one-node half of blame is core/launcher/classify.py's ``classify``. Leaves
 the store's client, the beat and the other nodes' liveness to
@@ -41,19 +43,29 @@ _RECORD_WAIT = 10.0  # seconds a node whose ranks only saw a peer vanish waits f
 
 @dataclass(frozen=True)
 class Blame:
-    """What this node's report blames, for :func:`settle`: ``culprits``, when they are all ranks of other nodes
-    (a hang or a mismatch seen through the collectives the nodes share), and ``early_exit``, the first line
-    that names a rank of another node that returned while this node's ranks still waited for it."""
+    """What this node's report blames, for :func:`settle`: ``culprits``, the ranks of other nodes that a hang or
+    a mismatch names (seen through the collectives the nodes share); ``early_exit``, the first line that names
+    a rank of another node that returned while this node's ranks still waited for it; ``again``, this node's
+    report told once more from the other nodes' collectives as they are now, and its cause."""
 
     culprits: frozenset[int] = frozenset()
     early_exit: Callable[[int], str] | None = None
+    again: Callable[[], tuple[WorkerFailed, Outcome | None]] | None = None
 
     @classmethod
-    def of(cls, culprits: Iterable[int], here: Iterable[int], early_exit: Callable[[int], str] | None = None) -> Blame:
-        """A verdict's ``culprits`` count as other nodes' only when none of them is one of this node's ranks
-        (``here``): a hang or a mismatch seen through the collectives the nodes share, their node tells better."""
-        named = frozenset(culprits)
-        return cls(named if not named & set(here) else frozenset(), early_exit)
+    def of(cls, culprits: Iterable[int], here: Iterable[int], early_exit: Callable[[int], str] | None = None,
+           again: Callable[[], tuple[WorkerFailed, Outcome | None]] | None = None) -> Blame:
+        """A verdict's ``culprits`` that are not this node's ranks (``here``): their node tells them better,
+        also when some of this node's are named beside them (the snapshot they were seen in may be old)."""
+        return cls(frozenset(culprits) - set(here), early_exit, again)
+
+
+@dataclass(frozen=True)
+class Retold:
+    """This node's report told again once the culprits' nodes waited (``Blame.again``), and the round's record."""
+
+    error: WorkerFailed
+    record: FailureRecord
 
 
 def settle(link: Rendezvous, attempt: int, local: WorkerFailed | None, cause: Outcome | None,
@@ -85,6 +97,8 @@ def _settle_local(link: Rendezvous, attempt: int, local: WorkerFailed, cause: Ou
         winner = link.publish(attempt, _record_of(local, cause, link))
         return local if winner.writer == config.node_rank else remote_error(winner)  # another node was first
     found = _wait_for(link, attempt, local, cause if blame.culprits else Outcome.COLLECTIVE, blame)
+    if isinstance(found, Retold):
+        local, found = found.error, found.record
     if isinstance(found, FailureRecord):  # ours stands, unless it names another node's rank that returned early
         mine = found.writer == config.node_rank and found.outcome is not Outcome.EARLY_EXIT
         return local if mine else remote_error(found)
@@ -111,13 +125,15 @@ class Lost:
 
 
 def _wait_for(link: Rendezvous, attempt: int, local: WorkerFailed, outcome: Outcome | None,
-              blame: Blame) -> FailureRecord | Lost:
+              blame: Blame) -> FailureRecord | Lost | Retold:
     """The round's record, once another node writes it; or the nodes found lost; or ours, once no other node
     can still write a better one.
 
     Two things end the wait at once: another node's ranks all returned while ours waited for them (then
     the record names one of them, as ``blame.early_exit`` words it), and, when ``blame.culprits`` are other
-    nodes' ranks, their own nodes waiting too: their ranks only saw ours stop, so they see no better.
+    nodes' ranks, their own nodes waiting too: their ranks only saw ours stop, so they see no better (when
+    ``blame.again`` can tell ours again, once no node is busy either: each shared its collectives before it
+    waited, and ours is told from them).
 
     The node whose rank failed by itself writes the record after its teardown, which takes seconds on a busy
     machine (measured: more than 10 s with 8 launchers and 16 ranks on 2 loaded cores, and a victim's own
@@ -141,8 +157,8 @@ def _wait_for(link: Rendezvous, attempt: int, local: WorkerFailed, outcome: Outc
             rank = min(blame.culprits & set(range(node * nprocs, (node + 1) * nprocs)), default=node * nprocs)
             return link.publish(attempt, FailureRecord(rank, node, rank - node * nprocs, Outcome.EARLY_EXIT, 1,
                                                        blame.early_exit(rank), time.time()))
-        if culprit_nodes and link.waiting(attempt, culprit_nodes):
-            return link.publish(attempt, _record_of(local, outcome, link))
+        if culprit_nodes and link.waiting(attempt, culprit_nodes) and (blame.again is None or not link.busy(attempt)):
+            return _ours(link, attempt, local, outcome, blame)  # their nodes see no better, and every node shared
         now = time.monotonic()
         if now - since >= STALLED_AFTER:  # a launcher whose beat stood still while others beat is gone
             lost = link.stalled(attempt, beats)
@@ -153,8 +169,15 @@ def _wait_for(link: Rendezvous, attempt: int, local: WorkerFailed, outcome: Outc
         if now - start > link.config.timeout and (silent := link.silent(attempt)):
             return Lost(silent, beat=False)
         if now - start > _RECORD_WAIT and (now - start > link.config.timeout or not link.busy(attempt)):
-            return link.publish(attempt, _record_of(local, outcome, link))
+            return _ours(link, attempt, local, outcome, blame)
         link.pause(attempt)
+
+
+def _ours(link: Rendezvous, attempt: int, local: WorkerFailed, outcome: Outcome | None, blame: Blame) -> Retold:
+    """This node's report as the round's record, told again first from the collectives the nodes shared by now
+    when it named other nodes' ranks; the record that stands (another node's, if it wrote first)."""
+    error, cause = blame.again() if blame.again is not None else (local, outcome)
+    return Retold(error, link.publish(attempt, _record_of(error, cause or outcome, link)))
 
 
 def _record_of(error: WorkerFailed, cause: Outcome | None, link: Rendezvous) -> FailureRecord:
