@@ -34,6 +34,8 @@ class Outcome(enum.Enum):
     COLLECTIVE = "collective"  # an error raised inside torch.distributed after a peer went away
     STOPPED = "stopped"  # stopped by mpddp after another rank failed
     RESIZED = "resized"  # stopped by mpddp to admit a node that arrived (an elastic job grows): no failure
+    ABSENT = "absent"  # never reached node 0's store in the job's first round: its node never arrived
+    REFUSED = "refused"  # did not join: the nodes were started with different --nnodes or --nprocs (bad input)
 
 
 @dataclass(frozen=True)
@@ -78,6 +80,14 @@ class ForkserverLost(MpddpError):
 
 class RendezvousError(MpddpError):
     """The nodes of a job did not all meet (a node missing, unreachable master)."""
+
+
+class NeverArrived(RendezvousError):
+    """Ranks of the job never reached node 0's store in its first round: ``ranks``, the first of them first."""
+
+    def __init__(self, message: str, ranks: list[int]) -> None:
+        super().__init__(message)
+        self.ranks = ranks
 
 
 class AddressError(ConfigError, RendezvousError):

@@ -15,17 +15,19 @@ from __future__ import annotations
 
 import tempfile
 import threading
+import time
 from collections.abc import Callable
 from multiprocessing import util
 from typing import TYPE_CHECKING, Any
 
 import cloudpickle
 
-from ...errors import MainGuardError, Outcome, RendezvousError, StoreLost, WorkerFailed
+from ...errors import ConfigError, MainGuardError, Outcome, RendezvousError, StoreLost, WorkerFailed
 from ..nodes import settle
 from ..nodes.api import RoundWatch
 from ..procs import teardown
 from ..wire import errorfile, protocol
+from ..wire.protocol import FailureRecord
 from . import board
 from .board import Board, Mismatch
 from .channels import receive, start_ranks
@@ -110,6 +112,7 @@ class Attempt:
         states, store, job = self.states, self.job.store, self.job
         if any(s.exitcode == protocol.MAIN_GUARD_EXIT and not s.started for s in states):
             raise MainGuardError(_MAIN_GUARD_MESSAGE)
+        self._refused()
         # a store server lost with the forkserver is not the cause: the ranks' report names the forkserver
         lost = store is not None and store.lost and forkserver_gone() is None
         stalled = store.stalled() if store is not None and not all(s.succeeded for s in states) else None
@@ -132,6 +135,23 @@ class Attempt:
             raise remote_error(record, states, verdict, job.config.node_rank)
         return [_value(s) for s in states]
 
+    def _refused(self) -> None:
+        """Bad input found when the nodes met (core/rank/worker.py's roll call), here or on another node: its one
+        line, exit code 2. A taken node rank is this launcher's alone: it leaves the job's keys as they were."""
+        job, record = self.job, self.round_watch.remote_failure if self.round_watch is not None else None
+        if record is not None and record.outcome is Outcome.REFUSED:
+            raise ConfigError(record.line.removeprefix(_ERROR))
+        refused = next((s for s in self.states if s.refused is not None), None)
+        if refused is None or job.link is None:
+            return
+        slot, line = refused.slot, refused.refused.line
+        if refused.refused.shared:
+            job.link.publish(self.number, FailureRecord(slot.rank, slot.node_rank, slot.local_rank, Outcome.REFUSED,
+                                                        2, _ERROR + line, time.time()))
+        else:
+            job.intruder = True
+        raise ConfigError(line)
+
     def _again(self) -> tuple[WorkerFailed, Outcome | None]:
         """This node's report of its hang or mismatch once more, with the other nodes' collectives as they are
         now (core/nodes/settle.py asks, once the nodes of the ranks it named wait: they see nothing better)."""
@@ -148,6 +168,9 @@ class Attempt:
         """
         link = self.job.link
         if self.round_watch is None or link is None:
+            return
+        if self.job.intruder:  # the node rank is another launcher's: its keys are not this one's to mark
+            self.round_watch.stop()
             return
         if stopped_by is not None:
             link.stopped(self.number, stopped_by)
@@ -190,7 +213,7 @@ def _settle(job: Job, attempt: int, states: list[RankState], verdict: Verdict, l
                             early_exit=lambda rank: early_exit_line(states, verdict, rank), again=again if stop else None)
     return settle.settle(link, attempt, local, cause, remote,
                          remote_error=lambda record: remote_error(record, states, verdict, node),
-                         missing=lambda: link.never_arrived(attempt) if job.store and job.init_group else None,
+                         missing=lambda: link.never_arrived(attempt) if job.store else None,
                          blame=blame)
 
 
@@ -219,6 +242,8 @@ def _value(state: RankState) -> Any:
             rank, [state.record(Outcome.RAISED)], exit_code=1,
         ) from None
 
+
+_ERROR = "mpddp: error: "  # how bad input's line starts on the terminal (mpddp/cli), and in a record of it
 
 _MAIN_GUARD_MESSAGE = """\
 mpddp.launch() ran again inside a worker: your script has no main guard.

@@ -53,6 +53,7 @@ class RankState:
     location: stacks.Location | None = None  # where it was when it was stopped
     error_file: ErrorRecord | None = None  # what its TORCHELASTIC_ERROR_FILE said (@record), read after it ended
     lost_with: int | None = None  # the pid of the forkserver it was lost with (killed under it)
+    refused: Any = None  # protocol.Refused: it did not join (a taken node rank, nodes of different shapes)
     tail: list[str] = field(default_factory=list)
 
     pid: int | None = None  # kept apart: the process object is closed once the rank has ended (its fds freed)

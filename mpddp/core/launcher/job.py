@@ -43,6 +43,7 @@ class Job:
     script_store: StoreServer | None = None  # node 0 only
     link: Rendezvous | None = None  # several nodes only: what the nodes agree on (core/nodes/api.py)
     lags: stragglers.Stragglers = field(default_factory=stragglers.Stragglers)  # arrivals at collectives, job-wide
+    intruder: bool = False  # another launcher holds this node rank: the job's keys are not this one's to touch
 
     @property
     def config(self) -> LaunchConfig:
@@ -72,7 +73,7 @@ def run_job(plan: Plan, mp_context: Any, payload: bytes, init_group: bool, liste
         return values
     finally:
         _tell_lags(job, succeeded=values is not None)
-        if job.link is not None:
+        if job.link is not None and not job.intruder:
             job.link.leave()  # node 0: the store stays until the others have read the last round
         for store in (job.store, job.script_store):
             if store is not None:

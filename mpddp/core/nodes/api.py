@@ -42,7 +42,7 @@ from typing import Protocol
 
 from ... import rank_math
 from ...config import LaunchConfig
-from ...errors import Outcome, RendezvousError, StoreLost, WorkerFailed
+from ...errors import NeverArrived, Outcome, RendezvousError, StoreLost, WorkerFailed
 from ..wire.protocol import FailureRecord
 
 INTERVAL = 0.25  # seconds between two beats (and two looks for another node's failure)
@@ -142,6 +142,7 @@ class Rendezvous(Protocol):
     reached: bool  # the backend answered once, this launcher or one of its ranks
     gone: set[int]  # nodes found lost
     hosts_round_store: bool  # each round's first node hosts its store (else node 0's, for the whole job)
+    me: str  # this launcher, for the others: its host, pid and a random tail
 
     def join(self, attempt: int) -> Round: ...
     def set_store(self, attempt: int, host: str, port: int) -> None: ...
@@ -161,7 +162,7 @@ class Rendezvous(Protocol):
     def mark_waiting(self, attempt: int) -> None: ...
     def waiting(self, attempt: int, nodes: set[int]) -> bool: ...
     def returned(self, attempt: int) -> dict[int, float]: ...
-    def never_arrived(self, attempt: int) -> RendezvousError | None: ...
+    def never_arrived(self, attempt: int) -> NeverArrived | None: ...
     def gone_error(self, local: WorkerFailed) -> RendezvousError: ...
     def pause(self, attempt: int) -> None: ...  # until the round's keys change, or a moment (POLL and more)
     def leave(self) -> None: ...
@@ -188,5 +189,13 @@ def resized_record(newcomer: str, nnodes: int) -> FailureRecord:
 
 
 def names(items: list[int]) -> str:
-    """``0, 2, 3``: nodes or ranks in a line."""
-    return ", ".join(map(str, items))
+    """``0, 2, 3``: nodes or ranks in a line; a run of three or more as a range (``1-99999``), so that a line
+    that names the nodes of --nnodes 100000 stays one line."""
+    runs: list[list[int]] = []  # [first, last] of each run of consecutive items
+    for item in items:
+        if runs and item == runs[-1][1] + 1:
+            runs[-1][1] = item
+        else:
+            runs.append([item, item])
+    parts = [f"{a}-{b}" if b - a >= 2 else ", ".join(map(str, range(a, b + 1))) for a, b in runs]
+    return ", ".join(parts)

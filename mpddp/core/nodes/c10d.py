@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from ... import rank_math
 from ...config import LaunchConfig
-from ...errors import RendezvousError, StoreLost, WorkerFailed
+from ...errors import NeverArrived, RendezvousError, StoreLost, WorkerFailed
 from ...log import logger
 from ..wire import protocol
 from ..wire.protocol import FailureRecord, full_key
@@ -47,6 +47,7 @@ class C10dRendezvous:
     def __init__(self, config: LaunchConfig, port: int, nprocs: int) -> None:
         self.config, self.port, self.nprocs = config, port, nprocs
         self.gone: set[int] = set()  # nodes found lost (no beat, no end): node 0 does not wait for them to leave
+        self.absent: set[int] = set()  # nodes that never arrived in the first round: node 0 does not wait for them
         self.reached = False  # node 0's store answered once, this launcher or one of its ranks
         self._unreachable = False  # a connection failed, after retrying for as long as asked: fail fast from now
         self._store: Any = None
@@ -188,23 +189,33 @@ class C10dRendezvous:
 
         self.call(count)
 
-    def never_arrived(self, attempt: int) -> RendezvousError | None:
+    def never_arrived(self, attempt: int) -> NeverArrived | None:
         """The nodes whose ranks never reached node 0's store in round ``attempt`` (core/rank/worker.py marks
         each rank's arrival), as the error that names them and how to start them; None when every rank came."""
         config, port, world_size = self.config, self.port, self.config.nnodes * self.nprocs
-        keys = [full_key(attempt, protocol.arrived_key(r)) for r in range(world_size)]
-        try:  # one operation when every rank came; one a rank only when some did not
-            missing = self.call(lambda s: [] if s.check(keys) else [r for r, k in enumerate(keys) if not s.check([k])],
-                                connect_timeout=2.0)
+
+        def read(s: Any) -> list[int]:  # one operation when every rank came; two, whatever the size, else
+            count = s.add(full_key(attempt, protocol.ARRIVED), 0)
+            if count >= world_size:
+                return []
+            keys = [full_key(attempt, protocol.arrived_entry(n)) for n in range(1, count + 1)]
+            if not s.check(keys):  # a rank counted, its entry not yet written (or never: killed between)
+                keys = [k for k in keys if s.check([k])]
+            came = {int(v) for v in read_all(s, keys)}
+            return [r for r in range(world_size) if r not in came]
+
+        try:
+            missing = self.call(read, connect_timeout=2.0)
         except RendezvousGone:
             return None
         if not missing:
             return None
         nodes = sorted({rank_math.split_rank(r, self.nprocs)[0] for r in missing})
-        return RendezvousError(
+        self.absent = set(nodes)
+        return NeverArrived(
             f"node(s) {names(nodes)} never arrived (rank(s) {names(missing)} "
             f"missing from the rendezvous at {config.master_addr}:{port}): start their launchers with "
-            f"--nnodes {config.nnodes} --master-addr {config.master_addr} --master-port {port} --node-rank N")
+            f"--nnodes {config.nnodes} --master-addr {config.master_addr} --master-port {port} --node-rank N", missing)
 
     def gone_error(self, local: WorkerFailed) -> RendezvousError:
         """Node 0's store does not answer: never reached (not started, wrong address), or gone since."""
@@ -366,7 +377,8 @@ class C10dRendezvous:
         nnodes = self.config.nnodes
 
         def waited_for(s: Any) -> int:  # the nodes of the last round, but for those any node found lost
-            return nnodes - max(len(self.gone), s.add(full_key(self._last, protocol.LOST), 0))
+            return nnodes - len(self.absent) - max(len(self.gone - self.absent),
+                                                   s.add(full_key(self._last, protocol.LOST), 0))
 
         try:
             self.call(lambda s: s.add(protocol.LEFT, 1), connect_timeout=2.0)

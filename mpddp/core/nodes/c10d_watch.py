@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 from ..wire import protocol
 from ..wire.protocol import full_key
 from .api import INTERVAL, BeatThread, RendezvousGone
+from .c10d_keys import read_all
 
 if TYPE_CHECKING:
     from .c10d import C10dRendezvous
@@ -27,6 +28,7 @@ class C10dRoundWatch(BeatThread):
                  share: Callable[[bool], bytes | None] | None = None) -> None:
         super().__init__(attempt, share)
         self.link = link
+        self._listed = False  # this node's collectives are in the store, and it is among the SHARERS
         self._thread.start()
 
     def _run(self) -> None:
@@ -45,6 +47,8 @@ class C10dRoundWatch(BeatThread):
                 s.multi_set([beat, calls], [str(beats), snapshot])
             else:  # torch 2.1, 2.2
                 s.set(beat, str(beats)), s.set(calls, snapshot)
+            if snapshot is not None:
+                self._list(s)
             return step, total
 
         try:
@@ -64,17 +68,31 @@ class C10dRoundWatch(BeatThread):
 
     def _put_calls(self, snapshot: bytes) -> None:
         key = full_key(self.attempt, protocol.calls_key(self.link.config.node_rank))
-        self.link.call(lambda s: s.set(key, snapshot))
+
+        def put(s: Any) -> None:
+            s.set(key, snapshot)
+            self._list(s)
+
+        self.link.call(put)
+
+    def _list(self, s: Any) -> None:
+        """Once, after its first collectives are in: this node among the SHARERS (two operations)."""
+        if not self._listed:
+            self._listed = True
+            number = s.add(full_key(self.attempt, protocol.SHARERS), 1)
+            s.set(full_key(self.attempt, protocol.sharer_entry(number)), str(self.link.config.node_rank))
 
     def others_calls(self) -> list[bytes]:
         """The other nodes' last snapshots of their ranks' collectives (none when node 0's store is gone)."""
-        node, nnodes = self.link.config.node_rank, self.link.config.nnodes
-        keys = [full_key(self.attempt, protocol.calls_key(n)) for n in range(nnodes) if n != node]
+        node, attempt = self.link.config.node_rank, self.attempt
 
-        def read(s: Any) -> list[bytes]:  # once a hang is suspected: one operation while every node beat
-            if keys and hasattr(s, "multi_get") and s.check(keys):
-                return list(s.multi_get(keys))
-            return [s.get(k) for k in keys if s.check([k])]
+        def read(s: Any) -> list[bytes]:  # once a hang is suspected: three operations, of those that shared
+            count = s.add(full_key(attempt, protocol.SHARERS), 0)
+            entries = [full_key(attempt, protocol.sharer_entry(n)) for n in range(1, count + 1)]
+            if not s.check(entries):  # a node counted, its entry not yet written
+                entries = [k for k in entries if s.check([k])]
+            nodes = sorted({int(v) for v in read_all(s, entries)} - {node})
+            return read_all(s, [full_key(attempt, protocol.calls_key(n)) for n in nodes])
 
         try:
             return self.link.call(read)

@@ -27,7 +27,7 @@ from dataclasses import replace
 from typing import Any
 
 from ...config import LaunchConfig
-from ...errors import AddressError, RendezvousError, WorkerFailed
+from ...errors import AddressError, NeverArrived, RendezvousError, WorkerFailed
 from ...log import logger
 from ..wire.protocol import FailureRecord
 from . import membership
@@ -283,7 +283,7 @@ class EtcdRendezvous:
             return {}
         return {int(n): float(v) for n, v in self._prefix(key).items() if int(n) != me}
 
-    def never_arrived(self, attempt: int) -> RendezvousError | None:
+    def never_arrived(self, attempt: int) -> NeverArrived | None:
         return None  # a round starts with the nodes that joined it: none can be missing from it
 
     def gone_error(self, local: WorkerFailed) -> RendezvousError:

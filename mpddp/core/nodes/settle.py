@@ -35,10 +35,11 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from ... import rank_math
-from ...errors import Outcome, RendezvousError, WorkerFailed
+from ...errors import NeverArrived, Outcome, RendezvousError, WorkerFailed
 from ..wire.protocol import FailureRecord
 from .api import STALLED_AFTER, Rendezvous, RendezvousGone, names
 
+_ERROR = "mpddp: error: "  # how the command line starts the line of a RendezvousError
 _RECORD_WAIT = 10.0  # seconds a node whose ranks only saw a peer vanish waits for the record of the cause, at least
 
 @dataclass(frozen=True)
@@ -70,7 +71,7 @@ class Retold:
 
 def settle(link: Rendezvous, attempt: int, local: WorkerFailed | None, cause: Outcome | None,
            remote: FailureRecord | None, remote_error: Callable[[FailureRecord], WorkerFailed],
-           missing: Callable[[], RendezvousError | None], blame: Blame = Blame()) -> WorkerFailed | RendezvousError:
+           missing: Callable[[], NeverArrived | None], blame: Blame = Blame()) -> WorkerFailed | RendezvousError:
     """What this node reports for a failed round of several nodes, the same first failure on every node.
 
     ``local``: this node's own report (None when only another node failed), ``cause`` the outcome of its
@@ -80,28 +81,38 @@ def settle(link: Rendezvous, attempt: int, local: WorkerFailed | None, cause: Ou
     """
     if remote is not None or local is None:
         assert remote is not None  # the watch returns without a local failure only for another node's
-        return remote_error(remote)
+        return _told(remote, remote_error)
     try:
         return _settle_local(link, attempt, local, cause, remote_error, missing, blame)
     except RendezvousGone:
         return link.gone_error(local)
 
 
+def _told(record: FailureRecord, remote_error: Callable[[FailureRecord], WorkerFailed]) -> WorkerFailed | RendezvousError:
+    """Another node's record as this node's report: nodes that never arrived are told as node 0 tells them."""
+    if record.outcome is Outcome.ABSENT:
+        return RendezvousError(record.line.removeprefix(_ERROR))
+    return remote_error(record)
+
+
 def _settle_local(link: Rendezvous, attempt: int, local: WorkerFailed, cause: Outcome | None,
                   remote_error: Callable[[FailureRecord], WorkerFailed],
-                  missing: Callable[[], RendezvousError | None], blame: Blame) -> WorkerFailed | RendezvousError:
+                  missing: Callable[[], NeverArrived | None], blame: Blame) -> WorkerFailed | RendezvousError:
     config = link.config
     if attempt == 0 and (never := missing()) is not None:  # ranks that waited for them timed out, or hung
-        return never
+        line, (node, local_rank) = f"{_ERROR}{never}", rank_math.split_rank(never.ranks[0], link.nprocs)
+        winner = link.publish(attempt, FailureRecord(never.ranks[0], node, local_rank, Outcome.ABSENT, 1, line,
+                                                     time.time()))  # every node tells it, one that comes late too
+        return never if winner.line == line else _told(winner, remote_error)
     if cause not in (Outcome.COLLECTIVE, Outcome.STOPPED) and not blame.culprits:  # a rank here failed by itself
         winner = link.publish(attempt, _record_of(local, cause, link))
-        return local if winner.writer == config.node_rank else remote_error(winner)  # another node was first
+        return local if winner.writer == config.node_rank else _told(winner, remote_error)  # another node was first
     found = _wait_for(link, attempt, local, cause if blame.culprits else Outcome.COLLECTIVE, blame)
     if isinstance(found, Retold):
         local, found = found.error, found.record
     if isinstance(found, FailureRecord):  # ours stands, unless it names another node's rank that returned early
         mine = found.writer == config.node_rank and found.outcome is not Outcome.EARLY_EXIT
-        return local if mine else remote_error(found)
+        return local if mine else _told(found, remote_error)
     lost_ranks = [s.rank for s in rank_math.layout(config.nnodes, link.nprocs) if s.node_rank in found.nodes]
     how = ("stopped beating without ending its round" if found.beat else
            f"never beat in this round within --timeout {config.timeout:g} s, nor ended it")
@@ -110,7 +121,7 @@ def _settle_local(link: Rendezvous, attempt: int, local: WorkerFailed, cause: Ou
     went = FailureRecord(lost_ranks[0], found.nodes[0], 0, Outcome.DIED, 1, line, time.time())
     winner = link.publish(attempt, went)
     if winner.line != line:
-        return remote_error(winner)
+        return _told(winner, remote_error)
     local.args = (f"{line}; the failures below are consequences\n{local}",)
     local.exit_code = 1
     return local

@@ -16,9 +16,11 @@ from __future__ import annotations
 
 import ctypes
 import io
+import json
 import linecache
 import multiprocessing
 import os
+import socket
 import sys
 import threading
 import time
@@ -207,12 +209,34 @@ def _exit_code(exc: SystemExit) -> int:
     return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
 
 
-def _init_group(spec: WorkerSpec) -> None:
+class _Refused(BaseException):
+    """The rank leaves before the group is made: it sent protocol.Refused."""
+
+
+def _round_store(spec: WorkerSpec) -> Any:
+    return torch.distributed.PrefixStore(spec.store_prefix, _connect(spec.store_addr, spec.store_port, spec.timeout))
+
+
+def _roll_call(roll: protocol.RollCall, rank: int, store: Any) -> protocol.Refused | None:
+    """Before this rank joins: its node rank is its launcher's alone in this round (the first launcher to come
+    with it holds it), and its node's --nnodes and --nprocs are the first node's; then its arrival, numbered
+    (node 0 names the ranks that never came). Four operations."""
+    holder = store.compare_set(protocol.claim_key(roll.node_rank), "", roll.launcher).decode()
+    if holder != roll.launcher:
+        return protocol.Refused(f"--node-rank {roll.node_rank} is taken: the launcher {holder} came first with it; "
+                                f"pass another --node-rank on this machine ({socket.gethostname()})", shared=False)
+    shape = json.dumps([roll.node_rank, roll.nnodes, roll.nprocs])
+    node, nnodes, nprocs = json.loads(store.compare_set(protocol.SHAPE, "", shape))
+    if (nnodes, nprocs) == (roll.nnodes, roll.nprocs):
+        store.set(protocol.arrived_entry(store.add(protocol.ARRIVED, 1)), str(rank))
+        return None
+    return protocol.Refused(f"node {roll.node_rank} was started with --nnodes {roll.nnodes} --nprocs {roll.nprocs}, "
+                            f"node {node} with --nnodes {nnodes} --nprocs {nprocs}: start every node's launcher with "
+                            "the same --nnodes and --nprocs", shared=True)
+
+
+def _init_group(spec: WorkerSpec, store: Any) -> None:
     ctx = spec.ctx
-    store = torch.distributed.PrefixStore(
-        spec.store_prefix, _connect(spec.store_addr, spec.store_port, spec.timeout)
-    )
-    store.set(protocol.arrived_key(ctx.rank), str(os.getpid()))
     dist.init_process_group(
         ctx.backend,
         store=store,
@@ -329,11 +353,18 @@ def run_rank(spec: WorkerSpec, messages: Connection, out: Connection, err: Conne
         linecache.cache.update(sources)  # notebook cells' lines, for tracebacks
         if ctx.device.startswith("cuda"):
             torch.cuda.set_device(ctx.device)  # before init: else every rank lands on cuda:0
+        store = _round_store(spec) if spec.init_group or spec.roll is not None else None
+        if spec.roll is not None and (refused := _roll_call(spec.roll, ctx.rank, store)) is not None:
+            _send(messages, refused)
+            raise _Refused
         if spec.init_group:
-            _init_group(spec)
+            _init_group(spec, store)
             _send(messages, protocol.Joined())
+        store = None  # a script makes its own connection (env://)
         result = fn(ctx, *args, **kwargs)
         _send(messages, protocol.Result(_pickled(ctx.rank, result), time.monotonic()))
+    except _Refused:
+        code = 2  # bad input: the launcher says why (protocol.Refused)
     except SystemExit as e:
         code = _exit_code(e)
         _send(messages, _failure(ctx, e) if code else protocol.Result(cloudpickle.dumps(None), time.monotonic()))

@@ -25,6 +25,27 @@ from ...errors import MpddpError, Outcome
 
 
 @dataclass(frozen=True)
+class RollCall:
+    """What each rank of a job of several nodes checks in its round's store before it joins the group: that no
+    other launcher holds its node rank, and that every node was started with the same shape."""
+
+    launcher: str  # this node's launcher: host, pid and a random tail
+    node_rank: int
+    nnodes: int
+    nprocs: int
+
+
+@dataclass(frozen=True)
+class Refused:
+    """The rank did not join the group: ``line`` says why (bad input, exit code 2). ``shared``: the other nodes
+    must hear it too (the nodes disagree on the shape); a second launcher with a taken node rank is not the
+    job's, and leaves it as it was."""
+
+    line: str
+    shared: bool
+
+
+@dataclass(frozen=True)
 class WorkerSpec:
     """Plain data the launcher sends to one worker (pickled at start)."""
 
@@ -39,6 +60,7 @@ class WorkerSpec:
     close_fds: tuple[int, ...] = ()  # parent fds a forked child inherited
     banner: str | None = None
     init_group: bool = True
+    roll: RollCall | None = None  # several nodes: checked before the group is made (or the script runs)
 
 
 @dataclass(frozen=True)
@@ -119,7 +141,7 @@ class Collectives:
     completed: tuple[tuple[Lane, int], ...]  # per lane, the op_id of the last op that completed here
 
 
-Message = Started | Joined | Left | Result | Failure | Collectives
+Message = Started | Joined | Left | Result | Failure | Collectives | Refused
 
 MAIN_GUARD_EXIT = 97  # a worker's exit code: it re-ran the user's script and met launch() again
 
@@ -130,7 +152,7 @@ def encode(message: Message) -> bytes:
 
 def decode(data: bytes) -> Message:
     message = pickle.loads(data)
-    if not isinstance(message, (Started, Joined, Left, Result, Failure, Collectives)):
+    if not isinstance(message, (Started, Joined, Left, Result, Failure, Collectives, Refused)):
         raise TypeError(f"not an mpddp message: {type(message).__name__}")
     return message
 
@@ -146,9 +168,21 @@ def attempt_prefix(attempt: int) -> str:
     return f"mpddp/attempt_{attempt}"
 
 
-def arrived_key(rank: int) -> str:
-    """Set by each rank when it reached the store (node 0 names the ranks that never did)."""
-    return f"arrived/{rank}"
+def claim_key(node: int) -> str:
+    """Set once, by the first rank of launcher that came to the round as node ``node`` (its RollCall)."""
+    return f"claim/{node}"
+
+
+SHAPE = "shape"  # set once, by the first rank to come: the --nnodes and --nprocs of its node, which every node's must be
+
+
+ARRIVED = "arrived"  # a counter: the ranks that reached the round's store, numbering their arrived_entry
+
+
+def arrived_entry(number: int) -> str:
+    """The ``number``-th rank to reach the round's store (ARRIVED numbers them): its rank (node 0 names the ranks
+    that never did, from as many entries as came: one operation for --nnodes 100000 as for 2)."""
+    return f"arrived/entry/{number}"
 
 
 INITIALIZED = "initialized"  # a counter: ranks through init_process_group
@@ -180,6 +214,14 @@ def joined_key(node: int) -> str:
 def heartbeat_key(node: int) -> str:
     """One node launcher's heartbeat counter."""
     return f"heartbeat/{node}"
+
+
+SHARERS = "sharers"  # a counter: the nodes that shared their ranks' collectives, numbering their sharer_entry
+
+
+def sharer_entry(number: int) -> str:
+    """The ``number``-th node to share its ranks' collectives (SHARERS numbers them): its node rank."""
+    return f"sharers/entry/{number}"
 
 
 def calls_key(node: int) -> str:

@@ -1,0 +1,142 @@
+"""The nodes of a fixed job (``--nnodes N``) check each other when they meet: a second launcher with a node
+rank that another holds, and nodes started with different ``--nprocs``, are bad input, told in one line with
+exit code 2 (core/rank/worker.py's roll call). Real launchers of ``mpddp run`` on 127.0.0.1, each in its own
+session under a timeout; nothing of any node may be left afterwards.
+"""
+
+from __future__ import annotations
+
+import textwrap
+import time
+
+import pytest
+from multinode import free_port
+
+from runs import Run, alive_or_zombie
+
+pytestmark = pytest.mark.timeout(180)
+
+JOB = textwrap.dedent("""
+    import os, time, torch, torch.distributed as dist
+    dist.init_process_group("gloo")
+    for step in range(int(os.environ["STEPS"])):
+        t = torch.ones(1)
+        dist.all_reduce(t)
+        assert t.item() == dist.get_world_size()
+        print(f"STEP {step}", flush=True)
+        time.sleep(0.05)
+    dist.destroy_process_group()
+""")
+
+
+def _node(tmp_path, node: int, port: int, nprocs: int = 1, steps: int = 10**6, name: str = "") -> Run:
+    where = tmp_path / (name or f"node{node}")
+    where.mkdir()
+    return Run(["-m", "mpddp", "run", "--nnodes", "2", "--node-rank", str(node), "--nprocs", str(nprocs),
+                "--master-addr", "127.0.0.1", "--master-port", str(port), "--timeout", "20", str(tmp_path / "job.py")],
+               where, env={"STEPS": str(steps)})
+
+
+def _said(run: Run) -> list[str]:
+    """mpddp's own lines (on a loaded machine torch's store client may print its retries before them)."""
+    return [line for line in run.stderr.splitlines() if line.startswith("mpddp:")]
+
+
+def test_a_second_launcher_with_a_taken_node_rank_is_refused_and_the_job_goes_on(tmp_path) -> None:
+    """Before: not detected; the duplicate exited 29 s later saying node 0 was gone, with about 65 lines of
+    C++ stack frames, and its keys could mark the real node 1 as ended."""
+    (tmp_path / "job.py").write_text(JOB)
+    port = free_port()
+    runs = [_node(tmp_path, 0, port), _node(tmp_path, 1, port)]
+    try:
+        runs[1].wait_for(r"STEP 5\b", timeout=90)
+        twin = _node(tmp_path, 1, port, name="twin")
+        runs.append(twin)
+        assert twin.finish(60) == 2, twin.stderr
+        said = _said(twin)
+        assert len(said) == 1 and said[0].startswith("mpddp: error: --node-rank 1 is taken: the launcher "), said
+        assert "Traceback" not in twin.stderr and "STEP" not in twin.stdout, twin.stderr
+        steps = [run.stdout.count("STEP ") for run in runs[:2]]
+        time.sleep(1.5)  # the job goes on, unchanged: nobody restarted or ended
+        assert all(run.proc.poll() is None for run in runs[:2]), [run.stderr for run in runs[:2]]
+        assert all(run.stdout.count("STEP ") > n for run, n in zip(runs[:2], steps))
+        assert not any(_said(run) for run in runs[:2]), [run.stderr for run in runs[:2]]
+        for run in runs[:2]:
+            run.list_tree()
+    finally:
+        for run in runs:
+            run.kill()
+    deadline = time.monotonic() + 5  # zombies count: a killed parent's children are reaped a moment later
+    while any(alive_or_zombie(run.pids) for run in runs) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(alive_or_zombie(run.pids) for run in runs)
+
+
+def test_nodes_started_with_different_nprocs_are_refused_on_both_in_one_line(tmp_path) -> None:
+    """Before: a generic hang after 26 s. Now both nodes end with the same line, naming both values."""
+    (tmp_path / "job.py").write_text(JOB)
+    port = free_port()
+    runs = [_node(tmp_path, 0, port, nprocs=1, steps=50), _node(tmp_path, 1, port, nprocs=2, steps=50)]
+    try:
+        started = time.monotonic()
+        codes = [run.finish(90) for run in runs]
+        took = time.monotonic() - started
+        lines = [_said(run)[:1] for run in runs]
+        assert codes == [2, 2], [run.stderr for run in runs]
+        assert lines[0] == lines[1] and lines[0][0].startswith("mpddp: error: node "), [run.stderr for run in runs]
+        assert "--nprocs 1" in lines[0][0] and "--nprocs 2" in lines[0][0], lines
+        assert all(len(_said(run)) == 1 and "Traceback" not in run.stderr for run in runs), [r.stderr for r in runs]
+        assert took < 20, took  # within --timeout: told when the nodes meet, not by the watchdog
+        for run in runs:
+            run.assert_nothing_left()
+    finally:
+        for run in runs:
+            run.kill()
+
+
+def test_a_node_that_never_arrives_is_named_by_every_node_that_did(tmp_path) -> None:
+    """--nnodes 3, and node 2 never started. Before: every node said "no rank made progress for 20 s", and
+    node 2, started late, said it was "stopped by mpddp after rank 1 failed", though no rank failed."""
+    (tmp_path / "job.py").write_text(JOB)
+    port = free_port()
+    runs = [Run(["-m", "mpddp", "run", "--nnodes", "3", "--node-rank", str(node), "--nprocs", "1", "--master-addr",
+                 "127.0.0.1", "--master-port", str(port), "--timeout", "8", str(tmp_path / "job.py")],
+                _where(tmp_path, f"node{node}"), env={"STEPS": "50"}) for node in range(2)]
+    try:
+        started = time.monotonic()
+        codes = [run.finish(90) for run in runs]
+        took = time.monotonic() - started
+        lines = [_said(run)[:1] for run in runs]
+        assert codes == [1, 1] and lines[0] == lines[1], [run.stderr for run in runs]
+        assert lines[0][0].startswith("mpddp: error: node(s) 2 never arrived (rank(s) 2 missing "), lines
+        assert all(len(_said(run)) == 1 for run in runs), [run.stderr for run in runs]
+        assert took < 8 + 30, took  # --timeout, the teardown, and node 0 waits for no launcher that never came
+        for run in runs:
+            run.assert_nothing_left()
+    finally:
+        for run in runs:
+            run.kill()
+
+
+def test_nnodes_100000_names_the_nodes_that_never_arrived_as_one_range_within_the_timeout(tmp_path) -> None:
+    """Before: a generic hang after 34 s with --timeout 10: the check of who came read one key a rank."""
+    (tmp_path / "job.py").write_text(JOB)
+    run = Run(["-m", "mpddp", "run", "--nnodes", "100000", "--node-rank", "0", "--nprocs", "1", "--master-addr",
+               "127.0.0.1", "--master-port", str(free_port()), "--timeout", "6", str(tmp_path / "job.py")],
+              _where(tmp_path, "node0"), env={"STEPS": "50"})
+    try:
+        started = time.monotonic()
+        assert run.finish(90) == 1, run.stderr
+        took = time.monotonic() - started
+        assert _said(run) == [next(line for line in _said(run) if line.startswith(
+            "mpddp: error: node(s) 1-99999 never arrived (rank(s) 1-99999 missing "))], run.stderr
+        assert took < 6 + 25, took
+        run.assert_nothing_left()
+    finally:
+        run.kill()
+
+
+def _where(tmp_path, name: str):
+    where = tmp_path / name
+    where.mkdir()
+    return where
