@@ -27,7 +27,7 @@ from ..nodes import settle
 from ..nodes.api import RoundWatch
 from ..procs import teardown
 from ..wire import errorfile, protocol
-from ..wire.protocol import FailureRecord
+from ..wire.protocol import ERROR_LINE, FailureRecord
 from . import board
 from .board import Board, Mismatch
 from .channels import receive, start_ranks
@@ -140,14 +140,14 @@ class Attempt:
         line, exit code 2. A taken node rank is this launcher's alone: it leaves the job's keys as they were."""
         job, record = self.job, self.round_watch.remote_failure if self.round_watch is not None else None
         if record is not None and record.outcome is Outcome.REFUSED:
-            raise ConfigError(record.line.removeprefix(_ERROR))
+            raise ConfigError(record.line.removeprefix(ERROR_LINE))
         refused = next((s for s in self.states if s.refused is not None), None)
         if refused is None or job.link is None:
             return
         slot, line = refused.slot, refused.refused.line
         if refused.refused.shared:
             job.link.publish(self.number, FailureRecord(slot.rank, slot.node_rank, slot.local_rank, Outcome.REFUSED,
-                                                        2, _ERROR + line, time.time()))
+                                                        2, ERROR_LINE + line, time.time()))
         else:
             job.intruder = True
         raise ConfigError(line)
@@ -242,8 +242,6 @@ def _value(state: RankState) -> Any:
             rank, [state.record(Outcome.RAISED)], exit_code=1,
         ) from None
 
-
-_ERROR = "mpddp: error: "  # how bad input's line starts on the terminal (mpddp/cli), and in a record of it
 
 _MAIN_GUARD_MESSAGE = """\
 mpddp.launch() ran again inside a worker: your script has no main guard.

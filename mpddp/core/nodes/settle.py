@@ -36,10 +36,9 @@ from dataclasses import dataclass
 
 from ... import rank_math
 from ...errors import NeverArrived, Outcome, RendezvousError, WorkerFailed
-from ..wire.protocol import FailureRecord
+from ..wire.protocol import ERROR_LINE, FailureRecord
 from .api import STALLED_AFTER, Rendezvous, RendezvousGone, names
 
-_ERROR = "mpddp: error: "  # how the command line starts the line of a RendezvousError
 _RECORD_WAIT = 10.0  # seconds a node whose ranks only saw a peer vanish waits for the record of the cause, at least
 
 @dataclass(frozen=True)
@@ -91,7 +90,7 @@ def settle(link: Rendezvous, attempt: int, local: WorkerFailed | None, cause: Ou
 def _told(record: FailureRecord, remote_error: Callable[[FailureRecord], WorkerFailed]) -> WorkerFailed | RendezvousError:
     """Another node's record as this node's report: nodes that never arrived are told as node 0 tells them."""
     if record.outcome is Outcome.ABSENT:
-        return RendezvousError(record.line.removeprefix(_ERROR))
+        return RendezvousError(record.line.removeprefix(ERROR_LINE))
     return remote_error(record)
 
 
@@ -100,7 +99,7 @@ def _settle_local(link: Rendezvous, attempt: int, local: WorkerFailed, cause: Ou
                   missing: Callable[[], NeverArrived | None], blame: Blame) -> WorkerFailed | RendezvousError:
     config = link.config
     if attempt == 0 and (never := missing()) is not None:  # ranks that waited for them timed out, or hung
-        line, (node, local_rank) = f"{_ERROR}{never}", rank_math.split_rank(never.ranks[0], link.nprocs)
+        line, (node, local_rank) = f"{ERROR_LINE}{never}", rank_math.split_rank(never.ranks[0], link.nprocs)
         winner = link.publish(attempt, FailureRecord(never.ranks[0], node, local_rank, Outcome.ABSENT, 1, line,
                                                      time.time()))  # every node tells it, one that comes late too
         return never if winner.line == line else _told(winner, remote_error)

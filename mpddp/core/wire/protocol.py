@@ -259,6 +259,9 @@ def full_key(attempt: int, key: str) -> str:
     return f"{attempt_prefix(attempt)}/{key}"
 
 
+ERROR_LINE = "mpddp: error: "  # how mpddp/cli starts the line of an error it exits with; so does a record of one
+
+
 @dataclass(frozen=True)
 class FailureRecord:
     """A round's first failure, as the node where it happened tells every other node (through the store).
