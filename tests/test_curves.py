@@ -102,6 +102,18 @@ def test_epochs_trained_again_replace_the_earlier_ones(epochs, shown):
     assert drawn.train_loss == [float(max(i for i, e in enumerate(epochs) if e == s)) for s in shown]
 
 
+@pytest.mark.parametrize("epochs", [1, 2, 3, 40])
+def test_the_x_axis_shows_whole_epochs_only(epochs):
+    pytest.importorskip("matplotlib", reason="matplotlib is not installed: pip install 'mpddp[train]'")
+    fig = curves.figure(curves.history([record(e, 1.0 / e, 0.5) for e in range(1, epochs + 1)]))
+    fig.canvas.draw()  # ticks are placed when drawn
+    for ax in fig.axes:
+        low, high = ax.get_xlim()
+        shown = [t for t in ax.get_xticks() if low <= t <= high]
+        assert shown and all(float(t).is_integer() for t in shown), (epochs, shown)
+        assert 1 in shown or epochs > 1
+
+
 def test_curves_png_has_the_figure_size_with_and_without_accuracy(tmp_path):
     for accuracy in (0.9, None):
         path = curves.draw(curves.history([record(1, 2.0, accuracy), record(2, 1.0, accuracy)]),
