@@ -152,6 +152,17 @@ def test_without_matplotlib_and_tensorboard_a_fit_writes_neither_and_says_what_t
     assert sorted(p.name for p in run_dir.iterdir()) == ["checkpoints", "metrics.jsonl"]
 
 
+def test_rank_0_draws_curves_png_unless_its_caller_will(tmp_path):
+    pytest.importorskip("matplotlib", reason="matplotlib is not installed: pip install 'mpddp[train]'")
+    for draw in (False, True):
+        run_dir = tmp_path / f"draw-{draw}"
+        result = Trainer(resolve(TrainConfig(task="synthetic", samples=40, features=4, epochs=1,
+                                             run_dir=str(run_dir)))).fit(draw=draw)
+        assert result.rank == 0 and result.curves_note == ""
+        assert result.curves == (str(run_dir / "curves.png") if draw else None)
+        assert (run_dir / "curves.png").exists() is draw
+
+
 def test_without_matplotlib_mpddp_plot_says_what_to_install(cli, tmp_path, monkeypatch):
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / "metrics.jsonl").write_text(lines(record(1)))

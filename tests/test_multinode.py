@@ -141,4 +141,8 @@ def test_train_by_hand_on_two_namespace_hosts(cluster: Cluster, netns_hosts: Pat
         local = {f"{node_rank}×2+{lr} = {node_rank * 2 + lr} of 4" for lr in (0, 1)}
         assert formulas == local, node.stdout
     assert "epoch   1/1" in nodes[0].stdout
+    # curves.png is drawn by node 0's launcher, where rank 0's metrics are; node 1 has none to draw
+    assert nodes[0].stdout.rstrip().endswith("curves: runs/node0/curves.png"), nodes[0].stdout
+    assert (cluster.tmp / "runs/node0/curves.png").is_file()
+    assert not (cluster.tmp / "runs/node1/curves.png").exists()
     assert cluster.leftovers(wait=5) == []

@@ -31,8 +31,9 @@ from ..config import LaunchConfig
 from ..context import WorkerContext
 from . import checkpoint, state
 from .config import TrainConfig
+from .curves import prefetch
 from .faults import SAVING, check_fault_rank
-from .output import Reporter
+from .output import Reporter, draw_curves
 from .prepare import resolve
 
 
@@ -50,6 +51,7 @@ class TrainResult:
     run_dir: str
     curves: str | None = None  # rank 0's curves.png; None: not drawn (other ranks, or see curves_note)
     curves_note: str = ""  # why rank 0 drew none, e.g. what to install
+    rank: int = 0  # the global rank that returned it
 
 
 class ResumableSampler(DistributedSampler):
@@ -161,8 +163,12 @@ class Trainer:
 
     # ---- training ---------------------------------------------------------------------------------
 
-    def fit(self) -> TrainResult:
-        """Train up to ``config.epochs``, evaluating and checkpointing every epoch."""
+    def fit(self, draw: bool = True) -> TrainResult:
+        """Train up to ``config.epochs``, evaluating and checkpointing every epoch.
+
+        ``draw``: rank 0 draws ``curves.png`` at the end (False: its caller
+        does, as :func:`train`'s launcher does once the ranks exit).
+        """
         start = time.perf_counter()
         test = {"loss": float("nan"), "accuracy": None}
         if self.epoch >= self.config.epochs:
@@ -174,7 +180,7 @@ class Trainer:
                 test = self._fit_epoch(start)
         finally:
             self.report.end_run()
-        return self._result(test, *self.report.draw_curves())
+        return self._result(test, *(self.report.draw_curves() if draw else (None, "")))
 
     def _fit_epoch(self, start: float) -> dict[str, Any]:
         """Train, evaluate, record and checkpoint one epoch; return its test metrics."""
@@ -338,17 +344,21 @@ class Trainer:
                            test_loss=test["loss"], test_accuracy=test["accuracy"],
                            checkpoint=str(self.last_checkpoint) if self.last_checkpoint else None,
                            metrics=str(self.config.metrics_path), run_dir=str(self.config.run_dir),
-                           curves=curves, curves_note=curves_note)
+                           curves=curves, curves_note=curves_note, rank=self.rank)
 
 
-def train_worker(ctx: WorkerContext, config: TrainConfig, owner: str = "") -> TrainResult:
-    """The function :func:`mpddp.launch` runs on every rank; ``owner``: the run's token (see :func:`train`)."""
+def train_worker(ctx: WorkerContext, config: TrainConfig, owner: str = "", draw: bool = True) -> TrainResult:
+    """The function :func:`mpddp.launch` runs on every rank; ``owner``: the run's token (see :func:`train`).
+
+    ``draw``: rank 0 draws ``curves.png`` before it returns (False: the
+    caller draws it, see :meth:`Trainer.fit`).
+    """
     if config.run_dir is None:  # called through mpddp.launch directly: rank 0 decides, everyone agrees
         box = [resolve(config) if ctx.rank == 0 else None]
         if ctx.world_size > 1:
             dist.broadcast_object_list(box, src=0)
         config = box[0] or config
-    return Trainer(config, ctx, owner).fit()
+    return Trainer(config, ctx, owner).fit(draw)
 
 
 def train(config: TrainConfig | None = None, *, launch_config: LaunchConfig | None = None,
@@ -365,24 +375,34 @@ def train(config: TrainConfig | None = None, *, launch_config: LaunchConfig | No
     # watchdog, the OOM killer: the teardown ends in SIGKILL, and no cleanup runs in it) leaves one behind, which
     # this launcher removes once every rank is gone, and no other run's.
     owner = uuid.uuid4().hex[:12]
+    # curves.png is drawn here once the ranks exit, its import done in a thread while the forkserver imports
+    # torch._dynamo (off the path), unless this process forks the ranks (no import may run across a fork).
+    if _option("start_method", launch_config, launch_options, None) != "fork":
+        prefetch()
     try:
-        result: TrainResult = mpddp.launch(train_worker, args=(config, owner), config=launch_config,
+        result: TrainResult = mpddp.launch(train_worker, args=(config, owner, False), config=launch_config,
                                            **launch_options)[0]
     finally:
         checkpoint.remove_temporaries(config.checkpoint_path, owner)
+    if result.rank == 0:  # node 0's launcher: the metrics file is on this machine
+        drawn, note = draw_curves(config.metrics_path.parent)
+        result = replace(result, curves=drawn, curves_note=note)
     print(f"checkpoint: {result.checkpoint}  metrics: {result.metrics}  curves: {result.curves or result.curves_note}",
           flush=True)
     return result
 
 
+def _option(name: str, launch_config: LaunchConfig | None, options: dict[str, Any], default: Any) -> Any:
+    """A launch option as :func:`mpddp.launch` will see it: ``options`` override ``launch_config``."""
+    given = options.get(name)
+    return given if given is not None else (getattr(launch_config, name) if launch_config else default)
+
+
 def _check_fault_rank(config: TrainConfig, launch_config: LaunchConfig | None, options: dict[str, Any]) -> None:
     """``inject_fault``'s RANK against nnodes × nprocs, before launching, where the launch options fix both.
 
-    Options override the config, as in :func:`mpddp.launch`. Without nprocs
-    (one rank per GPU, counted at launch) each rank checks it in Trainer.
+    Without nprocs (one rank per GPU, counted at launch) each rank checks it in Trainer.
     """
-    given = {k: v for k, v in options.items() if v is not None}
-    nprocs = given.get("nprocs", launch_config.nprocs if launch_config else None)
-    nnodes = given.get("nnodes", launch_config.nnodes if launch_config else 1)
+    nprocs, nnodes = (_option(k, launch_config, options, d) for k, d in (("nprocs", None), ("nnodes", 1)))
     if type(nprocs) is int and type(nnodes) is int:  # a bad value: LaunchConfig says so
         check_fault_rank(config.inject_fault, nnodes * nprocs, f"nnodes={nnodes} × nprocs={nprocs}")

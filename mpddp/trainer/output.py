@@ -3,9 +3,10 @@
 Owns: rank 0's voice (other ranks stay quiet unless ``verbose``), the tqdm
 bar per epoch (only when the launcher says the user's stdout is a terminal
 or notebook, ``MPDDP_STDOUT_ISATTY=1``), the per-epoch summary line, the
-JSON-lines metrics file, and when rank 0 writes the curves: TensorBoard's
-points every epoch, ``curves.png`` at the end, and what the run's last line
-says of them. It reads losses at most every :data:`PROGRESS_INTERVAL`
+JSON-lines metrics file, and when the curves are written: TensorBoard's
+points by rank 0 every epoch, ``curves.png`` at the end (by rank 0, or by
+the launcher of :func:`~mpddp.trainer.train` once the ranks exit), and
+what the run's last line says of them. It reads losses at most every :data:`PROGRESS_INTERVAL`
 seconds, so the bar costs no GPU sync per step. Leaves computing the numbers
 to trainer/loop.py, and the event files and the drawing to trainer/curves.py.
 """
@@ -55,13 +56,7 @@ class Reporter:
 
     def draw_curves(self) -> tuple[str | None, str]:
         """Rank 0 draws ``curves.png`` from the metrics file: (its path, "") or (None, why not)."""
-        if self.rank != 0:
-            return None, ""
-        try:
-            drawn = curves.redraw(self.metrics_path.parent)
-        except ConfigError as e:  # no metrics file (nothing trained here) or a damaged one: the run itself went well
-            return None, f"not drawn: {e}"
-        return (str(drawn), "") if drawn else (None, f"{curves.INSTALL} to draw them (matplotlib)")
+        return draw_curves(self.metrics_path.parent) if self.rank == 0 else (None, "")
 
     def start_epoch(self, epoch: int, total: int, done: int) -> None:
         """Open the epoch's progress bar when stdout reaches a terminal."""
@@ -98,3 +93,12 @@ class Reporter:
                 f.write(json.dumps(record) + "\n")
         if self.tensorboard is not None:
             self.tensorboard.add(record)
+
+
+def draw_curves(run_dir: Path) -> tuple[str | None, str]:
+    """Draw ``<run_dir>/curves.png`` from its metrics file: (its path, "") or (None, why not)."""
+    try:
+        drawn = curves.redraw(run_dir)
+    except ConfigError as e:  # no metrics file (nothing trained here) or a damaged one: the run itself went well
+        return None, f"not drawn: {e}"
+    return (str(drawn), "") if drawn else (None, f"{curves.INSTALL} to draw them (matplotlib)")
