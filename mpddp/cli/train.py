@@ -59,8 +59,11 @@ def train(**options: Any) -> None:
         # every rank builds an optimizer and DDP, which import torch._dynamo, and runs the trainer:
         # imported once in the forkserver, overlapping this process's torch import below
         start_forkserver(options["start_method"] or "forkserver", preload=(*TRAINING_PRELOAD, "mpddp.trainer.loop"))
+        from ..core.wire.store import quiet_torch
         from ..trainer.config import TrainConfig
-        from ..trainer.loop import train as run_training
+
+        with quiet_torch():  # this process's own store client, on a job of several nodes: no C++ warnings
+            from ..trainer.loop import train as run_training
 
         launch = build_config(**pop_launch_options(options))
         dataset, spec = options.pop("dataset"), options.pop("task_spec")

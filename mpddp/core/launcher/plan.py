@@ -62,8 +62,10 @@ def _gpus(config: LaunchConfig) -> tuple[tuple[int, ...] | None, bool]:
     if config.gpus is None and not query.visible:
         if not torch_builds_for_gpus():
             return None, False
-        import torch
+        from ..wire.store import quiet_torch
 
+        with quiet_torch():  # the launcher's own import: its store client's C++ warnings off (core/wire/store.py)
+            import torch
         count = torch.cuda.device_count()
         return (tuple(range(count)) or None), False
     ids = resolve_gpus(config.gpus, config.nprocs, query)

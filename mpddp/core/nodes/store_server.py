@@ -105,7 +105,10 @@ def serve(sock: socket.socket, timeout: float, wait_end: Connection, inherited: 
     """In the store server: serve the store until the launcher closes its end of the pipe, or dies."""
     from ..rank.boot import detach
 
-    detach(inherited)  # own session (Ctrl-C is the launcher's), and gone with its parent: before torch loads
+    # Its own session (Ctrl-C is the launcher's), before torch loads. Not gone with its parent, the forkserver:
+    # the pipe's EOF ends it when the launcher goes, and a forkserver killed from outside takes the ranks, not the
+    # store, in which node 0 then writes that loss for every node to tell (not "node 0 is gone").
+    detach(inherited, with_parent=False)
     # SIGTERM keeps its default: multiprocessing's exit handler terminates a daemon child it still
     # finds, then joins it, and a store server that outlived the launch must not hang the launcher's exit
     signal.signal(signal.SIGINT, signal.SIG_IGN)

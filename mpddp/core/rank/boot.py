@@ -32,10 +32,11 @@ def rank_process(spec: WorkerSpec, messages: Connection, out: Connection, err: C
     run_rank(spec, messages, out, err, stack)
 
 
-def detach(close_fds: tuple[int, ...]) -> None:
-    """Own session (the terminal's Ctrl-C goes to the launcher only) and die with the parent."""
+def detach(close_fds: tuple[int, ...], with_parent: bool = True) -> None:
+    """Own session (the terminal's Ctrl-C goes to the launcher only) and, ``with_parent``, die with the parent."""
     os.setsid()
-    die_with_parent()
+    if with_parent:
+        die_with_parent()
     signal.signal(LAUNCHER_GONE, signal.SIG_DFL)  # the forkserver's handler, inherited by the fork
     for fd in close_fds:
         try:

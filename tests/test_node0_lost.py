@@ -1,0 +1,96 @@
+"""Node 0 hosts the job's store (c10d): what every node says when a process of node 0, or its whole machine, is lost.
+
+Real launchers on 127.0.0.1, each the node of one job (tests/scripts/rounds_job.py), a process found by its
+pid and killed mid-run. The rules (issue 36): every node's first ``mpddp:`` line names the same culprit and the
+same cause, every node ends within --timeout plus a few seconds (here well within it: a store that closed its
+connections is certain evidence), and nothing is left running.
+"""
+
+from __future__ import annotations
+
+import random
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import psutil
+import pytest
+from multinode import Cluster, Node, free_port
+from test_rounds import finish, first_report_line, start
+
+TIMEOUT = 30  # --timeout: the nodes must end long before it
+SOON = 12.0  # seconds from the kill until every node has ended, at most (a loaded 2-core machine)
+
+
+@pytest.fixture
+def cluster(tmp_path: Path) -> Iterator[Cluster]:
+    c = Cluster(tmp_path)
+    yield c
+    c.kill_all()
+
+
+def running(cluster: Cluster) -> list[Node]:
+    """Two nodes, one rank each, stepping every 50 ms; returned once both launchers beat."""
+    port = free_port()
+    nodes = start(cluster, 2, port, "--nprocs", "1", "--steps", "2000", "--pause", "0.05", "--timeout", str(TIMEOUT))
+    cluster.wait_for("READY rank", 2, timeout=60)
+    cluster.wait_for_beats(port, 2, timeout=60)
+    time.sleep(random.uniform(0.0, 1.0))
+    return nodes
+
+
+def ended_soon(nodes: list[Node], since: float) -> list[int]:
+    codes = finish(nodes, SOON + 30)
+    took = time.monotonic() - since
+    assert took < SOON, f"{took:.1f} s:\n" + "\n\n".join(n.stderr for n in nodes)
+    return codes
+
+
+def quiet_violations(node: Node) -> list[str]:
+    """Lines of torch's C++ frames or store retries on a node's terminal (they belong in the rank's log)."""
+    return [line for line in node.stderr.splitlines() if line.startswith(("frame #", "[W", "[E"))]
+
+
+def forkserver_of(node: Node) -> psutil.Process:
+    return next(p for p in psutil.Process(node.proc.pid).children() if "forkserver" in " ".join(p.cmdline()))
+
+
+@pytest.mark.timeout(150)
+def test_node_0s_forkserver_killed_is_told_as_such_on_every_node(cluster: Cluster) -> None:
+    """It took node 0's store with it: node 0 blamed itself ("node 0 ... is gone"), as did node 1."""
+    nodes = running(cluster)
+    forkserver = forkserver_of(nodes[0])
+    forkserver.send_signal(signal.SIGKILL)
+    codes = ended_soon(nodes, time.monotonic())
+    lines = [first_report_line(n) for n in nodes]
+    assert lines[0] == lines[1], "\n\n".join(n.stderr for n in nodes)
+    assert lines[0].startswith(f"mpddp: rank 0 (node 0, local rank 0) failed first: it was lost with mpddp's "
+                               f"forkserver (pid {forkserver.pid})"), nodes[0].stderr
+    assert codes[0] == codes[1] != 0
+    assert "is gone" not in nodes[0].stderr + nodes[1].stderr
+    assert not any(quiet_violations(n) for n in nodes), "\n\n".join(n.stderr for n in nodes)
+    assert cluster.leftovers(wait=5) == []
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("what", ["machine", "launcher"])
+def test_node_0_lost_ends_node_1_within_seconds_saying_so(cluster: Cluster, what: str) -> None:
+    """``machine``: every process of node 0 SIGKILLed at once; ``launcher``: its launcher only (its store
+    server and its ranks follow it). Node 1 speaks within seconds of a --timeout of 30, and gives no start-up
+    advice: node 0's store answered, then stopped."""
+    nodes = running(cluster)
+    launcher = psutil.Process(nodes[0].proc.pid)
+    victims = [launcher, *launcher.children(recursive=True)] if what == "machine" else [launcher]
+    for p in victims:
+        p.send_signal(signal.SIGKILL)
+    since = time.monotonic()
+    nodes[0].wait(10)
+    code = ended_soon(nodes[1:], since)[0]
+    first = first_report_line(nodes[1])
+    assert code != 0
+    assert first.startswith("mpddp: error: node 0, which hosts the rendezvous at 127.0.0.1:") and first.endswith(
+        "is gone (its launcher was killed, or its machine lost); the failures below are consequences"), nodes[1].stderr
+    assert "start node 0's launcher" not in nodes[1].stderr
+    assert not quiet_violations(nodes[1]), nodes[1].stderr
+    assert cluster.leftovers(wait=5) == []
