@@ -36,6 +36,7 @@ class Outcome(enum.Enum):
     RESIZED = "resized"  # stopped by mpddp to admit a node that arrived (an elastic job grows): no failure
     ABSENT = "absent"  # never reached node 0's store in the job's first round: its node never arrived
     REFUSED = "refused"  # did not join: the nodes were started with different --nnodes or --nprocs (bad input)
+    STORE_LOST = "store-lost"  # node 0's store server ended while its launcher lived: no rank's fault
 
 
 @dataclass(frozen=True)

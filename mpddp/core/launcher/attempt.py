@@ -90,6 +90,10 @@ class Attempt:
         watchdog = self.watchdog = Watchdog(self.job.config.timeout, self.round_watch, self.board,
                                             lambda: self.relay.received)
         stall = watch(self.states, watchdog, self.job.lags, store, self.round_watch)
+        if self.job.link is not None and any(s.joined for s in self.states):  # its store answered our ranks
+            self.job.link.reached = True  # a refusal from now on is its loss, not a node 0 still to come
+        if store is not None and store.lost:  # before the teardown: the other nodes hear why soon
+            self.job.open_last_word(self.number, store.loss(several=self.job.link is not None))
         self.hang = stall if isinstance(stall, Hang) else None
         self.mismatch = stall if isinstance(stall, Mismatch) else None
         self.failed_here = stall is not None or any(s.failed for s in self.states)
@@ -126,7 +130,7 @@ class Attempt:
         settled = _settle(job, self.number, states, verdict, error, self.round_watch, self._again,
                           doubt) if job.link and (error or remote) else error
         if lost:
-            raise StoreLost(store.loss())  # type: ignore[union-attr]
+            raise StoreLost(store.loss(several=job.link is not None))  # type: ignore[union-attr]
         if settled is not None:
             raise settled
         if job.link is not None and (record := job.link.finish(self.number)) is not None:

@@ -39,7 +39,7 @@ class RankState:
     process: Any
     messages: Any
     started: bool = False
-    joined: bool = False  # through init_process_group (protocol.Joined)
+    joined: bool = False  # through the roll call or init_process_group: the store answered (protocol.Joined)
     has_result: bool = False
     payload: bytes | None = None  # fn's value, still pickled
     failure: Failure | None = None  # the worker's own report

@@ -11,16 +11,19 @@ and under etcd; under c10d on several nodes the others could not find a new one,
 from __future__ import annotations
 
 import socket
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
 from ...config import LaunchConfig
-from ...errors import Outcome, RestartsExhausted, StoreLost, WorkerFailed
+from ...errors import AddressError, Outcome, RestartsExhausted, StoreLost, WorkerFailed
 from ...log import logger
-from ..nodes import rendezvous, store_server
+from ..nodes import last_word, rendezvous, store_server
 from ..nodes.api import NotNeeded, Rendezvous
 from ..nodes.backends import open_rendezvous
 from ..nodes.store_server import StoreServer
+from ..wire import protocol
+from ..wire.protocol import FailureRecord
 from . import stragglers
 from .attempt import run_group
 from .plan import Plan, for_round
@@ -44,6 +47,22 @@ class Job:
     link: Rendezvous | None = None  # several nodes only: what the nodes agree on (core/nodes/api.py)
     lags: stragglers.Stragglers = field(default_factory=stragglers.Stragglers)  # arrivals at collectives, job-wide
     intruder: bool = False  # another launcher holds this node rank: the job's keys are not this one's to touch
+    last_store: StoreServer | None = None  # node 0 of several, its store server lost: the store of why, for the others
+
+    def open_last_word(self, attempt: int, loss: str) -> None:
+        """Node 0 of several (c10d), its store server just lost (``loss`` says how): a fresh one on the same port,
+        before the teardown, with the loss as round ``attempt``'s record (core/nodes/last_word.py). The other
+        nodes tell it as this one does, not "node 0 is gone"; :func:`_close_last_word` ends it."""
+        if self.link is None or self.store is None or self.link.hosts_round_store or self.last_store is not None:
+            return
+        try:
+            self.last_store = _start_store(self.mp_context, rendezvous.listen(self.config.master_addr, self.port),
+                                          self.config)
+        except (OSError, RuntimeError, AddressError):  # the port taken, the forkserver gone: they say node 0 went
+            return
+        line = f"{protocol.ERROR_LINE}{loss}"
+        last_word.tell(self.config.master_addr, self.port, attempt,
+                       FailureRecord(0, 0, 0, Outcome.STORE_LOST, 1, line, time.time(), writer=0))
 
     @property
     def config(self) -> LaunchConfig:
@@ -75,6 +94,7 @@ def run_job(plan: Plan, mp_context: Any, payload: bytes, init_group: bool, liste
         _tell_lags(job, succeeded=values is not None)
         if job.link is not None and not job.intruder:
             job.link.leave()  # node 0: the store stays until the others have read the last round
+        _close_last_word(job, wait=False)
         for store in (job.store, job.script_store):
             if store is not None:
                 _stop_store(store)
@@ -128,6 +148,7 @@ def _attempts(job: Job) -> list[Any]:
             store_lost = isinstance(failure, StoreLost) or (job.store is not None and job.store.lost)
             fixed_store = job.link is not None and not job.link.hosts_round_store  # c10d: node 0's, job-long
             if not resized and (restarts == config.max_restarts or (store_lost and fixed_store)):
+                _close_last_word(job, wait=True)  # node 0, its store server lost: once the others have read why
                 final = _final(failure, config.max_restarts, several_nodes=job.link is not None)
                 if final is failure:
                     raise  # as it is: its __cause__ is the failing rank's own exception
@@ -207,8 +228,20 @@ def _start_store(mp_context: Any, sock: socket.socket, config: Any) -> StoreServ
     with LIVE_LOCK:
         store = store_server.start(mp_context, sock, config.timeout, forked=config.start_method == "fork")
         LIVE.add(store.pid)
-    sock.close()  # the store server's copy listens; were it to die, clients are refused, not left waiting
+    # The store server's copy listens; were it to die, clients are refused, not left waiting (a torch client
+    # connected to a socket that listens, but that no server accepts from, waits without end: measured).
+    sock.close()
     return store
+
+
+def _close_last_word(job: Job, wait: bool) -> None:
+    """Stop node 0's last word, once the other launchers have read it (``wait``, :data:`last_word.WAIT` at most)."""
+    if job.last_store is None:
+        return
+    if wait and job.link is not None:
+        last_word.heard(job.config.master_addr, job.port, job.config.nnodes - 1 - len(job.link.gone))
+    _stop_store(job.last_store)
+    job.last_store = None
 
 
 def _stop_store(store: StoreServer) -> None:

@@ -27,7 +27,7 @@ from ...errors import NeverArrived, RendezvousError, StoreLost, WorkerFailed
 from ...log import logger
 from ..wire import protocol
 from ..wire.protocol import FailureRecord, full_key
-from . import membership
+from . import last_word, membership
 from .api import POLL, STALLED_AFTER, RendezvousGone, Round, names, stopped_record
 from .c10d_keys import ABSENT, C10dKeys, first_record, read_all
 
@@ -92,8 +92,11 @@ class C10dRendezvous:
                 store: Any = connect(self.config.master_addr, self.port, max(0.5, min(2.0, deadline - time.monotonic())))
                 store.set_timeout(timedelta(seconds=self.config.timeout))  # each operation's, once connected
                 return store
-            except Exception:  # noqa: BLE001 - OSError from the socket, torch's own types from its client
-                if time.monotonic() >= deadline:
+            except Exception as e:  # noqa: BLE001 - OSError from the socket, torch's own types from its client
+                # a refusal on node 0 (its store listens before this launcher's first try), or once the store
+                # answered our ranks, is its loss, not a node 0 still to come: no --timeout of tries
+                refused = isinstance(e, ConnectionRefusedError) and (self.config.node_rank == 0 or self.reached)
+                if refused or time.monotonic() >= deadline:
                     raise
                 time.sleep(0.2)
 
@@ -227,6 +230,10 @@ class C10dRendezvous:
                 f"--master-port; the failures below are consequences\n{local}")
         return StoreLost(f"node 0, which hosts the rendezvous at {config.master_addr}:{self.port}, is gone (its "
                          f"launcher was killed, or its machine lost); the failures below are consequences\n{local}")
+
+    def last_word(self, attempt: int) -> FailureRecord | None:
+        """Node 0's store stopped answering: the record its launcher says last, if it holds the port still."""
+        return last_word.hear(self.config.master_addr, self.port, attempt)
 
     def script_port(self, attempt: int) -> int:
         """The port of the round's own store for env:// scripts, which node 0 set before it joined (core/launcher/job.py)."""

@@ -290,6 +290,9 @@ class EtcdRendezvous:
         return RendezvousError(f"etcd at {self.client.endpoints} does not answer, so this node cannot learn what "
                                f"the others saw; the failures below are what this node saw\n{local}")
 
+    def last_word(self, attempt: int) -> FailureRecord | None:
+        return None  # no node hosts etcd: none has a store of its own to lose
+
     def pause(self, attempt: int) -> None:
         """A moment between two looks, longer the more nodes look (:func:`etcd_interval`). Not a
         watch: etcd's HTTP gateway serves a few hundred streams at once (etcd_keys.py's await_decided)."""

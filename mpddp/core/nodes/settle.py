@@ -35,7 +35,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from ... import rank_math
-from ...errors import NeverArrived, Outcome, RendezvousError, WorkerFailed
+from ...errors import NeverArrived, Outcome, RendezvousError, StoreLost, WorkerFailed
 from ..wire.protocol import ERROR_LINE, FailureRecord
 from .api import STALLED_AFTER, Rendezvous, RendezvousGone, names
 
@@ -83,14 +83,17 @@ def settle(link: Rendezvous, attempt: int, local: WorkerFailed | None, cause: Ou
         return _told(remote, remote_error)
     try:
         return _settle_local(link, attempt, local, cause, remote_error, missing, blame)
-    except RendezvousGone:
-        return link.gone_error(local)
+    except RendezvousGone:  # node 0's store: gone with its launcher, or lost while its launcher says so last
+        told = link.last_word(attempt)
+        return link.gone_error(local) if told is None else _told(told, remote_error)
 
 
 def _told(record: FailureRecord, remote_error: Callable[[FailureRecord], WorkerFailed]) -> WorkerFailed | RendezvousError:
     """Another node's record as this node's report: nodes that never arrived are told as node 0 tells them."""
     if record.outcome is Outcome.ABSENT:
         return RendezvousError(record.line.removeprefix(ERROR_LINE))
+    if record.outcome is Outcome.STORE_LOST:
+        return StoreLost(record.line.removeprefix(ERROR_LINE))
     return remote_error(record)
 
 

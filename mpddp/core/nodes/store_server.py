@@ -64,11 +64,12 @@ class StoreServer:
                 f"answer: it is {status} (SIGSTOP, or a debugger), so the ranks could not meet; every rank was stopped "
                 f"(`kill -CONT {self.pid}` resumes a store server stopped by hand)")
 
-    def loss(self) -> str:
-        """What the launcher says of a lost store server."""
+    def loss(self, several: bool = False) -> str:
+        """What the launcher says of a lost store server (``several``: node 0's, of a job of several nodes)."""
         code = self.process.exitcode
         how = f"was killed by {teardown.signal_name(code)}" if code is not None and code < 0 else f"exited with code {code}"
-        return (f"the store server (pid {self.pid}), the process that serves this job's rendezvous store, {how} "
+        who = "node 0's store server" if several else "the store server"
+        return (f"{who} (pid {self.pid}), the process that serves this job's rendezvous store, {how} "
                 "while the ranks ran: it was stopped from outside (a signal, or the out-of-memory killer); every rank "
                 "was stopped, and their errors were its consequences")
 

@@ -354,9 +354,11 @@ def run_rank(spec: WorkerSpec, messages: Connection, out: Connection, err: Conne
         if ctx.device.startswith("cuda"):
             torch.cuda.set_device(ctx.device)  # before init: else every rank lands on cuda:0
         store = _round_store(spec) if spec.init_group or spec.roll is not None else None
-        if spec.roll is not None and (refused := _roll_call(spec.roll, ctx.rank, store)) is not None:
-            _send(messages, refused)
-            raise _Refused
+        if spec.roll is not None:
+            if (refused := _roll_call(spec.roll, ctx.rank, store)) is not None:
+                _send(messages, refused)
+                raise _Refused
+            _send(messages, protocol.Joined())  # through node 0's store: it answered (a script's group is its own)
         if spec.init_group:
             _init_group(spec, store)
             _send(messages, protocol.Joined())

@@ -73,7 +73,7 @@ class Started:
 
 @dataclass(frozen=True)
 class Joined:
-    """The worker is through ``init_process_group``: node 0's store answered it (several nodes: it was up)."""
+    """The worker got through node 0's store (the roll call, or ``init_process_group``): it was up, it answered."""
 
 
 @dataclass(frozen=True)

@@ -40,7 +40,7 @@ def quiet_torch() -> Iterator[None]:
     if "torch" in sys.modules or _LOG_LEVEL in os.environ:
         yield
         return
-    os.environ[_LOG_LEVEL] = "ERROR"
+    os.environ[_LOG_LEVEL] = "FATAL"
     try:
         yield
     finally:
