@@ -94,3 +94,23 @@ def test_node_0_lost_ends_node_1_within_seconds_saying_so(cluster: Cluster, what
     assert "start node 0's launcher" not in nodes[1].stderr
     assert not quiet_violations(nodes[1]), nodes[1].stderr
     assert cluster.leftovers(wait=5) == []
+
+
+@pytest.mark.timeout(150)
+def test_a_rank_that_raised_stays_the_cause_when_node_0_goes_as_the_nodes_stop(cluster: Cluster) -> None:
+    """Rank 1 (node 1) raises, and node 0's launcher is SIGKILLed as it does: node 1's record may no longer reach
+    node 0's store. Node 1 said "node 0 ... is gone" first and called rank 1's own exception a consequence."""
+    nodes = start(cluster, 2, free_port(), "--nprocs", "1", "--steps", "2000", "--pause", "0.05", "--timeout",
+                  str(TIMEOUT), "--fail", "1", "--at", "30", "--how", "raise")
+    cluster.wait_for("FAILING rank 1", 1, timeout=90)
+    time.sleep(random.uniform(0.0, 0.1))
+    psutil.Process(nodes[0].proc.pid).send_signal(signal.SIGKILL)
+    since = time.monotonic()
+    nodes[0].wait(10)
+    code = ended_soon(nodes[1:], since)[0]
+    assert first_report_line(nodes[1]) == ("mpddp: rank 1 (node 1, local rank 0) failed first: it raised "
+                                           "RuntimeError: rank 1 fails on purpose"), nodes[1].stderr
+    assert code == 1
+    assert "the failures below are consequences" not in nodes[1].stderr
+    assert not quiet_violations(nodes[1]), nodes[1].stderr
+    assert cluster.leftovers(wait=5) == []

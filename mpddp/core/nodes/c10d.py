@@ -220,16 +220,19 @@ class C10dRendezvous:
             f"missing from the rendezvous at {config.master_addr}:{port}): start their launchers with "
             f"--nnodes {config.nnodes} --master-addr {config.master_addr} --master-port {port} --node-rank N", missing)
 
-    def gone_error(self, local: WorkerFailed) -> RendezvousError:
+    def gone_line(self) -> str:
         """Node 0's store does not answer: never reached (not started, wrong address), or gone since."""
         config = self.config
         if not self.reached:
-            return RendezvousError(
-                f"node 0's rendezvous store at {config.master_addr}:{self.port} did not answer within --timeout "
-                f"{config.timeout:g} s: start node 0's launcher (--node-rank 0) there, or check --master-addr and "
-                f"--master-port; the failures below are consequences\n{local}")
-        return StoreLost(f"node 0, which hosts the rendezvous at {config.master_addr}:{self.port}, is gone (its "
-                         f"launcher was killed, or its machine lost); the failures below are consequences\n{local}")
+            return (f"node 0's rendezvous store at {config.master_addr}:{self.port} did not answer within --timeout "
+                    f"{config.timeout:g} s: start node 0's launcher (--node-rank 0) there, or check --master-addr and "
+                    "--master-port")
+        return (f"node 0, which hosts the rendezvous at {config.master_addr}:{self.port}, is gone (its launcher was "
+                "killed, or its machine lost)")
+
+    def gone_error(self, local: WorkerFailed) -> RendezvousError:
+        kind = StoreLost if self.reached else RendezvousError
+        return kind(f"{self.gone_line()}; the failures below are consequences\n{local}")
 
     def last_word(self, attempt: int) -> FailureRecord | None:
         """Node 0's store stopped answering: the record its launcher says last, if it holds the port still."""

@@ -286,9 +286,11 @@ class EtcdRendezvous:
     def never_arrived(self, attempt: int) -> NeverArrived | None:
         return None  # a round starts with the nodes that joined it: none can be missing from it
 
+    def gone_line(self) -> str:
+        return f"etcd at {self.client.endpoints} does not answer, so this node cannot learn what the others saw"
+
     def gone_error(self, local: WorkerFailed) -> RendezvousError:
-        return RendezvousError(f"etcd at {self.client.endpoints} does not answer, so this node cannot learn what "
-                               f"the others saw; the failures below are what this node saw\n{local}")
+        return RendezvousError(f"{self.gone_line()}; the failures below are what this node saw\n{local}")
 
     def last_word(self, attempt: int) -> FailureRecord | None:
         return None  # no node hosts etcd: none has a store of its own to lose

@@ -84,8 +84,13 @@ def settle(link: Rendezvous, attempt: int, local: WorkerFailed | None, cause: Ou
     try:
         return _settle_local(link, attempt, local, cause, remote_error, missing, blame)
     except RendezvousGone:  # node 0's store: gone with its launcher, or lost while its launcher says so last
-        told = link.last_word(attempt)
-        return link.gone_error(local) if told is None else _told(told, remote_error)
+        if (told := link.last_word(attempt)) is not None:
+            return _told(told, remote_error)
+        if _by_itself(cause, blame):  # still the cause, told first: the store went as the nodes stopped for it
+            local.args = (f"{local}\nmpddp: then {link.gone_line()}: the other nodes may not have heard of this "
+                          "failure",)
+            return local
+        return link.gone_error(local)
 
 
 def _told(record: FailureRecord, remote_error: Callable[[FailureRecord], WorkerFailed]) -> WorkerFailed | RendezvousError:
@@ -106,7 +111,7 @@ def _settle_local(link: Rendezvous, attempt: int, local: WorkerFailed, cause: Ou
         winner = link.publish(attempt, FailureRecord(never.ranks[0], node, local_rank, Outcome.ABSENT, 1, line,
                                                      time.time()))  # every node tells it, one that comes late too
         return never if winner.line == line else _told(winner, remote_error)
-    if cause not in (Outcome.COLLECTIVE, Outcome.STOPPED) and not blame.culprits:  # a rank here failed by itself
+    if _by_itself(cause, blame):
         winner = link.publish(attempt, _record_of(local, cause, link))
         return local if winner.writer == config.node_rank else _told(winner, remote_error)  # another node was first
     found = _wait_for(link, attempt, local, cause if blame.culprits else Outcome.COLLECTIVE, blame)
@@ -127,6 +132,11 @@ def _settle_local(link: Rendezvous, attempt: int, local: WorkerFailed, cause: Ou
     local.args = (f"{line}; the failures below are consequences\n{local}",)
     local.exit_code = 1
     return local
+
+
+def _by_itself(cause: Outcome | None, blame: Blame) -> bool:
+    """A rank of this node failed by itself (raised, exited, died, hung), not because a peer went away."""
+    return cause not in (Outcome.COLLECTIVE, Outcome.STOPPED) and not blame.culprits
 
 
 @dataclass(frozen=True)
