@@ -298,11 +298,14 @@ def test_a_lease_that_ran_out_under_a_starved_launcher_is_taken_again(etcd_clust
     link = EtcdRendezvous(config, 0, 1)
     try:
         link._put(link._key(0, "join", "a"), "1", leased=True)
-        first = link._lease.id  # type: ignore[union-attr]
+        kept = link._lease
+        first = kept.id  # type: ignore[union-attr]
         link.client.call(lambda c: Lease(first, client=c).revoke())
         assert link._get(link._key(0, "join", "a")) is None
         link._put(link._key(1, "join", "a"), "1", leased=True)
         assert link._lease.id != first and link._get(link._key(1, "join", "a")) == b"1"  # type: ignore[union-attr]
+        # the dead lease's thread ends with it (it refreshed on, and outlived the test: an unhandled exception later)
+        assert not kept._thread.is_alive()  # type: ignore[union-attr]
     finally:
         link.leave()
         link.client.call(lambda c: c.delete_prefix(link.prefix))

@@ -119,6 +119,8 @@ class EtcdRendezvous:
         from etcd3gw.lease import Lease
 
         if self._lease is None or self._lease.lost:  # lost: etcd took this launcher for gone (a starved machine)
+            if self._lease is not None:
+                self._lease.stop()  # its thread may not have seen the loss yet: it refreshes nothing from now on
             self._lease = KeptLease(self.client, self.ttl)
         return Lease(self._lease.id, client=None)  # type: ignore[arg-type]  # put() reads only its id
 

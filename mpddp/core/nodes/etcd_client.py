@@ -92,6 +92,8 @@ class KeptLease:
                 continue  # no member answers now; the next try may reach one
             except exceptions.Etcd3Exception:  # refused: the lease is gone
                 left = -1
+            except Exception:  # noqa: BLE001 - the HTTP stack's own (seen: getaddrinfo's TypeError as Python exits)
+                continue  # the next try may do; else the lease runs out, which is what the others read as a loss
             if left <= 0:
                 self.lost = True
                 return
@@ -101,12 +103,16 @@ class KeptLease:
 
         return Lease(self.id, client=c).refresh()
 
+    def stop(self) -> None:
+        """Stop refreshing (the lease runs out by itself, or is gone already)."""
+        self._stop.set()
+        self._thread.join(1.0)
+
     def revoke(self) -> None:
         """Stop refreshing and let etcd delete every key put with this lease now."""
         from etcd3gw.lease import Lease
 
-        self._stop.set()
-        self._thread.join(1.0)
+        self.stop()
         try:
             self.client.call(lambda c: Lease(self.id, client=c).revoke(), timeout=2.0)
         except RendezvousGone:
