@@ -55,10 +55,14 @@ def run_group(job: Job, attempt: int) -> list[Any]:
             raise
         finally:
             with teardown.shielded() as urgent:  # a second Ctrl-C must not leave the ranks running
+                if stopped_by is not None:  # first, before the teardown: the others name it, not "node 0 is gone"
+                    this.tell_stopped(stopped_by)
                 this.stop(urgent)
+                if stopped_by is not None and job.link is not None and not job.intruder:
+                    job.link.until_read(attempt)  # node 0: its store goes only once the others read why
         return this.report()
     finally:
-        this.close(stopped_by)
+        this.close()
 
 
 class Attempt:
@@ -164,20 +168,22 @@ class Attempt:
         verdict = classify(self.states, hang, mismatch)
         return _report(self.states, verdict, hang, mismatch, self.relay, again=True), node_cause(self.states, verdict)
 
-    def close(self, stopped_by: BaseException | None = None) -> None:
-        """The round is over for this node: its beat stops now, and the other nodes read that as no loss.
+    def tell_stopped(self, stopped_by: BaseException) -> None:
+        """What stopped this launcher itself (Ctrl-C, a signal), as the round's failure, so that the other nodes
+        name it instead of their own ranks' broken collectives. Called shielded from a second Ctrl-C, before
+        the teardown: node 0 keeps the store for the others, and a second one soon after ends it (measured:
+        written after the teardown, node 1 said "node 0 ... is gone" in 5 of 5 runs)."""
+        if self.round_watch is not None and self.job.link is not None and not self.job.intruder:
+            self.job.link.stopped(self.number, stopped_by)
 
-        ``stopped_by``: what stopped this launcher itself (Ctrl-C, a signal), written as the round's
-        failure first, so that the other nodes name it instead of their own ranks' broken collectives.
-        """
+    def close(self) -> None:
+        """The round is over for this node: its beat stops now, and the other nodes read that as no loss."""
         link = self.job.link
         if self.round_watch is None or link is None:
             return
         if self.job.intruder:  # the node rank is another launcher's: its keys are not this one's to mark
             self.round_watch.stop()
             return
-        if stopped_by is not None:
-            link.stopped(self.number, stopped_by)
         link.end_round(self.number)
         self.round_watch.stop()
 
@@ -207,7 +213,7 @@ def _settle(job: Job, attempt: int, states: list[RankState], verdict: Verdict, l
     link = job.link
     assert link is not None
     cause = node_cause(states, verdict) if local is not None else None
-    remote = round_watch.remote_failure if round_watch is not None and local is None else None
+    remote = round_watch.remote_failure if round_watch is not None else None
     node = job.config.node_rank
     link.reached |= any(s.joined for s in states)  # our ranks got through the store: it was up
     if round_watch is not None:

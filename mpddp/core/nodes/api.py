@@ -166,6 +166,7 @@ class Rendezvous(Protocol):
     def gone_line(self) -> str: ...  # the backend does not answer: why, in words
     def gone_error(self, local: WorkerFailed) -> RendezvousError: ...
     def last_word(self, attempt: int) -> FailureRecord | None: ...  # node 0's, its store lost
+    def until_read(self, attempt: int) -> None: ...  # node 0, stopped itself: the others read why
     def pause(self, attempt: int) -> None: ...  # until the round's keys change, or a moment (POLL and more)
     def leave(self) -> None: ...
 

@@ -4,7 +4,8 @@ Owns: :class:`C10dRendezvous`, one client of node 0's store for the whole job; t
 restarted round once every node's launcher joined it and end a round once every node's ranks returned; an
 elastic job's rounds (core/nodes/membership.py's rule on this store's keys); and which nodes are lost: a
 launcher whose beat (core/nodes/c10d_watch.py) stood still while the others beat, or that never beat for
---timeout. Its cost: node 0 is special; when its machine is lost, the job ends everywhere.
+--timeout. Its cost: node 0 is special; when its machine is lost, the job ends everywhere (what it says
+last when it lives on: core/nodes/last_word.py).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from ..wire import protocol
 from ..wire.protocol import FailureRecord, full_key
 from . import last_word, membership
 from .api import POLL, STALLED_AFTER, RendezvousGone, Round, names, stopped_record
-from .c10d_keys import ABSENT, C10dKeys, first_record, read_all
+from .c10d_keys import ABSENT, C10dKeys, first_record, missing_ranks, read_all
 
 if TYPE_CHECKING:
     from .c10d_watch import C10dRoundWatch
@@ -57,6 +58,7 @@ class C10dRendezvous:
         self.me = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self.rounds: dict[int, Round] = {}
         self._last = 0  # the last round this launcher ran
+        self.read: set[int] = set()  # the rounds whose record, another node's, this launcher counted as read
 
     def call(self, op: Callable[[Any], Any], connect_timeout: float | None = None) -> Any:
         """``op(store)`` under the lock; :class:`RendezvousGone` when node 0's store cannot be reached."""
@@ -93,8 +95,7 @@ class C10dRendezvous:
                 store.set_timeout(timedelta(seconds=self.config.timeout))  # each operation's, once connected
                 return store
             except Exception as e:  # noqa: BLE001 - OSError from the socket, torch's own types from its client
-                # a refusal on node 0 (its store listens before this launcher's first try), or once the store
-                # answered our ranks, is its loss, not a node 0 still to come: no --timeout of tries
+                # refused on node 0 (it listens before our first try) or once it answered our ranks: lost, not late
                 refused = isinstance(e, ConnectionRefusedError) and (self.config.node_rank == 0 or self.reached)
                 if refused or time.monotonic() >= deadline:
                     raise
@@ -111,9 +112,12 @@ class C10dRendezvous:
             try:
                 self._join(attempt, node, nnodes, timeout)
             except RendezvousGone:
-                raise StoreLost(f"node 0's store at {self.config.master_addr}:{self.port} is gone, so round {attempt} "
-                                "cannot start: node 0's launcher was killed, or its machine lost") from None
+                raise self._no_round(attempt) from None
         return Round(attempt, nnodes, node, tuple(range(nnodes)))
+
+    def _no_round(self, attempt: int) -> StoreLost:
+        return StoreLost(f"node 0's store at {self.launched.master_addr}:{self.port} is gone, so round {attempt} "
+                         "cannot start: node 0's launcher was killed, or its machine lost")
 
     def _join_elastic(self, attempt: int) -> Round:
         launched = self.launched
@@ -127,8 +131,7 @@ class C10dRendezvous:
                            f"--master-addr {launched.master_addr} --master-port {self.port} --node-rank N",
                 zero_is_a_claim=True)
         except RendezvousGone:
-            raise StoreLost(f"node 0's store at {launched.master_addr}:{self.port} is gone, so round {attempt} cannot "
-                            "start: node 0's launcher was killed, or its machine lost") from None
+            raise self._no_round(attempt) from None
         self.rounds[here.number] = here
         self.config = replace(launched, nnodes=here.nnodes, node_rank=here.node_rank)
         self.gone = set()  # node ranks are the new round's: those lost before are not among them
@@ -196,19 +199,8 @@ class C10dRendezvous:
         """The nodes whose ranks never reached node 0's store in round ``attempt`` (core/rank/worker.py marks
         each rank's arrival), as the error that names them and how to start them; None when every rank came."""
         config, port, world_size = self.config, self.port, self.config.nnodes * self.nprocs
-
-        def read(s: Any) -> list[int]:  # one operation when every rank came; two, whatever the size, else
-            count = s.add(full_key(attempt, protocol.ARRIVED), 0)
-            if count >= world_size:
-                return []
-            keys = [full_key(attempt, protocol.arrived_entry(n)) for n in range(1, count + 1)]
-            if not s.check(keys):  # a rank counted, its entry not yet written (or never: killed between)
-                keys = [k for k in keys if s.check([k])]
-            came = {int(v) for v in read_all(s, keys)}
-            return [r for r in range(world_size) if r not in came]
-
         try:
-            missing = self.call(read, connect_timeout=2.0)
+            missing = self.call(lambda s: missing_ranks(s, attempt, world_size), connect_timeout=2.0)
         except RendezvousGone:
             return None
         if not missing:
@@ -231,8 +223,8 @@ class C10dRendezvous:
                 "killed, or its machine lost)")
 
     def gone_error(self, local: WorkerFailed) -> RendezvousError:
-        kind = StoreLost if self.reached else RendezvousError
-        return kind(f"{self.gone_line()}; the failures below are consequences\n{local}")
+        return (StoreLost if self.reached else RendezvousError)(f"{self.gone_line()}; the failures below are "
+                                                                 f"consequences\n{local}")
 
     def last_word(self, attempt: int) -> FailureRecord | None:
         """Node 0's store stopped answering: the record its launcher says last, if it holds the port still."""
@@ -243,9 +235,15 @@ class C10dRendezvous:
         return int(self.call(lambda s: s.get(full_key(attempt, protocol.SCRIPT_PORT))))
 
     def record(self, attempt: int) -> FailureRecord | None:
+        """The round's record, once written; read once as another node's, it is counted for :meth:`until_read`."""
         key = full_key(attempt, protocol.FAILURE)
         data = self.call(lambda s: s.compare_set(key, ABSENT, ABSENT))  # one operation: the value, or ABSENT
-        return FailureRecord.decode(data) if data and data != ABSENT.encode() else None
+        if not data or data == ABSENT.encode():
+            return None
+        return last_word.read(self, attempt, FailureRecord.decode(data))
+
+    def until_read(self, attempt: int) -> None:
+        last_word.until_read(self, attempt)
 
     def publish(self, attempt: int, record: FailureRecord) -> FailureRecord:
         """Write the round's first failure unless another node did first; the record that stands. Its writer

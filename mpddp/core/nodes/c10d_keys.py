@@ -33,6 +33,19 @@ def read_all(s: Any, keys: list[str]) -> list[bytes]:
     return list(s.multi_get(keys)) if hasattr(s, "multi_get") else [s.get(k) for k in keys]
 
 
+def missing_ranks(s: Any, attempt: int, world_size: int) -> list[int]:
+    """The ranks whose arrival core/rank/worker.py did not mark in round ``attempt``: one operation when every
+    rank came; two, whatever the size, else."""
+    count = s.add(full_key(attempt, protocol.ARRIVED), 0)
+    if count >= world_size:
+        return []
+    keys = [full_key(attempt, protocol.arrived_entry(n)) for n in range(1, count + 1)]
+    if not s.check(keys):  # a rank counted, its entry not yet written (or never: killed between)
+        keys = [k for k in keys if s.check([k])]
+    came = {int(v) for v in read_all(s, keys)}
+    return [r for r in range(world_size) if r not in came]
+
+
 class C10dKeys:
     """core/nodes/membership.py's keys in node 0's store: arrivals numbered by a counter (a store lists no keys)."""
 

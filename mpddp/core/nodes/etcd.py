@@ -294,6 +294,9 @@ class EtcdRendezvous:
     def gone_error(self, local: WorkerFailed) -> RendezvousError:
         return RendezvousError(f"{self.gone_line()}; the failures below are what this node saw\n{local}")
 
+    def until_read(self, attempt: int) -> None:
+        return None  # etcd outlives every launcher: its record stays for the others to read
+
     def last_word(self, attempt: int) -> FailureRecord | None:
         return None  # no node hosts etcd: none has a store of its own to lose
 

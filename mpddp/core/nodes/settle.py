@@ -74,16 +74,19 @@ def settle(link: Rendezvous, attempt: int, local: WorkerFailed | None, cause: Ou
     """What this node reports for a failed round of several nodes, the same first failure on every node.
 
     ``local``: this node's own report (None when only another node failed), ``cause`` the outcome of its
-    first failure; ``remote``: a record another node wrote before this node failed; ``remote_error`` turns
+    first failure; ``remote``: the round's record as this node's beat read it, if it did (the store may be
+    gone by now: node 0's launcher interrupted twice leaves once the others read it); ``remote_error`` turns
     a record into this node's report; ``missing``: the error that names the ranks that never arrived, if any (node 0 asks);
     ``blame``: what this node's report blames on other nodes.
     """
-    if remote is not None or local is None:
+    if local is None:
         assert remote is not None  # the watch returns without a local failure only for another node's
         return _told(remote, remote_error)
     try:
         return _settle_local(link, attempt, local, cause, remote_error, missing, blame)
     except RendezvousGone:  # node 0's store: gone with its launcher, or lost while its launcher says so last
+        if remote is not None and not _by_itself(cause, blame):  # the beat read it before the store went
+            return _told(remote, remote_error)
         if (told := link.last_word(attempt)) is not None:
             return _told(told, remote_error)
         if _by_itself(cause, blame):  # still the cause, told first: the store went as the nodes stopped for it

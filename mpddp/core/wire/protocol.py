@@ -198,6 +198,7 @@ ALL_JOINED = "all_joined"  # set by the last node launcher to join a restarted r
 FAILED = 1 << 40  # added to PROGRESS by the writer of the round's record: every beat's one add also tells of it
 LEFT = "mpddp/job/left"  # a counter, job-wide: the launchers that are done with the store (node 0 waits for them)
 LOST = "lost"  # a counter: the nodes found lost in the round (each once: lost_key)
+READ = "read"  # a counter: the launchers that read the round's record another node wrote (each once)
 
 
 def lost_key(node: int) -> str:
