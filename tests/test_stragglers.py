@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import logging
+import sys
 import time
 
 import pytest
@@ -147,3 +148,46 @@ def test_where_the_straggler_is_while_the_others_wait_is_sampled_while_they_wait
     told = named[0].getMessage()
     assert "nobody waits" not in told, told
     assert "while the others wait" not in told or "# only rank 1" in told, told
+
+
+ACROSS = """
+import sys, time
+import torch, torch.distributed as dist
+import mpddp
+
+def one_late(ctx, slow, steps):
+    t = torch.ones(100)
+    for _ in range(steps):
+        time.sleep(0.01)
+        if ctx.rank == slow:
+            time.sleep(0.04)
+        dist.all_reduce(t)
+    time.sleep(%(late)s)
+    return ctx.rank
+
+if __name__ == "__main__":
+    node, port = int(sys.argv[1]), int(sys.argv[2])
+    mpddp.launch(one_late, nprocs=1, nnodes=2, node_rank=node, master_addr="127.0.0.1", master_port=port,
+                 backend="gloo", args=(1, 240), timeout=60)
+"""
+
+
+def test_a_straggler_on_another_node_is_named_by_node_0(tmp_path):
+    """One rank a node: no node has two of its own to compare (node 1's board lines up no row at all), so the
+    straggler was named nowhere; node 0 now lines the nodes up from the arrivals they share every beat."""
+    from multinode import Cluster, free_port
+
+    script = tmp_path / "across.py"
+    script.write_text(ACROSS % {"late": _LATE})
+    cluster, port = Cluster(tmp_path), free_port()
+    try:
+        nodes = [cluster.start([], command=[sys.executable, str(script), str(n), str(port)]) for n in (0, 1)]
+        codes = [node.wait(100) for node in nodes]
+        assert codes == [0, 0], "\n\n".join(n.stderr for n in nodes)
+        named = [line for line in nodes[0].stderr.splitlines() if "is a straggler" in line]
+        assert len(named) == 1 and named[0].startswith("mpddp: rank 1 is a straggler: it reaches collectives"), \
+            nodes[0].stderr
+        assert "is a straggler" not in nodes[1].stderr  # one node reads them all
+        assert cluster.leftovers(wait=5) == []
+    finally:
+        cluster.kill_all()

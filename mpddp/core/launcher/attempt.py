@@ -28,7 +28,7 @@ from ..nodes.api import RoundWatch
 from ..procs import teardown
 from ..wire import errorfile, protocol
 from ..wire.protocol import ERROR_LINE, FailureRecord
-from . import board
+from . import board, stragglers
 from .board import Board, Mismatch
 from .channels import receive, start_ranks
 from .classify import Hang, RankState, Verdict, classify, node_cause
@@ -93,7 +93,9 @@ class Attempt:
         store = self.job.store
         watchdog = self.watchdog = Watchdog(self.job.config.timeout, self.round_watch, self.board,
                                             lambda: self.relay.received)
-        stall = watch(self.states, watchdog, self.job.lags, store, self.round_watch)
+        config = self.job.config  # node 0 of several reads every node's arrivals, for a straggler on any of them
+        nodes = stragglers.AcrossNodes(config.nnodes) if self.round_watch and config.node_rank == 0 else None
+        stall = watch(self.states, watchdog, self.job.lags, store, self.round_watch, nodes)
         if self.job.link is not None and any(s.joined for s in self.states):  # its store answered our ranks
             self.job.link.reached = True  # a refusal from now on is its loss, not a node 0 still to come
         if store is not None and store.lost:  # before the teardown: the other nodes hear why soon

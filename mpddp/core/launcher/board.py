@@ -12,6 +12,7 @@ names a rank on another node by collective too.
 
 from __future__ import annotations
 
+import collections
 import json
 import math
 import threading
@@ -27,6 +28,8 @@ _SAME_SHAPE = frozenset({"all_reduce", "allreduce", "broadcast", "reduce"})  # o
 _DTYPES = {"Float": "float32", "Double": "float64", "Half": "float16", "BFloat16": "bfloat16", "Long": "int64",
            "Int": "int32", "Short": "int16", "Char": "int8", "Byte": "uint8", "Bool": "bool"}
 _WINDOW = 512  # collectives per lane (group and backend) the board keeps to line ranks up
+ARRIVALS = 32  # the default group's newest collectives whose last arrival on this node a snapshot carries
+ARRIVALS_KEY = "~arrivals"  # their place in a snapshot, beside the ranks' numbers
 _GRACE = 1.0  # seconds a differing row waits for its other members before the mismatch is told
 _GRACE_MAX = 5.0  # ... when those it has cannot name the odd one and a missing member said nothing since
 
@@ -90,6 +93,10 @@ class Board:
         # rows that differ, not yet complete: since when, and the ranks seen in another lane's collective since
         self._suspects: dict[tuple[Lane, int], tuple[float, set[int]]] = {}
         self._done: list[dict[int, Call]] = []  # rows every member has reached, not yet taken
+        # the default group's collectives: each rank's arrival at a number until all of this node's came, then
+        # the last of them (lane, number, its arrival, its rank), for node 0 to line the nodes up (stragglers.py)
+        self._latest: dict[tuple[Lane, int], dict[int, int]] = {}
+        self.arrivals: collections.deque[tuple[Lane, int, int, int]] = collections.deque(maxlen=ARRIVALS)
         self._version = self._shared = 0  # reports added; the count at the last snapshot
         # add() runs in the watch (the main thread), snapshot() in the round watch's thread: a snapshot taken
         # inside add() marked the report shared before its call was on the board (the other nodes never saw it)
@@ -115,6 +122,8 @@ class Board:
             key = (call.lane, call.seq)
             row = self._rows.setdefault(key, {})
             row.setdefault(rank, call)  # a rank's call at a number is what it first said
+            if call.group == "0":
+                self._arrived(key, rank, call.entered)
             complete = len(row) == len(members) and len(row) > 1
             if self.mismatch is None and (odd := _differs(row)) is not None:
                 if complete:  # every member's call is known: the odd one out is the one most others disagree with
@@ -126,6 +135,17 @@ class Board:
                 self._suspects.pop(key, None)
         if len(self._rows) > 2 * _WINDOW:
             self._prune()
+        if len(self._latest) > 2 * _WINDOW:  # a rank's reader missed some: they never fill
+            for key in sorted(self._latest, key=lambda k: k[1])[:_WINDOW]:
+                del self._latest[key]
+
+    def _arrived(self, key: tuple[Lane, int], rank: int, entered: int) -> None:
+        got = self._latest.setdefault(key, {})
+        got.setdefault(rank, entered)
+        if len(got) == len(self.ranks):
+            del self._latest[key]
+            last = max(got, key=lambda r: (got[r], r))
+            self.arrivals.append((key[0], key[1], got[last], last))
 
     def found(self, now: float) -> Mismatch | None:
         """The mismatch, once the row's every member has reported, or once the members it lacks cannot change it.
@@ -163,10 +183,12 @@ class Board:
             if self._version == self._shared and not whole:
                 return None
             self._shared = self._version
-            return json.dumps({str(r): {"last": [[*c.lane, c.seq, c.op, c.sizes, c.dtypes, c.entered, c.op_id]
-                                                 for c in s.last.values()],
-                                        "completed": [[*lane, n] for lane, n in s.completed.items()]}
-                               for r, s in self.seen.items()}, separators=(",", ":")).encode()
+            ranks: dict[str, Any] = {
+                str(r): {"last": [[*c.lane, c.seq, c.op, c.sizes, c.dtypes, c.entered, c.op_id] for c in s.last.values()],
+                         "completed": [[*lane, n] for lane, n in s.completed.items()]}
+                for r, s in self.seen.items()}
+            ranks[ARRIVALS_KEY] = [[*lane, seq, entered, rank] for lane, seq, entered, rank in self.arrivals]
+            return json.dumps(ranks, separators=(",", ":")).encode()
 
     def joined(self, snapshots: Iterable[bytes], ranks: Iterable[int]) -> Board:
         """A board of every node's ranks (``ranks``: the whole world): this node's, and the other nodes'
@@ -176,6 +198,7 @@ class Board:
         for snapshot in snapshots:
             try:
                 ranks_seen = json.loads(snapshot)
+                ranks_seen.pop(ARRIVALS_KEY, None)
                 for rank, data in ranks_seen.items():
                     seen = Seen(completed={(g, b, int(n)): int(c) for g, b, n, c in data["completed"]})
                     for g, b, gen, seq, op, sizes, dtypes, entered, op_id in data["last"]:
@@ -306,3 +329,10 @@ def _ago(ns: int) -> str:
     return f"{seconds:.0f} s" if seconds >= 10 else f"{seconds:.1f} s"
 
 
+def arrivals(snapshot: bytes) -> list[tuple[Lane, int, int, int]]:
+    """A node's :meth:`Board.snapshot`'s last arrivals (lane, number, arrival, rank); [] from another version."""
+    try:
+        return [((g, b, int(gen)), int(seq), int(entered), int(rank))
+                for g, b, gen, seq, entered, rank in json.loads(snapshot).get(ARRIVALS_KEY, [])]
+    except (ValueError, TypeError, AttributeError):
+        return []

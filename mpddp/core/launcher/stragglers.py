@@ -33,6 +33,8 @@ LAST_SHARE = 0.75  # ... and the rank must be the last to arrive this often (two
 _BURST_GAP = 0.005  # seconds: a gap this long (and 4 times the typical one) starts a new step's burst
 _POINTS = 100_000  # arrivals kept for the timeline (halved, every other one, when full)
 SAMPLES = 5  # stack samples of a straggler, taken while the others wait
+LOOK = 2.0  # seconds between node 0's reads of every node's arrivals (several nodes)
+_POINTS_FED = 1024  # collective numbers node 0 remembers having fed
 
 
 @dataclass(frozen=True)
@@ -130,6 +132,45 @@ class Stragglers:
                               self.last.get(rank, 0) / max(self.rows, 1))
                       for rank, lags in sorted(self.all_lags.items()))
         return Summary(self.rows, ranks, self.told, self.step)
+
+
+@dataclass
+class AcrossNodes:
+    """Node 0 of several: the nodes lined up at the default group's collectives, a straggler named across them.
+
+    Each node's snapshot (core/launcher/board.py, shared every beat) carries the last arrival among its ranks
+    at each of its newest :data:`~mpddp.core.launcher.board.ARRIVALS` collectives, and which rank it was;
+    every :data:`LOOK` seconds node 0 reads them all (one batch) and feeds the numbers every node reached to
+    :class:`Stragglers`, one arrival a node: the rank that arrives last on the last node, again and again, is
+    the one the whole job waits for. Each node's own board names a straggler among its own ranks; this one
+    names a rank of any node, from the wall clocks of their machines (NTP keeps them within a millisecond or
+    two, below :data:`MIN_LAG`).
+    """
+
+    nnodes: int
+    lags: Stragglers = field(default_factory=Stragglers)
+    looked: float = 0.0  # time.monotonic() of the last look
+    _fed: set[tuple[tuple[str, str, int], int]] = field(default_factory=set)  # (lane, number) rows fed
+
+    def due(self, now: float) -> bool:
+        if now - self.looked < LOOK:
+            return False
+        self.looked = now
+        return True
+
+    def feed(self, arrivals: list[tuple[tuple[str, str, int], int, int, int]]) -> None:
+        """Every node's (lane, number, last arrival, its rank), this node's too: the rows every node reached."""
+        rows: dict[tuple[tuple[str, str, int], int], dict[int, Call]] = {}
+        for lane, seq, entered, rank in arrivals:
+            if (lane, seq) not in self._fed:
+                rows.setdefault((lane, seq), {})[rank] = Call(lane[0], seq, "", (), (), entered, lane[1], lane[2])
+        complete = sorted((key for key, row in rows.items() if len(row) == self.nnodes), key=lambda k: k[1])
+        self._fed.update(complete)
+        if len(self._fed) > 4 * _POINTS_FED:  # the numbers far behind never come again
+            newest = max(seq for _, seq in self._fed)
+            self._fed = {key for key in self._fed if key[1] > newest - _POINTS_FED}
+        self.lags.add([rows[key] for key in complete])
+        self.lags.check(lambda rank: [])  # another node's rank: no stacks of it here
 
 
 def summary_lines(summary: Summary, verbose: bool) -> list[str]:

@@ -23,6 +23,7 @@ from ..nodes.store_server import StoreServer
 from ..wire import stacks
 from . import board, stragglers
 from .board import Mismatch
+from .board import arrivals as board_arrivals
 from .channels import receive
 from .classify import Hang, RankState
 from .watchdog import Watchdog
@@ -31,10 +32,10 @@ _FAILURE_WINDOW = 0.3  # seconds to collect other ranks' reports after the first
 
 
 def watch(states: list[RankState], watchdog: Watchdog, lags: stragglers.Stragglers, store: StoreServer | None = None,
-           round_watch: RoundWatch | None = None) -> Hang | Mismatch | None:
+          round_watch: RoundWatch | None = None, nodes: stragglers.AcrossNodes | None = None) -> Hang | Mismatch | None:
     """Wait until every rank succeeded, a failure window has closed, the store server is gone,
     another node wrote the round's first failure, the watchdog found a hang, or two ranks called
-    different collectives at the same number."""
+    different collectives at the same number. ``nodes``: node 0 of several lines the nodes up for stragglers."""
     board = watchdog.board
     assert board is not None
     first_failure: float | None = None
@@ -72,6 +73,8 @@ def watch(states: list[RankState], watchdog: Watchdog, lags: stragglers.Straggle
             _show_where(states, watchdog)
         lags.add(board.take())
         lags.check(lambda rank: _sample(states, watchdog, rank))
+        if nodes is not None and round_watch is not None and nodes.due(now):
+            nodes.feed([*board.arrivals, *(a for s in round_watch.others_calls() for a in board_arrivals(s))])
         if first_failure is None and (hang := watchdog.check(states, now)) is not None:
             return hang.mismatch or hang  # ranks of different nodes that called different collectives: a bug
 
