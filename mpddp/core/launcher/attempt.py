@@ -94,7 +94,8 @@ class Attempt:
         watchdog = self.watchdog = Watchdog(self.job.config.timeout, self.round_watch, self.board,
                                             lambda: self.relay.received)
         config = self.job.config  # node 0 of several reads every node's arrivals, for a straggler on any of them
-        nodes = stragglers.AcrossNodes(config.nnodes) if self.round_watch and config.node_rank == 0 else None
+        nodes = (stragglers.AcrossNodes(config.nnodes) if self.round_watch and config.node_rank == 0 < config.nnodes - 1
+                 else None)
         stall = watch(self.states, watchdog, self.job.lags, store, self.round_watch, nodes)
         if self.job.link is not None and any(s.joined for s in self.states):  # its store answered our ranks
             self.job.link.reached = True  # a refusal from now on is its loss, not a node 0 still to come

@@ -12,8 +12,10 @@ accepted is node 0's last word, read within :data:`WAIT`; one refused is
 tried again for :data:`LISTEN_WAIT` (node 0's launcher stops its ranks
 first, then listens again), after which, or after a second without any
 answer (a machine lost drops what it is sent), node 0's launcher or its
-machine is gone, as this node then says. Leaves the store's client to
-core/wire/store.py, and telling the record to core/nodes/settle.py.
+machine is gone, as this node then says. Also node 0's wait, once it was
+stopped itself (Ctrl-C), until the others read why (:func:`until_read`,
+counted by :func:`read`): its store goes with it. Leaves the store's client
+to core/wire/store.py, and telling the record to core/nodes/settle.py.
 """
 
 from __future__ import annotations
