@@ -540,8 +540,8 @@ def test_a_hang_told_again_waits_for_a_node_that_has_not_shared_its_collectives_
     told: list[float] = []
     fresh = mpddp.WorkerFailed("mpddp: ranks 0, 2 called all_reduce #41 while rank 1 called broadcast #41", rank=1)
     later = threading.Timer(1.5, lambda: _mark_quiet(beats, 0))
+    started = time.monotonic()  # before the timer starts: it fires 1.5 s after its own start (told 1.49999 s)
     later.start()
-    started = time.monotonic()
     try:
         said = settle.settle(_link(1, beats, timeout=30.0), 0, mpddp.WorkerFailed("stale", rank=1),
                              mpddp.Outcome.MISMATCH, None, lambda record: record, lambda: None,
