@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import inspect
 import logging
 import sys
 import time
@@ -155,15 +156,9 @@ import sys, time
 import torch, torch.distributed as dist
 import mpddp
 
-def one_late(ctx, slow, steps):
-    t = torch.ones(100)
-    for _ in range(steps):
-        time.sleep(0.01)
-        if ctx.rank == slow:
-            time.sleep(0.04)
-        dist.all_reduce(t)
-    time.sleep(%(late)s)
-    return ctx.rank
+_LATE = %(late)r
+
+%(one_late)s
 
 if __name__ == "__main__":
     node, port = int(sys.argv[1]), int(sys.argv[2])
@@ -178,7 +173,7 @@ def test_a_straggler_on_another_node_is_named_by_node_0(tmp_path):
     from multinode import Cluster, free_port
 
     script = tmp_path / "across.py"
-    script.write_text(ACROSS % {"late": _LATE})
+    script.write_text(ACROSS % {"late": _LATE, "one_late": inspect.getsource(one_late)})  # the same rank code
     cluster, port = Cluster(tmp_path), free_port()
     try:
         nodes = [cluster.start([], command=[sys.executable, str(script), str(n), str(port)]) for n in (0, 1)]
