@@ -487,9 +487,11 @@ def test_a_gpu_rank_spinning_while_its_collective_is_open_is_waiting(device, han
     procs = _spinners(2)
     try:
         states = [_State(r, p, device) for r, p in enumerate(procs)]
-        dog = Watchdog(timeout=1.0, board=board, interval=0.2)
+        # a --timeout of 3 s, not 1: beside a second test suite on 2 cores, both spinners once got less than a
+        # tenth of a core for a whole second (the CPU case then told a hang: the load's doing, not the rule's)
+        dog = Watchdog(timeout=3.0, board=board, interval=0.2)
         start, hang = time.monotonic(), None
-        while hang is None and time.monotonic() - start < 4.0:
+        while hang is None and time.monotonic() - start < 6.0:
             hang = dog.check(states, time.monotonic())
             time.sleep(0.05)
     finally:
