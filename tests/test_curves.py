@@ -21,6 +21,7 @@ from mpddp.errors import ConfigError
 from mpddp.trainer import curves
 from mpddp.trainer.config import TrainConfig
 from mpddp.trainer.loop import Trainer
+from mpddp.trainer.output import finish_curves
 from mpddp.trainer.prepare import resolve
 
 from runs import Run
@@ -163,6 +164,30 @@ def test_rank_0_draws_curves_png_unless_its_caller_will(tmp_path):
         assert (run_dir / "curves.png").exists() is draw
 
 
+def test_rank_0_hands_the_last_epochs_tensorboard_point_to_its_caller(tmp_path):
+    """fit(draw=False): rank 0 logs every epoch but the last, which its caller logs once the ranks exited
+    (output.finish_curves, as train()'s launcher does): a one-epoch run's rank 0 opens no writer at all."""
+    pytest.importorskip("tensorboard", reason="tensorboard is not installed: pip install 'mpddp[tensorboard]'")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    for epochs in (1, 3):
+        run_dir = tmp_path / f"epochs-{epochs}"
+        result = Trainer(resolve(TrainConfig(task="synthetic", samples=40, features=4, epochs=epochs,
+                                             run_dir=str(run_dir)))).fit(draw=False)
+        logged = sorted((run_dir / "tb").glob("events.out.tfevents.*")) if (run_dir / "tb").exists() else []
+        assert len(logged) == (0 if epochs == 1 else 1), logged
+        finish_curves(run_dir, result.global_step)
+        records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        events = EventAccumulator(str(run_dir / "tb"))
+        events.Reload()
+        assert [(s.step, s.value) for s in events.Scalars("loss/train")] == [
+            (r["step"], pytest.approx(r["train_loss"], rel=1e-6)) for r in records]
+        finish_curves(run_dir, result.global_step)  # twice (a caller that retries): the point is still one
+        events = EventAccumulator(str(run_dir / "tb"))
+        events.Reload()
+        assert [s.step for s in events.Scalars("loss/train")] == [r["step"] for r in records]
+
+
 def test_without_matplotlib_mpddp_plot_says_what_to_install(cli, tmp_path, monkeypatch):
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / "metrics.jsonl").write_text(lines(record(1)))
@@ -229,7 +254,8 @@ def test_tensorboard_reads_back_every_logged_value_from_rank_0_only(digits_run):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     run_dir, records, _ = digits_run
-    assert len(list((run_dir / "tb").glob("events.out.tfevents.*"))) == 1  # one writer: rank 0
+    # rank 0's file (epochs 1 and 2), and its launcher's (epoch 3, handed over: see the test below)
+    assert len(list((run_dir / "tb").glob("events.out.tfevents.*"))) == 2
     events = EventAccumulator(str(run_dir / "tb"))
     events.Reload()
     assert sorted(events.Tags()["scalars"]) == sorted(curves.SCALARS)

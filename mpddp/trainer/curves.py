@@ -217,6 +217,15 @@ class TensorBoard:
             self.writer = None
 
 
+def last_point(run_dir: Path, record: dict[str, Any]) -> None:
+    """Log ``record``, a run's last epoch, for the launcher that rank 0 handed it to: a writer of its own (a
+    file of its own in ``<run dir>/tb``, which TensorBoard reads with rank 0's), hiding any point at or after
+    its step that an earlier run logged (a run resumed at its last epoch, or trained to it twice)."""
+    tensorboard = TensorBoard(run_dir, since_step=record["step"] - 1)
+    tensorboard.add(record)
+    tensorboard.close()
+
+
 def _summary_writer(log_dir: Path, purge_step: int) -> Any:
     try:
         from torch.utils.tensorboard import SummaryWriter
@@ -227,7 +236,8 @@ def _summary_writer(log_dir: Path, purge_step: int) -> Any:
 
 
 def prefetch() -> None:
-    """Import matplotlib's canvas in a thread of this process, for a :func:`draw` later on.
+    """Import matplotlib's canvas and TensorBoard's writer in a thread of this process, for a :func:`draw` and
+    a :func:`last_point` later on.
 
     The launcher of ``mpddp train`` calls it as it launches: its own torch
     import is done while the forkserver still imports ``torch._dynamo``, so
@@ -238,11 +248,13 @@ def prefetch() -> None:
     """
     import threading
 
-    threading.Thread(target=_import_canvas, name="mpddp-curves-import", daemon=True).start()
+    threading.Thread(target=_import_both, name="mpddp-curves-import", daemon=True).start()
 
 
-def _import_canvas() -> None:
+def _import_both() -> None:
     with contextlib.suppress(ImportError):  # not installed: draw() says so, later
         from matplotlib.backends.backend_agg import FigureCanvasAgg  # noqa: F401
         from matplotlib.figure import Figure  # noqa: F401
         from matplotlib.ticker import MaxNLocator  # noqa: F401
+    with contextlib.suppress(ImportError):  # not installed: no event files
+        from torch.utils.tensorboard import SummaryWriter  # noqa: F401

@@ -33,7 +33,7 @@ from . import checkpoint, state
 from .config import TrainConfig
 from .curves import prefetch
 from .faults import SAVING, check_fault_rank
-from .output import Reporter, draw_curves
+from .output import Reporter, finish_curves
 from .prepare import resolve
 
 
@@ -167,14 +167,15 @@ class Trainer:
         """Train up to ``config.epochs``, evaluating and checkpointing every epoch.
 
         ``draw``: rank 0 draws ``curves.png`` at the end (False: its caller
-        does, as :func:`train`'s launcher does once the ranks exit).
+        does, and logs the last epoch's TensorBoard point, as :func:`train`'s
+        launcher does once the ranks exit: output.finish_curves).
         """
         start = time.perf_counter()
         test = {"loss": float("nan"), "accuracy": None}
         if self.epoch >= self.config.epochs:
             test = self.evaluate()
             self.report.say(f"already trained {self.epoch} epochs: pass --epochs N > {self.epoch} to train more")
-        self.report.start_run(self.global_step)
+        self.report.start_run(self.global_step, hand_over=not draw)
         try:
             while self.epoch < self.config.epochs:
                 test = self._fit_epoch(start)
@@ -194,7 +195,7 @@ class Trainer:
             "epoch": self.epoch, "step": self.global_step, "train_loss": train_loss, "test_loss": test["loss"],
             "test_accuracy": test["accuracy"], "lr": self.optimizer.param_groups[0]["lr"],  # the first group's
             "samples_per_s": samples / seconds, "elapsed_s": time.perf_counter() - start, "world_size": self.world,
-            "global_batch": self.global_batch})
+            "global_batch": self.global_batch}, last=self.epoch >= self.config.epochs)
         self.save()
         return test
 
@@ -351,7 +352,7 @@ def train_worker(ctx: WorkerContext, config: TrainConfig, owner: str = "", draw:
     """The function :func:`mpddp.launch` runs on every rank; ``owner``: the run's token (see :func:`train`).
 
     ``draw``: rank 0 draws ``curves.png`` before it returns (False: the
-    caller draws it, see :meth:`Trainer.fit`).
+    caller draws it and logs TensorBoard's last point, see :meth:`Trainer.fit`).
     """
     if config.run_dir is None:  # called through mpddp.launch directly: rank 0 decides, everyone agrees
         box = [resolve(config) if ctx.rank == 0 else None]
@@ -375,8 +376,9 @@ def train(config: TrainConfig | None = None, *, launch_config: LaunchConfig | No
     # watchdog, the OOM killer: the teardown ends in SIGKILL, and no cleanup runs in it) leaves one behind, which
     # this launcher removes once every rank is gone, and no other run's.
     owner = uuid.uuid4().hex[:12]
-    # curves.png is drawn here once the ranks exit, its import done in a thread while the forkserver imports
-    # torch._dynamo (off the path), unless this process forks the ranks (no import may run across a fork).
+    # curves.png is drawn and TensorBoard's last point logged here once the ranks exit, their imports done in a
+    # thread while the forkserver imports torch._dynamo (off the path), unless this process forks the ranks (no
+    # import may run across a fork).
     if _option("start_method", launch_config, launch_options, None) != "fork":
         prefetch()
     try:
@@ -385,7 +387,7 @@ def train(config: TrainConfig | None = None, *, launch_config: LaunchConfig | No
     finally:
         checkpoint.remove_temporaries(config.checkpoint_path, owner)
     if result.rank == 0:  # node 0's launcher: the metrics file is on this machine
-        drawn, note = draw_curves(config.metrics_path.parent)
+        drawn, note = finish_curves(config.metrics_path.parent, result.global_step)
         result = replace(result, curves=drawn, curves_note=note)
     print(f"checkpoint: {result.checkpoint}  metrics: {result.metrics}  curves: {result.curves or result.curves_note}",
           flush=True)

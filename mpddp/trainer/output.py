@@ -4,8 +4,9 @@ Owns: rank 0's voice (other ranks stay quiet unless ``verbose``), the tqdm
 bar per epoch (only when the launcher says the user's stdout is a terminal
 or notebook, ``MPDDP_STDOUT_ISATTY=1``), the per-epoch summary line, the
 JSON-lines metrics file, and when the curves are written: TensorBoard's
-points by rank 0 every epoch, ``curves.png`` at the end (by rank 0, or by
-the launcher of :func:`~mpddp.trainer.train` once the ranks exit), and
+points by rank 0 every epoch and ``curves.png`` at the end, or, under the
+launcher of :func:`~mpddp.trainer.train`, the last epoch's point and
+``curves.png`` by that launcher once the ranks exit (:func:`finish_curves`), and
 what the run's last line says of them. It reads losses at most every :data:`PROGRESS_INTERVAL`
 seconds, so the bar costs no GPU sync per step. Leaves computing the numbers
 to trainer/loop.py, and the event files and the drawing to trainer/curves.py.
@@ -13,6 +14,7 @@ to trainer/loop.py, and the event files and the drawing to trainer/curves.py.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -37,14 +39,21 @@ class Reporter:
         self.talks = rank == 0 or verbose
         self.bar: Any = None
         self.tensorboard: curves.TensorBoard | None = None
+        self.hand_over = False  # the last epoch's TensorBoard point is the caller's (start_run)
 
     def say(self, line: str) -> None:
         """One line on this rank's stdout (relayed as ``[rank N] line``)."""
         if self.talks:
             print(line, flush=True)
 
-    def start_run(self, global_step: int) -> None:
-        """Training starts, or resumes, at ``global_step``: rank 0 keeps TensorBoard's curves from there."""
+    def start_run(self, global_step: int, hand_over: bool = False) -> None:
+        """Training starts, or resumes, at ``global_step``: rank 0 keeps TensorBoard's curves from there.
+
+        ``hand_over``: the last epoch's point is the caller's to write, with ``curves.png``, once the ranks
+        exit (:func:`finish_curves`): tensorboard's import and writer (0.15 s and more, measured) then cost a
+        run of one epoch nothing on rank 0's path, where the launcher and every other rank wait for it.
+        """
+        self.hand_over = hand_over
         if self.rank == 0:
             self.tensorboard = curves.TensorBoard(self.metrics_path.parent, since_step=global_step)
 
@@ -77,8 +86,9 @@ class Reporter:
         if time.monotonic() - self.bar.last_print_t >= PROGRESS_INTERVAL:
             self.bar.set_postfix_str(f"loss {loss.item():.4f}  {rate:,.0f} samples/s", refresh=False)
 
-    def end_epoch(self, record: dict[str, Any]) -> None:
-        """Close the bar, print the summary line, append the record to the metrics file (rank 0)."""
+    def end_epoch(self, record: dict[str, Any], last: bool = False) -> None:
+        """Close the bar, print the summary line, append the record to the metrics file (rank 0), and give
+        it to TensorBoard unless it is the run's ``last`` epoch and that is handed over (:meth:`start_run`)."""
         if self.bar is not None:
             self.bar.close()
             self.bar = None
@@ -91,8 +101,18 @@ class Reporter:
             self.metrics_path.parent.mkdir(parents=True, exist_ok=True)
             with open(self.metrics_path, "a") as f:
                 f.write(json.dumps(record) + "\n")
-        if self.tensorboard is not None:
+        if self.tensorboard is not None and not (last and self.hand_over):
             self.tensorboard.add(record)
+
+
+def finish_curves(run_dir: Path, global_step: int) -> tuple[str | None, str]:
+    """What rank 0 handed over (:meth:`Reporter.start_run`), once the ranks exited: TensorBoard's point of the
+    run's last epoch, the record at ``global_step``, then ``curves.png`` (what :func:`draw_curves` returns)."""
+    with contextlib.suppress(ConfigError):  # no metrics file: nothing trained, and draw_curves says so
+        last = [r for r in curves.read_metrics(run_dir / curves.METRICS_FILE) if r.get("step") == global_step]
+        if last:
+            curves.last_point(run_dir, last[-1])
+    return draw_curves(run_dir)
 
 
 def draw_curves(run_dir: Path) -> tuple[str | None, str]:
