@@ -151,10 +151,12 @@ class EtcdRendezvous:
         return here
 
     def _first_contact(self) -> None:
-        """Bad input, before any rank starts, when no member of --rdzv-endpoint answers within a few seconds."""
+        """Bad input, before any rank starts, when no member of --rdzv-endpoint answers within a few seconds. The
+        first request grants this launcher's lease: the join puts its arrival with it (one round trip the less)."""
         wait = min(self.config.timeout, _FIRST_CONTACT)
         try:
-            self.client.check(wait)
+            if self._lease is None:
+                self._lease = KeptLease(self.client, self.ttl, timeout=wait)
         except RendezvousGone:
             raise AddressError(f"no etcd member answers at --rdzv-endpoint {self.client.endpoints} (tried for "
                                f"{wait:g} s): start etcd there, or pass the members that run (host:port,...)") from None

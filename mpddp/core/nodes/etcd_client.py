@@ -66,17 +66,13 @@ class EtcdClient:
                 if tried % len(self._members) == 0:
                     time.sleep(0.2)  # every member refused: a moment before the next round of tries
 
-    def check(self, timeout: float) -> None:
-        """Raise :class:`RendezvousGone` unless a member answers within ``timeout`` (before anything starts)."""
-        self.call(lambda c: c.status(), timeout=timeout)
-
 
 class KeptLease:
     """A lease of ``ttl`` seconds, refreshed every third of it from a daemon thread until :meth:`revoke`."""
 
-    def __init__(self, client: EtcdClient, ttl: int) -> None:
+    def __init__(self, client: EtcdClient, ttl: int, timeout: float | None = None) -> None:
         self.client, self.ttl = client, ttl
-        self.id: int = client.call(lambda c: int(c.lease(ttl).id))
+        self.id: int = client.call(lambda c: int(c.lease(ttl).id), timeout=timeout)
         self.lost = False  # a refresh found the lease gone: etcd took this launcher for lost
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._keep, name="mpddp-etcd-lease", daemon=True)

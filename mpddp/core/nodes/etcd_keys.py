@@ -42,6 +42,7 @@ class EtcdKeys:
     def __init__(self, link: EtcdRendezvous) -> None:
         self.link = link
         self._early: dict[int, str] = {}  # a round's member list, when it was decided before this launcher came
+        self._counted: dict[int, int] = {}  # a round's arrivals, as counted by the last look
 
     def arrive(self, attempt: int, me: str, arrival: str) -> int:
         """Put this launcher's arrival and count them all, in one request (a transaction)."""
@@ -60,6 +61,9 @@ class EtcdKeys:
         return int(answer["responses"][1]["response_range"].get("count", 0))
 
     def count(self, attempt: int) -> int:
+        """The count the last look read along, once; else one request."""
+        if (counted := self._counted.pop(attempt, None)) is not None:
+            return counted
         return self.link._count(self.link._key(attempt, "join/"))
 
     def arrivals(self, attempt: int) -> dict[str, str]:
@@ -83,10 +87,20 @@ class EtcdKeys:
         """The member list, once written: a look after ``timeout``. Not a watch: etcd's HTTP gateway serves
         a few hundred streams at once, and with a watch a waiting launcher the leases' refreshes queued behind
         them (measured: 256 simulated nodes joined in 10 s, and three leases ran out)."""
+        from etcd3gw.utils import _decode, _encode, _increment_last_byte
+
         if attempt in self._early:
             return self._early[attempt]
         time.sleep(timeout)
-        return self.decided(attempt)
+        prefix = self.link._key(attempt, "join/")  # the arrivals counted in the same request, for count()
+        txn = {"compare": [], "failure": [], "success": [
+            {"request_range": {"key": _encode(self.link._key(attempt, "members"))}},
+            {"request_range": {"key": _encode(prefix), "range_end": _encode(_increment_last_byte(prefix)),
+                               "count_only": True}}]}
+        answer = self.link.client.call(functools.partial(_transaction, txn=txn))["responses"]
+        self._counted[attempt] = int(answer[1]["response_range"].get("count", 0))
+        found = answer[0].get("response_range", {}).get("kvs")
+        return _decode(found[0]["value"]).decode() if found else None
 
     def decide(self, attempt: int, members: str) -> bool:
         link = self.link
