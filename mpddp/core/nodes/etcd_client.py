@@ -106,6 +106,7 @@ class KeptLease:
 
     def revoke(self) -> None:
         """Stop refreshing and let etcd delete every key put with this lease now."""
+        from etcd3gw import exceptions
         from etcd3gw.lease import Lease
 
         self.stop()
@@ -113,3 +114,5 @@ class KeptLease:
             self.client.call(lambda c: Lease(self.id, client=c).revoke(), timeout=2.0)
         except RendezvousGone:
             pass  # the keys go when the TTL runs out
+        except exceptions.Etcd3Exception:
+            pass  # refused: the lease ran out already (a starved machine), and its keys went with it
