@@ -94,22 +94,29 @@ def test_nodes_started_with_different_nprocs_are_refused_on_both_in_one_line(tmp
             run.kill()
 
 
-def test_a_node_that_never_arrives_is_named_by_every_node_that_did(tmp_path) -> None:
+@pytest.mark.parametrize("how", ["never started", "killed at its start"])
+def test_a_node_that_never_arrives_is_named_by_every_node_that_did(tmp_path, how: str) -> None:
     """--nnodes 3, and node 2 never started. Before: every node said "no rank made progress for 20 s", and
-    node 2, started late, said it was "stopped by mpddp after rank 1 failed", though no rank failed."""
+    node 2, started late, said it was "stopped by mpddp after rank 1 failed", though no rank failed.
+    ``killed at its start``: node 2's launcher SIGKILLed 1.5 s after it started, before its rank reached node
+    0's store. Before: a generic hang, node 0 after 38 s (--timeout 20)."""
     (tmp_path / "job.py").write_text(JOB)
     port = free_port()
     runs = [Run(["-m", "mpddp", "run", "--nnodes", "3", "--node-rank", str(node), "--nprocs", "1", "--master-addr",
                  "127.0.0.1", "--master-port", str(port), "--timeout", "8", str(tmp_path / "job.py")],
-                _where(tmp_path, f"node{node}"), env={"STEPS": "50"}) for node in range(2)]
+                _where(tmp_path, f"node{node}"), env={"STEPS": "50"}) for node in range(2 if how == "never started" else 3)]
     try:
         started = time.monotonic()
-        codes = [run.finish(90) for run in runs]
+        if how == "killed at its start":
+            time.sleep(1.5)
+            runs[2].proc.kill()  # the launcher alone: its forkserver and rank die with it (parent-death signal)
+            runs[2].proc.wait(10)
+        codes = [run.finish(90) for run in runs[:2]]
         took = time.monotonic() - started
-        lines = [_said(run)[:1] for run in runs]
+        lines = [_said(run)[:1] for run in runs[:2]]
         assert codes == [1, 1] and lines[0] == lines[1], [run.stderr for run in runs]
         assert lines[0][0].startswith("mpddp: error: node(s) 2 never arrived (rank(s) 2 missing "), lines
-        assert all(len(_said(run)) == 1 for run in runs), [run.stderr for run in runs]
+        assert all(len(_said(run)) == 1 for run in runs[:2]), [run.stderr for run in runs]
         assert took < 8 + 30, took  # --timeout, the teardown, and node 0 waits for no launcher that never came
         for run in runs:
             run.assert_nothing_left()

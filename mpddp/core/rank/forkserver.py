@@ -37,10 +37,14 @@ def serve_if_forkserver() -> None:
     """In the forkserver (and only there): adopt orphans, and clean up after the launcher at exit."""
     launcher = os.environ.pop(FORKSERVER_PARENT, None)
     temp = os.environ.pop(FORKSERVER_TEMP, None)
-    if launcher != str(os.getppid()):
-        return  # a worker, or an interpreter that merely imports mpddp
+    if launcher is None:
+        return  # a worker (the forkserver took the variable out before its first fork), or any other interpreter
     me, parent = os.getpid(), int(launcher)
     cache = _new_inductor_cache()
+    if launcher != str(os.getppid()):
+        # The launcher died while this forkserver still imported torch (it was SIGKILLed a second or two after it
+        # started): nobody else removes its temporary directory, and no rank is coming.
+        _clean_up(me, parent, temp, cache)
 
     def launcher_gone(signum: int, frame: object) -> None:
         if os.getpid() == me and os.getppid() != parent:  # not merely the starting thread that ended
