@@ -12,6 +12,7 @@ import re
 import struct
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -21,7 +22,7 @@ from mpddp.errors import ConfigError
 from mpddp.trainer import curves
 from mpddp.trainer.config import TrainConfig
 from mpddp.trainer.loop import Trainer
-from mpddp.trainer.output import finish_curves
+from mpddp.trainer.output import EarlyCurves, finish_curves
 from mpddp.trainer.prepare import resolve
 
 from runs import Run
@@ -186,6 +187,33 @@ def test_rank_0_hands_the_last_epochs_tensorboard_point_to_its_caller(tmp_path):
         events = EventAccumulator(str(run_dir / "tb"))
         events.Reload()
         assert [s.step for s in events.Scalars("loss/train")] == [r["step"] for r in records]
+
+
+def test_the_launcher_finishes_the_curves_as_soon_as_the_last_epoch_is_written(tmp_path):
+    """EarlyCurves: the last epoch's record appended, the picture and TensorBoard's point follow at once (while
+    the ranks still exit); an earlier record, or one a resumed run's file held before, draws nothing."""
+    pytest.importorskip("matplotlib", reason="matplotlib is not installed: pip install 'mpddp[train]'")
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text(lines(record(1), record(2)))  # an earlier run's, already at --epochs 2
+    early = EarlyCurves(tmp_path, epochs=3)
+    try:
+        with metrics.open("a") as f:
+            f.write(lines(record(2, loss=5.0)))  # resumed from epoch 1: epoch 2 again, not the last
+        time.sleep(0.3)
+        assert early.drawn is None and not (tmp_path / "curves.png").exists()
+        with metrics.open("a") as f:
+            f.write(lines(record(3, loss=3.0)))
+        deadline = time.monotonic() + 30
+        while early.drawn is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+    finally:
+        early.stop()
+    assert early.result(30) == (str(tmp_path / "curves.png"), "")
+    assert png_size(tmp_path / "curves.png") == (WIDTH, HEIGHT)
+    assert early.result(40) is None  # not the run's last step: its launcher finishes the curves itself
+    with metrics.open("a") as f:
+        f.write(lines(record(3, loss=4.0)))  # trained again after it drew (a restart): drawn anew by the caller
+    assert early.result(30) is None
 
 
 def test_without_matplotlib_mpddp_plot_says_what_to_install(cli, tmp_path, monkeypatch):

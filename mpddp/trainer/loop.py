@@ -33,7 +33,7 @@ from . import checkpoint, state
 from .config import TrainConfig
 from .curves import prefetch
 from .faults import SAVING, check_fault_rank
-from .output import Reporter, finish_curves
+from .output import EarlyCurves, Reporter, finish_curves
 from .prepare import resolve
 
 
@@ -376,22 +376,36 @@ def train(config: TrainConfig | None = None, *, launch_config: LaunchConfig | No
     # watchdog, the OOM killer: the teardown ends in SIGKILL, and no cleanup runs in it) leaves one behind, which
     # this launcher removes once every rank is gone, and no other run's.
     owner = uuid.uuid4().hex[:12]
-    # curves.png is drawn and TensorBoard's last point logged here once the ranks exit, their imports done in a
-    # thread while the forkserver imports torch._dynamo (off the path), unless this process forks the ranks (no
-    # import may run across a fork).
-    if _option("start_method", launch_config, launch_options, None) != "fork":
+    # curves.png is drawn and TensorBoard's last point logged here, their imports done in a thread while the
+    # forkserver imports torch._dynamo (off the path), unless this process forks the ranks (no import may run
+    # across a fork): on one node as soon as rank 0 wrote the last epoch (EarlyCurves), else once the ranks exit.
+    forks = _option("start_method", launch_config, launch_options, None) == "fork"
+    if not forks:
         prefetch()
+    early = EarlyCurves(config.metrics_path.parent, config.epochs) if not forks and _one_node(
+        launch_config, launch_options) else None
     try:
         result: TrainResult = mpddp.launch(train_worker, args=(config, owner, False), config=launch_config,
                                            **launch_options)[0]
     finally:
         checkpoint.remove_temporaries(config.checkpoint_path, owner)
+        if early is not None:
+            early.stop()
     if result.rank == 0:  # node 0's launcher: the metrics file is on this machine
-        drawn, note = finish_curves(config.metrics_path.parent, result.global_step)
-        result = replace(result, curves=drawn, curves_note=note)
+        if (done := early.result(result.global_step) if early is not None else None) is None:
+            done = finish_curves(config.metrics_path.parent, result.global_step)
+        result = replace(result, curves=done[0], curves_note=done[1])
     print(f"checkpoint: {result.checkpoint}  metrics: {result.metrics}  curves: {result.curves or result.curves_note}",
           flush=True)
     return result
+
+
+def _one_node(launch_config: LaunchConfig | None, options: dict[str, Any]) -> bool:
+    """Surely a job of one node, whose rank 0 is this launcher's: a launch config that says so (the command
+    line's, which holds the scheduler's layout too), no option that changes it. Else (launch() reads the layout
+    itself) rank 0 may be another node's, whose metrics file a shared disk shows here too."""
+    return (launch_config is not None and launch_config.nnodes == 1 and launch_config.hosts is None
+            and launch_config.hostfile is None and not options.keys() & {"nnodes", "hosts", "hostfile"})
 
 
 def _option(name: str, launch_config: LaunchConfig | None, options: dict[str, Any], default: Any) -> Any:
