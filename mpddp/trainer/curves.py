@@ -220,7 +220,8 @@ class TensorBoard:
 def last_point(run_dir: Path, record: dict[str, Any]) -> None:
     """Log ``record``, a run's last epoch, for the launcher that rank 0 handed it to: a writer of its own (a
     file of its own in ``<run dir>/tb``, which TensorBoard reads with rank 0's), hiding any point at or after
-    its step that an earlier run logged (a run resumed at its last epoch, or trained to it twice)."""
+    its step that an earlier run logged (a run resumed at its last epoch, or trained to it twice). Where rank 0
+    logged the point too, in a file of this run, either file's purge leaves the point once, in either order."""
     tensorboard = TensorBoard(run_dir, since_step=record["step"] - 1)
     tensorboard.add(record)
     tensorboard.close()

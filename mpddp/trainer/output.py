@@ -50,8 +50,9 @@ class Reporter:
     def start_run(self, global_step: int, hand_over: bool = False) -> None:
         """Training starts, or resumes, at ``global_step``: rank 0 keeps TensorBoard's curves from there.
 
-        ``hand_over``: the last epoch's point is the caller's to write, with ``curves.png``, once the ranks
-        exit (:func:`finish_curves`): tensorboard's import and writer (0.15 s and more, measured) then cost a
+        ``hand_over``: the caller writes the last epoch's point too, with ``curves.png``, once rank 0 has
+        appended it to the metrics file (:func:`finish_curves`), and rank 0 leaves it to the caller when it is
+        the first point this run logs: tensorboard's import and writer (0.15 s and more, measured) then cost a
         run of one epoch nothing on rank 0's path, where the launcher and every other rank wait for it.
         """
         self.hand_over = hand_over
@@ -89,7 +90,8 @@ class Reporter:
 
     def end_epoch(self, record: dict[str, Any], last: bool = False) -> None:
         """Close the bar, print the summary line, append the record to the metrics file (rank 0), and give
-        it to TensorBoard unless it is the run's ``last`` epoch and that is handed over (:meth:`start_run`)."""
+        it to TensorBoard unless it is the run's ``last`` epoch, handed over (:meth:`start_run`), and the first
+        this run logs."""
         if self.bar is not None:
             self.bar.close()
             self.bar = None
@@ -102,7 +104,11 @@ class Reporter:
             self.metrics_path.parent.mkdir(parents=True, exist_ok=True)
             with open(self.metrics_path, "a") as f:
                 f.write(json.dumps(record) + "\n")
-        if self.tensorboard is not None and not (last and self.hand_over):
+        # Handed over only while rank 0's writer is not open (this run's first epoch is its last): a writer open
+        # since an earlier epoch makes the point in milliseconds, and its file must hold the point. Two files
+        # made in the same second sort by pid, and rank 0's purge (a START at the step it began from) then
+        # hid the launcher's point when rank 0's file sorted after it (seen beside a second suite).
+        if self.tensorboard is not None and not (last and self.hand_over and self.tensorboard.writer is None):
             self.tensorboard.add(record)
 
 
