@@ -6,9 +6,11 @@ session under a timeout; nothing of any node may be left afterwards.
 
 from __future__ import annotations
 
+import contextlib
 import textwrap
 import time
 
+import psutil
 import pytest
 from multinode import free_port
 
@@ -98,8 +100,9 @@ def test_nodes_started_with_different_nprocs_are_refused_on_both_in_one_line(tmp
 def test_a_node_that_never_arrives_is_named_by_every_node_that_did(tmp_path, how: str) -> None:
     """--nnodes 3, and node 2 never started. Before: every node said "no rank made progress for 20 s", and
     node 2, started late, said it was "stopped by mpddp after rank 1 failed", though no rank failed.
-    ``killed at its start``: node 2's launcher SIGKILLed 1.5 s after it started, before its rank reached node
-    0's store. Before: a generic hang, node 0 after 38 s (--timeout 20)."""
+    ``killed at its start``: node 2's launcher SIGKILLed as soon as its forkserver runs (about 1.5 s after it
+    started here), before its rank reached node 0's store. Before: a generic hang, node 0 after 38 s (--timeout
+    20); then its temporary directory was left behind."""
     (tmp_path / "job.py").write_text(JOB)
     port = free_port()
     runs = [Run(["-m", "mpddp", "run", "--nnodes", "3", "--node-rank", str(node), "--nprocs", "1", "--master-addr",
@@ -107,8 +110,8 @@ def test_a_node_that_never_arrives_is_named_by_every_node_that_did(tmp_path, how
                 _where(tmp_path, f"node{node}"), env={"STEPS": "50"}) for node in range(2 if how == "never started" else 3)]
     try:
         started = time.monotonic()
-        if how == "killed at its start":
-            time.sleep(1.5)
+        if how == "killed at its start":  # while its forkserver imports torch: long before its rank could arrive
+            _forkserver_of(runs[2].proc.pid, timeout=60)
             runs[2].proc.kill()  # the launcher alone: its forkserver and rank die with it (parent-death signal)
             runs[2].proc.wait(10)
         codes = [run.finish(90) for run in runs[:2]]
@@ -141,6 +144,17 @@ def test_nnodes_100000_names_the_nodes_that_never_arrived_as_one_range_within_th
         run.assert_nothing_left()
     finally:
         run.kill()
+
+
+def _forkserver_of(launcher: int, timeout: float) -> None:
+    """Until the launcher's forkserver has started (it then imports torch: a second or so here)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with contextlib.suppress(psutil.Error):
+            if any("forkserver" in " ".join(p.cmdline()) for p in psutil.Process(launcher).children()):
+                return
+        time.sleep(0.01)
+    raise AssertionError(f"no forkserver below launcher {launcher} within {timeout} s")
 
 
 def _where(tmp_path, name: str):
