@@ -17,11 +17,11 @@ import sys
 
 def main() -> None:
     if _trains_with_the_forkserver(sys.argv[1:]):
-        from .core.launcher.startup import TRAINING_PRELOAD, exit_on_interrupt, start_forkserver
+        from .core.launcher.startup import TRAIN_COMMAND_PRELOAD, exit_on_interrupt, start_forkserver
 
         with exit_on_interrupt():  # a Ctrl-C now stops the forkserver too, and says so
             # the same call as cli/train.py's, which then finds it running
-            start_forkserver("forkserver", preload=(*TRAINING_PRELOAD, "mpddp.trainer.loop"))
+            start_forkserver("forkserver", preload=TRAIN_COMMAND_PRELOAD)
             from .cli import run_cli
     else:
         from .cli import run_cli

@@ -50,7 +50,7 @@ def train(**options: Any) -> None:
     mpddp train --nprocs 2 --resume auto --epochs 15   continue the last run
     mpddp train --task scripts/example_task.py --nprocs 2
     """
-    from ..core.launcher.startup import TRAINING_PRELOAD, exit_on_interrupt, start_forkserver
+    from ..core.launcher.startup import TRAIN_COMMAND_PRELOAD, exit_on_interrupt, start_forkserver
     from ..errors import ConfigError
 
     # A Ctrl-C before launch() starts its processes (imports of torch, scikit-learn, the task): out at once,
@@ -58,7 +58,7 @@ def train(**options: Any) -> None:
     with exit_on_interrupt():
         # every rank builds an optimizer and DDP, which import torch._dynamo, and runs the trainer:
         # imported once in the forkserver, overlapping this process's torch import below
-        start_forkserver(options["start_method"] or "forkserver", preload=(*TRAINING_PRELOAD, "mpddp.trainer.loop"))
+        start_forkserver(options["start_method"] or "forkserver", preload=TRAIN_COMMAND_PRELOAD)
         from ..core.wire.store import quiet_torch
         from ..trainer.config import TrainConfig
 

@@ -35,6 +35,9 @@ FORKSERVER_PRELOAD = ("mpddp.core.launcher.startup", "mpddp.core.rank.worker")
 # torch._dynamo, which costs as much as torch itself. A command whose every rank trains preloads
 # it; a launch() whose fn never builds one would pay it for nothing (README, Performance).
 TRAINING_PRELOAD = ("torch._dynamo",)
+# `mpddp train`'s: its ranks run the trainer too (named, not imported: the core does not import the trainer).
+# Started from mpddp/__main__.py before the command line loads, and from cli/train.py where that did not run.
+TRAIN_COMMAND_PRELOAD = (*TRAINING_PRELOAD, "mpddp.trainer.loop")
 _in_forkserver = False  # True in the forkserver only; each child it forks sets it back at once
 _START_LOCK = threading.Lock()  # launches from several threads: one forkserver, started once, with our variables
 

@@ -28,6 +28,22 @@ def _transaction(client: Any, txn: dict[str, Any]) -> Any:
     return client.transaction(txn)
 
 
+def _count_of(prefix: str) -> dict[str, Any]:
+    """A transaction's request that counts the keys under ``prefix`` without reading them (count_only)."""
+    from etcd3gw.utils import _encode, _increment_last_byte
+
+    return {"request_range": {"key": _encode(prefix), "range_end": _encode(_increment_last_byte(prefix)),
+                              "count_only": True}}
+
+
+def _value_of(response: dict[str, Any]) -> str | None:
+    """The value a transaction's read of one key found, or None."""
+    from etcd3gw.utils import _decode
+
+    found = response.get("response_range", {}).get("kvs")
+    return _decode(found[0]["value"]).decode() if found else None
+
+
 def etcd_interval(nodes: int) -> float:
     """Seconds between two looks of a waiting launcher on etcd: 0.1 s up to 25 nodes, then longer, so that all
     of them together look about 250 times a second (4 s at 1,000 nodes). A fourth of c10d's: each request costs
@@ -46,18 +62,16 @@ class EtcdKeys:
 
     def arrive(self, attempt: int, me: str, arrival: str) -> int:
         """Put this launcher's arrival and count them all, in one request (a transaction)."""
-        from etcd3gw.utils import _decode, _encode, _increment_last_byte
+        from etcd3gw.utils import _encode
 
         link, prefix = self.link, self.link._key(attempt, "join/")
         lease = link._lease_object().id
         txn = {"compare": [], "failure": [], "success": [
             {"request_put": {"key": _encode(prefix + me), "value": _encode(arrival), "lease": lease}},
-            {"request_range": {"key": _encode(prefix), "range_end": _encode(_increment_last_byte(prefix)),
-                               "count_only": True}},
-            {"request_range": {"key": _encode(link._key(attempt, "members"))}}]}
+            _count_of(prefix), {"request_range": {"key": _encode(link._key(attempt, "members"))}}]}
         answer = link.client.call(functools.partial(_transaction, txn=txn))
-        if found := answer["responses"][2].get("response_range", {}).get("kvs"):  # decided before this one came
-            self._early[attempt] = _decode(found[0]["value"]).decode()
+        if (members := _value_of(answer["responses"][2])) is not None:  # decided before this one came
+            self._early[attempt] = members
         return int(answer["responses"][1]["response_range"].get("count", 0))
 
     def count(self, attempt: int) -> int:
@@ -87,20 +101,17 @@ class EtcdKeys:
         """The member list, once written: a look after ``timeout``. Not a watch: etcd's HTTP gateway serves
         a few hundred streams at once, and with a watch a waiting launcher the leases' refreshes queued behind
         them (measured: 256 simulated nodes joined in 10 s, and three leases ran out)."""
-        from etcd3gw.utils import _decode, _encode, _increment_last_byte
+        from etcd3gw.utils import _encode
 
         if attempt in self._early:
             return self._early[attempt]
         time.sleep(timeout)
-        prefix = self.link._key(attempt, "join/")  # the arrivals counted in the same request, for count()
-        txn = {"compare": [], "failure": [], "success": [
+        txn = {"compare": [], "failure": [], "success": [  # the arrivals counted in the same request, for count()
             {"request_range": {"key": _encode(self.link._key(attempt, "members"))}},
-            {"request_range": {"key": _encode(prefix), "range_end": _encode(_increment_last_byte(prefix)),
-                               "count_only": True}}]}
+            _count_of(self.link._key(attempt, "join/"))]}
         answer = self.link.client.call(functools.partial(_transaction, txn=txn))["responses"]
         self._counted[attempt] = int(answer[1]["response_range"].get("count", 0))
-        found = answer[0].get("response_range", {}).get("kvs")
-        return _decode(found[0]["value"]).decode() if found else None
+        return _value_of(answer[0])
 
     def decide(self, attempt: int, members: str) -> bool:
         link = self.link
