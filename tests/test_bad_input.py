@@ -191,7 +191,7 @@ def cli_results(tmp_path_factory) -> dict[str, CliResult]:
 
 def call_api(case: Case) -> None:
     from mpddp.trainer.config import TrainConfig
-    from mpddp.trainer.loop import train
+    from mpddp.trainer.run import train
 
     options = dict(case.api or {})
     if "train" in options:

@@ -8,6 +8,7 @@ import torch
 from tiny_task import TINY
 
 from mpddp.errors import ConfigError
+from mpddp.trainer.config import task_name
 from mpddp.trainer.tasks import (
     DigitsCNN,
     Task,
@@ -16,7 +17,6 @@ from mpddp.trainer.tasks import (
     digits_task,
     load_factory,
     synthetic_task,
-    task_name,
 )
 
 

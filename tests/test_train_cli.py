@@ -6,6 +6,7 @@ import re
 import signal
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -185,3 +186,35 @@ def test_ctrl_c_during_train_start_up_is_answered_without_waiting_for_the_import
     assert code == 130 and "interrupted (SIGINT)" in run.stderr, run.stderr
     assert took < 2.0
     run.assert_nothing_left()
+
+
+@pytest.mark.timeout(120)
+def test_the_launcher_of_a_fresh_run_imports_no_torch_and_still_logs_the_last_point(tmp_path):
+    """The ranks' forkserver imports torch; the launcher's own import (1.1 s of CPU) competed with it and with
+    the ranks (scripts/bench_first_step.py). It still draws curves.png and logs TensorBoard's last point."""
+    from runs import Run
+
+    script = tmp_path / "launcher.py"
+    script.write_text(textwrap.dedent("""\
+        import atexit, json, sys
+        seen = lambda: json.dumps({m: m in sys.modules for m in ("torch", "matplotlib", "tensorboard")})
+        if __name__ == "__main__":  # the ranks import this file too
+            atexit.register(lambda: open("modules.json", "w").write(seen()))  # the command line runs it, then exits
+            sys.argv = ["mpddp", "train", "--nprocs", "2", "--dataset", "synthetic", "--samples", "64", "--epochs",
+                        "1", "--run-dir", "run"]
+            from mpddp.__main__ import main
+            main()
+    """))
+    run = Run([str(script)], tmp_path)
+    try:
+        assert run.finish(timeout=100) == 0, run.stderr
+        run.assert_nothing_left()
+    except BaseException:
+        run.kill()
+        raise
+    seen = json.loads((tmp_path / "modules.json").read_text())
+    assert seen["torch"] is False, seen
+    assert seen["matplotlib"] is True and (tmp_path / "run" / "curves.png").is_file()
+    if seen["tensorboard"]:  # installed (the test extra has it): the one-epoch run's point is the launcher's
+        events = list((tmp_path / "run" / "tb").glob("events.out.tfevents.*"))
+        assert len(events) == 1 and re.search(rf"\.{run.proc.pid}\.\d+$", events[0].name), events

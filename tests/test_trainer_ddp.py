@@ -16,8 +16,9 @@ from tiny_task import TINY, TRAIN
 import mpddp
 from mpddp.trainer import checkpoint
 from mpddp.trainer.config import TrainConfig
-from mpddp.trainer.loop import Trainer, train
+from mpddp.trainer.loop import Trainer
 from mpddp.trainer.prepare import resolve
+from mpddp.trainer.run import train
 
 pytestmark = pytest.mark.usefixtures("no_leftovers")
 

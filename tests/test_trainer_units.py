@@ -61,7 +61,7 @@ def test_fault_parsing_and_only_on_the_first_attempt():
 
 def test_a_fault_must_name_a_rank_of_the_world(tmp_path):
     from mpddp import LaunchConfig
-    from mpddp.trainer.loop import _check_fault_rank, train
+    from mpddp.trainer.run import _check_fault_rank, train
 
     config = TrainConfig(task=TASK, epochs=1, batch_size=8, inject_fault="kill:3:1", run_dir=str(tmp_path / "run"))
     _check_fault_rank(config, LaunchConfig(nprocs=2, nnodes=2, master_port=29500), {})  # rank 3 of 4: fine

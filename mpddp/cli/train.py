@@ -59,15 +59,20 @@ def train(**options: Any) -> None:
         # every rank builds an optimizer and DDP, which import torch._dynamo, and runs the trainer:
         # imported once in the forkserver, overlapping this process's torch import below
         start_forkserver(options["start_method"] or "forkserver", preload=TRAIN_COMMAND_PRELOAD)
-        from ..core.wire.store import quiet_torch
         from ..trainer.config import TrainConfig
-
-        with quiet_torch():  # this process's own store client, on a job of several nodes: no C++ warnings
-            from ..trainer.loop import train as run_training
+        from ..trainer.run import one_node
+        from ..trainer.run import train as run_training
 
         launch = build_config(**pop_launch_options(options))
         dataset, spec = options.pop("dataset"), options.pop("task_spec")
         if dataset and spec:
             raise ConfigError(f"--dataset {dataset} and --task {spec} both name the task: pass only one")
         config = TrainConfig(task=spec or dataset or "digits", **options)
+        if not one_node(launch, {}):
+            # this launcher's own store client: its C++ warnings are off only if torch's first import here is
+            # quiet (core/wire/store.py), and checking a resumed run or a task of the user's imports it first
+            from ..core.wire.store import quiet_torch
+
+            with quiet_torch():
+                import torch  # noqa: F401
         run_training(config, launch_config=launch)

@@ -4,7 +4,8 @@ Reading order: config (:class:`TrainConfig`) -> prepare (:func:`resolve`:
 checks before any worker starts) -> tasks (what is trained: :class:`Task`, the built-in sets) -> loop
 (the :class:`Trainer`: the DDP delta over a one-process loop) -> state and
 checkpoint (what a checkpoint holds, how it is written) -> output (what the
-user sees) -> faults (failing on purpose, for tests). It starts its workers
+user sees) -> run (:func:`train`: the launcher's side, which imports no
+torch) -> faults (failing on purpose, for tests). It starts its workers
 with :func:`mpddp.launch` and receives a :class:`~mpddp.WorkerContext`, as
 any user code would; nothing in the launcher core imports it.
 
@@ -18,13 +19,13 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from .config import TrainConfig as TrainConfig
     from .loop import Trainer as Trainer
-    from .loop import TrainResult as TrainResult
-    from .loop import train as train
     from .loop import train_worker as train_worker
+    from .output import TrainResult as TrainResult
     from .prepare import resolve as resolve
+    from .run import train as train
     from .tasks import Task as Task
 
-_WHERE = {"TrainConfig": "config", "resolve": "prepare", "Trainer": "loop", "TrainResult": "loop", "train": "loop",
+_WHERE = {"TrainConfig": "config", "resolve": "prepare", "Trainer": "loop", "TrainResult": "output", "train": "run",
           "train_worker": "loop", "Task": "tasks"}
 __all__ = sorted(_WHERE)
 

@@ -25,6 +25,16 @@ METRICS_FILE = "metrics.jsonl"  # in the run directory; trainer/curves.py draws 
 BUILTIN_TASKS = ("digits", "synthetic")  # built by trainer/tasks.py; --dataset offers these
 
 
+def task_name(spec: str | Callable[..., Any]) -> str:
+    """A short name for run directories: ``digits``, ``example_task``, ``make_task``."""
+    if callable(spec):
+        return getattr(spec, "__name__", "task")
+    if spec in BUILTIN_TASKS:
+        return spec
+    target = spec.rpartition(":")[0] if ":" in spec else spec
+    return Path(target).stem if target.endswith(".py") else target.rpartition(".")[2]
+
+
 def _check_int(name: str, value: object, low: int, example: str) -> None:
     check_int(name, value, low, None, f", e.g. {example}", verdict="is not allowed")
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -227,25 +228,53 @@ def last_point(run_dir: Path, record: dict[str, Any]) -> None:
     tensorboard.close()
 
 
-def _summary_writer(log_dir: Path, purge_step: int) -> Any:
+def _summary_writer(log_dir: Path, purge_step: int) -> _EventFile | None:
     try:
-        from torch.utils.tensorboard import SummaryWriter
+        return _EventFile(log_dir, purge_step)
     except ImportError:  # the tensorboard extra is not installed: no event files, and no failure
         return None
-    return SummaryWriter(log_dir=str(log_dir), purge_step=purge_step)
 
+
+class _EventFile:
+    """One event file in ``log_dir``, written by the tensorboard package's own writer.
+
+    torch's ``SummaryWriter`` is a layer over the same writer, and importing
+    it imports torch: about 1.1 s of a launcher's CPU that would compete
+    with its forkserver's import and its ranks (measured), for a point per
+    epoch. ``purge_step``: TensorBoard's rule for a restarted run, a START
+    event at that step hides whatever another file logged at or after it.
+    """
+
+    def __init__(self, log_dir: Path, purge_step: int) -> None:
+        from tensorboard.compat.proto.event_pb2 import Event, SessionLog
+        from tensorboard.compat.proto.summary_pb2 import Summary
+        from tensorboard.summary.writer.event_file_writer import EventFileWriter
+
+        self._event, self._summary = Event, Summary
+        self._writer = EventFileWriter(str(log_dir))  # the file, and its first event: the format's version
+        self._writer.add_event(Event(wall_time=time.time(), step=purge_step,
+                                     session_log=SessionLog(status=SessionLog.START)))
+
+    def add_scalar(self, tag: str, value: float, global_step: int) -> None:
+        summary = self._summary(value=[self._summary.Value(tag=tag, simple_value=float(value))])
+        self._writer.add_event(self._event(wall_time=time.time(), step=global_step, summary=summary))
+
+    def flush(self) -> None:
+        self._writer.flush()
+
+    def close(self) -> None:
+        self._writer.close()
 
 
 def prefetch() -> None:
     """Import matplotlib's canvas and TensorBoard's writer in a thread of this process, for a :func:`draw` and
     a :func:`last_point` later on.
 
-    The launcher of ``mpddp train`` calls it as it launches: its own torch
-    import is done while the forkserver still imports ``torch._dynamo``, so
-    a core is free for it then, and the drawing after the ranks exit costs
-    only the drawing (an import of 0.3-0.4 s, measured, taken off the first
-    step's path). Never in a process that forks while the thread may run:
-    the child could inherit an import lock held by it.
+    The launcher of ``mpddp train`` calls it as it launches: it imports no
+    torch, so these imports (about 0.5 s, measured) are done on the core the
+    forkserver's import of torch leaves free, before the ranks start, and the
+    drawing costs only the drawing. Never in a process that forks while the
+    thread may run: the child could inherit an import lock held by it.
     """
     import threading
 
@@ -258,4 +287,4 @@ def _import_both() -> None:
         from matplotlib.figure import Figure  # noqa: F401
         from matplotlib.ticker import MaxNLocator  # noqa: F401
     with contextlib.suppress(ImportError):  # not installed: no event files
-        from torch.utils.tensorboard import SummaryWriter  # noqa: F401
+        from tensorboard.summary.writer.event_file_writer import EventFileWriter  # noqa: F401

@@ -4,8 +4,8 @@ Owns the DDP delta over a single-process training loop, and nothing else: the sa
 (seed before the model is built), the model on the rank's device in ``DistributedDataParallel``, a
 ``DistributedSampler`` with ``set_epoch``, gradient accumulation with ``no_sync()`` on all but the last micro-step,
 evaluation sharded over ranks (metrics all-reduced as sums and counts), rank-0 checkpoints of ``model.module`` with
-a barrier and exact resume, and rank-0 progress and metrics. Starting processes is the launcher's: :func:`train`
-calls the public :func:`mpddp.launch` with :func:`train_worker`, as any user code would.
+a barrier and exact resume, and rank-0 progress and metrics. Starting processes is the launcher's: trainer/run.py's
+:func:`~mpddp.trainer.train` calls the public :func:`mpddp.launch` with :func:`train_worker`, as any user code would.
 """
 
 from __future__ import annotations
@@ -13,9 +13,8 @@ from __future__ import annotations
 import contextlib
 import sys
 import time
-import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -25,33 +24,12 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler, Subset
 
-import mpddp
-
-from ..config import LaunchConfig
 from ..context import WorkerContext
 from . import checkpoint, state
 from .config import TrainConfig
-from .curves import prefetch
 from .faults import SAVING, check_fault_rank
-from .output import EarlyCurves, Reporter, finish_curves
+from .output import Reporter, TrainResult
 from .prepare import resolve
-
-
-@dataclass(frozen=True)
-class TrainResult:
-    """What :func:`train_worker` returns on every rank."""
-
-    epochs: int
-    global_step: int
-    train_loss: float
-    test_loss: float
-    test_accuracy: float | None
-    checkpoint: str | None
-    metrics: str
-    run_dir: str
-    curves: str | None = None  # rank 0's curves.png; None: not drawn (other ranks, or see curves_note)
-    curves_note: str = ""  # why rank 0 drew none, e.g. what to install
-    rank: int = 0  # the global rank that returned it
 
 
 class ResumableSampler(DistributedSampler):
@@ -349,7 +327,7 @@ class Trainer:
 
 
 def train_worker(ctx: WorkerContext, config: TrainConfig, owner: str = "", draw: bool = True) -> TrainResult:
-    """The function :func:`mpddp.launch` runs on every rank; ``owner``: the run's token (see :func:`train`).
+    """The function :func:`mpddp.launch` runs on every rank; ``owner``: the run's token (see :func:`~mpddp.trainer.train`).
 
     ``draw``: rank 0 draws ``curves.png`` before it returns (False: the
     caller draws it and logs TensorBoard's last point, see :meth:`Trainer.fit`).
@@ -360,65 +338,3 @@ def train_worker(ctx: WorkerContext, config: TrainConfig, owner: str = "", draw:
             dist.broadcast_object_list(box, src=0)
         config = box[0] or config
     return Trainer(config, ctx, owner).fit(draw)
-
-
-def train(config: TrainConfig | None = None, *, launch_config: LaunchConfig | None = None,
-          **launch_options: Any) -> TrainResult:
-    """Check ``config``, launch one worker per rank, return rank 0's result.
-
-    ``launch_config`` and ``launch_options`` go to :func:`mpddp.launch`
-    (e.g. ``nprocs=2, max_restarts=1``).
-    """
-    config = config or TrainConfig()
-    _check_fault_rank(config, launch_config, launch_options)
-    config = resolve(config)
-    # The run's token names its checkpoints' temporary files: a rank killed while it writes one (Ctrl-C, the
-    # watchdog, the OOM killer: the teardown ends in SIGKILL, and no cleanup runs in it) leaves one behind, which
-    # this launcher removes once every rank is gone, and no other run's.
-    owner = uuid.uuid4().hex[:12]
-    # curves.png is drawn and TensorBoard's last point logged here, their imports done in a thread while the
-    # forkserver imports torch._dynamo (off the path), unless this process forks the ranks (no import may run
-    # across a fork): on one node as soon as rank 0 wrote the last epoch (EarlyCurves), else once the ranks exit.
-    forks = _option("start_method", launch_config, launch_options, None) == "fork"
-    if not forks:
-        prefetch()
-    early = EarlyCurves(config.metrics_path.parent, config.epochs) if not forks and _one_node(
-        launch_config, launch_options) else None
-    try:
-        result: TrainResult = mpddp.launch(train_worker, args=(config, owner, False), config=launch_config,
-                                           **launch_options)[0]
-    finally:
-        checkpoint.remove_temporaries(config.checkpoint_path, owner)
-        if early is not None:
-            early.stop()
-    if result.rank == 0:  # node 0's launcher: the metrics file is on this machine
-        if (done := early.result(result.global_step) if early is not None else None) is None:
-            done = finish_curves(config.metrics_path.parent, result.global_step)
-        result = replace(result, curves=done[0], curves_note=done[1])
-    print(f"checkpoint: {result.checkpoint}  metrics: {result.metrics}  curves: {result.curves or result.curves_note}",
-          flush=True)
-    return result
-
-
-def _one_node(launch_config: LaunchConfig | None, options: dict[str, Any]) -> bool:
-    """Surely a job of one node, whose rank 0 is this launcher's: a launch config that says so (the command
-    line's, which holds the scheduler's layout too), no option that changes it. Else (launch() reads the layout
-    itself) rank 0 may be another node's, whose metrics file a shared disk shows here too."""
-    return (launch_config is not None and launch_config.nnodes == 1 and launch_config.hosts is None
-            and launch_config.hostfile is None and not options.keys() & {"nnodes", "hosts", "hostfile"})
-
-
-def _option(name: str, launch_config: LaunchConfig | None, options: dict[str, Any], default: Any) -> Any:
-    """A launch option as :func:`mpddp.launch` will see it: ``options`` override ``launch_config``."""
-    given = options.get(name)
-    return given if given is not None else (getattr(launch_config, name) if launch_config else default)
-
-
-def _check_fault_rank(config: TrainConfig, launch_config: LaunchConfig | None, options: dict[str, Any]) -> None:
-    """``inject_fault``'s RANK against nnodes × nprocs, before launching, where the launch options fix both.
-
-    Without nprocs (one rank per GPU, counted at launch) each rank checks it in Trainer.
-    """
-    nprocs, nnodes = (_option(k, launch_config, options, d) for k, d in (("nprocs", None), ("nnodes", 1)))
-    if type(nprocs) is int and type(nnodes) is int:  # a bad value: LaunchConfig says so
-        check_fault_rank(config.inject_fault, nnodes * nprocs, f"nnodes={nnodes} × nprocs={nprocs}")

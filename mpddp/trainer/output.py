@@ -7,7 +7,7 @@ JSON-lines metrics file, and when the curves are written: TensorBoard's
 points by rank 0 every epoch and ``curves.png`` at the end, or, under the
 launcher of :func:`~mpddp.trainer.train`, the last epoch's point and
 ``curves.png`` by that launcher once the ranks exit (:func:`finish_curves`), and
-what the run's last line says of them. It reads losses at most every :data:`PROGRESS_INTERVAL`
+what the run's last line says of them, and what a rank returns (:class:`TrainResult`). It reads losses at most every :data:`PROGRESS_INTERVAL`
 seconds, so the bar costs no GPU sync per step. Leaves computing the numbers
 to trainer/loop.py, and the event files and the drawing to trainer/curves.py.
 """
@@ -21,15 +21,34 @@ import shutil
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from ..errors import ConfigError
 from . import curves
 
+if TYPE_CHECKING:  # the launcher of mpddp.trainer.train imports this module, and no torch
+    import torch
+
 PROGRESS_INTERVAL = 0.5  # seconds between progress-bar refreshes (and loss.item() syncs)
+
+
+@dataclass(frozen=True)
+class TrainResult:
+    """What :func:`~mpddp.trainer.train_worker` returns on every rank."""
+
+    epochs: int
+    global_step: int
+    train_loss: float
+    test_loss: float
+    test_accuracy: float | None
+    checkpoint: str | None
+    metrics: str
+    run_dir: str
+    curves: str | None = None  # rank 0's curves.png; None: not drawn (other ranks, or see curves_note)
+    curves_note: str = ""  # why rank 0 drew none, e.g. what to install
+    rank: int = 0  # the global rank that returned it
 
 
 class Reporter:

@@ -20,7 +20,7 @@ from typing import Any
 from ..config import check_dir_creatable
 from ..errors import ConfigError
 from . import checkpoint
-from .config import BUILTIN_TASKS, RUNS_ROOT, TrainConfig
+from .config import BUILTIN_TASKS, RUNS_ROOT, TrainConfig, task_name
 
 
 def resolve(config: TrainConfig) -> TrainConfig:
@@ -31,13 +31,13 @@ def resolve(config: TrainConfig) -> TrainConfig:
     ``runs/<task>/<date-time>``; ``resume="auto"`` without ``run_dir`` takes
     the newest run of that task that has a checkpoint.
     """
-    from .tasks import build_task_before_launch, load_factory, task_name
-
     given = task = config.task
     if task == "digits" and importlib.util.find_spec("sklearn") is None:
         raise ConfigError("task 'digits' reads its images from scikit-learn, which is not installed: "
                           "pip install 'mpddp[train]' (or scikit-learn), or pass --dataset synthetic")
     if isinstance(task, str) and task not in BUILTIN_TASKS:
+        from .tasks import load_factory
+
         load_factory(task)
         target, colon, attr = task.rpartition(":")
         if target.endswith(".py") or task.endswith(".py"):  # workers may start elsewhere: make it absolute
@@ -50,6 +50,8 @@ def resolve(config: TrainConfig) -> TrainConfig:
         return _check_fresh(config)  # built-in tasks keep their contract: skip building one here
     # Build the task once here: a factory that breaks the contract or raises, or a checkpoint of
     # another model, is then one line before any worker starts, not a failure on every rank.
+    from .tasks import build_task_before_launch  # torch: a fresh run of a built-in task never gets here
+
     model = build_task_before_launch(given, config.seed, config.task_options).model
     if config.resume is None:
         return _check_fresh(config)

@@ -242,16 +242,6 @@ def _one_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {lines[0]} ({where})" if lines else f"{type(e).__name__} ({where})"
 
 
-def task_name(spec: str | Callable[..., Any]) -> str:
-    """A short name for run directories: ``digits``, ``example_task``, ``make_task``."""
-    if callable(spec):
-        return getattr(spec, "__name__", "task")
-    if spec in BUILTIN_TASKS:
-        return spec
-    target = spec.rpartition(":")[0] if ":" in spec else spec
-    return Path(target).stem if target.endswith(".py") else target.rpartition(".")[2]
-
-
 def _check_task(task: Any, spec: object) -> None:
     where = _label(spec)
     if not isinstance(task, Task):

@@ -1,0 +1,101 @@
+"""A training run, as its launcher sees it: :func:`train` checks, launches, and finishes the curves.
+
+Owns: what :func:`train` does in the launching process: the checks before
+any worker starts, the run's token, one :func:`mpddp.launch` of the ranks'
+:func:`_work`, and ``curves.png`` with TensorBoard's last point once rank 0
+wrote the last epoch. Imports no torch, nor anything that does: a fresh run
+of a built-in task never loads torch in its launcher (the forkserver does,
+for the ranks). Measured: the launcher's own import of torch kept the
+second core busy until the ranks started, and its curves' imports then
+competed with them. Leaves the ranks' side to trainer/loop.py, the checks
+to trainer/prepare.py and the curves to trainer/output.py.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
+
+import mpddp
+
+from ..config import LaunchConfig
+from . import checkpoint
+from .config import TrainConfig
+from .curves import prefetch
+from .faults import check_fault_rank
+from .output import EarlyCurves, TrainResult, finish_curves
+from .prepare import resolve
+
+if TYPE_CHECKING:
+    from ..context import WorkerContext
+
+
+def train(config: TrainConfig | None = None, *, launch_config: LaunchConfig | None = None,
+          **launch_options: Any) -> TrainResult:
+    """Check ``config``, launch one worker per rank, return rank 0's result.
+
+    ``launch_config`` and ``launch_options`` go to :func:`mpddp.launch`
+    (e.g. ``nprocs=2, max_restarts=1``).
+    """
+    config = config or TrainConfig()
+    _check_fault_rank(config, launch_config, launch_options)
+    config = resolve(config)
+    # The run's token names its checkpoints' temporary files: a rank killed while it writes one (Ctrl-C, the
+    # watchdog, the OOM killer: the teardown ends in SIGKILL, and no cleanup runs in it) leaves one behind, which
+    # this launcher removes once every rank is gone, and no other run's.
+    owner = uuid.uuid4().hex[:12]
+    # curves.png is drawn and TensorBoard's last point logged here, their imports done in a thread while the
+    # forkserver imports torch (off the path), unless this process forks the ranks (no import may run across a
+    # fork): on one node as soon as rank 0 wrote the last epoch (EarlyCurves), else once the ranks exit.
+    forks = _option("start_method", launch_config, launch_options, None) == "fork"
+    if not forks:
+        prefetch()
+    early = EarlyCurves(config.metrics_path.parent, config.epochs) if not forks and one_node(
+        launch_config, launch_options) else None
+    try:
+        result: TrainResult = mpddp.launch(_work, args=(config, owner, False), config=launch_config,
+                                           **launch_options)[0]
+    finally:
+        checkpoint.remove_temporaries(config.checkpoint_path, owner)
+        if early is not None:
+            early.stop()
+    if result.rank == 0:  # node 0's launcher: the metrics file is on this machine
+        if (done := early.result(result.global_step) if early is not None else None) is None:
+            done = finish_curves(config.metrics_path.parent, result.global_step)
+        result = replace(result, curves=done[0], curves_note=done[1])
+    print(f"checkpoint: {result.checkpoint}  metrics: {result.metrics}  curves: {result.curves or result.curves_note}",
+          flush=True)
+    return result
+
+
+def _work(ctx: WorkerContext, config: TrainConfig, owner: str, draw: bool) -> TrainResult:
+    """What :func:`train` launches: :func:`~mpddp.trainer.train_worker`, named here, where no torch is imported
+    (the forkserver has trainer/loop.py loaded already: ``mpddp train`` preloads it)."""
+    from .loop import train_worker
+
+    return train_worker(ctx, config, owner, draw)
+
+
+def one_node(launch_config: LaunchConfig | None, options: dict[str, Any]) -> bool:
+    """Surely a job of one node, whose rank 0 is this launcher's: a launch config that says so (the command
+    line's, which holds the scheduler's layout too), no option that changes it. Else (launch() reads the layout
+    itself) rank 0 may be another node's, whose metrics file a shared disk shows here too."""
+    return (launch_config is not None and launch_config.nnodes == 1 and launch_config.hosts is None
+            and launch_config.hostfile is None and not options.keys() & {"nnodes", "hosts", "hostfile"})
+
+
+def _option(name: str, launch_config: LaunchConfig | None, options: dict[str, Any], default: Any) -> Any:
+    """A launch option as :func:`mpddp.launch` will see it: ``options`` override ``launch_config``."""
+    given = options.get(name)
+    return given if given is not None else (getattr(launch_config, name) if launch_config else default)
+
+
+def _check_fault_rank(config: TrainConfig, launch_config: LaunchConfig | None, options: dict[str, Any]) -> None:
+    """``inject_fault``'s RANK against nnodes × nprocs, before launching, where the launch options fix both.
+
+    Without nprocs (one rank per GPU, counted at launch) each rank checks it in Trainer.
+    """
+    nprocs, nnodes = (_option(k, launch_config, options, d) for k, d in (("nprocs", None), ("nnodes", 1)))
+    if type(nprocs) is int and type(nnodes) is int:  # a bad value: LaunchConfig says so
+        check_fault_rank(config.inject_fault, nnodes * nprocs, f"nnodes={nnodes} × nprocs={nprocs}")
