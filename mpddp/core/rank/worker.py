@@ -45,6 +45,7 @@ from .by_index import ByIndex
 from .forkserver import serve_if_forkserver
 
 THREAD_GRACE = 5.0  # seconds a worker waits for threads and child processes fn left running
+_GROUPS_LEFT: list[Any] = []  # the default group, destroyed but not freed as the rank ends (run_rank)
 _IOLBF = 1  # glibc's setvbuf mode for line buffering
 
 
@@ -377,6 +378,11 @@ def run_rank(spec: WorkerSpec, messages: Connection, out: Connection, err: Conne
         if reader is not None:
             reader.stop()
         if dist.is_initialized():
+            # Kept referenced, the group's C++ object is never freed in a forked rank, which ends in os._exit: the
+            # backends are shut down all the same (destroy_process_group calls their shutdown()), but gloo's
+            # destructor, which joins its threads after their 10 ms polls (20 ms a rank, measured), is not waited
+            # for on the way out.
+            _GROUPS_LEFT.append(dist.group.WORLD)
             destroy()
         left = _wait_for_leftovers(ctx.rank, threads_too=spec.init_group)
         _stop_descendants()
