@@ -20,6 +20,7 @@ from typing import NoReturn
 import click
 
 from .. import __version__
+from ..core.launcher.startup import exits_after_launch
 from ..core.wire import stacks
 from ..errors import ConfigError, MpddpError, WorkerFailed
 from . import info, plot, ranks, run, train
@@ -63,6 +64,8 @@ def run_cli(args: list[str] | None = None) -> NoReturn:
     signal.signal(signal.SIGHUP, _raise_terminated)  # default: die at once, leaving the ranks' children
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGUSR1, stacks.request)  # `kill -USR1`: where is every rank; never kills the launcher
+    if args is None:  # the launcher's own process: it launches once at most, then exits
+        exits_after_launch()
     try:
         code = main.main(args=args, prog_name="mpddp", standalone_mode=False)
     except click.exceptions.Exit as e:

@@ -27,6 +27,7 @@ from ..wire.protocol import FailureRecord
 from . import stragglers
 from .attempt import run_group
 from .plan import Plan, for_round
+from .startup import launch_ended
 from .stop import LIVE, LIVE_LOCK
 
 
@@ -100,6 +101,7 @@ def run_job(plan: Plan, mp_context: Any, payload: bytes, init_group: bool, liste
                 _stop_store(store)
         if sock is not None:
             sock.close()
+        launch_ended()  # every process the forkserver started is gone: it may go too, in the command line
 
 
 def _tell_lags(job: Job, succeeded: bool) -> None:

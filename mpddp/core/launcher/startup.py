@@ -25,7 +25,6 @@ import threading
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from ..procs import teardown
 from ..procs.start import forkserver_pid
 from ..rank.forkserver import FORKSERVER_PARENT, FORKSERVER_TEMP
 
@@ -139,8 +138,44 @@ def stop_helpers(timeout: float = 3.0) -> None:
 
     A command that follows ``mpddp`` at once must not see them: without this
     they would linger a few milliseconds after the launcher, until they
-    noticed its pipes close. Each stop closes the helper's pipe and reaps it.
+    noticed its pipes close. Each stop closes the helper's pipe and reaps it
+    (the forkserver's exit takes about 0.03 s: it has torch loaded), in a
+    thread begun here, or already when the launch ended (:func:`launch_ended`).
     """
+    from ..procs import teardown
+
+    server = forkserver_pid()
+    worker = _stopping_helpers()
+    worker.join(_HELPER_PATIENCE)
+    if worker.is_alive() and server is not None and teardown.alive(server):
+        # still importing torch (a Ctrl-C during start-up): it notices its closed pipe only once the import
+        # is done, seconds later; it has started nothing yet that needs it, so it is stopped now
+        with contextlib.suppress(OSError):
+            os.kill(server, signal.SIGKILL)
+    worker.join(timeout)  # a helper that does not exit must not hold the launcher
+
+
+def exits_after_launch() -> None:
+    """This process launches once, then exits (the command line's): :func:`launch_ended` then begins to stop
+    the helpers, and the command's own last work (``mpddp train``'s curves.png) overlaps their exit."""
+    global _exits_after_launch
+    _exits_after_launch = True
+
+
+def launch_ended() -> None:
+    """Called once every process a launch started has exited (core/launcher/job.py): in a process that exits
+    after its launch, the helpers' stop begins now; :func:`stop_helpers` waits for it."""
+    if _exits_after_launch:
+        _stopping_helpers()
+
+
+_exits_after_launch = False
+_helpers_stop: threading.Thread | None = None  # the stop under way, or done
+
+
+def _stopping_helpers() -> threading.Thread:
+    """The thread that stops the helpers: the one under way, else a new one."""
+    global _helpers_stop
     from multiprocessing import forkserver, resource_tracker
 
     def stop() -> None:
@@ -150,16 +185,11 @@ def stop_helpers(timeout: float = 3.0) -> None:
                 if stop_helper is not None:
                     stop_helper()
 
-    server = forkserver_pid()
-    worker = threading.Thread(target=stop, name="mpddp-stop-helpers", daemon=True)
-    worker.start()
-    worker.join(_HELPER_PATIENCE)
-    if worker.is_alive() and server is not None and teardown.alive(server):
-        # still importing torch (a Ctrl-C during start-up): it notices its closed pipe only once the import
-        # is done, seconds later; it has started nothing yet that needs it, so it is stopped now
-        with contextlib.suppress(OSError):
-            os.kill(server, signal.SIGKILL)
-    worker.join(timeout)  # a helper that does not exit must not hold the launcher
+    with _START_LOCK:
+        if _helpers_stop is None or not _helpers_stop.is_alive():
+            _helpers_stop = threading.Thread(target=stop, name="mpddp-stop-helpers", daemon=True)
+            _helpers_stop.start()
+        return _helpers_stop
 
 
 def start_context(method: str, preload: Sequence[str] = ()) -> Any:

@@ -12,7 +12,6 @@ from __future__ import annotations
 from typing import Any
 
 from ...errors import ForkserverLost
-from . import teardown
 
 
 def start_process(process: Any) -> None:
@@ -21,6 +20,8 @@ def start_process(process: Any) -> None:
     try:
         process.start()
     except (EOFError, OSError) as e:
+        from . import teardown  # psutil: not on the way to the forkserver's start (core/launcher/startup.py)
+
         server = forkserver_pid()
         if server is None or teardown.alive(server):
             raise
