@@ -11,8 +11,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from ...errors import ForkserverLost
-
 
 def start_process(process: Any) -> None:
     """``process.start()``; a forkserver killed under it is named (multiprocessing raises a bare EOFError, or a
@@ -20,7 +18,9 @@ def start_process(process: Any) -> None:
     try:
         process.start()
     except (EOFError, OSError) as e:
-        from . import teardown  # psutil: not on the way to the forkserver's start (core/launcher/startup.py)
+        # not on the way to the forkserver's start (core/launcher/startup.py): psutil, and the errors' dataclasses
+        from ...errors import ForkserverLost
+        from . import teardown
 
         server = forkserver_pid()
         if server is None or teardown.alive(server):
