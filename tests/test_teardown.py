@@ -201,3 +201,31 @@ def test_the_forkserver_tells_a_dead_or_dying_launcher_from_one_that_stopped_it(
         live.kill()
         live.wait()
         dead.wait()
+
+
+def test_children_are_the_kernels_list_of_every_threads_children(tmp_path):
+    """teardown.children reads each thread's list: a child started from a second thread is there too, and the
+    result is psutil's own scan of every process's parent."""
+    from mpddp.core.procs import teardown
+
+    parent = subprocess.Popen([sys.executable, "-c", textwrap.dedent("""\
+        import subprocess, sys, threading, time
+        sleep = [sys.executable, "-c", "import time; time.sleep(60)"]
+        kids = [subprocess.Popen(sleep) for _ in range(2)]
+        threading.Thread(target=lambda: kids.append(subprocess.Popen(sleep))).start()
+        while len(kids) < 3:
+            time.sleep(0.01)
+        print(" ".join(str(k.pid) for k in kids), flush=True)
+        time.sleep(60)
+    """)], stdout=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        started = {int(pid) for pid in parent.stdout.readline().split()}
+        assert len(started) == 3
+        assert sorted(teardown.children(parent.pid)) == sorted(p.pid for p in psutil.Process(parent.pid).children())
+        assert set(teardown.children(parent.pid)) == started
+    finally:
+        os.killpg(parent.pid, signal.SIGKILL)
+        parent.wait()
+        parent.stdout.close()
+    with pytest.raises(psutil.NoSuchProcess):
+        teardown.children(parent.pid)

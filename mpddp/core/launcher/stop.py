@@ -73,7 +73,7 @@ def _sweep_orphans() -> None:
     if server is None:
         return
     try:
-        orphans = [p.pid for p in psutil.Process(server).children() if p.pid not in LIVE]
+        orphans = [pid for pid in teardown.children(server) if pid not in LIVE]
     except psutil.Error:
         return
     if orphans:

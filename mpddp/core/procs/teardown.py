@@ -37,6 +37,29 @@ def tree(pids: Iterable[int]) -> list[psutil.Process]:
     return list(found.values())
 
 
+def children(pid: int) -> list[int]:
+    """``pid``'s children, from the kernel's own list of each of its threads' children.
+
+    psutil reads every process's stat to find them (70 files here), and in a
+    launcher whose thread draws curves.png each read waited for the drawing
+    to let go of the interpreter: 15-25 ms, against 0.4-11 ms for this
+    (measured). psutil's scan where the kernel keeps no such list
+    (CONFIG_PROC_CHILDREN). Raises psutil.NoSuchProcess once ``pid`` is gone.
+    """
+    try:
+        threads = os.listdir(f"/proc/{pid}/task")
+    except FileNotFoundError:
+        raise psutil.NoSuchProcess(pid) from None
+    found: list[int] = []
+    try:
+        for tid in threads:
+            with open(f"/proc/{pid}/task/{tid}/children") as listed:
+                found += map(int, listed.read().split())
+    except FileNotFoundError:  # a thread that just ended, or no such list in this kernel: psutil's scan
+        return [p.pid for p in psutil.Process(pid).children()]
+    return found
+
+
 def _alive(proc: psutil.Process) -> bool:
     # A zombie is dead for our purpose; its parent (us or the forkserver) reaps it.
     try:
