@@ -6,10 +6,13 @@ or notebook, ``MPDDP_STDOUT_ISATTY=1``), the per-epoch summary line, the
 JSON-lines metrics file, and when the curves are written: TensorBoard's
 points by rank 0 every epoch and ``curves.png`` at the end, or, under the
 launcher of :func:`~mpddp.trainer.train`, the last epoch's point and
-``curves.png`` by that launcher once the ranks exit (:func:`finish_curves`), and
-what the run's last line says of them, and what a rank returns (:class:`TrainResult`). It reads losses at most every :data:`PROGRESS_INTERVAL`
-seconds, so the bar costs no GPU sync per step. Leaves computing the numbers
-to trainer/loop.py, and the event files and the drawing to trainer/curves.py.
+``curves.png`` by that launcher once the ranks exit (:func:`finish_curves`),
+what the run's last line says of them, and what a rank returns
+(:class:`TrainResult`). It reads losses at most every
+:data:`PROGRESS_INTERVAL` seconds, so the bar costs no GPU sync per step.
+Leaves computing the numbers to trainer/loop.py, and the event files and
+the drawing to trainer/curves.py. Imports no torch (but for type hints):
+the launcher of :func:`~mpddp.trainer.train` imports it.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 from ..errors import ConfigError
 from . import curves
 
-if TYPE_CHECKING:  # the launcher of mpddp.trainer.train imports this module, and no torch
+if TYPE_CHECKING:
     import torch
 
 PROGRESS_INTERVAL = 0.5  # seconds between progress-bar refreshes (and loss.item() syncs)
