@@ -82,9 +82,13 @@ class C10dRendezvous:
     def _connect(self, timeout: float) -> Any:
         """A client, trying again every second until ``timeout``: torch's own retries wait up to several
         seconds between tries, and a launcher that connects late can miss a store that was up meanwhile."""
-        from ..wire.store import connect
+        from ..wire.store import connect, load_torch
 
+        # torch first: on a loaded machine its import took 7.9 s (beside a second suite), and node 0's store can be
+        # gone by then: the plain socket below, tried after it, says so at once, where torch's client retried the
+        # refused connection for 3.8 s more, and a node whose own rank failed meanwhile waited for both to tell it
         deadline = time.monotonic() + timeout
+        load_torch()
         while True:
             try:
                 # A plain socket first: each failed try of torch's client prints a C++ stack on stderr. It is

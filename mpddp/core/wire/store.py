@@ -19,10 +19,16 @@ _LOG_LEVEL = "TORCH_CPP_LOG_LEVEL"  # read by torch's C++ library once, as it lo
 
 def connect(addr: str, port: int, timeout: float) -> object:
     """A client of node 0's store; retries connecting until ``timeout``."""
-    with quiet_torch():
-        import torch.distributed as dist
+    load_torch()
+    import torch.distributed as dist
 
     return dist.TCPStore(addr, port, None, False, timedelta(seconds=timeout))
+
+
+def load_torch() -> None:
+    """torch.distributed, imported quietly (:func:`quiet_torch`): a launcher's first import of it."""
+    with quiet_torch():
+        import torch.distributed  # noqa: F401
 
 
 @contextlib.contextmanager
