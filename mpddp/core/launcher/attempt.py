@@ -109,10 +109,13 @@ class Attempt:
 
     def stop(self, urgent: threading.Event) -> None:
         stop_ranks(self.states, urgent)
-        for s in self.states:  # what a rank said before it ended, also after the watch: its own failure
-            if s.failure is None and not s.has_result:
+        for s in self.states:  # what a rank said before it ended, also after the watch: its own failure, or
+            # (after its result) its collectives' last read, sent as it ends: a rank that no longer waits for gloo's
+            # destructor exits right after it, and the watch can see the exit before it reads the message
+            if s.failure is None:
                 receive(s, self.board)
             release(s)
+        self.job.lags.add(self.board.take())
         self.relay.stop()
         for s in self.states:  # every rank is gone: its file is complete, or was never written
             s.error_file = errorfile.read(errorfile.path(self.error_dir.name, s.slot.rank))

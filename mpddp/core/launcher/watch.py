@@ -54,6 +54,7 @@ def watch(states: list[RankState], watchdog: Watchdog, lags: stragglers.Straggle
                 receive(s, board)
                 if s.exitcode is not None and s.failed_at is None and (s.exitcode != 0 or not s.has_result):
                     s.failed_at = time.monotonic()
+        lags.add(board.take())  # before any return: a rank's last read can come with its exit
         now = time.monotonic()
         if first_failure is None and any(s.failed_at is not None for s in states):
             first_failure = now
@@ -71,7 +72,6 @@ def watch(states: list[RankState], watchdog: Watchdog, lags: stragglers.Straggle
         if stacks.ASKED.is_set():  # SIGUSR1 (core/wire/stacks.py)
             stacks.ASKED.clear()
             _show_where(states, watchdog)
-        lags.add(board.take())
         lags.check(lambda rank: _sample(states, watchdog, rank))
         if nodes is not None and round_watch is not None and nodes.due(now):
             nodes.feed([*board.arrivals, *(a for s in round_watch.others_calls() for a in board_arrivals(s))])
