@@ -123,7 +123,11 @@ def test_node_0_lost_is_survived_by_the_others_from_their_checkpoint(tmp_path, e
             assert "DONE world=2 restart=1" in run.stdout, run.stdout + run.stderr
         assert codes == [0, 0], [run.stderr for run in runs]
         resumed = re.search(r"RESUMED step=(\d+) world=2 restart=1", runs[1].stdout)
-        assert resumed and at - 5 <= int(resumed.group(1)) <= at + 5, runs[1].stdout
+        assert resumed, runs[1].stdout
+        # Rank 0 saves every 5 steps; the ranks step in lockstep, so rank 0 was at most one step past rank 1's last
+        # print when it was lost (how late the loss came after step ``at`` is the test's timing, not the launcher's).
+        last = max(int(step) for step in re.findall(r"STEP (\d+) ", runs[1].stdout[:resumed.start()]))
+        assert at - 5 <= int(resumed.group(1)) and last - 5 <= int(resumed.group(1)) <= last + 1, runs[1].stdout
         after = runs[1].stdout[resumed.end():]
         first = float(re.search(r"STEP \d+ at ([0-9.]+)", after).group(1))  # type: ignore[union-attr]
         print(f"node 0 lost at step {at}: the survivors' first new step {first - lost_at:.1f} s later")
