@@ -32,7 +32,7 @@ JOB = textwrap.dedent("""
         step = json.load(open(path))["step"]
         print(f"RESUMED step={step} world={world} restart={os.environ['TORCHELASTIC_RESTART_COUNT']}", flush=True)
     total = torch.zeros(1)
-    while step < int(os.environ["STEPS"]):
+    while step < int(os.environ["STEPS"]) or world < int(os.environ.get("UNTIL_WORLD", "0")):
         t = torch.ones(1)
         dist.all_reduce(t)
         assert t.item() == world
@@ -48,7 +48,7 @@ JOB = textwrap.dedent("""
 """)
 
 
-def _nodes(tmp_path, cluster, count, nnodes, steps, job_id, extra=()):
+def _nodes(tmp_path, cluster, count, nnodes, steps, job_id, extra=(), until_world=0):
     (tmp_path / "job.py").write_text(JOB)
     (tmp_path / "ckpt").mkdir()
     runs = []
@@ -58,27 +58,33 @@ def _nodes(tmp_path, cluster, count, nnodes, steps, job_id, extra=()):
         runs.append(Run(["-m", "mpddp", "run", "--nnodes", nnodes, "--node-rank", str(node), "--nprocs", "1",
                          "--rdzv-backend", "etcd", "--rdzv-endpoint", cluster.endpoints, "--rdzv-id", job_id,
                          "--local-addr", "127.0.0.1", "--timeout", "20", *extra, str(tmp_path / "job.py")],
-                        where, env={"CKPT": str(tmp_path / "ckpt"), "STEPS": str(steps)}))
+                        where, env=_job_env(tmp_path, steps, until_world)))
     return runs
 
 
-def _c10d_nodes(tmp_path, count, steps, extra=()):
+def _job_env(tmp_path, steps, until_world=0):
+    """The job's variables: it saves to ``ckpt``, and runs ``steps`` steps, and beyond them until its world size is
+    ``until_world`` (a newcomer's admission, however late a loaded machine starts it, comes before the end)."""
+    return {"CKPT": str(tmp_path / "ckpt"), "STEPS": str(steps), "UNTIL_WORLD": str(until_world)}
+
+
+def _c10d_nodes(tmp_path, count, steps, extra=(), until_world=0):
     from multinode import free_port
 
     (tmp_path / "job.py").write_text(JOB)
     (tmp_path / "ckpt").mkdir(exist_ok=True)
     port, runs = free_port(), []
     for node in range(count):
-        runs.append(_c10d_node(tmp_path, node, port, steps, extra))
+        runs.append(_c10d_node(tmp_path, node, port, steps, extra, until_world))
     return runs
 
 
-def _c10d_node(tmp_path, node, port, steps, extra=()):
+def _c10d_node(tmp_path, node, port, steps, extra=(), until_world=0):
     where = tmp_path / f"node{node}"
     where.mkdir()
     return Run(["-m", "mpddp", "run", "--nnodes", "2:3", "--node-rank", str(node), "--nprocs", "1", "--master-addr",
                 "127.0.0.1", "--master-port", str(port), "--timeout", "20", *extra, str(tmp_path / "job.py")], where,
-               env={"CKPT": str(tmp_path / "ckpt"), "STEPS": str(steps)})
+               env=_job_env(tmp_path, steps, until_world))
 
 
 def _lose(run: Run) -> None:
@@ -140,13 +146,13 @@ def test_node_0_lost_is_survived_by_the_others_from_their_checkpoint(tmp_path, e
 
 def test_a_node_that_arrives_below_max_is_admitted_by_a_restart_that_is_not_counted(tmp_path, etcd_cluster):
     """A 2:3 job running on two nodes admits a third (no --max-restarts: the admission is free) and ends at 3."""
-    runs = _nodes(tmp_path, etcd_cluster, 2, "2:3", 100, "grow")
+    runs = _nodes(tmp_path, etcd_cluster, 2, "2:3", 100, "grow", until_world=3)
     try:
         runs[0].wait_for(r"STEP 15 ", timeout=90)
         where = tmp_path / "node2"
         where.mkdir()
         runs.append(Run(runs[0].proc.args[1:-1] + [str(tmp_path / "job.py")], where,  # type: ignore[index]
-                        env={"CKPT": str(tmp_path / "ckpt"), "STEPS": "100"}))
+                        env=_job_env(tmp_path, 100, until_world=3)))
         codes = [run.finish(120) for run in runs]
         assert codes == [0, 0, 0], [run.stderr for run in runs]
         for run in runs:
@@ -228,12 +234,12 @@ def test_c10d_a_lost_node_other_than_0_is_survived_and_a_newcomer_admitted(tmp_p
     arrives and the job grows back to 3 (a free restart), and every node ends at 0. A last call of 10 s: on a
     loaded machine a launcher can start more than the default 3 s after the others (then round 0 runs without it,
     which is not this test's story)."""
-    runs = _c10d_nodes(tmp_path, 3, 150, ["--max-restarts", "1", "--rdzv-conf", "last_call_timeout=10"])
+    runs = _c10d_nodes(tmp_path, 3, 150, ["--max-restarts", "1", "--rdzv-conf", "last_call_timeout=10"], until_world=3)
     try:
         _lose_at(runs, 15, victim=runs[1], watched=runs[0])
         runs[0].wait_for(r"RESUMED step=\d+ world=2 restart=1", timeout=90)
         port = int(runs[0].proc.args[runs[0].proc.args.index("--master-port") + 1])  # type: ignore[union-attr]
-        runs.append(_c10d_node(tmp_path, 3, port, 150, ["--rdzv-conf", "last_call_timeout=10"]))
+        runs.append(_c10d_node(tmp_path, 3, port, 150, ["--rdzv-conf", "last_call_timeout=10"], until_world=3))
         survivors = [runs[0], runs[2], runs[3]]
         assert [run.finish(120) for run in survivors] == [0, 0, 0], [run.stderr for run in survivors]
         assert "mpddp: node(s) 1 went away" in runs[0].stderr and "node 2 -> 1: ranks 2 -> 1" in runs[0].stderr
