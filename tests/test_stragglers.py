@@ -16,6 +16,9 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import mpddp
+from mpddp.core.launcher import stragglers
+from mpddp.core.launcher.board import ARRIVALS, Board
+from mpddp.core.wire.protocol import Call, Collectives
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -186,3 +189,48 @@ def test_a_straggler_on_another_node_is_named_by_node_0(tmp_path):
         assert cluster.leftovers(wait=5) == []
     finally:
         cluster.kill_all()
+
+
+def _arrival(seq: int, at: float) -> Call:
+    return Call("0", seq, "all_reduce", ((100,),), ("Float",), int((1.8e9 + at) * 1e9), "gloo", 0, seq)
+
+
+def test_the_step_is_timed_across_the_holes_of_rows_that_come_in_samples():
+    """Node 0 sees another node's arrivals in samples, every few seconds: the time across a hole between two
+    samples is no step. A collective every 40 ms, rank 1 late by 30 ms; 19 rows of each 2 s.
+
+    Was: the gaps between the samples read as bursts 2 s apart, the step as 2 s, and 30 ms as under a tenth of it,
+    so the straggler was never named (node 0 under load, with a node's snapshots a read behind its own)."""
+    lags = stragglers.Stragglers()
+    for look in range(6):
+        numbers = range(look * 50 + 31, look * 50 + 50)
+        lags.add([{0: _arrival(n, n * 0.04), 1: _arrival(n, n * 0.04 + 0.03)} for n in numbers])
+    assert lags.step == pytest.approx(0.04)
+    assert lags.suspect() == 1
+
+
+def test_node_0_lines_up_every_sample_of_a_node_whose_snapshots_come_behind_its_own():
+    """Real boards: node 1's reader reports its rank's collectives every 0.6 s and its beat shares them at once;
+    node 0 looks every LOOK seconds. Every number of node 1's snapshot is a row, though node 0's own newest
+    arrivals are ahead of it by up to 15 numbers: node 0 keeps its own from every pass of its watch.
+
+    Was: node 0 lined up its own last 32 with node 1's last 32 at each look: 17 rows of 32 here."""
+    mine, theirs = Board([0]), Board([1])
+    across = stragglers.AcrossNodes(nnodes=2)
+    shared: list[bytes] = []
+    looks = reported = 0
+    for tick in range(1, 60):  # the watch's passes, 0.2 s apart: 12 s
+        now = tick * 0.2
+        seqs = range(int((now - 0.2) / 0.04) + 1, int(now / 0.04) + 1)
+        mine.add(0, Collectives(tuple(_arrival(n, n * 0.04) for n in seqs), ()))
+        if tick % 3 == 0:  # node 1's reader, then its beat
+            upto = int(now / 0.04)
+            theirs.add(1, Collectives(tuple(_arrival(n, n * 0.04 + 0.03) for n in range(reported + 1, upto + 1)), ()))
+            reported = upto
+            shared = [theirs.snapshot(whole=True) or b""]
+        before = across.looked
+        across.watch(mine.arrivals, lambda: shared, now)
+        looks += across.looked != before
+    assert across.lags.rows == looks * ARRIVALS
+    assert across.lags.step == pytest.approx(0.04)
+    assert across.lags.suspect() == 1

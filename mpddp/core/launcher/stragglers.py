@@ -19,11 +19,14 @@ from __future__ import annotations
 import collections
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from ...log import logger
-from ..wire.protocol import Call
+from ..wire.protocol import Call, Lane
+from .board import arrivals as snapshot_arrivals
+
+Arrival = tuple[Lane, int, int, int]  # (lane, number, the last arrival among a node's ranks in ns, its rank)
 
 WINDOW = 100  # collectives per rank the rule looks at
 MIN_SAMPLES = 50  # no verdict before this many
@@ -34,7 +37,7 @@ _BURST_GAP = 0.005  # seconds: a gap this long (and 4 times the typical one) sta
 _POINTS = 100_000  # arrivals kept for the timeline (halved, every other one, when full)
 SAMPLES = 5  # stack samples of a straggler, taken while the others wait
 LOOK = 2.0  # seconds between node 0's reads of every node's arrivals (several nodes)
-_POINTS_FED = 1024  # collective numbers node 0 remembers having fed
+_POINTS_FED = 1024  # numbers a lane node 0 keeps behind its newest: waiting for every node, or fed
 
 
 @dataclass(frozen=True)
@@ -71,9 +74,13 @@ class Stragglers:
     points: list[tuple[float, int, float]] = field(default_factory=list)  # (arrival s, rank, lag s), timeline
     told: int | None = None  # the rank named as straggler
     told_at: float | None = None  # wall clock, s
-    _arrivals: collections.deque[float] = field(default_factory=lambda: collections.deque(maxlen=4 * WINDOW))
+    # (lane, number, first arrival in s) of the newest collectives, for the step's estimate
+    _arrivals: collections.deque[tuple[Lane, int, float]] = field(
+        default_factory=lambda: collections.deque(maxlen=4 * WINDOW))
 
-    def add(self, rows: list[dict[int, Call]]) -> None:
+    def add(self, rows: list[dict[int, Call]], timed: bool = True) -> None:
+        """Complete rows; ``timed``: their arrivals also time the step (a caller that sees only some of the
+        numbers passes False and gives the step's arrivals to :meth:`arrived`)."""
         for row in rows:
             first = min(c.entered for c in row.values())
             latest = max(row, key=lambda r: (row[r].entered, r))
@@ -85,24 +92,38 @@ class Stragglers:
                 self.lasts.setdefault(rank, collections.deque(maxlen=WINDOW)).append(rank == latest)
                 self.all_lags.setdefault(rank, []).append(lag)
                 self.points.append((first / 1e9, rank, lag))
-            self._arrivals.append(first / 1e9)
+            if timed:
+                call = next(iter(row.values()))
+                self.arrived(call.lane, call.seq, first / 1e9)
         if len(self.points) > _POINTS:
             self.points = self.points[::2]
+
+    def arrived(self, lane: Lane, seq: int, at: float) -> None:
+        """Collective ``seq`` of ``lane`` first reached at ``at`` (s): a point of the step's estimate."""
+        self._arrivals.append((lane, seq, at))
 
     @property
     def step(self) -> float | None:
         """A training step, estimated from the arrivals: a step's collectives come in a burst (DDP's buckets in
         the backward pass), bursts a step apart; the median time between bursts, or between arrivals when they
-        come evenly (one collective a step)."""
-        times = sorted(self._arrivals)
-        gaps = [b - a for a, b in zip(times, times[1:])]
-        if len(gaps) < 5:
+        come evenly (one collective a step). Only numbers that follow each other count: where some are missing
+        (another node's arrivals come in samples), the time across the hole is no gap between two collectives."""
+        runs: list[list[float]] = []  # the arrival times of consecutive numbers of one lane
+        previous: tuple[Lane, int] | None = None
+        for lane, seq, at in sorted(self._arrivals):
+            if previous != (lane, seq - 1):
+                runs.append([])
+            runs[-1].append(at)
+            previous = (lane, seq)
+        gaps = [[b - a for a, b in zip(times, times[1:])] for times in runs]
+        if sum(map(len, gaps)) < 5:
             return None
-        typical = statistics.median(gaps)
-        starts = [t for t, gap in zip(times[1:], gaps) if gap > max(_BURST_GAP, 4 * typical)]
-        if len(starts) < 3:
-            return typical
-        return statistics.median(b - a for a, b in zip(starts, starts[1:]))
+        typical = statistics.median(g for run_gaps in gaps for g in run_gaps)
+        between: list[float] = []  # from one burst's start to the next one's, within a run
+        for times, run_gaps in zip(runs, gaps):
+            starts = [t for t, gap in zip(times[1:], run_gaps) if gap > max(_BURST_GAP, 4 * typical)]
+            between += [b - a for a, b in zip(starts, starts[1:])]
+        return statistics.median(between) if len(between) >= 2 else typical
 
     def suspect(self) -> int | None:
         """The rank the rule names now (see the module's header), or None."""
@@ -139,38 +160,50 @@ class AcrossNodes:
     """Node 0 of several: the nodes lined up at the default group's collectives, a straggler named across them.
 
     Each node's snapshot (core/launcher/board.py, shared every beat) carries the last arrival among its ranks
-    at each of its newest :data:`~mpddp.core.launcher.board.ARRIVALS` collectives, and which rank it was;
-    every :data:`LOOK` seconds node 0 reads them all (one batch) and feeds the numbers every node reached to
-    :class:`Stragglers`, one arrival a node: the rank that arrives last on the last node, again and again, is
-    the one the whole job waits for. Each node's own board names a straggler among its own ranks; this one
-    names a rank of any node, from the wall clocks of their machines (NTP keeps them within a millisecond or
-    two, below :data:`MIN_LAG`).
+    at each of its newest :data:`~mpddp.core.launcher.board.ARRIVALS` collectives, and which rank it was.
+    Node 0 takes its own at every pass of its watch (it sees every number, and times the step with them) and
+    every :data:`LOOK` seconds reads the others' (one batch), which come in samples a beat or a reader's read
+    behind its own. A number every node reached is a row for :class:`Stragglers`, one arrival a node: the
+    rank that arrives last on the last node, again and again, is the one the whole job waits for. Each node's
+    own board names a straggler among its own ranks; this one names a rank of any node, from the wall clocks
+    of their machines (NTP keeps them within a millisecond or two, below :data:`MIN_LAG`).
     """
 
     nnodes: int
     lags: Stragglers = field(default_factory=Stragglers)
     looked: float = 0.0  # time.monotonic() of the last look
-    _fed: set[tuple[tuple[str, str, int], int]] = field(default_factory=set)  # (lane, number) rows fed
+    # (lane, number) -> rank -> its call: the numbers not every node was seen at yet, the newest _POINTS_FED
+    _waiting: dict[tuple[Lane, int], dict[int, Call]] = field(default_factory=dict)
+    _fed: set[tuple[Lane, int]] = field(default_factory=set)  # rows fed, the newest ones
 
-    def due(self, now: float) -> bool:
+    def watch(self, mine: Iterable[Arrival], others: Callable[[], list[bytes]], now: float) -> None:
+        """Every pass of node 0's watch: this node's arrivals; once every :data:`LOOK` s, the others' too
+        (``others``: their last snapshots, read from the store)."""
+        self._take(mine, own=True)
         if now - self.looked < LOOK:
-            return False
+            return
         self.looked = now
-        return True
-
-    def feed(self, arrivals: list[tuple[tuple[str, str, int], int, int, int]]) -> None:
-        """Every node's (lane, number, last arrival, its rank), this node's too: the rows every node reached."""
-        rows: dict[tuple[tuple[str, str, int], int], dict[int, Call]] = {}
-        for lane, seq, entered, rank in arrivals:
-            if (lane, seq) not in self._fed:
-                rows.setdefault((lane, seq), {})[rank] = Call(lane[0], seq, "", (), (), entered, lane[1], lane[2])
-        complete = sorted((key for key, row in rows.items() if len(row) == self.nnodes), key=lambda k: k[1])
+        self._take((a for snapshot in others() for a in snapshot_arrivals(snapshot)), own=False)
+        complete = sorted((key for key, row in self._waiting.items() if len(row) == self.nnodes), key=lambda k: k[1])
+        rows = [self._waiting.pop(key) for key in complete]
         self._fed.update(complete)
-        if len(self._fed) > 4 * _POINTS_FED:  # the numbers far behind never come again
-            newest = max(seq for _, seq in self._fed)
-            self._fed = {key for key in self._fed if key[1] > newest - _POINTS_FED}
-        self.lags.add([rows[key] for key in complete])
+        newest: dict[Lane, int] = {}
+        for lane, seq in (*self._waiting, *self._fed):
+            newest[lane] = max(seq, newest.get(lane, seq))
+        # numbers far behind their lane's newest never come again (another node's snapshots skipped them)
+        self._waiting = {key: row for key, row in self._waiting.items() if key[1] > newest[key[0]] - _POINTS_FED}
+        self._fed = {key for key in self._fed if key[1] > newest[key[0]] - _POINTS_FED}
+        self.lags.add(rows, timed=False)
         self.lags.check(lambda rank: [])  # another node's rank: no stacks of it here
+
+    def _take(self, arrivals: Iterable[Arrival], own: bool) -> None:
+        for lane, seq, entered, rank in arrivals:
+            key = (lane, seq)
+            if key in self._fed or rank in self._waiting.get(key, ()):
+                continue  # taken at an earlier pass or look (a node names one rank a number, always the same)
+            self._waiting.setdefault(key, {})[rank] = Call(lane[0], seq, "", (), (), entered, lane[1], lane[2])
+            if own:
+                self.lags.arrived(lane, seq, entered / 1e9)
 
 
 def summary_lines(summary: Summary, verbose: bool) -> list[str]:

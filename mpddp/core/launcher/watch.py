@@ -23,7 +23,6 @@ from ..nodes.store_server import StoreServer
 from ..wire import stacks
 from . import board, stragglers
 from .board import Mismatch
-from .board import arrivals as board_arrivals
 from .channels import receive
 from .classify import Hang, RankState
 from .watchdog import Watchdog
@@ -73,8 +72,8 @@ def watch(states: list[RankState], watchdog: Watchdog, lags: stragglers.Straggle
             stacks.ASKED.clear()
             _show_where(states, watchdog)
         lags.check(lambda rank: _sample(states, watchdog, rank))
-        if nodes is not None and round_watch is not None and nodes.due(now):
-            nodes.feed([*board.arrivals, *(a for s in round_watch.others_calls() for a in board_arrivals(s))])
+        if nodes is not None and round_watch is not None:
+            nodes.watch(board.arrivals, round_watch.others_calls, now)
         if first_failure is None and (hang := watchdog.check(states, now)) is not None:
             return hang.mismatch or hang  # ranks of different nodes that called different collectives: a bug
 
