@@ -175,35 +175,48 @@ class AcrossNodes:
     # (lane, number) -> rank -> its call: the numbers not every node was seen at yet, the newest _POINTS_FED
     _waiting: dict[tuple[Lane, int], dict[int, Call]] = field(default_factory=dict)
     _fed: set[tuple[Lane, int]] = field(default_factory=set)  # rows fed, the newest ones
+    _own: dict[Lane, int] = field(default_factory=dict)  # this node's newest number taken, a lane
 
     def watch(self, mine: Iterable[Arrival], others: Callable[[], list[bytes]], now: float) -> None:
         """Every pass of node 0's watch: this node's arrivals; once every :data:`LOOK` s, the others' too
         (``others``: their last snapshots, read from the store)."""
-        self._take(mine, own=True)
+        for lane, seq, entered, rank in mine:
+            if seq > self._own.get(lane, -1):  # a node's arrivals come in order, each once
+                self._own[lane] = seq
+                self._waiting.setdefault((lane, seq), {})[rank] = _call(lane, seq, entered)
+                self.lags.arrived(lane, seq, entered / 1e9)
         if now - self.looked < LOOK:
             return
         self.looked = now
-        self._take((a for snapshot in others() for a in snapshot_arrivals(snapshot)), own=False)
+        samples = [snapshot_arrivals(snapshot) for snapshot in others()]
+        for lane, seq, entered, rank in (a for sample in samples for a in sample):
+            if (lane, seq) not in self._fed:
+                self._waiting.setdefault((lane, seq), {}).setdefault(rank, _call(lane, seq, entered))
         complete = sorted((key for key, row in self._waiting.items() if len(row) == self.nnodes), key=lambda k: k[1])
         rows = [self._waiting.pop(key) for key in complete]
         self._fed.update(complete)
-        newest: dict[Lane, int] = {}
-        for lane, seq in (*self._waiting, *self._fed):
-            newest[lane] = max(seq, newest.get(lane, seq))
-        # numbers far behind their lane's newest never come again (another node's snapshots skipped them)
-        self._waiting = {key: row for key, row in self._waiting.items() if key[1] > newest[key[0]] - _POINTS_FED}
-        self._fed = {key for key in self._fed if key[1] > newest[key[0]] - _POINTS_FED}
+        self._forget(samples)
         self.lags.add(rows, timed=False)
         self.lags.check(lambda rank: [])  # another node's rank: no stacks of it here
 
-    def _take(self, arrivals: Iterable[Arrival], own: bool) -> None:
-        for lane, seq, entered, rank in arrivals:
-            key = (lane, seq)
-            if key in self._fed or rank in self._waiting.get(key, ()):
-                continue  # taken at an earlier pass or look (a node names one rank a number, always the same)
-            self._waiting.setdefault(key, {})[rank] = Call(lane[0], seq, "", (), (), entered, lane[1], lane[2])
-            if own:
-                self.lags.arrived(lane, seq, entered / 1e9)
+    def _forget(self, samples: list[list[Arrival]]) -> None:
+        """Drop the numbers that can no longer complete: :data:`_POINTS_FED` behind their lane's newest, or below
+        every other node's sample (a node's sample only moves on, and node 0 takes its own once)."""
+        newest: dict[Lane, int] = {}
+        for lane, seq in (*self._waiting, *self._fed):
+            newest[lane] = max(seq, newest.get(lane, seq))
+        keep = {lane: n - _POINTS_FED for lane, n in newest.items()}  # numbers above these stay
+        for lane in keep:
+            lowest = [min(seq for at, seq, _, _ in sample if at == lane) for sample in samples
+                      if any(at == lane for at, _, _, _ in sample)]
+            if len(lowest) == self.nnodes - 1:  # every other node sampled this lane
+                keep[lane] = max(keep[lane], min(lowest) - 1)
+        self._waiting = {key: row for key, row in self._waiting.items() if key[1] > keep[key[0]]}
+        self._fed = {key for key in self._fed if key[1] > keep[key[0]]}
+
+
+def _call(lane: Lane, seq: int, entered: int) -> Call:
+    return Call(lane[0], seq, "", (), (), entered, lane[1], lane[2])
 
 
 def summary_lines(summary: Summary, verbose: bool) -> list[str]:
