@@ -13,13 +13,16 @@ are fast; torch is imported where it is used.
 
 from __future__ import annotations
 
+import os
 import sys
 
 
 def _interrupted_early(signum: int, frame: object) -> None:
-    # A Ctrl-C while the command line's modules load: nothing has started yet, so leave quietly.
+    # A Ctrl-C while the command line's modules load: nothing has started yet, so leave quietly, and at once
+    # (a SystemExit raised in an import's callback can be swallowed: core/wire/signals.py's raise_stop)
     sys.stderr.write("mpddp: interrupted (SIGINT) before any worker started\n")
-    sys.exit(130)
+    sys.stderr.flush()
+    os._exit(130)
 
 
 def _started_as_command() -> bool:

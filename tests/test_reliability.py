@@ -316,3 +316,35 @@ def test_ctrl_c_during_start_up_is_never_lost(tmp_path, delay):
         run.assert_nothing_left()
     finally:
         run.kill()
+
+
+@pytest.mark.parametrize("handler", ["interrupt", "terminated"])
+def test_a_signal_that_lands_inside_an_import_is_raised_once_the_import_is_whole(tmp_path, handler):
+    """The command line's handlers raise their stop (KeyboardInterrupt, Terminated) in the main thread, but not in
+    the middle of an import: there CPython can swallow it, in the module lock's weakref callback ("Exception
+    ignored in: <function _get_module_lock.<locals>.cb>"), and leave its import lock held. Was, beside a second
+    test suite: a Ctrl-C 1 s into ``mpddp train`` lost that way; the run trained to its end, then hung.
+
+    Here the signal comes 0.3 s into a 1 s import: the import ends whole, and the stop comes right after."""
+    (tmp_path / "slow.py").write_text("import time\ntime.sleep(1.0)\nWHOLE = True\n")
+    signum = signal.SIGINT if handler == "interrupt" else signal.SIGTERM
+    code = textwrap.dedent(f"""
+        import os, signal, sys, threading, time
+        sys.path.insert(0, {str(tmp_path)!r})
+        from mpddp.cli.main import _interrupt, _raise_terminated
+        signal.signal({int(signum)}, _interrupt if {handler!r} == "interrupt" else _raise_terminated)
+        threading.Timer(0.3, os.kill, (os.getpid(), {int(signum)})).start()
+        try:
+            import slow
+            print("imported whole:", slow.WHOLE, flush=True)
+            done = time.monotonic()
+            time.sleep(10)
+            print("never stopped", flush=True)
+        except BaseException as e:
+            print("stopped by", type(e).__name__, "after", round(time.monotonic() - done, 3), "s", flush=True)
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.stdout.startswith("imported whole: True\nstopped by "), out.stdout + out.stderr
+    stop, seconds = re.search(r"stopped by (\w+) after ([0-9.]+) s", out.stdout).groups()  # type: ignore[union-attr]
+    assert stop == ("KeyboardInterrupt" if handler == "interrupt" else "Terminated") and float(seconds) < 2.0
+    assert "Exception ignored" not in out.stderr, out.stderr

@@ -15,13 +15,14 @@ from __future__ import annotations
 import os
 import signal
 import sys
+from types import FrameType
 from typing import NoReturn
 
 import click
 
 from .. import __version__
 from ..core.launcher.startup import exits_after_launch
-from ..core.wire import stacks
+from ..core.wire import signals, stacks
 from ..errors import ConfigError, MpddpError, WorkerFailed
 from . import info, plot, ranks, run, train
 from .options import EXIT_BAD_INPUT, EXIT_SIGINT
@@ -35,8 +36,12 @@ class Terminated(BaseException):
         self.signum = signum
 
 
-def _raise_terminated(signum: int, frame: object) -> NoReturn:
-    raise Terminated(signum)
+def _raise_terminated(signum: int, frame: FrameType | None) -> None:
+    signals.raise_stop(Terminated(signum), signum, frame)
+
+
+def _interrupt(signum: int, frame: FrameType | None) -> None:
+    signals.raise_stop(KeyboardInterrupt(), signum, frame)
 
 
 _STOPPED: dict[int, str] = {signal.SIGTERM: "terminated (SIGTERM)", signal.SIGHUP: "hung up (SIGHUP: the terminal or SSH session closed)"}
@@ -62,7 +67,7 @@ def run_cli(args: list[str] | None = None) -> NoReturn:
     """
     signal.signal(signal.SIGTERM, _raise_terminated)
     signal.signal(signal.SIGHUP, _raise_terminated)  # default: die at once, leaving the ranks' children
-    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGINT, _interrupt)
     signal.signal(signal.SIGUSR1, stacks.request)  # `kill -USR1`: where is every rank; never kills the launcher
     if args is None:  # the launcher's own process: it launches once at most, then exits
         exits_after_launch()

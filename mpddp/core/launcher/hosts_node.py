@@ -21,10 +21,11 @@ import os
 import signal
 import sys
 import threading
-from typing import Any, NoReturn
+from types import FrameType
+from typing import Any
 
 from ...errors import MpddpError
-from ..wire import protocol
+from ..wire import protocol, signals
 
 
 class Stopped(BaseException):
@@ -56,8 +57,8 @@ def send(message: protocol.NodeMessage) -> None:
     sys.stdout.write(protocol.node_line(message))
 
 
-def _raise_stopped(signum: int, frame: object) -> NoReturn:
-    raise Stopped()
+def _raise_stopped(signum: int, frame: FrameType | None) -> None:
+    signals.raise_stop(Stopped(), signum, frame)
 
 
 def _watch_stdin(stream: Any) -> None:

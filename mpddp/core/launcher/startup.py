@@ -23,10 +23,12 @@ import signal
 import sys
 import threading
 from collections.abc import Iterator, Sequence
+from types import FrameType
 from typing import Any
 
 from ..procs.start import forkserver_pid
 from ..rank.forkserver import FORKSERVER_PARENT, FORKSERVER_TEMP
+from ..wire import signals
 
 # In this order: this module first (it pauses the forkserver's collector, below), then the worker (torch).
 FORKSERVER_PRELOAD = ("mpddp.core.launcher.startup", "mpddp.core.rank.worker")
@@ -225,11 +227,12 @@ def exit_on_interrupt() -> Iterator[None]:
     so the handler stops it and ends this process itself, exit code 130. Only for the command line, whose
     process is mpddp's own; ``launch()`` in a user's process uses :func:`interrupts_deferred`.
     """
-    def leave(signum: int, frame: object) -> None:
+    def leave(signum: int, frame: FrameType | None) -> None:
         import shutil
 
         if LAUNCHING.is_set():  # launch() has begun: its teardown answers the interrupt
-            raise KeyboardInterrupt
+            signals.raise_stop(KeyboardInterrupt(), signum, frame)
+            return
         server = forkserver_pid()
         if server is not None:
             with contextlib.suppress(OSError):
