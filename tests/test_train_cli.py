@@ -218,3 +218,21 @@ def test_the_launcher_of_a_fresh_run_imports_no_torch_and_still_logs_the_last_po
     if seen["tensorboard"]:  # installed (the test extra has it): the one-epoch run's point is the launcher's
         events = list((tmp_path / "run" / "tb").glob("events.out.tfevents.*"))
         assert len(events) == 1 and re.search(rf"\.{run.proc.pid}\.\d+$", events[0].name), events
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+def test_under_fork_and_spawn_no_empty_compile_cache_is_left_in_tmpdir(tmp_path, method):
+    """``import torch._dynamo`` (DDP's and the optimizer's) makes ``$TMPDIR/torchinductor_<user>`` at once. The
+    forkserver removes it when empty; under fork (the launcher imports it) and spawn (each rank does) it was left."""
+    from runs import Run
+
+    run = Run(["-m", "mpddp", "train", "--dataset", "synthetic", "--samples", "256", "--nprocs", "2", "--epochs",
+               "1", "--start-method", method, "--run-dir", str(tmp_path / "run")], tmp_path)
+    try:
+        run.wait_for("epoch   1/1", timeout=90)
+        run.list_tree()
+        assert run.finish(60) == 0, run.stderr
+        run.assert_nothing_left()
+    finally:
+        run.kill()

@@ -15,6 +15,7 @@ itself to core/launcher/api.py and the worker's side to core/rank/worker.py.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import gc
 import multiprocessing
@@ -27,7 +28,7 @@ from types import FrameType
 from typing import Any
 
 from ..procs.start import forkserver_pid
-from ..rank.forkserver import FORKSERVER_PARENT, FORKSERVER_TEMP
+from ..rank.forkserver import FORKSERVER_PARENT, FORKSERVER_TEMP, new_inductor_cache
 from ..wire import signals
 
 # In this order: this module first (it pauses the forkserver's collector, below), then the worker (torch).
@@ -206,6 +207,8 @@ def start_context(method: str, preload: Sequence[str] = ()) -> Any:
     each importing torch again, on every launch (measured: a second launch of
     2 forked ranks took 4 s instead of 0.1 s).
     """
+    if method != "forkserver" and (cache := new_inductor_cache()) is not None:
+        atexit.register(_remove_if_empty, cache)  # made here (fork) or by the ranks (spawn): the forkserver's work
     if method == "fork":
         import importlib
 
@@ -213,6 +216,11 @@ def start_context(method: str, preload: Sequence[str] = ()) -> Any:
             importlib.import_module(module)
     start_forkserver(method, preload)
     return multiprocessing.get_context(method)
+
+
+def _remove_if_empty(path: str) -> None:
+    with contextlib.suppress(OSError):
+        os.rmdir(path)  # only if still empty: a cache that holds something stays
 
 
 LAUNCHING = threading.Event()  # set once launch() starts its processes: a Ctrl-C is then the teardown's

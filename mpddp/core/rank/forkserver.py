@@ -40,7 +40,7 @@ def serve_if_forkserver() -> None:
     if launcher is None:
         return  # a worker (the forkserver took the variable out before its first fork), or any other interpreter
     me, parent = os.getpid(), int(launcher)
-    cache = _new_inductor_cache()
+    cache = new_inductor_cache()
     if launcher != str(os.getppid()):
         # The launcher died while this forkserver still imported torch (it was SIGKILLed a second or two after it
         # started): nobody else removes its temporary directory, and no rank is coming.
@@ -64,11 +64,12 @@ def serve_if_forkserver() -> None:
     atexit.register(_clean_up, me, parent, temp, cache)
 
 
-def _new_inductor_cache() -> str | None:
-    """torch's compile cache directory if importing torch._dynamo (a preload) is about to create it.
+def new_inductor_cache() -> str | None:
+    """torch's compile cache directory if importing torch._dynamo (a preload, or a rank's) is about to create it.
 
     ``import torch._dynamo`` makes ``$TMPDIR/torchinductor_<user>`` at once, empty. A launch that
-    stopped at a bad option, or whose ranks never compiled anything, must not leave it behind.
+    stopped at a bad option, or whose ranks never compiled anything, must not leave it behind: the forkserver
+    removes it as it exits, and under fork and spawn the launcher (core/launcher/startup.py's start_context).
     """
     if os.environ.get("TORCHINDUCTOR_CACHE_DIR"):
         return None  # the user's own choice
