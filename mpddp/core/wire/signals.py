@@ -42,10 +42,20 @@ def raise_stop(stop: BaseException, signum: int, frame: FrameType | None) -> Non
     ignored in ...") and leave its import lock held. Measured: a Ctrl-C 1 s into ``mpddp train`` beside a second
     test suite was lost that way; the run trained to its end, then hung. There the signal is sent again, as
     if it came anew, once the main thread has left the import (a thread of its own watches it: no import).
+    A second signal while the first waits is raised at once: an import that never ends must not hold it.
     """
-    if not _importing(frame):
+    with _HOLD:
+        again = bool(_held)
+        _held.clear()  # a second one: the first is not sent again
+        if not again and _importing(frame):
+            _held.append(signum)
+    if not _held:
         raise stop
     threading.Thread(target=_again_after_import, args=(signum,), name="mpddp-signal-again", daemon=True).start()
+
+
+_held: list[int] = []  # a signal held back until the main thread leaves its import
+_HOLD = threading.RLock()  # the handler can run again inside itself
 
 
 def _importing(frame: FrameType | None) -> bool:
@@ -60,6 +70,9 @@ def _again_after_import(signum: int) -> None:
     main = threading.main_thread().ident or 0
     while (frame := sys._current_frames().get(main)) is not None:
         if not _importing(frame):
-            signal.pthread_kill(main, signum)  # its handler again, now outside the import (a wait it is in ends)
+            with _HOLD:
+                if _held:  # not raised by a second signal meanwhile
+                    _held.clear()
+                    signal.pthread_kill(main, signum)  # its handler again, outside the import (a wait it is in ends)
             return
         time.sleep(0.005)
