@@ -45,11 +45,11 @@ def raise_stop(stop: BaseException, signum: int, frame: FrameType | None) -> Non
     A second signal while the first waits is raised at once: an import that never ends must not hold it.
     """
     with _HOLD:
-        again = bool(_held)
+        hold = not _held and _importing(frame)
         _held.clear()  # a second one: the first is not sent again
-        if not again and _importing(frame):
+        if hold:
             _held.append(signum)
-    if not _held:
+    if not hold:
         raise stop
     threading.Thread(target=_again_after_import, args=(signum,), name="mpddp-signal-again", daemon=True).start()
 
