@@ -302,6 +302,21 @@ def _stop_descendants() -> None:
         teardown.kill_tree(below, grace=0.2)
 
 
+def _fresh_random_state() -> None:
+    """Seed torch's generators (CPU now, CUDA's once CUDA starts) and numpy's global one from the OS, as in a
+    fresh process.
+
+    A rank forked from the forkserver (or from the launcher, under fork) inherits its parent's generators:
+    every rank, and every restart, would draw the same dropout masks, augmentations and unseeded samples
+    (measured: the same ``torch.initial_seed()`` on both ranks; torchrun's differ). CPython reseeds ``random``
+    after a fork by itself. A user who seeds does so later, in ``fn`` or the script, and wins.
+    """
+    torch.seed()  # CUDA's generators get it queued: it is applied when the rank first uses CUDA, not here
+    numpy = sys.modules.get("numpy")  # torch imports it where installed; a rank that imports it later is fresh
+    if numpy is not None:
+        numpy.random.seed()
+
+
 _SEND_LOCK = threading.Lock()  # the main thread and the collectives reader share the channel
 
 
@@ -338,6 +353,7 @@ def run_rank(spec: WorkerSpec, messages: Connection, out: Connection, err: Conne
     os.environ.update(spec.env)
     if spec.threads is not None:
         torch.set_num_threads(spec.threads)
+    _fresh_random_state()
     # as under torchrun, fn's own multiprocessing (DataLoader workers, ...) gets the
     # platform's default start method, not the forkserver this worker came from
     multiprocessing.set_start_method(None, force=True)
