@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 import mpddp
+
 from helpers import short_dir
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.usefixtures("no_leftovers")]
