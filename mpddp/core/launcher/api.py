@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import difflib
 import socket
+import sys
 from collections.abc import Callable, Mapping
 from dataclasses import fields, replace
 from typing import Any
@@ -89,6 +90,7 @@ def launch(
     if not isinstance(preload, (tuple, list)) or not all(isinstance(m, str) for m in preload):
         raise ConfigError(f"preload={preload!r} is not a list of module names: pass e.g. preload=['torch._dynamo']")
     config = make_config({**options, "nprocs": nprocs}, config)
+    refuse_unguarded(config)
     if config.max_restarts:  # a job that may restart trains: a restarted rank must not import torch._dynamo again
         preload = (*preload, *(m for m in TRAINING_PRELOAD if m not in preload))
     payload = pack_call(fn, tuple(args), dict(kwargs or {}))
@@ -125,6 +127,16 @@ def run_node(config: LaunchConfig, payload: bytes, init_process_group: bool, pre
         return run_job(plan, mp_context, payload, init_process_group, listening)
 
 
+def refuse_unguarded(config: LaunchConfig) -> None:
+    """A script whose top level starts workers with no main guard: one line and exit 2, before any worker starts
+    (core/launcher/guard.py; the script's top level is the caller, so nothing could catch an error and go on)."""
+    from .guard import unguarded_launch
+
+    if (told := unguarded_launch(config.start_method)) is not None:
+        print(f"mpddp: error: {told}", file=sys.stderr, flush=True)
+        raise SystemExit(2)
+
+
 def spawn(fn: Callable[..., Any], args: tuple = (), nprocs: int = 1, join: bool = True, daemon: bool = False,
           start_method: str | None = None, **options: Any) -> list[Any] | SpawnContext:
     """``torch.multiprocessing.spawn``, with mpddp's launcher underneath: ``fn(i, *args)`` in ``nprocs``
@@ -145,6 +157,7 @@ def spawn(fn: Callable[..., Any], args: tuple = (), nprocs: int = 1, join: bool 
     if start_method is not None:
         options["start_method"] = start_method
     config = make_config({**options, "nprocs": nprocs})  # bad input: one line now, also with join=False
+    refuse_unguarded(config)  # here: with join=False, launch() runs in a thread that cannot see the script's frame
 
     def run() -> list[Any]:
         return launch(ByIndex(fn), args=tuple(args), init_process_group=False, config=config)
