@@ -321,8 +321,9 @@ class LaunchConfig:
             check_dir_creatable("log_dir", self.log_dir, "logs")
         if self.timeline is not None:
             check_timeline(self.timeline)
+        # backend 'auto' is told by core/launcher/plan.py, which knows first whether there is any GPU at all
         if isinstance(self.gpus, tuple) and self.nprocs is not None and self.nprocs > len(self.gpus):
-            if self.backend != "gloo":
+            if self.backend == "nccl":
                 raise ConfigError(
                     f"nprocs={self.nprocs} with gpus={','.join(map(str, self.gpus))}: NCCL needs one GPU per rank; "
                     f"pass --nprocs {len(self.gpus)}, list {self.nprocs} GPUs, or share GPUs with --backend gloo"

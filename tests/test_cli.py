@@ -48,7 +48,9 @@ def test_ranks_as_a_real_subprocess():
 
 @pytest.mark.parametrize("args,message", [
     (["ranks", "--nprocs", "0"], "mpddp: error: nprocs=0 is out of range: it must be an integer >= 1"),
-    (["ranks", "--nprocs", "abc"], "mpddp: error: Invalid value for '--nprocs': 'abc' is not a valid integer."),
+    (["ranks", "--nprocs", "abc"],
+     "mpddp: error: Invalid value for '--nprocs' / '--nproc-per-node' / '--nproc_per_node': 'abc' is not a valid "
+     "integer."),
     (["ranks", "--gpus", "0,0"], "mpddp: error: gpus=0,0 names GPU 0 twice"),
     (["nosuch"], "mpddp: error: No such command 'nosuch'."),
 ])

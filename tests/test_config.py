@@ -28,7 +28,7 @@ BAD = [
     ({"gpus": "0,x"}, r"gpus='0,x' is not a list of GPU ids"),
     ({"gpus": "0,1,0"}, r"gpus=0,1,0 names GPU 0 twice"),
     ({"gpus": [0, -2]}, r"gpus=\[0, -2\] holds -2: GPU ids are integers >= 0"),
-    ({"gpus": (0, 1), "nprocs": 3}, r"nprocs=3 with gpus=0,1: NCCL needs one GPU per rank"),
+    ({"gpus": (0, 1), "nprocs": 3, "backend": "nccl"}, r"nprocs=3 with gpus=0,1: NCCL needs one GPU per rank"),
     ({"output_ranks": (-1,)}, r"output_ranks=\(-1,\): use 'all' or ranks >= 0"),
     ({"output_ranks": "7", "nprocs": 2},
      r"output_ranks=7 names rank 7, but the world has 2 ranks \(nnodes=1 × nprocs=2\): pass ranks from 0 to 1, or all"),

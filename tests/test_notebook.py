@@ -394,6 +394,10 @@ def test_the_example_notebook_end_to_end(kernel_spec: Path):
     for rank in (0, 1):
         assert re.search(rf"^\[rank {rank}\] epoch 1 ", text, re.M), text
     assert re.search(r"weights identical on every rank: True", text), text
+    # what the notebook shows as its outputs is what running it prints: the launcher's summary line too
+    assert re.search(r"^mpddp: collectives: \d+ lined up across 2 ranks", text, re.M), text
+    stored = "".join(out.get("text", "") for c in nb.cells if c.cell_type == "code" for out in c.outputs)
+    assert re.search(r"^mpddp: collectives: \d+ lined up across 2 ranks", stored, re.M), "stale notebook outputs"
     accuracies = [float(a) for a in re.findall(r"rank \d: .*accuracy (\d\.\d+)", text)]
     assert len(accuracies) == 2 and min(accuracies) > 0.8, text
 

@@ -44,6 +44,12 @@ def _interrupt(signum: int, frame: FrameType | None) -> None:
     signals.raise_stop(KeyboardInterrupt(), signum, frame)
 
 
+# Other launchers' options for what mpddp decides itself: an unknown one of these says what mpddp does instead
+_DEVICE = ("mpddp gives each rank its device itself: cuda:LOCAL_RANK of the GPUs chosen with --gpus (e.g. --gpus 0,1; "
+           "every visible GPU by default), else the CPU; for the CPU on a GPU machine, start it with "
+           "CUDA_VISIBLE_DEVICES=''.")
+OTHER_LAUNCHERS = {"--device": _DEVICE, "--devices": _DEVICE, "--accelerator": _DEVICE}
+
 _STOPPED: dict[int, str] = {signal.SIGTERM: "terminated (SIGTERM)", signal.SIGHUP: "hung up (SIGHUP: the terminal or SSH session closed)"}
 
 
@@ -77,7 +83,8 @@ def run_cli(args: list[str] | None = None) -> NoReturn:
         code = e.exit_code
     except click.UsageError as e:
         where = f"mpddp {e.ctx.info_name} --help" if e.ctx is not None and e.ctx.parent is not None else "mpddp --help"
-        click.echo(f"mpddp: error: {e.format_message()} See `{where}`.", err=True)
+        said = OTHER_LAUNCHERS.get(e.option_name or "") if isinstance(e, click.NoSuchOption) else None
+        click.echo(f"mpddp: error: {e.format_message()} {said or f'See `{where}`.'}", err=True)
         code = EXIT_BAD_INPUT
     except ConfigError as e:
         click.echo(f"mpddp: error: {e}", err=True)

@@ -19,7 +19,8 @@ from ..machine import cluster
 
 
 @click.command()
-@click.option("--nprocs", type=int, default=None, help="Workers per node [default: GPUs chosen, else 1].")
+@click.option("--nprocs", "--nproc-per-node", "--nproc_per_node", "nprocs", type=int, default=None,
+              help="Workers per node (torchrun's --nproc-per-node) [default: GPUs chosen, else 1].")
 @click.option("--nnodes", type=int, default=None, help="Number of machines [default: 1].")
 @click.option("--gpus", default=None, help="GPU ids used on every node, such as 0,1,2,5.")
 def ranks(nprocs: int | None, nnodes: int | None, gpus: str | None) -> None:

@@ -1,6 +1,6 @@
 """CPU cores, and how many threads each rank gets from them.
 
-Owns: counting physical cores and the threads-per-rank rule. Leaves GPUs to
+Owns: counting physical cores, the threads-per-rank rule, and the note for more CPU ranks than cores. Leaves GPUs to
 machine/gpus.py, the rank formula to ranks.py and writing the workers'
 environment to core/launcher/plan.py; no torch here.
 """
@@ -29,3 +29,20 @@ def threads_per_rank(local_ranks: int, physical_cores: int | None, omp_env: str 
 def physical_cores() -> int:
     """Physical cores (psutil), or logical ones where psutil cannot tell."""
     return psutil.cpu_count(logical=False) or os.cpu_count() or 1
+
+
+def usable_cpus() -> int:
+    """The logical CPUs this process may run on (its affinity: a scheduler's cgroup or taskset narrows it)."""
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def oversubscribed(local_ranks: int, cpus: int) -> str | None:
+    """A note when CPU ranks outnumber the CPUs they share, else None (pure)."""
+    if local_ranks <= cpus:
+        return None
+    return (f"{local_ranks} CPU ranks on this node's {cpus} CPU(s): about {local_ranks / cpus:.0f} ranks share each "
+            f"CPU, so starting, every collective and every step are that much slower; pass --nprocs {cpus} (one "
+            "rank a CPU) unless you mean to oversubscribe")

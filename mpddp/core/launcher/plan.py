@@ -26,7 +26,7 @@ from ... import rank_math
 from ...config import LaunchConfig
 from ...errors import ConfigError
 from ...log import logger
-from ...machine.cores import physical_cores, threads_per_rank
+from ...machine.cores import oversubscribed, physical_cores, threads_per_rank, usable_cpus
 from ...machine.gpus import child_cuda_env
 from ..rank import recorder
 from ..wire import errorfile
@@ -105,11 +105,12 @@ def choose(config: LaunchConfig, gpus: tuple[int, ...] | None) -> tuple[int, str
     nprocs = config.nprocs or (len(gpus) if gpus else 1)
     backend = config.backend if config.backend != "auto" else ("nccl" if gpus else "gloo")
     if backend == "nccl" and not gpus:
-        raise ConfigError("backend='nccl' needs CUDA GPUs but none is visible here; use --backend gloo (or auto)")
+        raise ConfigError("backend='nccl' needs CUDA GPUs, but none is visible here: pass backend='gloo' "
+                          "(--backend gloo on the command line), or leave it 'auto'")
     if backend == "nccl" and gpus and nprocs > len(gpus):
         raise ConfigError(
             f"nprocs={nprocs} with {len(gpus)} GPU(s): NCCL refuses two ranks on one GPU; "
-            f"pass --nprocs {len(gpus)} or --backend gloo"
+            f"pass --nprocs {len(gpus)}, list {nprocs} GPUs with --gpus, or share them with --backend gloo"
         )
     return nprocs, backend
 
@@ -120,6 +121,8 @@ def plan_launch(config: LaunchConfig) -> Plan:
     nprocs, backend = choose(config, gpus)
     # GPU ranks too: 8 ranks each running a thread per core would fight over the CPU
     threads = threads_per_rank(nprocs, physical_cores(), os.environ.get("OMP_NUM_THREADS"))
+    if gpus is None and (note := oversubscribed(nprocs, usable_cpus())) is not None:
+        logger.warning("mpddp: %s", note)
     if config.start_method == "fork":
         _check_fork(gpus)
         threads = _fork_threads(threads)

@@ -77,25 +77,30 @@ def _short(message: str, width: int = 160) -> str:
 
 
 def _others(states: list[RankState], verdict: Verdict, root: RankState | None, cause: int | None = None) -> list[str]:
-    """A line for each rank but ``root``, told against the rank that failed first (``cause``: on another node)."""
+    """A line for the ranks but ``root``, told against the rank that failed first (``cause``: on another node);
+    ranks that ended alike share one line ("ranks 1-5, 9: ..."), so a hundred ranks stay a few lines."""
     first = root.slot.rank if root is not None else cause
-    lines = []
+    told: dict[object, tuple[list[int], str]] = {}  # how a rank ended (its structure, not its words) -> ranks, line
     for s in states:
         if s is root:
             continue
         outcome = verdict[s.slot.rank]
+        key: object = outcome
         if outcome is Outcome.STOPPED:
             where = f", in {s.location.text}" if s.location is not None else ""
-            lines.append(f"  rank {s.slot.rank}: stopped by mpddp after rank {first} failed{where}")
+            key, line = (outcome, where), f"stopped by mpddp after rank {first} failed{where}"
         elif outcome is Outcome.COLLECTIVE and s.failure is not None:
-            lines.append(f"  rank {s.slot.rank}: failed after rank {first} ({s.failure.error_type}: "
-                         f"{_short(s.failure.message)}) — a consequence, not the cause")
+            key = (outcome, s.failure.error_type, s.failure.where)  # the peers' messages differ by address alone
+            line = (f"failed after rank {first} ({s.failure.error_type}: {_short(s.failure.message)}) — a "
+                    "consequence, not the cause")
         elif outcome in (Outcome.RAISED, Outcome.EXITED, Outcome.DIED):
             said = f" (its error file: {_short(s.error_file.message)})" if s.error_file and not has_traceback(s) else ""
-            lines.append(f"  rank {s.slot.rank}: also {_how(s)}{said}")
+            line = f"also {_how(s)}{said}"
+            key = line
         else:
-            lines.append(f"  rank {s.slot.rank}: {_ENDED.get(outcome, 'finished')}")
-    return lines
+            line = _ENDED.get(outcome, "finished")
+        told.setdefault(key, ([], line))[0].append(s.slot.rank)
+    return [f"  {ranks_named(ranks)}: {line}" for ranks, line in told.values()]
 
 
 _ENDED = {Outcome.HUNG: "made no progress either", Outcome.MISMATCH: "called another collective than its peers",

@@ -9,7 +9,9 @@ one thing that cannot be pickled. Leaves unpickling to core/rank/worker.py.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import io
+import types
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,13 +22,15 @@ from ...errors import ShipError
 class _Unshippable:
     what: str
     error: Exception
+    value: Any = None
+
+
+_ITERATORS = (types.GeneratorType, types.AsyncGeneratorType, types.CoroutineType)
 
 
 def _dumps(value: Any) -> bytes:
     """cloudpickle, but code keeps its file name so worker tracebacks point at it."""
     import copyreg
-    import io
-    import types
 
     import cloudpickle
 
@@ -54,10 +58,17 @@ def pack_call(fn: Callable[..., Any], args: tuple, kwargs: dict[str, Any]) -> by
     except Exception as e:
         culprit = _find_unshippable(fn, args, kwargs)
         where = f"{culprit.what} ({culprit.error})" if culprit else str(e)
-        raise ShipError(
-            f"cannot send {where} to the workers: each worker is a separate process, so everything fn "
-            "uses is pickled; create locks, sockets, files and threads inside fn instead"
-        ) from e
+        raise ShipError(f"cannot send {where} to the workers: each worker is a separate process, so everything fn "
+                        f"uses is pickled; {_fix(culprit.value if culprit else None)}") from e
+
+
+def _fix(value: Any) -> str:
+    """What to do instead, by the kind of thing that cannot travel (its type, not the error's words)."""
+    if isinstance(value, _ITERATORS) or (isinstance(value, Iterator) and not isinstance(value, io.IOBase)):
+        return "pass the values themselves (e.g. list(...) of it), or make the generator or iterator inside fn"
+    if isinstance(value, types.ModuleType):
+        return "import the module inside fn instead"
+    return "create locks, sockets, files, threads and connections inside fn instead"
 
 
 def _cell_sources() -> dict[str, tuple]:
@@ -88,5 +99,5 @@ def _find_unshippable(fn: Callable[..., Any], args: tuple, kwargs: dict[str, Any
         try:
             cloudpickle.dumps(value)
         except Exception as e:
-            return _Unshippable(what, e)
+            return _Unshippable(what, e, value)
     return None

@@ -212,6 +212,16 @@ def grouped(locations: dict[int, Location | None], finished: Iterable[int] = ())
 
 
 def ranks_named(ranks: Iterable[int]) -> str:
-    """``rank 3`` or ``ranks 0, 2``: how every report names ranks."""
-    ranks = list(ranks)
-    return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
+    """``rank 3``, ``ranks 0, 2`` or ``ranks 0-63, 65``: how every report names ranks (a run of four or more
+    as a range, so that a hundred ranks make one short line; three read better written out)."""
+    ranks = sorted(set(ranks))
+    if len(ranks) == 1:
+        return f"rank {ranks[0]}"
+    runs: list[list[int]] = []
+    for rank in ranks:
+        if runs and rank == runs[-1][-1] + 1:
+            runs[-1].append(rank)
+        else:
+            runs.append([rank])
+    parts = [f"{run[0]}-{run[-1]}" if len(run) >= 4 else ", ".join(map(str, run)) for run in runs]
+    return "ranks " + ", ".join(parts)
