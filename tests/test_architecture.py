@@ -33,10 +33,9 @@ def _module_name(path: Path) -> str:
 MODULES = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
 
 
-def _resolve(module: str, node: ast.ImportFrom) -> str:
+def _resolve(module: str, node: ast.ImportFrom, is_package: bool) -> str:
     if not node.level:
         return node.module or ""
-    is_package = MODULES[module].name == "__init__.py"
     base = module.split(".")[: len(module.split(".")) - node.level + (1 if is_package else 0)]
     return ".".join(base + ([node.module] if node.module else []))
 
@@ -54,15 +53,19 @@ def _run_time(tree: ast.AST) -> list[ast.AST]:
     return found
 
 
-def imports_of(module: str, run_time: bool = False) -> set[str]:
-    """Every mpddp module ``module`` imports, at the top or inside functions (``run_time``: but for type hints)."""
+def imports_of(module: str, run_time: bool = False, source: str | None = None, is_package: bool | None = None) -> set[str]:
+    """Every mpddp module ``module`` imports, at the top or inside functions (``run_time``: but for type hints).
+
+    ``source``: read it instead of the module's file (a module planted by a test; ``is_package``: an __init__)."""
     found: set[str] = set()
-    tree = ast.parse(MODULES[module].read_text())
+    if source is None:
+        source, is_package = MODULES[module].read_text(), MODULES[module].name == "__init__.py"
+    tree = ast.parse(source)
     for node in (_run_time(tree) if run_time else ast.walk(tree)):
         if isinstance(node, ast.Import):
             found |= {alias.name for alias in node.names}
         elif isinstance(node, ast.ImportFrom):
-            target = _resolve(module, node)
+            target = _resolve(module, node, bool(is_package))
             subs = {f"{target}.{alias.name}" for alias in node.names} & MODULES.keys()
             found |= subs or {target}  # `from ..procs import teardown` imports the module mpddp.core.procs.teardown
     return {name for name in found if name in MODULES and name != module}
@@ -320,9 +323,9 @@ CORE_STACK = {"launcher": 3, "nodes": 2, "rank": 1, "wire": 0, "procs": 0}  # ea
 
 def _upward(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
     """Imports inside mpddp.core from one folder to a folder at its level or above."""
-    def folder(module: str) -> str | None:
+    def folder(module: str) -> str | None:  # a folder's own package (its __init__) counts as that folder
         parts = module.split(".")
-        return parts[2] if len(parts) > 3 and parts[:2] == ["mpddp", "core"] else None
+        return parts[2] if len(parts) >= 3 and parts[:2] == ["mpddp", "core"] else None
 
     wrong = []
     for module, targets in graph.items():
@@ -345,6 +348,20 @@ def test_an_upward_import_would_be_found(monkeypatch):
     monkeypatch.setitem(GRAPH, "mpddp.core.wire.store", GRAPH["mpddp.core.wire.store"] | {"mpddp.core.procs.teardown"})
     assert _upward(GRAPH) == [("mpddp.core.rank.worker", "mpddp.core.nodes.rounds"),
                               ("mpddp.core.wire.store", "mpddp.core.procs.teardown")]
+
+
+@pytest.mark.parametrize("module, is_package, source, upward", [
+    ("mpddp.core.nodes.planted", False, "from .. import launcher", "mpddp.core.launcher"),
+    ("mpddp.core.rank.planted", False, "from mpddp.core import launcher", "mpddp.core.launcher"),
+    ("mpddp.core.rank.planted", False, "import mpddp.core.nodes.api", "mpddp.core.nodes.api"),
+    ("mpddp.core.wire.planted", False, "def f():\n    from ..launcher import api", "mpddp.core.launcher.api"),
+    ("mpddp.core.nodes", True, "from ..launcher.job import Job", "mpddp.core.launcher.job"),  # an __init__.py
+    ("mpddp.core.rank", True, "from . import worker\nfrom .. import nodes", "mpddp.core.nodes"),
+])
+def test_an_upward_import_planted_in_core_is_found(module, is_package, source, upward):
+    """However it is spelled: relative to a package, absolute, in a function, in an __init__.py."""
+    graph = {**GRAPH, module: imports_of(module, source=source, is_package=is_package)}
+    assert (module, upward) in _upward(graph)
 
 
 def test_above_the_nodes_no_module_names_a_rendezvous_backend():
