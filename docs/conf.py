@@ -22,7 +22,8 @@ import mpddp  # noqa: E402
 from mpddp.config import LaunchConfig  # noqa: E402
 
 project = "mpddp"
-author = "the mpddp authors"
+author = "The mpddp developers"
+copyright = f"2026 {author}"  # the footer: "© 2026 The mpddp developers."; LICENSE says the same
 release = version = mpddp.__version__
 extensions = ["sphinx.ext.autodoc", "sphinx_click"]
 exclude_patterns = ["_build"]
