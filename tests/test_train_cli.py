@@ -17,7 +17,7 @@ from tiny_task import TINY
 from mpddp.cli import main
 
 REPO = Path(__file__).resolve().parent.parent
-EXAMPLE = REPO / "scripts" / "example_task.py"
+EXAMPLE = REPO / "mpddp" / "examples" / "moons.py"  # as a file: its classes live in a module loaded by path
 
 
 def mpddp_cli(args, cwd, timeout=120):

@@ -48,7 +48,7 @@ def train(**options: Any) -> None:
     \b
     mpddp train --nprocs 2                     digits, 2 CPU ranks, >95% test accuracy
     mpddp train --nprocs 2 --resume auto --epochs 15   continue the last run
-    mpddp train --task scripts/example_task.py --nprocs 2
+    mpddp train --task mpddp.examples.moons:make_task --nprocs 2   an example task, by module
     """
     from ..core.launcher.startup import TRAIN_COMMAND_PRELOAD, exit_on_interrupt, start_forkserver
     from ..errors import ConfigError

@@ -26,7 +26,7 @@ BUILTIN_TASKS = ("digits", "synthetic")  # built by trainer/tasks.py; --dataset 
 
 
 def task_name(spec: str | Callable[..., Any]) -> str:
-    """A short name for run directories: ``digits``, ``example_task``, ``make_task``."""
+    """A short name for run directories: ``digits``, ``moons``, ``make_task``."""
     if callable(spec):
         return getattr(spec, "__name__", "task")
     if spec in BUILTIN_TASKS:

@@ -1,11 +1,12 @@
 """A complete user task for ``mpddp train``: two interleaved half-moons, an MLP.
 
-Run it on two CPU ranks::
+Run it on two CPU ranks, by module from an installed mpddp, or by file from a copy of your own::
 
-    python -m mpddp train --task scripts/example_task.py --nprocs 2 --epochs 5
+    python -m mpddp train --task mpddp.examples.moons:make_task --nprocs 2 --epochs 5
+    python -m mpddp train --task my_moons.py --nprocs 2 --epochs 5
 
 The contract (see ``mpddp.Task``): a function ``make_task(seed)`` (or
-any name, passed as ``file.py:name``) returns ``Task(model, train_set,
+any name, passed as ``module:name`` or ``file.py:name``) returns ``Task(model, train_set,
 test_set, loss_fn[, optimizer])``. It runs on every rank after
 ``torch.manual_seed(seed)``, so every rank builds the same weights and the
 same data; it must not look at the rank. The trainer does the rest: the
@@ -15,6 +16,7 @@ DistributedSampler, DDP, accumulation, evaluation, checkpoints.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 from torch import nn
@@ -47,13 +49,13 @@ def moons(samples: int, seed: int) -> Moons:
     return Moons(points, labels)
 
 
-def sgd(params, lr: float) -> torch.optim.Optimizer:
+def sgd(params: Any, lr: float) -> torch.optim.Optimizer:
     """Optional: the optimizer (the trainer passes ``--lr``); AdamW when left out."""
     return torch.optim.SGD(params, lr=lr * 50, momentum=0.9)
 
 
 def make_task(seed: int) -> Task:
-    """The factory ``mpddp train --task scripts/example_task.py`` calls on every rank."""
+    """The factory ``mpddp train --task mpddp.examples.moons:make_task`` calls on every rank."""
     model = nn.Sequential(nn.Linear(2, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 2))
     return Task(
         model=model,
