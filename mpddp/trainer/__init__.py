@@ -1,8 +1,10 @@
 """The example trainer: how mpddp trains a model with DDP, built on the public API only.
 
 Reading order: config (:class:`TrainConfig`) -> prepare (:func:`resolve`:
-checks before any worker starts) -> tasks (what is trained: :class:`Task`, the built-in sets) -> loop
-(the :class:`Trainer`: the DDP delta over a one-process loop) -> state and
+checks before any worker starts) -> rundir (a run's directory, its own: its
+name and its lock) -> tasks (what is trained: :class:`Task`, the built-in
+sets) -> loop (the :class:`Trainer`: the DDP delta over a one-process
+loop) -> state and
 checkpoint (what a checkpoint holds, how it is written) -> output (what the
 user sees) -> run (:func:`train`: the launcher's side, which imports no
 torch) -> faults (failing on purpose, for tests). It starts its workers

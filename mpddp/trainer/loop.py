@@ -25,11 +25,11 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler, Subset
 
 from ..context import WorkerContext
-from . import checkpoint, state
+from . import checkpoint, rundir, state
 from .config import TrainConfig
 from .faults import SAVING, check_fault_rank
 from .output import Reporter, TrainResult
-from .prepare import resolve
+from .prepare import resolve_run
 
 
 class ResumableSampler(DistributedSampler):
@@ -326,15 +326,28 @@ class Trainer:
                            curves=curves, curves_note=curves_note, rank=self.rank)
 
 
-def train_worker(ctx: WorkerContext, config: TrainConfig, owner: str = "", draw: bool = True) -> TrainResult:
+def train_worker(ctx: WorkerContext, config: TrainConfig, owner: str = "", draw: bool = True, *, lock: bool = True,
+                 new: bool = False) -> TrainResult:
     """The function :func:`mpddp.launch` runs on every rank; ``owner``: the run's token (see :func:`~mpddp.trainer.train`).
 
     ``draw``: rank 0 draws ``curves.png`` before it returns (False: the
     caller draws it and logs TensorBoard's last point, see :meth:`Trainer.fit`).
+    ``lock``: rank 0 takes the run directory and its lock for the run
+    (trainer/rundir.py; False: :func:`~mpddp.trainer.train`'s launcher holds
+    them); ``new``: ``config.run_dir`` is a new run's proposed name. With
+    ``run_dir=None`` rank 0 resolves the config first. Every rank then
+    takes rank 0's run directory and resume file.
     """
-    if config.run_dir is None:  # called through mpddp.launch directly: rank 0 decides, everyone agrees
-        box = [resolve(config) if ctx.rank == 0 else None]
-        if ctx.world_size > 1:
+    with contextlib.ExitStack() as stack:
+        if ctx.rank == 0:
+            if config.run_dir is None:  # called through mpddp.launch directly: rank 0 decides, everyone agrees
+                config, new = resolve_run(config)
+            if lock:
+                config = replace(config, run_dir=stack.enter_context(rundir.held(str(config.run_dir), new, owner)))
+        if ctx.world_size > 1 and dist.is_initialized():
+            # One writer, one directory: another node's launcher resolved its own (it neither makes nor uses it),
+            # and its own view of resume="auto", which must not differ from rank 0's.
+            box = [(config.run_dir, config.resume)]
             dist.broadcast_object_list(box, src=0)
-        config = box[0] or config
-    return Trainer(config, ctx, owner).fit(draw)
+            config = replace(config, run_dir=box[0][0], resume=box[0][1])
+        return Trainer(config, ctx, owner).fit(draw)

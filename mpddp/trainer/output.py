@@ -3,7 +3,9 @@
 Owns: rank 0's voice (other ranks stay quiet unless ``verbose``), the tqdm
 bar per epoch (only when the launcher says the user's stdout is a terminal
 or notebook, ``MPDDP_STDOUT_ISATTY=1``), the per-epoch summary line, the
-JSON-lines metrics file, and when the curves are written: TensorBoard's
+JSON-lines metrics file (one record per epoch: a run that starts or resumes
+at a global step first drops the records after it, see
+:func:`keep_records_until`), and when the curves are written: TensorBoard's
 points by rank 0 every epoch and ``curves.png`` at the end, or, under the
 launcher of :func:`~mpddp.trainer.train`, the last epoch's point and
 ``curves.png`` by that launcher once the ranks exit (:func:`finish_curves`),
@@ -70,7 +72,8 @@ class Reporter:
             print(line, flush=True)
 
     def start_run(self, global_step: int, hand_over: bool = False) -> None:
-        """Training starts, or resumes, at ``global_step``: rank 0 keeps TensorBoard's curves from there.
+        """Training starts, or resumes, at ``global_step``: rank 0 keeps the metrics file's records up to there
+        (:func:`keep_records_until`) and TensorBoard's curves from there.
 
         ``hand_over``: the caller writes the last epoch's point too, with ``curves.png``, once rank 0 has
         appended it to the metrics file (:func:`finish_curves`), and rank 0 leaves it to the caller when it is
@@ -79,6 +82,9 @@ class Reporter:
         """
         self.hand_over = hand_over
         if self.rank == 0:
+            if dropped := keep_records_until(self.metrics_path, global_step):
+                self.say(f"note: {self.metrics_path} held {dropped} record(s) after step {global_step}, where this "
+                         "run starts: dropped, the epochs are trained again")
             self.tensorboard = curves.TensorBoard(self.metrics_path.parent, since_step=global_step)
 
     def end_run(self) -> None:
@@ -154,11 +160,11 @@ class EarlyCurves:
         self._thread = threading.Thread(target=self._watch, name="mpddp-early-curves", daemon=True)
         self._thread.start()
 
-    def _records(self) -> int:
+    def _records(self) -> list[dict[str, Any]]:
         try:
-            return len(curves.read_metrics(self.path))
+            return curves.read_metrics(self.path)
         except ConfigError:  # none yet, or damaged: draw_curves says so at the end
-            return 0
+            return []
 
     def _watch(self) -> None:
         size = -1
@@ -171,7 +177,8 @@ class EarlyCurves:
                 continue
             size = now
             with contextlib.suppress(ConfigError):
-                last = curves.read_metrics(self.path)[self._known:][-1:]
+                # rank 0 may drop some of the earlier records first (a resume): the new last one is none of them
+                last = [r for r in curves.read_metrics(self.path)[-1:] if r not in self._known]
                 if last and last[0]["epoch"] >= self.epochs and (self.drawn is None or self.drawn[0] != last[0]):
                     self.drawn = (last[0], finish_curves(self.run_dir, last[0]["step"]))
 
@@ -189,6 +196,45 @@ class EarlyCurves:
             if curves.read_metrics(self.path)[-1] == self.drawn[0]:  # nothing was appended after it
                 return self.drawn[1]
         return None
+
+
+def keep_records_until(path: Path, step: int) -> int:
+    """Drop the records of the metrics file ``path`` after global step ``step``; return how many went.
+
+    The run starts (0) or resumes (its checkpoint's step) at ``step``: the
+    records after it describe work that is done again, and would be there
+    twice. So is a last line cut short by a killed run (the next record
+    would be glued to it). The file is rewritten whole (a temporary file,
+    then ``os.replace``): a reader, ``mpddp plot`` say, sees the old file or
+    the new one. Lines that are not records are kept for curves.py to name.
+    """
+    try:
+        text = path.read_text(encoding="utf-8", errors="replace")
+    except FileNotFoundError:
+        return 0
+    lines = text.split("\n")
+    torn = lines.pop().strip() != ""  # after the last newline: "" unless a write was cut short
+    kept = [line for line in lines if not _after(line, step)]
+    if len(kept) == len(lines) and not torn:
+        return 0
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write("".join(line + "\n" for line in kept))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return len(lines) - len(kept) + torn
+
+
+def _after(line: str, step: int) -> bool:
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError:
+        return False
+    return isinstance(record, dict) and type(record.get("step")) is int and record["step"] > step
 
 
 def finish_curves(run_dir: Path, global_step: int) -> tuple[str | None, str]:

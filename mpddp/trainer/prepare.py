@@ -1,25 +1,27 @@
 """Before any worker starts: check the task and the resume file, fix the run directory.
 
-Owns: :func:`resolve`, which runs in the launching process: it checks the
-task, the resume file and that the run and checkpoint directories can be
-made and written (so bad input fails with one line and exit code 2, nothing
-written) and fixes the run directory and the checkpoint to resume
-from, so that every rank, and every restart of the group, agrees on them.
-Leaves the options to trainer/config.py, building the task to
-trainer/tasks.py and reading checkpoints to trainer/checkpoint.py.
+Owns: :func:`resolve` (and :func:`resolve_run`), which runs in the launching
+process: it checks the task, the resume file and that the run and
+checkpoint directories can be made and written (so bad input fails with one
+line and exit code 2, nothing written) and fixes the run directory (a new
+one's proposed name, or the last run's for ``resume="auto"``) and the
+checkpoint to resume from, so that every rank, and every restart of the
+group, agrees on them. Leaves the options to trainer/config.py, building the
+task to trainer/tasks.py, reading checkpoints to trainer/checkpoint.py, and
+making and locking the run directory (a new one's name is only taken there,
+atomically) to trainer/rundir.py.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import importlib.util
-import time
 from pathlib import Path
 from typing import Any
 
 from ..config import check_dir_creatable
 from ..errors import ConfigError
-from . import checkpoint
+from . import checkpoint, rundir
 from .config import BUILTIN_TASKS, RUNS_ROOT, TrainConfig, task_name
 
 
@@ -28,9 +30,21 @@ def resolve(config: TrainConfig) -> TrainConfig:
 
     Runs before any worker starts and writes nothing; a user's factory is
     called once here to check what it returns. A fresh run gets
-    ``runs/<task>/<date-time>``; ``resume="auto"`` without ``run_dir`` takes
-    the newest run of that task that has a checkpoint.
+    ``runs/<task>/<date-time>`` (the first free name now: trainer/rundir.py
+    takes it, or the next, when the run starts); ``resume="auto"`` without
+    ``run_dir`` takes the newest run of that task that has a checkpoint.
     """
+    return resolve_run(config)[0]
+
+
+def resolve_run(config: TrainConfig) -> tuple[TrainConfig, bool]:
+    """:func:`resolve`, and whether its ``run_dir`` is a new run's proposed name (taken by
+    :func:`~mpddp.trainer.rundir.held` as it is, or as the next free number of its second)."""
+    run_dir, new = _run_dir(config)
+    return _resolve(config, run_dir), new
+
+
+def _resolve(config: TrainConfig, run_dir: str) -> TrainConfig:
     given = task = config.task
     if task == "digits" and importlib.util.find_spec("sklearn") is None:
         raise ConfigError("task 'digits' reads its images from scikit-learn, which is not installed: "
@@ -42,7 +56,7 @@ def resolve(config: TrainConfig) -> TrainConfig:
         target, colon, attr = task.rpartition(":")
         if target.endswith(".py") or task.endswith(".py"):  # workers may start elsewhere: make it absolute
             task = str(Path(target or task).resolve()) + (colon + attr if target else "")
-    config = dataclasses.replace(config, task=task, run_dir=_run_dir(config, task_name(task)))
+    config = dataclasses.replace(config, task=task, run_dir=run_dir)
     # rank 0 writes there only after its first epoch: a path it cannot make is one line now
     check_dir_creatable("run_dir", str(config.run_dir), "runs/mine")
     check_dir_creatable("checkpoint_dir", config.checkpoint_path, "checkpoints")
@@ -58,18 +72,19 @@ def resolve(config: TrainConfig) -> TrainConfig:
     return dataclasses.replace(config, resume=_resume_file(config, checkpoint.signature(model)))
 
 
-def _run_dir(config: TrainConfig, name: str) -> str:
+def _run_dir(config: TrainConfig) -> tuple[str, bool]:
+    """(the run directory, whether it is a new run's proposed name)."""
     if config.run_dir:
-        return config.run_dir
-    base = Path(RUNS_ROOT) / name
+        return config.run_dir, False
+    base = Path(RUNS_ROOT) / task_name(config.task)
     if config.resume == "auto" and not config.checkpoint_dir and base.is_dir():
-        runs = sorted((p for p in base.iterdir() if checkpoint.candidates(p / "checkpoints")), reverse=True)
-        if runs:
-            return str(runs[0])
-    stamp, n = time.strftime("%Y%m%d-%H%M%S"), 1
-    while (base / (stamp if n == 1 else f"{stamp}-{n}")).exists():
+        runs = [p for p in base.iterdir() if checkpoint.candidates(p / "checkpoints")]
+        if runs:  # the newest: by date and time, then by number (20261205-101112-10 after -9)
+            return str(max(runs, key=lambda p: rundir.order(p.name))), False
+    stamp, n = rundir.new_name(), 1
+    while (base / rundir.numbered(stamp, n)).exists():
         n += 1
-    return str(base / (stamp if n == 1 else f"{stamp}-{n}"))
+    return str(base / rundir.numbered(stamp, n)), True
 
 
 def _check_fresh(config: TrainConfig) -> TrainConfig:

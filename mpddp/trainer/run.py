@@ -1,31 +1,38 @@
 """A training run, as its launcher sees it: :func:`train` checks, launches, and finishes the curves.
 
 Owns: what :func:`train` does in the launching process: the checks before
-any worker starts, the run's token, one :func:`mpddp.launch` of the ranks'
-:func:`_work`, and ``curves.png`` with TensorBoard's last point once rank 0
-wrote the last epoch. Imports no torch, nor anything that does: a fresh run
-of a built-in task never loads torch in its launcher (the forkserver does,
-for the ranks). Measured: the launcher's own import of torch kept the
-second core busy until the ranks started, and its curves' imports then
-competed with them. Leaves the ranks' side to trainer/loop.py, the checks
-to trainer/prepare.py and the curves to trainer/output.py.
+any worker starts, the run's token, who takes the run directory and its
+lock (:func:`taken_by`: this launcher when its node's rank 0 writes
+there, holding it from before the ranks start to after the curves; else
+rank 0 itself), one :func:`mpddp.launch` of the ranks' :func:`_work`, and
+``curves.png`` with TensorBoard's last point once rank 0 wrote the last
+epoch. Imports no torch, nor anything that does: a fresh run of a built-in
+task never loads torch in its launcher (the forkserver does, for the
+ranks). Measured: the launcher's own import of torch kept the second core
+busy until the ranks started, and its curves' imports then competed with
+them. Leaves the ranks' side to trainer/loop.py, the checks to
+trainer/prepare.py, the directory and the lock themselves to
+trainer/rundir.py and the curves to trainer/output.py.
 """
 
 from __future__ import annotations
 
+import contextlib
+import enum
 import uuid
 from dataclasses import replace
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import mpddp
 
 from ..config import LaunchConfig
-from . import checkpoint
+from . import checkpoint, rundir
 from .config import TrainConfig
 from .curves import prefetch
 from .faults import check_fault_rank
 from .output import EarlyCurves, TrainResult, finish_curves
-from .prepare import resolve
+from .prepare import resolve_run
 
 if TYPE_CHECKING:
     from ..context import WorkerContext
@@ -36,45 +43,88 @@ def train(config: TrainConfig | None = None, *, launch_config: LaunchConfig | No
     """Check ``config``, launch one worker per rank, return rank 0's result.
 
     ``launch_config`` and ``launch_options`` go to :func:`mpddp.launch`
-    (e.g. ``nprocs=2, max_restarts=1``).
+    (e.g. ``nprocs=2, max_restarts=1``). The run directory is this run's
+    alone: a new one gets a name no other run has, and one in use by a live
+    run is refused (ConfigError naming its pid and host) before any worker
+    starts, where the launch options say which node this is (see
+    :func:`taken_by`), else by rank 0 as it starts.
     """
     config = config or TrainConfig()
     _check_fault_rank(config, launch_config, launch_options)
-    config = resolve(config)
+    config, new = resolve_run(config)
     # The run's token names its checkpoints' temporary files: a rank killed while it writes one (Ctrl-C, the
     # watchdog, the OOM killer: the teardown ends in SIGKILL, and no cleanup runs in it) leaves one behind, which
     # this launcher removes once every rank is gone, and no other run's.
     owner = uuid.uuid4().hex[:12]
+    taker = taken_by(launch_config, launch_options)
+    here, ranks = taker is TakenBy.LAUNCHER, taker is TakenBy.RANK_0
+    with rundir.held(str(config.run_dir), new, owner) if here else contextlib.nullcontext(config.run_dir) as run_dir:
+        # rank 0 takes the directory where this launcher cannot (a new one's name as proposed here)
+        work = (replace(config, run_dir=run_dir), owner, False, ranks, new and ranks)  # _work's arguments
+        result = _launch(work, here and one_node(launch_config, launch_options), launch_config, launch_options)
+    print(f"checkpoint: {result.checkpoint}  metrics: {result.metrics}  curves: {result.curves or result.curves_note}",
+          flush=True)
+    return result
+
+
+def _launch(work: tuple[TrainConfig, str, bool, bool, bool], early_curves: bool, launch_config: LaunchConfig | None,
+            launch_options: dict[str, Any]) -> TrainResult:
+    """One :func:`mpddp.launch` of :func:`_work` with ``work`` as its arguments, then the curves (node 0's
+    launcher; ``early_curves``: as soon as rank 0 wrote the last epoch, see EarlyCurves)."""
+    config, owner = work[:2]
     # curves.png is drawn and TensorBoard's last point logged here, their imports done in a thread while the
     # forkserver imports torch (off the path), unless this process forks the ranks (no import may run across a
     # fork): on one node as soon as rank 0 wrote the last epoch (EarlyCurves), else once the ranks exit.
     forks = _option("start_method", launch_config, launch_options, None) == "fork"
     if not forks:
         prefetch()
-    early = EarlyCurves(config.metrics_path.parent, config.epochs) if not forks and one_node(
-        launch_config, launch_options) else None
+    early = EarlyCurves(config.metrics_path.parent, config.epochs) if not forks and early_curves else None
     try:
-        result: TrainResult = mpddp.launch(_work, args=(config, owner, False), config=launch_config,
-                                           **launch_options)[0]
+        result: TrainResult = mpddp.launch(_work, args=work, config=launch_config, **launch_options)[0]
     finally:
         checkpoint.remove_temporaries(config.checkpoint_path, owner)
         if early is not None:
             early.stop()
     if result.rank == 0:  # node 0's launcher: the metrics file is on this machine
         if (done := early.result(result.global_step) if early is not None else None) is None:
-            done = finish_curves(config.metrics_path.parent, result.global_step)
+            done = finish_curves(Path(result.run_dir), result.global_step)
         result = replace(result, curves=done[0], curves_note=done[1])
-    print(f"checkpoint: {result.checkpoint}  metrics: {result.metrics}  curves: {result.curves or result.curves_note}",
-          flush=True)
     return result
 
 
-def _work(ctx: WorkerContext, config: TrainConfig, owner: str, draw: bool) -> TrainResult:
+def _work(ctx: WorkerContext, config: TrainConfig, owner: str, draw: bool, lock: bool, new: bool) -> TrainResult:
     """What :func:`train` launches: :func:`~mpddp.trainer.train_worker`, named here, where no torch is imported
     (the forkserver has trainer/loop.py loaded already: ``mpddp train`` preloads it)."""
     from .loop import train_worker
 
-    return train_worker(ctx, config, owner, draw)
+    return train_worker(ctx, config, owner, draw, lock=lock, new=new)
+
+
+class TakenBy(enum.Enum):
+    """Who takes a run's directory and its lock (trainer/rundir.py)."""
+
+    LAUNCHER = "this launcher"  # its node's rank 0 writes the run: refused, if in use, before any worker starts
+    RANK_0 = "rank 0"  # which node writes is known only once the ranks run: rank 0 takes it as it starts
+    NODE_0 = "node 0's launcher"  # this node's ranks write nothing there
+
+
+def taken_by(launch_config: LaunchConfig | None, options: dict[str, Any]) -> TakenBy:
+    """Who takes the run directory, from the launch options as :func:`mpddp.launch` will see them.
+
+    Rank 0 writes the metrics and the checkpoints; it runs on node 0 of a
+    c10d launch. Without a launch config and without ``node_rank`` (or
+    ``nnodes=1``), launch() reads a scheduler's layout (SLURM, MPI, ...)
+    that this launcher does not see; an etcd round numbers the nodes as they
+    meet; ``--hosts`` starts node 0 on the first host, over ssh, where the
+    head's disk may not be. In those cases rank 0 takes it itself.
+    """
+    if _option("hosts", launch_config, options, None) or _option("hostfile", launch_config, options, None):
+        return TakenBy.RANK_0
+    if _option("rdzv_backend", launch_config, options, "c10d") == "etcd":
+        return TakenBy.RANK_0
+    if launch_config is None and options.get("node_rank") is None and options.get("nnodes") != 1:
+        return TakenBy.RANK_0
+    return TakenBy.LAUNCHER if _option("node_rank", launch_config, options, 0) == 0 else TakenBy.NODE_0
 
 
 def one_node(launch_config: LaunchConfig | None, options: dict[str, Any]) -> bool:
