@@ -206,6 +206,8 @@ class LaunchConfig:
 
     ``nprocs=None`` means one worker per chosen (or visible) GPU, else 1.
     ``master_port=0`` lets the OS pick a free port (single node only).
+    ``node_rank=None`` on several nodes: numbered as it joins (torchrun's c10d without ``--node-rank``):
+    node 0 where the store can be hosted, the others in the order they come (:attr:`node`).
     """
 
     # The extra spellings are torchrun's (docs/torchrun.rst)
@@ -213,15 +215,19 @@ class LaunchConfig:
         "Workers on this node: N, or gpu/auto (one per GPU, else 1), cpu (one per CPU) [default: one per GPU, "
         "else 1].", parse_nprocs, "--nproc-per-node", "--nproc_per_node"))
     nnodes: int = field(default=1, metadata=_cli(  # MAX of an elastic job (min_nnodes: MIN)
-        "Number of machines: N, or MIN:MAX (elastic, with --rdzv-backend etcd) [default: 1, or SLURM's].",
+        "Number of machines: N, or MIN:MAX (elastic: the job runs on MIN to MAX of them) [default: 1, or "
+        "SLURM's].",
         parse_nnodes))
-    node_rank: int = field(default=0, metadata=_cli("This machine's index, 0..nnodes-1.", int, "--node_rank"))
+    node_rank: int | None = field(default=None, metadata=_cli(  # None: numbered on joining (see `node`)
+        "This machine's index, 0..nnodes-1 [default: numbered as it joins: 0 where --master-addr (c10d's "
+        "--rdzv-endpoint) is, then 1, 2, ...].", int, "--node_rank"))
     master_addr: str = field(default="127.0.0.1", metadata=_cli(
         "Node 0's address [default: 127.0.0.1].", str, "--master_addr"))
     master_port: int = field(default=0, metadata=_cli(
         "Node 0's port [default: a free one on one node].", int, "--master_port"))
     rdzv_backend: str = field(default="c10d", metadata=_cli(
-        "c10d (node 0 hosts the store) or etcd (an etcd cluster: any node's loss is survived) [default: c10d].",
+        "c10d (node 0 hosts the store), static (c10d, a fixed size) or etcd (an etcd cluster: any node's loss "
+        "is survived) [default: c10d].",
         str, "--rdzv_backend"))
     rdzv_endpoint: str | None = field(default=None, metadata=_cli(
         "c10d: node 0's HOST[:PORT], as --master-addr/--master-port; etcd: its members, host:port,...",
@@ -273,6 +279,7 @@ class LaunchConfig:
         if isinstance(self.nnodes, str):  # MIN:MAX (launch(nnodes="2:4") too)
             size = parse_nnodes(self.nnodes)
             low, high = rendezvous_options.parse_nnodes_range(size) if isinstance(size, str) else (size, size)
+            rendezvous_options.check_size(low, high)  # here: a MIN of 0 must not read as "MIN is MAX" below
             object.__setattr__(self, "nnodes", high)
             object.__setattr__(self, "min_nnodes", low)
         if self.nprocs is not None:
@@ -281,12 +288,8 @@ class LaunchConfig:
         check_int("nnodes", self.nnodes, 1, None, "; pass the number of machines, e.g. --nnodes 2")
         object.__setattr__(self, "min_nnodes", self.min_nnodes or self.nnodes)
         rendezvous_options.check(self)
-        check_int("node_rank", self.node_rank, 0, None, "; number the nodes 0, 1, ... nnodes-1")
-        if self.node_rank >= self.nnodes and self.rdzv_backend != "etcd" and self.min_nnodes == self.nnodes:
-            raise ConfigError(
-                f"node_rank={self.node_rank} with nnodes={self.nnodes}: node ranks run from 0 to "
-                f"{self.nnodes - 1}; pass --node-rank {self.nnodes - 1} or raise --nnodes to {self.node_rank + 1}"
-            )
+        self._take_endpoint()
+        self._check_node_rank()
         check_int("master_port", self.master_port, 0, 65535, "; pick a TCP port such as 29500 (0: let the OS choose)")
         if self.nnodes > 1 and self.master_port == 0 and self.hosts is None and self.rdzv_backend != "etcd":
             raise ConfigError(
@@ -329,6 +332,46 @@ class LaunchConfig:
                     f"pass --nprocs {len(self.gpus)}, list {self.nprocs} GPUs, or share GPUs with --backend gloo"
                 )
 
+    @property
+    def node(self) -> int:
+        """This node's rank, once known. ``node_rank=None`` is numbered as it joins the job: node 0 on the
+        machine that hosts the store (core/launcher/api.py decides it before anything starts), else by its
+        backend's join of the first round (core/nodes/), which sets it in the round's config."""
+        if self.node_rank is None:
+            raise RuntimeError("this node's rank is read before it joined the job's first round")
+        return self.node_rank
+
+    def _take_endpoint(self) -> None:
+        """c10d's (static's) --rdzv-endpoint as master_addr and master_port; static is c10d of a fixed size."""
+        given = {"rdzv_endpoint": self.rdzv_endpoint, "rdzv_backend": self.rdzv_backend,
+                 "master_addr": None if self.master_addr == "127.0.0.1" else self.master_addr,  # the defaults: unset
+                 "master_port": self.master_port or None}
+        for name, value in rendezvous_options.endpoint_as_master(given).items():
+            if value is not None or name == "rdzv_endpoint":
+                object.__setattr__(self, name, value)
+        if self.rdzv_backend == "static":  # checked as static (a fixed size) in rendezvous_options.check
+            object.__setattr__(self, "rdzv_backend", "c10d")
+
+    def _check_node_rank(self) -> None:
+        """A node rank in 0..MAX-1 on every backend; None (numbered on joining) is 0 on a single node."""
+        if self.node_rank is None:
+            if self.nnodes == 1:
+                object.__setattr__(self, "node_rank", 0)
+            return
+        check_int("node_rank", self.node_rank, 0, None, "; number the nodes 0, 1, ... nnodes-1, or drop --node-rank "
+                  "(each node is numbered as it joins)")
+        if self.node_rank < self.nnodes:
+            return
+        if self.min_nnodes == self.nnodes:
+            raise ConfigError(
+                f"node_rank={self.node_rank} with nnodes={self.nnodes}: node ranks run from 0 to "
+                f"{self.nnodes - 1}; pass --node-rank {self.nnodes - 1} or raise --nnodes to {self.node_rank + 1}, "
+                "or drop --node-rank (each node is numbered as it joins)")
+        raise ConfigError(
+            f"node_rank={self.node_rank} with nnodes={self.min_nnodes}:{self.nnodes}: node ranks run from 0 to "
+            f"{self.nnodes - 1} (MAX - 1); pass --node-rank {self.nnodes - 1} or less, raise MAX to --nnodes "
+            f"{self.min_nnodes}:{self.node_rank + 1}, or drop --node-rank (each node is numbered as it joins)")
+
     def _check_output_ranks(self, ranks: tuple[int, ...]) -> None:
         # without nprocs the world's size is known only once core/launcher/plan.py has counted the GPUs
         world = None if self.nprocs is None else self.nnodes * self.nprocs
@@ -357,12 +400,13 @@ class LaunchConfig:
         if slots and self.nprocs is None and len(set(slots)) > 1:
             raise ConfigError(f"hostfile={self.hostfile!r} gives different slots ({', '.join(map(str, slots))}): every "
                               "node runs the same number of ranks; make them equal or pass --nprocs N")
-        if self.nnodes not in (1, len(hosts)) or self.node_rank != 0:
+        if self.nnodes not in (1, len(hosts)) or self.node_rank not in (None, 0):
             raise ConfigError(f"hosts names {len(hosts)} machine(s): the node count and node ranks come from it; "
                               "drop --nnodes and --node-rank")
         object.__setattr__(self, "hosts", hosts)
         object.__setattr__(self, "hostfile", None)
         object.__setattr__(self, "nnodes", len(hosts))
+        object.__setattr__(self, "node_rank", 0)  # this launch: the others are numbered by their place in hosts
         if self.master_addr == "127.0.0.1":
             object.__setattr__(self, "master_addr", hosts[0])
         if slots and self.nprocs is None:

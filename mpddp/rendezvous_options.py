@@ -1,16 +1,19 @@
 """The rendezvous options, with torchrun's names: which backend keeps what the nodes agree on, and its settings.
 
 Owns: checking ``--rdzv-backend``, ``--rdzv-endpoint``, ``--rdzv-id``, ``--rdzv-conf`` and ``--local-addr``
-with ``--nnodes MIN:MAX`` (config.py calls :func:`check`), and :class:`RdzvSettings`, what ``--rdzv-conf
-key=value,...`` may say. ``c10d`` (node 0's launcher hosts the store) is the default and needs nothing;
-``etcd`` needs the members of an etcd cluster and a job id, and survives the loss of any node.
+with ``--nnodes MIN:MAX`` (config.py calls :func:`check`), c10d's endpoint as node 0's address and port
+(:func:`endpoint_as_master`, for config.py and core/launcher/api.py's ``make_config``), and
+:class:`RdzvSettings`, what ``--rdzv-conf key=value,...`` may say. ``c10d`` (node 0's launcher hosts the
+store) is the default and needs nothing; ``static`` is torchrun's name for its fixed size; ``etcd`` needs the
+members of an etcd cluster and a job id, and survives the loss of any node.
 """
 
 from __future__ import annotations
 
 import importlib.util
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from .errors import ConfigError
 
@@ -34,6 +37,7 @@ class _Options(Protocol):
     def hosts(self) -> tuple[str, ...] | None: ...
 
 RDZV_BACKENDS = ("c10d", "static", "etcd")  # static: torchrun's name for c10d's fixed membership
+C10D_PORT = 29400  # torchrun's port for a c10d --rdzv-endpoint without one
 DEFAULT_TTL = 3  # seconds: a lost node's keys are gone this long after its last refresh (every TTL/3)
 DEFAULT_LAST_CALL = 3.0  # seconds a round of MIN..MAX nodes waits for a newcomer before it starts without
 
@@ -108,16 +112,55 @@ def parse_nnodes_range(spec: str) -> tuple[int, int] | None:
     return int(low), int(high)
 
 
+def check_size(low: int, high: int) -> None:
+    """``--nnodes MIN:MAX``: 1 <= MIN <= MAX (``0:2`` is no size: it is refused, not read as 2)."""
+    if not 1 <= low <= high:
+        fix = f"{max(1, min(low, high))}:{max(low, high, 1)}"
+        raise ConfigError(f"nnodes={low}:{high}: the smallest size must be from 1 to the largest; pass e.g. "
+                          f"--nnodes {fix}")
+
+
+def parse_c10d_endpoint(text: str) -> tuple[str, int]:
+    """c10d's ``--rdzv-endpoint``: ``host:port``, ``host`` (torchrun's port, 29400) or ``[::1]:port`` as
+    (host, port)."""
+    host, colon, port = text.strip().rpartition(":")
+    if not colon or "]" in port or (host.count(":") and not host.startswith("[")):  # no port, or a bare IPv6
+        host, port = text.strip(), str(C10D_PORT)
+    host = host.removeprefix("[").removesuffix("]")
+    if not host or not port.isdigit():
+        raise ConfigError(f"--rdzv-endpoint {text!r} is not HOST:PORT: pass node 0's address, e.g. node0:29400")
+    return host, int(port)
+
+
+def endpoint_as_master(options: Mapping[str, Any]) -> dict[str, Any]:
+    """``options`` with c10d's (and static's) ``rdzv_endpoint`` as node 0's ``master_addr`` and ``master_port``,
+    the place where its launcher hosts the store (etcd's endpoint names its cluster: kept). A value that is
+    None, or absent, was not given; an endpoint and a master that disagree are refused."""
+    endpoint, backend = options.get("rdzv_endpoint"), options.get("rdzv_backend")
+    if endpoint is None or backend not in (None, "c10d", "static"):
+        return dict(options)
+    folded = {**options, "rdzv_endpoint": None}
+    for name, value in zip(("master_addr", "master_port"), parse_c10d_endpoint(endpoint)):
+        if options.get(name) is not None and options[name] != value:
+            raise ConfigError(f"--rdzv-endpoint {endpoint} and --{name.replace('_', '-')} {options[name]} both say "
+                              "where node 0 is, and disagree: pass one of them")
+        folded[name] = value
+    return folded
+
+
 def check(config: _Options) -> None:
     """Raise ConfigError for rendezvous options that contradict each other, before anything starts."""
     backend = config.rdzv_backend
     if backend not in RDZV_BACKENDS:
-        raise ConfigError(f"rdzv_backend={backend!r} is unknown: use c10d (node 0 hosts the store, the default) or "
-                          "etcd (an etcd cluster keeps the job: it survives the loss of any node)")
+        raise ConfigError(f"rdzv_backend={backend!r} is unknown: use c10d (node 0 hosts the store, the default), "
+                          "static (c10d with a fixed size) or etcd (an etcd cluster keeps the job: it survives the "
+                          "loss of any node)")
     parse_rdzv_conf(config.rdzv_conf)
-    if not 1 <= config.min_nnodes <= config.nnodes:
-        raise ConfigError(f"nnodes={config.min_nnodes}:{config.nnodes}: the smallest size must be from 1 to the "
-                          f"largest; pass e.g. --nnodes {min(config.min_nnodes, config.nnodes)}:{config.nnodes}")
+    check_size(config.min_nnodes, config.nnodes)
+    if backend == "static" and config.min_nnodes < config.nnodes:
+        raise ConfigError(f"rdzv_backend='static' is a fixed number of nodes, but nnodes={config.min_nnodes}:"
+                          f"{config.nnodes} is a range: pass --nnodes {config.nnodes} (the job waits for all of them), "
+                          "or --rdzv-backend c10d for an elastic job")
     if backend != "etcd":
         return
     if not config.rdzv_endpoint:

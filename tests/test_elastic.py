@@ -49,13 +49,15 @@ JOB = textwrap.dedent("""
 
 
 def _nodes(tmp_path, cluster, count, nnodes, steps, job_id, extra=(), until_world=0):
+    """``count`` etcd launchers: node ranks 0, 1, ... up to MAX - 1, those beyond numbered as they join."""
     (tmp_path / "job.py").write_text(JOB)
     (tmp_path / "ckpt").mkdir()
     runs = []
     for node in range(count):
         where = tmp_path / f"node{node}"
         where.mkdir()
-        runs.append(Run(["-m", "mpddp", "run", "--nnodes", nnodes, "--node-rank", str(node), "--nprocs", "1",
+        rank = ["--node-rank", str(node)] if node < int(nnodes.split(":")[-1]) else []
+        runs.append(Run(["-m", "mpddp", "run", "--nnodes", nnodes, *rank, "--nprocs", "1",
                          "--rdzv-backend", "etcd", "--rdzv-endpoint", cluster.endpoints, "--rdzv-id", job_id,
                          "--local-addr", "127.0.0.1", "--timeout", "20", *extra, str(tmp_path / "job.py")],
                         where, env=_job_env(tmp_path, steps, until_world)))
@@ -80,10 +82,12 @@ def _c10d_nodes(tmp_path, count, steps, extra=(), until_world=0):
 
 
 def _c10d_node(tmp_path, node, port, steps, extra=(), until_world=0):
-    where = tmp_path / f"node{node}"
+    """A launcher of the 2:3 job; ``node`` None: no --node-rank, numbered as it joins (torchrun's line)."""
+    where = tmp_path / f"node{'-new' if node is None else node}"
     where.mkdir()
-    return Run(["-m", "mpddp", "run", "--nnodes", "2:3", "--node-rank", str(node), "--nprocs", "1", "--master-addr",
-                "127.0.0.1", "--master-port", str(port), "--timeout", "20", *extra, str(tmp_path / "job.py")], where,
+    rank = [] if node is None else ["--node-rank", str(node)]
+    return Run(["-m", "mpddp", "run", "--nnodes", "2:3", *rank, "--nprocs", "1", "--master-addr", "127.0.0.1",
+                "--master-port", str(port), "--timeout", "20", *extra, str(tmp_path / "job.py")], where,
                env=_job_env(tmp_path, steps, until_world))
 
 
@@ -151,8 +155,10 @@ def test_a_node_that_arrives_below_max_is_admitted_by_a_restart_that_is_not_coun
         runs[0].wait_for(r"STEP 15 ", timeout=90)
         where = tmp_path / "node2"
         where.mkdir()
-        runs.append(Run(runs[0].proc.args[1:-1] + [str(tmp_path / "job.py")], where,  # type: ignore[index]
-                        env=_job_env(tmp_path, 100, until_world=3)))
+        args = list(runs[0].proc.args[1:-1])  # type: ignore[index]
+        at = args.index("--node-rank")
+        del args[at:at + 2]  # node 0's line but its --node-rank: numbered as it joins
+        runs.append(Run([*args, str(tmp_path / "job.py")], where, env=_job_env(tmp_path, 100, until_world=3)))
         codes = [run.finish(120) for run in runs]
         assert codes == [0, 0, 0], [run.stderr for run in runs]
         for run in runs:
@@ -231,7 +237,8 @@ def test_fewer_than_min_nodes_is_one_line_naming_min(tmp_path, etcd_cluster):
 
 def test_c10d_a_lost_node_other_than_0_is_survived_and_a_newcomer_admitted(tmp_path):
     """c10d, 2:3: node 1's machine lost at step 15, the two others go on at world size 2; then a new launcher
-    arrives and the job grows back to 3 (a free restart), and every node ends at 0. A last call of 10 s: on a
+    arrives (no --node-rank: 3 would be beyond MAX, refused) and the job grows back to 3 (a free restart), and
+    every node ends at 0. A last call of 10 s: on a
     loaded machine a launcher can start more than the default 3 s after the others (then round 0 runs without it,
     which is not this test's story)."""
     runs = _c10d_nodes(tmp_path, 3, 150, ["--max-restarts", "1", "--rdzv-conf", "last_call_timeout=10"], until_world=3)
@@ -239,7 +246,7 @@ def test_c10d_a_lost_node_other_than_0_is_survived_and_a_newcomer_admitted(tmp_p
         _lose_at(runs, 15, victim=runs[1], watched=runs[0])
         runs[0].wait_for(r"RESUMED step=\d+ world=2 restart=1", timeout=90)
         port = int(runs[0].proc.args[runs[0].proc.args.index("--master-port") + 1])  # type: ignore[union-attr]
-        runs.append(_c10d_node(tmp_path, 3, port, 150, ["--rdzv-conf", "last_call_timeout=10"], until_world=3))
+        runs.append(_c10d_node(tmp_path, None, port, 150, ["--rdzv-conf", "last_call_timeout=10"], until_world=3))
         survivors = [runs[0], runs[2], runs[3]]
         assert [run.finish(120) for run in survivors] == [0, 0, 0], [run.stderr for run in survivors]
         assert "mpddp: node(s) 1 went away" in runs[0].stderr and "node 2 -> 1: ranks 2 -> 1" in runs[0].stderr

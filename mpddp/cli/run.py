@@ -22,7 +22,6 @@ from ..errors import ConfigError
 from ..rank_math import global_rank
 from .options import build_config, launch_options
 
-C10D_PORT = 29400  # torchrun's port for an --rdzv-endpoint without one
 # torchrun's flags that mpddp takes but that name no launch option (docs/torchrun.rst)
 TORCHRUN_OPTIONS = (
     click.option("--standalone", is_flag=True, help="torchrun: one node on a free port, which is mpddp's default."),
@@ -77,6 +76,8 @@ def run(target: str, script_args: tuple[str, ...], is_module: bool, **options: A
     mpddp run --nprocs 2 train.py --epochs 3
     mpddp run --nprocs 2 -m mypkg.train --epochs 3
     mpddp run --standalone --nproc-per-node 2 train.py   (torchrun's words)
+    mpddp run --nnodes 1:4 --rdzv-backend c10d --rdzv-endpoint HOST:29400 train.py
+        (the same on every machine: numbered as they join, node 0 at HOST)
 
     Each worker sees the variables torchrun sets (RANK, LOCAL_RANK,
     WORLD_SIZE, MASTER_ADDR, MASTER_PORT, TORCHELASTIC_RUN_ID,
@@ -111,50 +112,20 @@ def run(target: str, script_args: tuple[str, ...], is_module: bool, **options: A
 
 
 def _from_torchrun(options: dict[str, Any]) -> dict[str, str]:
-    """Fold torchrun's flags into the launch ``options`` (in place); return the worker variables they set."""
+    """Fold torchrun's flags into the launch ``options`` (in place); return the worker variables they set.
+
+    ``--rdzv-endpoint``, ``--rdzv-backend static`` and a node numbered as it joins (no ``--node-rank``) are
+    launch options, read as such by config.py and core/launcher/api.py for ``mpddp.launch`` too."""
     standalone, role = options.pop("standalone"), options.pop("role")
-    endpoint, backend = options["rdzv_endpoint"], options["rdzv_backend"]
     for name in _ACCEPTED:
         options.pop(name)
     if standalone:
         if options["nnodes"] not in (None, 1):
             raise ConfigError(f"--standalone is one node, but --nnodes is {options['nnodes']}: drop --standalone, "
                               "and pass node 0's --master-addr and --master-port")
-        endpoint = backend = None  # torchrun ignores them under --standalone, and so does mpddp
+        # torchrun ignores them under --standalone, and so does mpddp
         options.update(rdzv_endpoint=None, rdzv_backend=None, rdzv_id=None)
-    if backend == "static":  # torchrun's name for a fixed membership: c10d's own
-        options["rdzv_backend"] = backend = "c10d"
-    if endpoint is not None and backend in (None, "c10d"):  # etcd's endpoint is its cluster's
-        options["rdzv_endpoint"] = None
-        for name, value in zip(("master_addr", "master_port"), _endpoint(endpoint)):
-            if options[name] is not None and options[name] != value:
-                flag = "--" + name.replace("_", "-")
-                raise ConfigError(f"--rdzv-endpoint {endpoint} and {flag} {options[name]} both say where node 0 "
-                                  "is, and disagree: pass one of them")
-            options[name] = value
-    if backend == "c10d" and (options["nnodes"] or 1) > 1 and options["node_rank"] is None and not _in_a_job():
-        raise ConfigError(f"--rdzv-backend c10d with --nnodes {options['nnodes']}: torchrun numbers the nodes as "
-                          "they join, mpddp needs each node's number: pass --node-rank 0 on the node at "
-                          "--rdzv-endpoint and 1, 2, ... on the others")
     return {"ROLE_NAME": role} if role is not None else {}
-
-
-def _endpoint(text: str) -> tuple[str, int]:
-    """``host:port``, ``host`` (torchrun's c10d port) or ``[::1]:port`` as (host, port)."""
-    host, colon, port = text.strip().rpartition(":")
-    if not colon or "]" in port or (host.count(":") and not host.startswith("[")):  # no port, or a bare IPv6
-        host, port = text.strip(), str(C10D_PORT)
-    host = host.removeprefix("[").removesuffix("]")
-    if not host or not port.isdigit():
-        raise ConfigError(f"--rdzv-endpoint {text!r} is not HOST:PORT: pass node 0's address, e.g. node0:29400")
-    return host, int(port)
-
-
-def _in_a_job() -> bool:
-    """A scheduler numbers the nodes itself (SLURM, MPI, PBS, LSF, Kubeflow: machine/cluster.py reads it)."""
-    from ..machine.cluster import present
-
-    return bool(present(os.environ))
 
 
 def _local_ranks(spec: str, config: LaunchConfig, output_ranks: str | None) -> tuple[int, ...]:
@@ -171,6 +142,9 @@ def _local_ranks(spec: str, config: LaunchConfig, output_ranks: str | None) -> t
             return local  # on one node a local rank is the global one
         raise ConfigError(f"--local-ranks-filter {spec} on {config.nnodes} nodes needs --nproc-per-node N: "
                           "a local rank's global rank is node_rank × N + local_rank")
+    if config.node_rank is None:
+        raise ConfigError(f"--local-ranks-filter {spec} on a node numbered as it joins (no --node-rank): its "
+                          "global ranks are known only then; pass --node-rank, or --output-ranks with global ranks")
     if max(local) >= config.nprocs:
         raise ConfigError(f"--local-ranks-filter {spec} names local rank {max(local)}, but this node has "
                           f"{config.nprocs}: pass local ranks from 0 to {config.nprocs - 1}")

@@ -18,6 +18,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import fields, replace
 from typing import Any
 
+from ... import rendezvous_options
 from ...config import LaunchConfig
 from ...errors import ConfigError
 from ..rank.by_index import ByIndex
@@ -42,6 +43,8 @@ def make_config(options: Mapping[str, Any], config: LaunchConfig | None = None) 
         hint = f"did you mean {close[0]!r}? " if close else ""
         raise ConfigError(f"launch() got an unexpected keyword argument {name!r}: {hint}"
                           "see help(mpddp.LaunchConfig) for the launch options")
+    # c10d's endpoint is node 0's address: given, it wins over a scheduler's, as --master-addr would
+    given = {k: v for k, v in rendezvous_options.endpoint_as_master(given).items() if v is not None}
     if config is None and given.get("hosts") is None and given.get("hostfile") is None:  # --hosts: the layout
         from ...machine.cluster import apply_cluster
 
@@ -102,11 +105,33 @@ def launch(
         from ...machine.netif import resolve
 
         resolve(config.master_addr)  # a bad address: one line now, before any process or torch import
-    if config.node_rank == 0:  # node 0 hosts the store: an address not of this machine, or a port taken, now
-        from ..nodes.rendezvous import listen
+    config, listening = _store_socket(config)
+    try:
+        return run_node(config, payload, init_process_group, tuple(preload), listening)
+    finally:
+        if listening is not None:
+            listening.close()  # a failure before the store server took it; else closed already
 
-        listen(config.master_addr, config.master_port).close()
-    return run_node(config, payload, init_process_group, tuple(preload))
+
+def _store_socket(config: LaunchConfig) -> tuple[LaunchConfig, socket.socket | None]:
+    """Node 0's listening socket, bound now and kept until its store server serves it, and the config of a
+    launcher numbered on joining (``node_rank=None``, c10d) that turns out to be node 0.
+
+    Given node rank 0: an address not of this machine, or a port taken, is one line now. Numbered on joining:
+    torchrun's rule. The launcher that can bind the endpoint (its host is an address of this machine, its
+    port free) is node 0 and hosts the store; any other joins it as a client and is numbered as it comes
+    (core/nodes/c10d.py). The bind decides, and is kept: two launchers on one machine cannot both be node 0.
+    """
+    from ..nodes.rendezvous import listen, try_listen
+
+    if config.rdzv_backend == "etcd":  # each round's store is its first node's, whatever its number (core/launcher/job.py)
+        return config, None
+    if config.node_rank == 0:
+        return config, listen(config.master_addr, config.master_port)
+    if config.node_rank is None:
+        sock = try_listen(config.master_addr, config.master_port)
+        return (replace(config, node_rank=0) if sock is not None else config), sock
+    return config, None
 
 
 def run_node(config: LaunchConfig, payload: bytes, init_process_group: bool, preload: tuple[str, ...],

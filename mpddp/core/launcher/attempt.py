@@ -146,7 +146,7 @@ class Attempt:
         if job.link is not None and (record := job.link.finish(self.number)) is not None:
             for s in states:  # our ranks ended, the round did not: one of them may be the one named
                 s.tail = self.relay.tail(s.slot.rank)
-            raise remote_error(record, states, verdict, job.config.node_rank)
+            raise remote_error(record, states, verdict, job.config.node)
         return [_value(s) for s in states]
 
     def _refused(self) -> None:
@@ -220,7 +220,7 @@ def _settle(job: Job, attempt: int, states: list[RankState], verdict: Verdict, l
     assert link is not None
     cause = node_cause(states, verdict) if local is not None else None
     remote = round_watch.remote_failure if round_watch is not None else None
-    node = job.config.node_rank
+    node = job.config.node
     link.reached |= any(s.joined for s in states)  # our ranks got through the store: it was up
     if round_watch is not None:
         round_watch.share_now()  # our ranks' collectives as they ended, before this node waits or tells

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ...config import LaunchConfig
-from ...errors import AddressError, Outcome, RestartsExhausted, StoreLost, WorkerFailed
+from ...errors import AddressError, ConfigError, Outcome, RestartsExhausted, StoreLost, WorkerFailed
 from ...log import logger
 from ..nodes import last_word, rendezvous, store_server
 from ..nodes.api import NotNeeded, Rendezvous
@@ -128,8 +128,9 @@ def _attempts(job: Job) -> list[Any]:
     arrived is free, as torchrun's). ``attempt`` is the round: the backend may start this node at a later one."""
     config = job.config
     attempt = restarts = 0
+    numbered = config.node_rank is None  # the backend's join numbers this node (no --node-rank: torchrun's c10d)
     while True:
-        if job.link is not None and (job.link.hosts_round_store or config.min_nnodes < config.nnodes):
+        if job.link is not None and (job.link.hosts_round_store or config.min_nnodes < config.nnodes or numbered):
             if attempt and not job.init_group and not job.link.hosts_round_store:
                 _new_script_store(job, attempt)  # c10d's node 0, before the others read its port
             attempt = _join(job, attempt)
@@ -168,12 +169,17 @@ def _attempts(job: Job) -> list[Any]:
 
 
 def _join(job: Job, attempt: int) -> int:
-    """A round whose nodes the backend decides (etcd, an elastic job): this node's place in it, and where the
-    round's store listens. With etcd the round's first node hosts it, a fresh one each round (a restarted
-    env:// script finds no dead rank's keys); with c10d it is node 0's, for the whole job."""
+    """A round whose nodes the backend decides (etcd, an elastic job, a node numbered as it joins): this node's
+    place in it, and where the round's store listens. With etcd the round's first node hosts it, a fresh one
+    each round (a restarted env:// script finds no dead rank's keys); with c10d it is node 0's, for the whole
+    job."""
     link = job.link
     assert link is not None
-    here = link.join(attempt)
+    try:
+        here = link.join(attempt)
+    except ConfigError:  # refused: its --node-rank taken, or one node too many; the job's keys are not its own
+        job.intruder = True
+        raise
     if not link.hosts_round_store:
         host, port = link.store(here.number)
         if here.number and not job.init_group and job.store is None:

@@ -173,7 +173,7 @@ class Rendezvous(Protocol):
 
 def stopped_record(config: LaunchConfig, nprocs: int, cause: BaseException) -> FailureRecord:
     """The round's failure when this launcher was stopped (Ctrl-C, SIGTERM, ...) while its ranks ran."""
-    node = config.node_rank
+    node = config.node
     ranks = [s.rank for s in rank_math.layout(config.nnodes, nprocs) if s.node_rank == node]
     signum = getattr(cause, "signum", None)  # the CLI's Terminated carries the signal
     code = 130 if isinstance(cause, KeyboardInterrupt) else 128 + signum if isinstance(signum, int) else 1

@@ -24,13 +24,13 @@ from typing import TYPE_CHECKING, Any
 
 from ... import rank_math
 from ...config import LaunchConfig
-from ...errors import NeverArrived, RendezvousError, StoreLost, WorkerFailed
+from ...errors import ConfigError, NeverArrived, RendezvousError, StoreLost, WorkerFailed
 from ...log import logger
 from ..wire import protocol
 from ..wire.protocol import FailureRecord, full_key
 from . import last_word, membership
 from .api import POLL, STALLED_AFTER, RendezvousGone, Round, names, stopped_record
-from .c10d_keys import ABSENT, C10dKeys, first_record, missing_ranks, read_all
+from .c10d_keys import ABSENT, C10dKeys, first_record, missing_ranks, read_all, take_number
 
 if TYPE_CHECKING:
     from .c10d_watch import C10dRoundWatch
@@ -107,17 +107,35 @@ class C10dRendezvous:
 
     def join(self, attempt: int) -> Round:
         """Round ``attempt``'s barrier: return once every node's launcher has joined it; name those that did not.
-        The first round needs none: the ranks meet in node 0's store. The nodes never change, but in an
-        elastic job (--nnodes MIN:MAX: core/nodes/membership.py decides each round's, node 0 always first)."""
+        The first round needs none: the ranks meet in node 0's store (a launcher without --node-rank takes its
+        number there first). The nodes never change, but in an elastic job (--nnodes MIN:MAX:
+        core/nodes/membership.py decides each round's, node 0 always first)."""
         if self.launched.min_nnodes < self.launched.nnodes:
             return self._join_elastic(attempt)
-        node, nnodes, timeout = self.config.node_rank, self.config.nnodes, self.config.timeout
+        if self.config.node_rank is None:
+            self.config = replace(self.config, node_rank=self._take_number())
+        node, nnodes, timeout = self.config.node, self.config.nnodes, self.config.timeout
         if attempt:
             try:
                 self._join(attempt, node, nnodes, timeout)
             except RendezvousGone:
                 raise self._no_round(attempt) from None
         return Round(attempt, nnodes, node, tuple(range(nnodes)))
+
+    def _take_number(self) -> int:
+        """This launcher's node rank in a fixed-size job, as it comes to node 0's store (c10d_keys.take_number)."""
+        nnodes = self.config.nnodes
+        try:
+            number = self.call(lambda s: take_number(s, self.me, nnodes))
+        except RendezvousGone:
+            if self.reached:
+                raise self._no_round(0) from None
+            raise RendezvousError(self.gone_line()) from None
+        if number is None:
+            raise ConfigError(f"the job at {self.config.master_addr}:{self.port} has its --nnodes {nnodes} nodes "
+                              f"already (node ranks 0-{nnodes - 1}, taken as the launchers came): this launcher is one "
+                              f"too many; start every node with --nnodes {nnodes + 1} for one more, or stop this one")
+        return int(number)
 
     def _no_round(self, attempt: int) -> StoreLost:
         return StoreLost(f"node 0's store at {self.launched.master_addr}:{self.port} is gone, so round {attempt} "
@@ -132,8 +150,7 @@ class C10dRendezvous:
                 high=launched.nnodes, node_rank=launched.node_rank, last_call=launched.rdzv_settings().last_call_timeout,
                 timeout=launched.timeout, previous=max(self.rounds.values(), key=lambda r: r.number, default=None),
                 start_them=f"start the missing launchers with --nnodes {launched.min_nnodes}:{launched.nnodes} "
-                           f"--master-addr {launched.master_addr} --master-port {self.port} --node-rank N",
-                zero_is_a_claim=True)
+                           f"--master-addr {launched.master_addr} --master-port {self.port}")
         except RendezvousGone:
             raise self._no_round(attempt) from None
         self.rounds[here.number] = here
@@ -184,7 +201,7 @@ class C10dRendezvous:
 
     def mark_waiting(self, attempt: int) -> None:
         """This node waits for the round's record: its ranks only saw a peer vanish."""
-        me = self.config.node_rank
+        me = self.config.node
         self.call(lambda s: s.set(full_key(attempt, protocol.waiting_key(me)), "1"))
         self._count_once(attempt, me, (protocol.quiet_key, protocol.QUIET))
 
@@ -253,7 +270,7 @@ class C10dRendezvous:
         """Write the round's first failure unless another node did first; the record that stands. Its writer
         also adds :data:`~mpddp.core.wire.protocol.FAILED` to the progress counter: every node's next beat sees it."""
         return FailureRecord.decode(self.call(lambda s: first_record(s, attempt, replace(
-            record, writer=self.config.node_rank).encode())))
+            record, writer=self.config.node).encode())))
 
     def stopped(self, attempt: int, cause: BaseException) -> None:
         """This launcher was stopped (Ctrl-C, SIGTERM, ...) while its ranks ran: the round's failure, if first."""
@@ -262,7 +279,7 @@ class C10dRendezvous:
 
     def end_round(self, attempt: int) -> None:
         """This node's part of the round is over: its beat stops now, and that is no loss."""
-        me = self.config.node_rank
+        me = self.config.node
         try:
             self.call(lambda s: s.set(full_key(attempt, protocol.ended_key(me)), "1"), connect_timeout=2.0)
             self._count_once(attempt, me, (protocol.quiet_key, protocol.QUIET), (protocol.done_key, protocol.DONE))
@@ -355,7 +372,7 @@ class C10dRendezvous:
         torchrun's agents wait so too (their exit barrier): a rank of node 0 that saves the checkpoint alone
         after the others returned keeps them waiting, and its failure is still every node's.
         """
-        me = self.config.node_rank
+        me = self.config.node
         try:
             entry = json.dumps([me, time.time()])
             self.call(lambda s: s.set(full_key(attempt, protocol.returned_entry(

@@ -1,4 +1,6 @@
-"""core/nodes/membership.py's keys in node 0's store, for an elastic job on the ``c10d`` backend."""
+"""What the ``c10d`` backend keeps in node 0's store beyond the round's own keys: core/nodes/membership.py's, for
+an elastic job; a fixed-size job's numbers for the launchers that come without ``--node-rank``; the round's
+first failure; the ranks that never came."""
 
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ if TYPE_CHECKING:
 _ARRIVALS, _MEMBERS, _CLAIMS = "arrivals", "members", "claims"  # an elastic job's round
 ABSENT = "\x00absent"  # compare_set's answer for a key that is not there (it sets nothing then): a get in one
 _ROUND = "mpddp/job/round"  # the round an elastic job is in now, for a launcher that comes late
+_NUMBERED = "mpddp/job/numbered"  # a counter: the launchers of a fixed-size job numbered as they came (1, 2, ...)
 
 
 def first_record(s: Any, attempt: int, record: bytes) -> bytes:
@@ -44,6 +47,18 @@ def missing_ranks(s: Any, attempt: int, world_size: int) -> list[int]:
         keys = [k for k in keys if s.check([k])]
     came = {int(v) for v in read_all(s, keys)}
     return [r for r in range(world_size) if r not in came]
+
+
+def take_number(s: Any, me: str, nnodes: int) -> int | None:
+    """A node rank for launcher ``me`` of a fixed-size job, numbered as it comes (node 0 hosts the store):
+    the next of a counter, claimed with the key each rank's roll call claims in round 0
+    (core/rank/worker.py's ``_roll_call``), so a number another launcher came with (``--node-rank``) is
+    skipped, and this launcher's ranks find it theirs. None: the job has ``nnodes`` nodes already."""
+    while (number := int(s.add(_NUMBERED, 1))) < nnodes:
+        key = full_key(0, protocol.claim_key(number))
+        if s.compare_set(key, "", me).decode() == me:
+            return number
+    return None
 
 
 class C10dKeys:

@@ -32,7 +32,7 @@ class C10dRoundWatch(BeatThread):
         self._thread.start()
 
     def _run(self) -> None:
-        node, attempt = self.link.config.node_rank, self.attempt
+        node, attempt = self.link.config.node, self.attempt
         beat, progress, calls = (full_key(attempt, k) for k in (protocol.heartbeat_key(node), protocol.PROGRESS,
                                                                  protocol.calls_key(node)))
         mine = beats = 0
@@ -67,7 +67,7 @@ class C10dRoundWatch(BeatThread):
             return
 
     def _put_calls(self, snapshot: bytes) -> None:
-        key = full_key(self.attempt, protocol.calls_key(self.link.config.node_rank))
+        key = full_key(self.attempt, protocol.calls_key(self.link.config.node))
 
         def put(s: Any) -> None:
             s.set(key, snapshot)
@@ -84,7 +84,7 @@ class C10dRoundWatch(BeatThread):
 
     def others_calls(self) -> list[bytes]:
         """The other nodes' last snapshots of their ranks' collectives (none when node 0's store is gone)."""
-        node, attempt = self.link.config.node_rank, self.attempt
+        node, attempt = self.link.config.node, self.attempt
 
         def read(s: Any) -> list[bytes]:  # once a hang is suspected: three operations, of those that shared
             count = s.add(full_key(attempt, protocol.SHARERS), 0)

@@ -228,7 +228,7 @@ class EtcdRendezvous:
 
     def publish(self, attempt: int, record: FailureRecord) -> FailureRecord:
         key = self._key(attempt, "failure")
-        mine = replace(record, writer=self.config.node_rank).encode()
+        mine = replace(record, writer=self.config.node).encode()
         if self.client.call(lambda c: c.create(key, mine)):
             self.tell_failed(attempt)
         standing = self._get(key)

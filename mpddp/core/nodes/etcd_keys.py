@@ -157,7 +157,7 @@ class EtcdRoundWatch(BeatThread):
                  share: Callable[[bool], bytes | None] | None = None) -> None:
         super().__init__(attempt, share)
         self.link = link
-        self.beat = StoreBeat(attempt, link.config.node_rank)
+        self.beat = StoreBeat(attempt, link.config.node)
         self._store: Any = None  # the round's store, once connected; None again once it stopped answering
         self._store_lock = threading.Lock()  # the beat's thread and share_now's caller
         self._thread.start()

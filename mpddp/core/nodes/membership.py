@@ -41,16 +41,16 @@ class Keys(Protocol):
     def pause(self, attempt: int) -> None: ...  # until the round's keys change, or a moment
 
 
-def join_round(keys: Keys, attempt: int, me: str, *, low: int, high: int, node_rank: int, last_call: float,
-               timeout: float, previous: Round | None, start_them: str,
-               zero_is_a_claim: bool = False) -> tuple[Round, list[str]]:
+def join_round(keys: Keys, attempt: int, me: str, *, low: int, high: int, node_rank: int | None, last_call: float,
+               timeout: float, previous: Round | None, start_them: str) -> tuple[Round, list[str]]:
     """This launcher's round from ``attempt`` on (later, if it comes to a job that runs without it) and the
-    round's launchers by node rank. ``start_them`` ends the line that names missing nodes: how to start them.
-    ``zero_is_a_claim``: --node-rank 0 is given, not the default (c10d: node 0 hosts the store)."""
+    round's launchers by node rank. ``node_rank``: the launcher's --node-rank, claimed (c10d: node 0's, the
+    store's host); None: numbered as it comes. ``start_them`` ends the line that names missing nodes: how to
+    start them."""
     while True:
         arrival = {"old": previous.node_rank if previous is not None and previous.number == attempt - 1 else None,
                    "rank": node_rank, "since": time.time(), "host": socket.gethostname()}
-        if previous is None and (node_rank or zero_is_a_claim):  # before arriving: a refused one is never counted
+        if previous is None and node_rank is not None:  # before arriving: a refused one is never counted
             _check_claim(keys.claim(attempt, node_rank, f"{me} on {arrival['host']}"), node_rank, arrival["host"])
         number = keys.arrive(attempt, me, json.dumps(arrival))
         members = _members(keys, attempt, number, low, high, last_call, timeout, start_them)
@@ -108,9 +108,10 @@ def poll_interval(nodes: int) -> float:
 
 
 def _order(arrival: dict[str, object]) -> tuple[float, float, float]:
-    """A launcher's place: its old node rank first, then its --node-rank, then when it came."""
+    """A launcher's place: its old node rank first, then its --node-rank (none: after those given), then when
+    it came."""
     old, rank, since = arrival.get("old"), arrival.get("rank"), arrival.get("since")
-    return (float(old) if isinstance(old, int) else float("inf"), float(rank) if isinstance(rank, int) else 0.0,
+    return (float(old) if isinstance(old, int) else float("inf"), float(rank) if isinstance(rank, int) else float("inf"),
             float(since) if isinstance(since, (int, float)) else 0.0)
 
 
