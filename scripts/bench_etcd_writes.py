@@ -73,6 +73,7 @@ def main() -> None:
     if shutil.which("etcd") is None:
         sys.exit("bench_etcd_writes: Debian's etcd-server is needed (apt-get install etcd-server)")
     from etcd_cluster import EtcdCluster
+
     from runs import Run
 
     work = Path(tempfile.mkdtemp(prefix="bench-etcd-"))
