@@ -34,7 +34,6 @@ from . import membership
 from .api import RendezvousGone, Round, stopped_record
 from .etcd_client import EtcdClient, KeptLease
 from .etcd_keys import EtcdKeys, EtcdRoundWatch, etcd_interval
-from .store_beat import StoreBeat
 
 _FIRST_CONTACT = 5.0  # seconds the first contact with etcd may take, at most
 _NOT_FOUND = 5  # the gRPC status of a put with a lease that is gone
@@ -52,8 +51,7 @@ class EtcdRendezvous:
         settings = config.rdzv_settings()
         self.config, self.nprocs = config, nprocs
         self.launched = config  # as the user started it: nnodes is MAX, min_nnodes MIN
-        self.client = EtcdClient(config.rdzv_endpoint or "", settings.tls, timeout=config.timeout,
-                                 start=config.node_rank or None)  # 0 or not given: arrival numbers it; any member
+        self.client = EtcdClient(config.rdzv_endpoint or "", settings.tls, timeout=config.timeout)
         self.ttl, self.last_call = settings.ttl, settings.last_call_timeout
         self.me = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self.prefix = f"/mpddp/{config.rdzv_id}/"
@@ -63,7 +61,6 @@ class EtcdRendezvous:
         self._members_of: dict[int, list[str]] = {}  # each round's launchers, by node rank
         self._known_gone: dict[int, set[int]] = {}  # a round's nodes whose lease is known gone (lost, or left)
         self._lease: KeptLease | None = None
-        self._watches: dict[int, EtcdRoundWatch] = {}  # each round's beat: its first failure's writer tells it
 
     # ---- keys ---------------------------------------------------------------------------------------------
 
@@ -199,8 +196,7 @@ class EtcdRendezvous:
         return self.store(attempt)[1]
 
     def watch(self, attempt: int, share: Callable[[bool], bytes | None] | None = None) -> EtcdRoundWatch:
-        self._watches[attempt] = EtcdRoundWatch(self, attempt, share)
-        return self._watches[attempt]
+        return EtcdRoundWatch(self, attempt, share)
 
     def end_round(self, attempt: int) -> None:
         with contextlib.suppress(RendezvousGone):
@@ -229,22 +225,9 @@ class EtcdRendezvous:
     def publish(self, attempt: int, record: FailureRecord) -> FailureRecord:
         key = self._key(attempt, "failure")
         mine = replace(record, writer=self.config.node).encode()
-        if self.client.call(lambda c: c.create(key, mine)):
-            self.tell_failed(attempt)
+        self.client.call(lambda c: c.create(key, mine))
         standing = self._get(key)
         return FailureRecord.decode(standing) if standing else FailureRecord.decode(mine)
-
-    def tell_failed(self, attempt: int) -> None:
-        """The first writer of round ``attempt``'s record (a failure, or a newcomer's admission): FAILED on the
-        round's store, which every node's next beat reads (core/nodes/store_beat.py); through this launcher's
-        watch of the round, else through a client of its own (a newcomer runs no rank in it)."""
-        if (watch := self._watches.get(attempt)) is not None and watch.tell_failed():
-            return
-        from ..wire.store import connect
-
-        with contextlib.suppress(Exception):  # its store is gone: the nodes read etcd's key once theirs fails
-            host, port = self.store(attempt)
-            StoreBeat(attempt, -1).tell_failed(connect(host, port, self.config.timeout))
 
     def record(self, attempt: int) -> FailureRecord | None:
         data = self._get(self._key(attempt, "failure"))

@@ -1,7 +1,7 @@
 """A client of an etcd cluster that uses any member that answers, and this launcher's lease in it.
 
 Owns: :class:`EtcdClient`, etcd's v3 API through ``etcd3gw`` (its HTTP gateway: no generated protobuf code
-to break), tried on each member of ``--rdzv-endpoint`` in turn from a member of its own (launchers spread), so that an etcd member lost mid-job
+to break), tried on each member of ``--rdzv-endpoint`` in turn, so that an etcd member lost mid-job
 restarts nothing; and :class:`KeptLease`, the lease every key of this launcher's liveness is put with,
 refreshed from a daemon thread: when the launcher's machine is lost, etcd deletes those keys by itself
 once the TTL ran out, which is how the other nodes learn of the loss without a beat to read.
@@ -9,7 +9,6 @@ once the TTL ran out, which is how the other nodes learn of the loss without a b
 
 from __future__ import annotations
 
-import random
 import threading
 import time
 from collections.abc import Callable
@@ -24,13 +23,10 @@ _REQUEST_TIMEOUT = 2.0  # seconds one request to one member may take before the 
 class EtcdClient:
     """etcd's v3 API on the first member of ``endpoints`` that answers; thread-safe."""
 
-    def __init__(self, endpoints: str, tls: dict[str, str] | None = None, timeout: float = 10.0,
-                 start: int | None = None) -> None:
+    def __init__(self, endpoints: str, tls: dict[str, str] | None = None, timeout: float = 10.0) -> None:
         self.endpoints, self.tls, self.timeout = endpoints, dict(tls or {}), timeout
         self._members = parse_endpoints(endpoints)
-        # Where this launcher starts: launchers spread over the members (etcd3gw talks to one), each moving on
-        # to the next when its member stops answering. ``start``: this node's rank, where it is known.
-        self._current = (random.randrange(len(self._members)) if start is None else start) % len(self._members)
+        self._current = 0
         self._clients: dict[int, Any] = {}
         self._lock = threading.Lock()
 
