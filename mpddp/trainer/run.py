@@ -124,7 +124,11 @@ def taken_by(launch_config: LaunchConfig | None, options: dict[str, Any]) -> Tak
         return TakenBy.RANK_0
     if launch_config is None and options.get("node_rank") is None and options.get("nnodes") != 1:
         return TakenBy.RANK_0
-    return TakenBy.LAUNCHER if _option("node_rank", launch_config, options, 0) == 0 else TakenBy.NODE_0
+    node_rank = _option("node_rank", launch_config, options, 0)
+    several = (_option("nnodes", launch_config, options, 1) or 1) != 1
+    if node_rank is None and several:  # numbered as it joins (torchrun's elastic line): node 0 is not known yet
+        return TakenBy.RANK_0
+    return TakenBy.LAUNCHER if not node_rank else TakenBy.NODE_0
 
 
 def one_node(launch_config: LaunchConfig | None, options: dict[str, Any]) -> bool:
