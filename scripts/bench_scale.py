@@ -12,6 +12,8 @@ Per backend and size it prints:
   connect_s           every node's client connected (c10d: a TCPStore client; etcd: a first request)
   join_s              all nodes in the round, from their first arrival to the last one's member list
   ops_per_node_per_s  store operations a node makes in steady state (its beat), and ops_per_s in all
+                      (etcd: its requests, the lease's refreshes; the beats go to the round's own store,
+                      which the bench serves: scripts/bench_etcd_writes.py counts etcd's Raft writes)
   failure_*           the same while the nodes learn of a failure, and failure_known_s: from the record
                       written to every node's round watch holding it (beat_s: the beat interval)
   next_round_s        from the other nodes' arrival in the next round to their member list (no last call)
@@ -133,7 +135,9 @@ def _cpu(procs: list[psutil.Process]) -> float:
     return sum(sum(p.cpu_times()[:2]) for p in procs)
 
 
-def one_size(backend: str, nodes: int, where: str, store_procs: list[psutil.Process]) -> dict[str, Any]:
+def one_size(backend: str, nodes: int, where: str, store_procs: list[psutil.Process],
+             round_store: str | None = None) -> dict[str, Any]:
+    """``round_store``: etcd's round store (the port of a TCPStore the bench serves), where the beats go."""
     counter = [0]
     links = _links(backend, nodes, where, counter)
     started = time.monotonic()
@@ -143,6 +147,8 @@ def one_size(backend: str, nodes: int, where: str, store_procs: list[psutil.Proc
     started = time.monotonic()
     _parallel([lambda link=link: link.join(0) for link in links])
     join_s = time.monotonic() - started
+    if round_store is not None:  # etcd: the round's first node publishes its store (here the bench's)
+        links[0].set_store(0, "127.0.0.1", int(round_store))
     watches = [link.watch(0) for link in links]
     time.sleep(1.0)  # the beats settle
     ops0, cpu0, t0 = counter[0], _cpu(store_procs), time.monotonic()
@@ -219,9 +225,14 @@ def main() -> None:
                 sys.path.insert(0, str(ROOT / "tests"))
                 from etcd_cluster import EtcdCluster
 
-                with EtcdCluster() as cluster:
-                    procs = [psutil.Process(pid) for pid in cluster.pids]
-                    results.append(one_size(backend, nodes, cluster.endpoints, procs))
+                server, port, store_procs = c10d_server()  # the round's own store: the beats go there
+                try:
+                    with EtcdCluster() as cluster:
+                        procs = [psutil.Process(pid) for pid in cluster.pids]
+                        results.append(one_size(backend, nodes, cluster.endpoints, procs, port))
+                finally:
+                    server.kill()
+                    server.wait()
             else:
                 server, port, procs = c10d_server()
                 try:

@@ -35,8 +35,11 @@ FAST = ["--heartbeat-interval", "50", "--election-timeout", "500", "--logger", "
 class EtcdCluster:
     """``members`` etcd processes on 127.0.0.1 that form one cluster; a context manager."""
 
-    def __init__(self, members: int = 3, base_dir: str | Path | None = None, timeout: float = 15.0) -> None:
+    def __init__(self, members: int = 3, base_dir: str | Path | None = None, timeout: float = 15.0,
+                 quota_bytes: int | None = None) -> None:
+        """``quota_bytes``: etcd's --quota-backend-bytes (its NOSPACE alarm is raised past it; default 2 GiB)."""
         self.members = members
+        self.extra = ["--quota-backend-bytes", str(quota_bytes)] if quota_bytes else []
         self.base_dir = base_dir
         self.timeout = timeout
         self.client_ports = [free_port() for _ in range(members)]
@@ -78,7 +81,7 @@ class EtcdCluster:
                     "--listen-peer-urls", f"http://127.0.0.1:{peer}",
                     "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
                     "--initial-cluster", initial, "--initial-cluster-state", "new",
-                    "--initial-cluster-token", token, *FAST]  # fmt: skip
+                    "--initial-cluster-token", token, *FAST, *self.extra]  # fmt: skip
             with open(self.log(i), "wb") as log:
                 proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=env,
                                         start_new_session=True)  # fmt: skip

@@ -17,7 +17,6 @@ created only if absent, as under c10d. What a node costs is flat: core/nodes/etc
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import socket
 import time
@@ -32,11 +31,13 @@ from ...log import logger
 from ..wire.protocol import FailureRecord
 from . import membership
 from .api import RendezvousGone, Round, stopped_record
-from .etcd_client import EtcdClient, KeptLease
+from .etcd_client import EtcdClient, EtcdFull, KeptLease, grpc_code
 from .etcd_keys import EtcdKeys, EtcdRoundWatch, etcd_interval
+from .store_beat import StoreBeat
 
 _FIRST_CONTACT = 5.0  # seconds the first contact with etcd may take, at most
 _NOT_FOUND = 5  # the gRPC status of a put with a lease that is gone
+_LEAVE_WAIT = 10.0  # seconds a round's store host stays for the others to read a record it keeps (etcd full)
 
 
 class EtcdRendezvous:
@@ -51,7 +52,8 @@ class EtcdRendezvous:
         settings = config.rdzv_settings()
         self.config, self.nprocs = config, nprocs
         self.launched = config  # as the user started it: nnodes is MAX, min_nnodes MIN
-        self.client = EtcdClient(config.rdzv_endpoint or "", settings.tls, timeout=config.timeout)
+        self.client = EtcdClient(config.rdzv_endpoint or "", settings.tls, timeout=config.timeout,
+                                 start=config.node_rank or None)  # 0 or not given: arrival numbers it; any member
         self.ttl, self.last_call = settings.ttl, settings.last_call_timeout
         self.me = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self.prefix = f"/mpddp/{config.rdzv_id}/"
@@ -61,6 +63,7 @@ class EtcdRendezvous:
         self._members_of: dict[int, list[str]] = {}  # each round's launchers, by node rank
         self._known_gone: dict[int, set[int]] = {}  # a round's nodes whose lease is known gone (lost, or left)
         self._lease: KeptLease | None = None
+        self._watches: dict[int, EtcdRoundWatch] = {}  # each round's beat: its first failure's writer tells it
 
     # ---- keys ---------------------------------------------------------------------------------------------
 
@@ -74,7 +77,7 @@ class EtcdRendezvous:
         try:
             self.client.call(lambda c: c.put(key, value, lease=lease))
         except exceptions.Etcd3Exception as e:
-            if not (leased and _grpc_code(e) == _NOT_FOUND):
+            if not (leased and grpc_code(e) == _NOT_FOUND):
                 raise
             assert self._lease is not None  # the lease ran out before its thread saw it (a starved machine)
             self._lease.lost = True
@@ -196,7 +199,8 @@ class EtcdRendezvous:
         return self.store(attempt)[1]
 
     def watch(self, attempt: int, share: Callable[[bool], bytes | None] | None = None) -> EtcdRoundWatch:
-        return EtcdRoundWatch(self, attempt, share)
+        self._watches[attempt] = EtcdRoundWatch(self, attempt, share)
+        return self._watches[attempt]
 
     def end_round(self, attempt: int) -> None:
         with contextlib.suppress(RendezvousGone):
@@ -216,8 +220,9 @@ class EtcdRendezvous:
                     return None
                 self.pause(attempt)
         except RendezvousGone:
-            logger.warning("mpddp: etcd went away before every node ended round %d; node %d's ranks had all "
-                           "returned", attempt, me)
+            what = "etcd took no more writes" if self.client.full is not None else "etcd went away"
+            logger.warning("mpddp: %s before every node ended round %d; node %d's ranks had all returned", what,
+                           attempt, me)
             return None
 
     # ---- the round's first failure --------------------------------------------------------------------------
@@ -225,12 +230,35 @@ class EtcdRendezvous:
     def publish(self, attempt: int, record: FailureRecord) -> FailureRecord:
         key = self._key(attempt, "failure")
         mine = replace(record, writer=self.config.node).encode()
-        self.client.call(lambda c: c.create(key, mine))
+        try:
+            if self.client.call(lambda c: c.create(key, mine)):
+                self.tell_failed(attempt)
+        except EtcdFull:  # etcd takes no write: the round's store keeps the record (the first writer wins there)
+            watch = self._watches.get(attempt)
+            if watch is None or (standing := watch.publish(mine)) is None:
+                raise
+            return FailureRecord.decode(standing)
         standing = self._get(key)
         return FailureRecord.decode(standing) if standing else FailureRecord.decode(mine)
 
+    def tell_failed(self, attempt: int) -> None:
+        """The first writer of round ``attempt``'s record (a failure, or a newcomer's admission): FAILED on the
+        round's store, which every node's next beat reads (core/nodes/store_beat.py); through this launcher's
+        watch of the round, else through a client of its own (a newcomer runs no rank in it)."""
+        if (watch := self._watches.get(attempt)) is not None:
+            watch.tell_failed()  # False: its store is gone, and the nodes read etcd's key once theirs fails
+            return
+        from ..wire.store import connect
+
+        with contextlib.suppress(Exception):  # no store: the nodes read etcd's key once theirs fails
+            host, port = self.store(attempt)
+            socket.create_connection((host, port), timeout=1.0).close()  # a gone host refuses at once; torch
+            StoreBeat(attempt, -1).tell_failed(connect(host, port, 2.0))  # would retry until its timeout
+
     def record(self, attempt: int) -> FailureRecord | None:
         data = self._get(self._key(attempt, "failure"))
+        if data is None and self.client.full is not None and (watch := self._watches.get(attempt)) is not None:
+            data = watch.record()  # etcd is full: a record written since is on the round's store
         return FailureRecord.decode(data) if data else None
 
     def stopped(self, attempt: int, cause: BaseException) -> None:
@@ -275,7 +303,8 @@ class EtcdRendezvous:
         return self._count(self._key(attempt, mark + "/")) + unmarked < self.config.nnodes
 
     def mark_waiting(self, attempt: int) -> None:
-        self._mark(attempt, "waiting")
+        with contextlib.suppress(EtcdFull):  # unmarked: the record, on the round's store then, still tells it
+            self._mark(attempt, "waiting")
 
     def waiting(self, attempt: int, nodes: set[int]) -> bool:
         return bool(nodes) and all(self._get(self._key(attempt, "waiting", n)) is not None for n in sorted(nodes))
@@ -291,6 +320,8 @@ class EtcdRendezvous:
         return None  # a round starts with the nodes that joined it: none can be missing from it
 
     def gone_line(self) -> str:
+        if self.client.full is not None:
+            return str(self.client.full)
         return f"etcd at {self.client.endpoints} does not answer, so this node cannot learn what the others saw"
 
     def gone_error(self, local: WorkerFailed) -> RendezvousError:
@@ -308,9 +339,14 @@ class EtcdRendezvous:
         time.sleep(etcd_interval(self.config.nnodes))
 
     def leave(self) -> None:
-        """Done with the job: this launcher's lease goes, and the last launcher to leave removes the job's keys."""
+        """Done with the job: this launcher's lease goes, and the last launcher to leave removes the job's keys.
+        etcd full, the last round's store host first waits for the others to read a record on its store."""
         if not self.reached:
             return
+        last = max(self.rounds, default=None)
+        if self.client.full is not None and last is not None and self.rounds[last].node_rank == 0 and (
+                watch := self._watches.get(last)) is not None:
+            watch.until_read(self.rounds[last].nnodes - 1 - len(self.gone), min(self.config.timeout, _LEAVE_WAIT))
         try:
             self.client.call(lambda c: c.put(self.prefix + "left/" + self.me, "1"), timeout=2.0)
             last = max(self.rounds, default=None)
@@ -321,11 +357,3 @@ class EtcdRendezvous:
         if self._lease is not None:
             self._lease.revoke()
 
-
-def _grpc_code(error: Exception) -> int | None:
-    """The gRPC status code in the gateway's answer to a refused request (5: NOT_FOUND, e.g. a lease gone)."""
-    try:
-        code = json.loads(getattr(error, "detail_text", None) or "{}").get("code")
-    except (ValueError, AttributeError):
-        return None
-    return code if isinstance(code, int) else None

@@ -1,7 +1,7 @@
 """A client of an etcd cluster that uses any member that answers, and this launcher's lease in it.
 
 Owns: :class:`EtcdClient`, etcd's v3 API through ``etcd3gw`` (its HTTP gateway: no generated protobuf code
-to break), tried on each member of ``--rdzv-endpoint`` in turn, so that an etcd member lost mid-job
+to break), tried on each member of ``--rdzv-endpoint`` in turn from a member of its own (launchers spread), so that an etcd member lost mid-job
 restarts nothing; and :class:`KeptLease`, the lease every key of this launcher's liveness is put with,
 refreshed from a daemon thread: when the launcher's machine is lost, etcd deletes those keys by itself
 once the TTL ran out, which is how the other nodes learn of the loss without a beat to read.
@@ -9,26 +9,47 @@ once the TTL ran out, which is how the other nodes learn of the loss without a b
 
 from __future__ import annotations
 
+import json
+import random
 import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
+from ...log import logger
 from ...rendezvous_options import parse_endpoints
 from .api import RendezvousGone
 
 _REQUEST_TIMEOUT = 2.0  # seconds one request to one member may take before the next member is tried
+RESOURCE_EXHAUSTED = 8  # the gRPC status of a refused write: etcd is full (NOSPACE), or rate-limits this client
+
+
+class EtcdFull(RendezvousGone):
+    """etcd refuses every write: its NOSPACE alarm is raised (the database reached its quota)."""
+
+
+def grpc_code(error: Exception) -> int | None:
+    """The gRPC status code in the gateway's answer to a refused request (5: NOT_FOUND, e.g. a lease gone)."""
+    try:
+        code = json.loads(getattr(error, "detail_text", None) or "{}").get("code")
+    except (ValueError, AttributeError):
+        return None
+    return code if isinstance(code, int) else None
 
 
 class EtcdClient:
     """etcd's v3 API on the first member of ``endpoints`` that answers; thread-safe."""
 
-    def __init__(self, endpoints: str, tls: dict[str, str] | None = None, timeout: float = 10.0) -> None:
+    def __init__(self, endpoints: str, tls: dict[str, str] | None = None, timeout: float = 10.0,
+                 start: int | None = None) -> None:
         self.endpoints, self.tls, self.timeout = endpoints, dict(tls or {}), timeout
         self._members = parse_endpoints(endpoints)
-        self._current = 0
+        # Where this launcher starts: launchers spread over the members (etcd3gw talks to one), each moving on
+        # to the next when its member stops answering. ``start``: this node's rank, where it is known.
+        self._current = (random.randrange(len(self._members)) if start is None else start) % len(self._members)
         self._clients: dict[int, Any] = {}
         self._lock = threading.Lock()
+        self.full: EtcdFull | None = None  # once a write was refused for NOSPACE: what every later one raises
 
     def _client(self, index: int) -> Any:
         from etcd3gw.client import Etcd3Client
@@ -54,8 +75,13 @@ class EtcdClient:
                 client = self._client(index)
             try:
                 return op(client)
-            except (exceptions.ConnectionFailedError, exceptions.ConnectionTimeoutError,
-                    exceptions.InternalServerError) as e:
+            except exceptions.Etcd3Exception as e:
+                transient = isinstance(e, (exceptions.ConnectionFailedError, exceptions.ConnectionTimeoutError,
+                                           exceptions.InternalServerError))
+                if not transient and grpc_code(e) == RESOURCE_EXHAUSTED and self._nospace(client):
+                    raise self._full() from None
+                if not transient and grpc_code(e) != RESOURCE_EXHAUSTED:
+                    raise  # refused for what it asked (a lease gone, a compare failed): the caller's to read
                 tried += 1
                 with self._lock:
                     if self._current == index:
@@ -65,6 +91,26 @@ class EtcdClient:
                                          f"last {type(e).__name__})") from e
                 if tried % len(self._members) == 0:
                     time.sleep(0.2)  # every member refused: a moment before the next round of tries
+
+
+    def _nospace(self, client: Any) -> bool:
+        """Whether etcd's NOSPACE alarm is raised (its alarm list, not the error's words: etcd refuses writes with
+        the same status when it only rate-limits a client, which a later try gets through)."""
+        try:
+            alarms = client.post(client.get_url("/maintenance/alarm"), json={"action": "GET"}).get("alarms", [])
+        except Exception:  # noqa: BLE001 - the list cannot be read: take it for a rate limit, tried again
+            return False
+        return any(a.get("alarm") == "NOSPACE" for a in alarms)
+
+    def _full(self) -> EtcdFull:
+        if self.full is None:
+            self.full = EtcdFull(
+                f"etcd at {self.endpoints} is full: its NOSPACE alarm is raised (the database reached its "
+                "--quota-backend-bytes) and it refuses every write; free it (etcdctl compact REV, etcdctl defrag, "
+                "etcdctl alarm disarm) or start it with a larger --quota-backend-bytes")
+            logger.warning("mpddp: %s; ranks that train go on, and a failure is told through the round's store",
+                           self.full)
+        return EtcdFull(*self.full.args)
 
 
 class KeptLease:

@@ -2,19 +2,21 @@
 
 Owns: :class:`EtcdKeys`, core/nodes/membership.py's keys in etcd (arrivals put with the launcher's lease,
 counted without being read; only the launcher that decides reads them), and :class:`EtcdRoundWatch`, a
-round's beat in one request: this node's progress and collectives put, the round's progress and first
-failure read, in one transaction, whatever the number of nodes.
+round's beat, on the round's own TCPStore (core/nodes/store_beat.py): nothing written to etcd a beat.
 """
 
 from __future__ import annotations
 
 import functools
+import threading
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from ..wire import protocol
 from ..wire.protocol import FailureRecord
 from .api import INTERVAL, BeatThread, RendezvousGone
+from .store_beat import StoreBeat
 
 if TYPE_CHECKING:
     from .etcd import EtcdRendezvous
@@ -125,7 +127,8 @@ class EtcdKeys:
 
     def admit(self, attempt: int, record: FailureRecord) -> None:
         key = self.link._key(attempt, "failure")
-        self.link.client.call(functools.partial(_create, key=key, value=record.encode()))
+        if self.link.client.call(functools.partial(_create, key=key, value=record.encode())):
+            self.link.tell_failed(attempt)  # the running nodes read it off their round's store, not etcd
 
     def record(self, attempt: int) -> FailureRecord | None:
         return self.link.record(attempt)
@@ -142,52 +145,103 @@ class EtcdKeys:
 
 
 class EtcdRoundWatch(BeatThread):
-    """One round's beat on etcd, one request a beat: a transaction that puts this node's progress (one shared
-    key: its version counts every node's steps) and collectives when they moved, and reads the progress key
-    and the round's first failure (core/nodes/c10d_watch.py's has the rules)."""
+    """One round's beat on the round's own TCPStore (its first node hosts it; core/nodes/store_beat.py): no
+    request to etcd a beat, so a job that trains for a week writes nothing to etcd's Raft log meanwhile (a put a
+    beat was two Raft writes a node a second and 4 KB of etcd's database a node a second, measured with
+    scripts/bench_etcd_writes.py). The round's first failure is still created in etcd; its writer adds FAILED to
+    the store's progress counter too, which every node's next beat reads. Where the round's store cannot be
+    reached (its node lost), each beat reads the failure key in etcd instead: a read, not a write. Liveness is
+    the lease's (core/nodes/etcd_client.py), never a beat."""
 
     def __init__(self, link: EtcdRendezvous, attempt: int,
                  share: Callable[[bool], bytes | None] | None = None) -> None:
         super().__init__(attempt, share)
         self.link = link
+        self.beat = StoreBeat(attempt, link.config.node)
+        self._store: Any = None  # the round's store, once connected; None again once it stopped answering
+        self._store_lock = threading.Lock()  # the beat's thread and share_now's caller
+        self._read = False  # this node counted its read of another node's record on the store
         self._thread.start()
 
-    def _run(self) -> None:
-        from etcd3gw.utils import _decode, _encode
+    def _connect(self) -> None:
+        """A client of the round's store (each operation of it waits a lease's TTL at most: a frozen host
+        holds the beat no longer than etcd takes to call it lost)."""
+        from datetime import timedelta
 
-        link, node = self.link, self.link.config.node_rank
-        progress, failure = (_encode(link._key(self.attempt, k)) for k in ("progress", "failure"))
-        mine = 0
+        from ..wire.store import connect
+
+        try:
+            host, port = self.link.store(self.attempt)
+            store: Any = connect(host, port, self.link.config.timeout)  # 64 nodes at once took more than 3 s
+            store.set_timeout(timedelta(seconds=self.link.ttl))
+            self._store = store
+        except Exception:  # noqa: BLE001 - RendezvousError, torch's own types: etcd's key alone is read then
+            self._store = None
+
+    def _on_store(self, op: Callable[[Any], Any]) -> Any:
+        """``op(store)`` under the lock; None (and the store forgotten) when the round's store does not answer."""
+        with self._store_lock:
+            if self._store is None:
+                return None
+            try:
+                return op(self._store)
+            except Exception:  # noqa: BLE001 - torch raises several types for a store that is gone
+                self._store = None
+                return None
+
+    def _run(self) -> None:
+        node, mine = self.link.config.node_rank, 0
+        self._connect()
         try:
             while not self._stop.is_set():
-                puts = []
-                if self._progress.is_set():
-                    self._progress.clear()
-                    mine += 1
-                    puts.append({"request_put": {"key": progress, "value": _encode(str(node))}})
-                if self.share is not None and (snapshot := self.share(False)) is not None:
-                    puts.append({"request_put": {"key": _encode(link._key(self.attempt, "calls", node)),
-                                                 "value": _encode(snapshot)}})
-                reads = [{"request_range": {"key": progress}}, {"request_range": {"key": failure}}]
-                answers = link.client.call(functools.partial(_transaction, txn={
-                    "compare": [], "success": puts + reads, "failure": []}))["responses"][len(puts):]
-                found = [a.get("response_range", {}).get("kvs", []) for a in answers]
-                self.remote_progress = (int(found[0][0].get("version", 0)) if found[0] else 0) - mine
-                if found[1] and self.remote_failure is None and (
-                        record := FailureRecord.decode(_decode(found[1][0]["value"]))).node_rank != node:
-                    self.remote_failure = record
+                step = 1 if self._progress.is_set() else 0
+                snapshot = self.share(False) if self.share is not None else None  # when this node's moved
+                total = self._on_store(functools.partial(self.beat.turn, step=step, snapshot=snapshot, beats=None))
+                if total is not None:
+                    if step:
+                        self._progress.clear()
+                    mine += step
+                    self.remote_progress = total % protocol.FAILED - mine
+                if (total is None or total >= protocol.FAILED) and self.remote_failure is None:
+                    if (record := self.link.record(self.attempt)) is not None and record.node_rank != node:
+                        self.remote_failure = record
                 self._stop.wait(INTERVAL)
         except RendezvousGone:
             return
 
     def _put_calls(self, snapshot: bytes) -> None:
-        self.link._put(self.link._key(self.attempt, "calls", self.link.config.node_rank), snapshot)
+        self._on_store(lambda s: self.beat.put_calls(s, snapshot))
+
+    def tell_failed(self) -> bool:
+        """This node wrote the round's record: every node's next beat reads it off the store's counter. False
+        when this watch has no store to tell it on."""
+        def tell(s: Any) -> bool:
+            self.beat.tell_failed(s)
+            return True
+
+        return self._on_store(tell) is not None
+
+    def publish(self, record: bytes) -> bytes | None:
+        """The round's record on its store (etcd is full); the standing one, or None where the store is gone."""
+        return self._on_store(lambda s: self.beat.publish(s, record))
+
+    def record(self) -> bytes | None:
+        """The round's record on its store (etcd is full), counted once as read when another node wrote it."""
+        data = self._on_store(self.beat.record)
+        if data is not None and not self._read and FailureRecord.decode(data).writer != self.beat.node:
+            self._read = True
+            self._on_store(self.beat.count_read)
+        return data
+
+    def until_read(self, others: int, wait: float) -> None:
+        """The round's store host, leaving with the record on its store: stay until ``others`` nodes read it, or
+        ``wait`` seconds (etcd full: the store is the only place the others can learn the truth)."""
+        deadline = time.monotonic() + wait
+        while self._on_store(self.beat.record) is not None and (self._on_store(self.beat.reads) or 0) < others:
+            if time.monotonic() > deadline:
+                return
+            time.sleep(INTERVAL / 5)
 
     def others_calls(self) -> list[bytes]:
-        """The other nodes' last collectives, read once a hang is suspected (one request)."""
-        node = self.link.config.node_rank
-        try:
-            calls = self.link._prefix(self.link._key(self.attempt, "calls/"))
-        except RendezvousGone:
-            return []
-        return [v for k, v in calls.items() if k != str(node)]
+        """The other nodes' last collectives, read once a hang is suspected (three store operations)."""
+        return self._on_store(self.beat.others_calls) or []

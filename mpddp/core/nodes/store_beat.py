@@ -1,0 +1,98 @@
+"""A round's beat on a TCPStore: what both backends' round watches do there (c10d: node 0's store, etcd: the
+round's own, which its first node hosts).
+
+Owns: :class:`StoreBeat`, one node's keys in a round's store and the operations on them: a beat (this node's
+progress added, and every node's read back by the same add, :data:`~mpddp.core.wire.protocol.FAILED` on it once
+the round's record is written; this node's ranks' collectives set when they moved), listing this node among
+those that shared their collectives, and reading the other nodes' (once a hang is suspected); where etcd takes no
+write (its quota full), the round's record, first writer wins. Two operations a beat, however many nodes.
+Leaves which store, its client's lock and what to do when it is gone to the watches (core/nodes/c10d_watch.py,
+core/nodes/etcd_keys.py).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..wire import protocol
+from ..wire.protocol import full_key
+
+
+def read_all(s: Any, keys: list[str]) -> list[bytes]:
+    """The values of ``keys``, which all exist: one operation (torch 2.1, 2.2: one a key)."""
+    if not keys:
+        return []
+    return list(s.multi_get(keys)) if hasattr(s, "multi_get") else [s.get(k) for k in keys]
+
+
+class StoreBeat:
+    """Node ``node``'s beat in round ``attempt``'s store."""
+
+    def __init__(self, attempt: int, node: int) -> None:
+        self.attempt, self.node = attempt, node
+        self.progress = full_key(attempt, protocol.PROGRESS)
+        self.calls = full_key(attempt, protocol.calls_key(node))
+        self.beat = full_key(attempt, protocol.heartbeat_key(node))
+        self.record_key = full_key(attempt, protocol.FAILURE)  # the round's record (etcd: only once it is full)
+        self.read_key = full_key(attempt, protocol.READ)  # how many other nodes read it here
+        self._listed = False  # this node's collectives are in the store, and it is among the SHARERS
+
+    def turn(self, s: Any, step: int, snapshot: bytes | None, beats: int | None) -> int:
+        """This node's ``step`` (0 or 1) added; every node's total back (with FAILED once a record is written).
+        ``snapshot``: this node's collectives, when they moved; ``beats``: its beat count (c10d reads beats for
+        liveness; etcd has leases, and sets none)."""
+        total = int(s.add(self.progress, step))
+        keys: list[str] = [self.beat] if beats is not None else []
+        values: list[str | bytes] = [str(beats)] if beats is not None else []
+        if snapshot is not None:
+            keys, values = [*keys, self.calls], [*values, snapshot]
+        if len(keys) > 1 and hasattr(s, "multi_set"):
+            s.multi_set(keys, values)
+        else:  # one key, or torch 2.1, 2.2
+            for key, value in zip(keys, values):
+                s.set(key, value)
+        if snapshot is not None:
+            self._list(s)
+        return total
+
+    def put_calls(self, s: Any, snapshot: bytes) -> None:
+        s.set(self.calls, snapshot)
+        self._list(s)
+
+    def publish(self, s: Any, record: bytes) -> bytes:
+        """The round's record on the store, where its backend takes no write (etcd full): the first writer wins,
+        and tells it on the progress counter; the standing record back."""
+        standing = s.compare_set(self.record_key, "", record)
+        if standing == record:
+            self.tell_failed(s)
+        return bytes(standing)
+
+    def record(self, s: Any) -> bytes | None:
+        return bytes(s.get(self.record_key)) if s.check([self.record_key]) else None
+
+    def count_read(self, s: Any) -> None:
+        """This node read another node's record here: the store's host waits for every such read to leave."""
+        s.add(self.read_key, 1)
+
+    def reads(self, s: Any) -> int:
+        return int(s.add(self.read_key, 0))
+
+    def tell_failed(self, s: Any) -> None:
+        """The writer of the round's record: every node's next beat reads FAILED off its one add."""
+        s.add(self.progress, protocol.FAILED)
+
+    def _list(self, s: Any) -> None:
+        """Once, after its first collectives are in: this node among the SHARERS (two operations)."""
+        if not self._listed:
+            self._listed = True
+            number = s.add(full_key(self.attempt, protocol.SHARERS), 1)
+            s.set(full_key(self.attempt, protocol.sharer_entry(number)), str(self.node))
+
+    def others_calls(self, s: Any) -> list[bytes]:
+        """The other nodes' last snapshots of their ranks' collectives: three operations, of those that shared."""
+        count = s.add(full_key(self.attempt, protocol.SHARERS), 0)
+        entries = [full_key(self.attempt, protocol.sharer_entry(n)) for n in range(1, count + 1)]
+        if not s.check(entries):  # a node counted, its entry not yet written
+            entries = [k for k in entries if s.check([k])]
+        nodes = sorted({int(v) for v in read_all(s, entries)} - {self.node})
+        return read_all(s, [full_key(self.attempt, protocol.calls_key(n)) for n in nodes])
