@@ -18,6 +18,10 @@ Per backend and size it prints:
                       written to every node's round watch holding it (beat_s: the beat interval)
   next_round_s        from the other nodes' arrival in the next round to their member list (no last call)
   store_cpu_per_s     the store's processes' CPU seconds a second, in steady state
+  raft_writes_per_node_per_s, db_bytes_per_node_per_s, requests_by_member
+                      etcd only, read from its own /metrics over the steady state: Raft proposals
+                      committed and database growth (etcd_mvcc_db_total_size_in_use_in_bytes) a node a
+                      second, and the requests each member served (whether the launchers spread)
 
 and ends with one JSON line ``{"results": [...]}``.
 
@@ -30,10 +34,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -135,9 +141,24 @@ def _cpu(procs: list[psutil.Process]) -> float:
     return sum(sum(p.cpu_times()[:2]) for p in procs)
 
 
+def _metric(port: int, name: str) -> float:
+    """etcd's counter or gauge ``name`` on the member serving clients at ``port``, summed over its labels."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    return sum(float(m.group(1)) for m in re.finditer(rf"^{name}(?:{{[^}}]*}})? (\S+)$", text, re.M))
+
+
+def _etcd_counters(ports: list[int]) -> tuple[float, float, list[float]]:
+    """Raft proposals committed and the database's size in use (every member commits each one: member 0's),
+    and the gRPC requests each member handled."""
+    return (_metric(ports[0], "etcd_server_proposals_committed_total"),
+            _metric(ports[0], "etcd_mvcc_db_total_size_in_use_in_bytes"),
+            [_metric(port, "grpc_server_handled_total") for port in ports])
+
+
 def one_size(backend: str, nodes: int, where: str, store_procs: list[psutil.Process],
-             round_store: str | None = None) -> dict[str, Any]:
-    """``round_store``: etcd's round store (the port of a TCPStore the bench serves), where the beats go."""
+             round_store: str | None = None, etcd_ports: list[int] | None = None) -> dict[str, Any]:
+    """``round_store``: etcd's round store (the port of a TCPStore the bench serves), where the beats go;
+    ``etcd_ports``: its members' client ports, whose /metrics are read."""
     counter = [0]
     links = _links(backend, nodes, where, counter)
     started = time.monotonic()
@@ -151,9 +172,16 @@ def one_size(backend: str, nodes: int, where: str, store_procs: list[psutil.Proc
         links[0].set_store(0, "127.0.0.1", int(round_store))
     watches = [link.watch(0) for link in links]
     time.sleep(1.0)  # the beats settle
+    etcd0 = _etcd_counters(etcd_ports) if etcd_ports else None
     ops0, cpu0, t0 = counter[0], _cpu(store_procs), time.monotonic()
     time.sleep(STEADY)
     steady_ops, steady_s, cpu = counter[0] - ops0, time.monotonic() - t0, _cpu(store_procs) - cpu0
+    etcd: dict[str, Any] = {}
+    if etcd_ports and etcd0 is not None:
+        writes, size, handled = _etcd_counters(etcd_ports)
+        etcd = {"raft_writes_per_node_per_s": round((writes - etcd0[0]) / steady_s / nodes, 3),
+                "db_bytes_per_node_per_s": round((size - etcd0[1]) / steady_s / nodes, 1),
+                "requests_by_member": [round(h - h0) for h, h0 in zip(handled, etcd0[2])]}
     # the failure: the last node's rank raised, its record written; every other node's watch must see it
     last = links[-1]
     node = last.config.node_rank  # its rank in the round (etcd numbers the nodes as they came)
@@ -185,7 +213,7 @@ def one_size(backend: str, nodes: int, where: str, store_procs: list[psutil.Proc
             "ops_per_node_per_s": round(steady_ops / steady_s / nodes, 2), "ops_per_s": round(steady_ops / steady_s),
             "failure_ops_per_node_per_s": round(failure_ops / failure_s / nodes, 2),
             "failure_known_s": round(known_s, 3), "beat_s": api.INTERVAL, "next_round_s": round(next_s, 3),
-            "store_cpu_per_s": round(cpu / steady_s, 3)}
+            "store_cpu_per_s": round(cpu / steady_s, 3), **etcd}
 
 
 def c10d_server() -> tuple[subprocess.Popen[str], str, list[psutil.Process]]:
@@ -229,7 +257,7 @@ def main() -> None:
                 try:
                     with EtcdCluster() as cluster:
                         procs = [psutil.Process(pid) for pid in cluster.pids]
-                        results.append(one_size(backend, nodes, cluster.endpoints, procs, port))
+                        results.append(one_size(backend, nodes, cluster.endpoints, procs, port, cluster.client_ports))
                 finally:
                     server.kill()
                     server.wait()
@@ -248,6 +276,11 @@ def main() -> None:
             for r in results]
     print(f"\n{benchlib.machine()}; beat every {api.INTERVAL} s\n")
     print(benchlib.table(header, rows))
+    for r in results:
+        if "raft_writes_per_node_per_s" in r:
+            print(f"etcd at {r['nodes']} nodes, steady state: {r['raft_writes_per_node_per_s']} Raft writes and "
+                  f"{r['db_bytes_per_node_per_s']} bytes of database a node a second; requests by member "
+                  f"{r['requests_by_member']}")
     for note in notes:
         print(note)
     benchlib.write_json(args.json, {"results": results})

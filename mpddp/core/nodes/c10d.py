@@ -30,7 +30,8 @@ from ..wire import protocol
 from ..wire.protocol import FailureRecord, full_key
 from . import last_word, membership
 from .api import POLL, STALLED_AFTER, RendezvousGone, Round, names, stopped_record
-from .c10d_keys import ABSENT, C10dKeys, first_record, missing_ranks, read_all, take_number
+from .c10d_keys import ABSENT, C10dKeys, first_record, missing_ranks, take_number
+from .store_beat import read_all
 
 if TYPE_CHECKING:
     from .c10d_watch import C10dRoundWatch

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 from ..wire import protocol
 from ..wire.protocol import FailureRecord, full_key
 from .membership import poll_interval
+from .store_beat import read_all
 
 if TYPE_CHECKING:
     from .c10d import C10dRendezvous
@@ -27,13 +28,6 @@ def first_record(s: Any, attempt: int, record: bytes) -> bytes:
     if standing == record:
         s.add(full_key(attempt, protocol.PROGRESS), protocol.FAILED)
     return bytes(standing)
-
-
-def read_all(s: Any, keys: list[str]) -> list[bytes]:
-    """The values of ``keys``, which all exist: one operation (torch 2.1, 2.2: one a key)."""
-    if not keys:
-        return []
-    return list(s.multi_get(keys)) if hasattr(s, "multi_get") else [s.get(k) for k in keys]
 
 
 def missing_ranks(s: Any, attempt: int, world_size: int) -> list[int]:

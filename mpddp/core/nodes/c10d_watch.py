@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from ..wire import protocol
-from ..wire.protocol import full_key
 from .api import INTERVAL, BeatThread, RendezvousGone
-from .c10d_keys import read_all
+from .store_beat import StoreBeat
 
 if TYPE_CHECKING:
     from .c10d import C10dRendezvous
@@ -28,73 +28,34 @@ class C10dRoundWatch(BeatThread):
                  share: Callable[[bool], bytes | None] | None = None) -> None:
         super().__init__(attempt, share)
         self.link = link
-        self._listed = False  # this node's collectives are in the store, and it is among the SHARERS
+        self.beat = StoreBeat(attempt, link.config.node)
         self._thread.start()
 
     def _run(self) -> None:
-        node, attempt = self.link.config.node, self.attempt
-        beat, progress, calls = (full_key(attempt, k) for k in (protocol.heartbeat_key(node), protocol.PROGRESS,
-                                                                 protocol.calls_key(node)))
-        mine = beats = 0
-
-        def turn(s: Any) -> tuple[int, int]:  # two store operations a turn, however many nodes: flat
-            step = 1 if self._progress.is_set() else 0
-            total = s.add(progress, step)  # every node's progress, ours subtracted; FAILED once a record is written
-            snapshot = self.share(False) if self.share is not None else None  # this node's collectives, when they moved
-            if snapshot is None:
-                s.set(beat, str(beats))
-            elif hasattr(s, "multi_set"):
-                s.multi_set([beat, calls], [str(beats), snapshot])
-            else:  # torch 2.1, 2.2
-                s.set(beat, str(beats)), s.set(calls, snapshot)
-            if snapshot is not None:
-                self._list(s)
-            return step, total
-
+        node, mine, beats = self.link.config.node, 0, 0
         try:
             while not self._stop.is_set():
                 beats += 1
-                step, total = self.link.call(turn)
+                step = 1 if self._progress.is_set() else 0
+                snapshot = self.share(False) if self.share is not None else None  # when this node's moved
+                total = self.link.call(functools.partial(self.beat.turn, step=step, snapshot=snapshot, beats=beats))
                 if step:
                     self._progress.clear()
                 mine += step
                 self.remote_progress = total % protocol.FAILED - mine
                 if total >= protocol.FAILED and self.remote_failure is None:  # one more operation, once
-                    if (record := self.link.record(attempt)) is not None and record.node_rank != node:
+                    if (record := self.link.record(self.attempt)) is not None and record.node_rank != node:
                         self.remote_failure = record
                 self._stop.wait(INTERVAL)
         except RendezvousGone:  # node 0 gone: what that means is settled after the local ranks stop
             return
 
     def _put_calls(self, snapshot: bytes) -> None:
-        key = full_key(self.attempt, protocol.calls_key(self.link.config.node))
-
-        def put(s: Any) -> None:
-            s.set(key, snapshot)
-            self._list(s)
-
-        self.link.call(put)
-
-    def _list(self, s: Any) -> None:
-        """Once, after its first collectives are in: this node among the SHARERS (two operations)."""
-        if not self._listed:
-            self._listed = True
-            number = s.add(full_key(self.attempt, protocol.SHARERS), 1)
-            s.set(full_key(self.attempt, protocol.sharer_entry(number)), str(self.link.config.node_rank))
+        self.link.call(lambda s: self.beat.put_calls(s, snapshot))
 
     def others_calls(self) -> list[bytes]:
         """The other nodes' last snapshots of their ranks' collectives (none when node 0's store is gone)."""
-        node, attempt = self.link.config.node, self.attempt
-
-        def read(s: Any) -> list[bytes]:  # once a hang is suspected: three operations, of those that shared
-            count = s.add(full_key(attempt, protocol.SHARERS), 0)
-            entries = [full_key(attempt, protocol.sharer_entry(n)) for n in range(1, count + 1)]
-            if not s.check(entries):  # a node counted, its entry not yet written
-                entries = [k for k in entries if s.check([k])]
-            nodes = sorted({int(v) for v in read_all(s, entries)} - {node})
-            return read_all(s, [full_key(attempt, protocol.calls_key(n)) for n in nodes])
-
         try:
-            return self.link.call(read)
+            return self.link.call(self.beat.others_calls)
         except RendezvousGone:
             return []
