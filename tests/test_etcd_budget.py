@@ -1,5 +1,6 @@
 """etcd used as etcd is meant to be used: a job that trains writes nothing to its Raft log, and an etcd that is full
-(its NOSPACE alarm) is one line on every node, never a traceback or a silent hang.
+(its NOSPACE alarm) is one line on every node, never a traceback or a silent hang; a job that ends leaves no key
+and compacts the history it made.
 
 Real launchers as the nodes of one job, on a real 3-member etcd whose quota (``--quota-backend-bytes``) is 256 KiB:
 when every beat put into etcd (2.0 Raft writes and 4.3 KB a node a second, scripts/bench_etcd_writes.py), three
@@ -92,6 +93,16 @@ def _fail_and_end(tmp_path, runs: list[Run]) -> float:
     return took
 
 
+def _assert_tidy(cluster) -> None:
+    """The job's keys are gone, and etcd's history before its end compacted: a job leaves etcd as flat as it found it."""
+    from etcd3gw.exceptions import Etcd3Exception
+
+    client = cluster.client(0, 5)
+    assert client.get_prefix("/mpddp/budget/") == []
+    with pytest.raises(Etcd3Exception):  # etcd refuses to read a revision that was compacted away
+        client.post(client.get_url("/kv/range"), json={"key": "L21wZGRw", "revision": 2})  # "/mpddp", at revision 2
+
+
 def test_a_job_that_trains_writes_nothing_to_etcd_and_its_failure_is_told_everywhere(tmp_path, small_etcd):
     runs = _job(tmp_path, small_etcd)
     try:
@@ -107,6 +118,7 @@ def test_a_job_that_trains_writes_nothing_to_etcd_and_its_failure_is_told_everyw
         assert grown <= 0, grown
         assert _alarms(small_etcd) == []
         assert _fail_and_end(tmp_path, runs) < 20  # within --timeout; measured 0.3-0.5 s
+        _assert_tidy(small_etcd)
     finally:
         for run in runs:
             run.kill()

@@ -2,7 +2,8 @@
 is special.
 
 Owns: :class:`EtcdRendezvous`, core/nodes/api.py's interface on etcd's own means (its round watch,
-:class:`~mpddp.core.nodes.etcd_keys.EtcdRoundWatch`, reads a round's progress and first failure in one request a beat). Every key lies under ``/mpddp/<rdzv-id>/``;
+:class:`~mpddp.core.nodes.etcd_keys.EtcdRoundWatch`, beats on the round's own store: no write to etcd a beat,
+so a job that trains leaves etcd's Raft log and database still). Every key lies under ``/mpddp/<rdzv-id>/``;
 a round's keys under ``r/<round>/``. Membership is decided per round: each launcher puts ``join/<its id>``;
 once ``MAX`` have joined, or ``MIN`` and no newcomer came for ``last_call_timeout``, the first launcher to
 see it writes ``members`` (a create-if-absent transaction: the first writer wins) and the order of that list
@@ -11,7 +12,9 @@ arrival. So the ranks are compacted when a node is gone. The round's first node 
 store and publishes ``store``. Liveness is the launcher's lease: its ``join`` and ``alive/<node>`` keys are
 put with it, and a node whose keys vanished without ``ended/<node>`` was lost (its launcher, or its
 machine); the alive keys are counted, and read only when the count fell. The first failure is ``failure``,
-created only if absent, as under c10d. What a node costs is flat: core/nodes/etcd_keys.py.
+created only if absent, as under c10d. What a node costs is flat: core/nodes/etcd_keys.py. Each round's first
+node removes the keys of the round before the last and compacts etcd's history; the last launcher to leave
+removes the job's keys.
 """
 
 from __future__ import annotations
@@ -151,7 +154,24 @@ class EtcdRendezvous:
         self.config = replace(self.launched, nnodes=here.nnodes, node_rank=here.node_rank)
         self.gone = set()  # node ranks are the new round's: those lost before are not among them
         self._put(self._key(here.number, "alive", here.node_rank), "1", leased=True)  # counted, not read
+        if here.node_rank == 0:
+            self._tidy(here.number)
         return here
+
+    def _tidy(self, number: int, every: bool = False) -> None:
+        """Round ``number``'s first node, as it starts: round ``number - 2``'s keys go (every node of the job
+        has left it), or ``every`` key of the job (the last launcher to leave), and etcd's history up to now is
+        compacted, so that a job's keys and etcd's revisions stay flat however long it runs (one compaction a
+        round, never a beat). A refusal (another client compacted further) leaves it to the next round."""
+        from etcd3gw import exceptions
+
+        def tidy(c: Any) -> None:
+            if every or number >= 2:
+                c.delete_prefix(self.prefix if every else self._key(number - 2, ""))
+            c.post(c.get_url("/kv/compaction"), json={"revision": int(c.status()["header"]["revision"])})
+
+        with contextlib.suppress(RendezvousGone, exceptions.Etcd3Exception):
+            self.client.call(tidy, timeout=2.0)
 
     def _first_contact(self) -> None:
         """Bad input, before any rank starts, when no member of --rdzv-endpoint answers within a few seconds. The
@@ -351,7 +371,7 @@ class EtcdRendezvous:
             self.client.call(lambda c: c.put(self.prefix + "left/" + self.me, "1"), timeout=2.0)
             last = max(self.rounds, default=None)
             if last is not None and self._count(self.prefix + "left/") >= self.rounds[last].nnodes:
-                self.client.call(lambda c: c.delete_prefix(self.prefix), timeout=2.0)
+                self._tidy(last, every=True)
         except RendezvousGone:
             pass
         if self._lease is not None:
