@@ -145,3 +145,30 @@ def test_an_etcd_that_another_client_fills_is_one_line_on_every_node(tmp_path, s
     finally:
         for run in runs:
             run.kill()
+
+
+def test_a_job_that_starts_on_a_full_etcd_is_one_line_on_every_node(tmp_path, small_etcd):
+    from etcd3gw.exceptions import Etcd3Exception
+
+    client, filled = small_etcd.client(0, 5), 0
+    with pytest.raises(Etcd3Exception):  # another user of the same etcd filled it before the job came
+        while filled < 100:
+            client.put(f"/someone-else/{filled}", "x" * (64 * 1024))
+            filled += 1
+    assert "NOSPACE" in _alarms(small_etcd)
+    (tmp_path / "job.py").write_text(JOB)
+    runs = [Run(["-m", "mpddp", "run", "--nnodes", "2", "--node-rank", str(node), "--nprocs", "1", "--rdzv-backend",
+                 "etcd", "--rdzv-endpoint", small_etcd.endpoints, "--rdzv-id", "full", "--local-addr", "127.0.0.1",
+                 "--timeout", "20", str(tmp_path / "job.py")], tmp_path, env={"FAIL_AT": str(tmp_path / "fail")})
+            for node in range(2)]
+    try:
+        for run in runs:
+            run.proc.wait(60)
+            lines = run.stderr.strip().splitlines()
+            assert run.proc.returncode != 0 and len(lines) == 1, run.stderr
+            assert "is full: its NOSPACE alarm is raised" in lines[0] and "--quota-backend-bytes" in lines[0]
+            assert "STEP" not in run.stdout
+            run.assert_nothing_left()
+    finally:
+        for run in runs:
+            run.kill()

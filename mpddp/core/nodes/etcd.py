@@ -147,9 +147,12 @@ class EtcdRendezvous:
                 previous=max(self.rounds.values(), key=lambda r: r.number, default=None),
                 start_them=f"start the missing launchers with --rdzv-backend etcd --rdzv-endpoint "
                            f"{self.client.endpoints} --rdzv-id {self.launched.rdzv_id}")
+        except EtcdFull as e:
+            raise RendezvousError(f"{e}; round {attempt} cannot start") from None
         except RendezvousGone as e:
             raise RendezvousError(f"{e}: round {attempt} cannot start; start etcd there, or pass the members "
                                   "that run with --rdzv-endpoint host:port,host:port") from None
+        self.client.running = True  # from now on a full etcd is told once, and the ranks go on
         self.rounds[here.number], self._members_of[here.number] = here, members
         self.config = replace(self.launched, nnodes=here.nnodes, node_rank=here.node_rank)
         self.gone = set()  # node ranks are the new round's: those lost before are not among them
@@ -180,6 +183,8 @@ class EtcdRendezvous:
         try:
             if self._lease is None:
                 self._lease = KeptLease(self.client, self.ttl, timeout=wait)
+        except EtcdFull as e:
+            raise RendezvousError(f"{e}; the job cannot start") from None
         except RendezvousGone:
             raise AddressError(f"no etcd member answers at --rdzv-endpoint {self.client.endpoints} (tried for "
                                f"{wait:g} s): start etcd there, or pass the members that run (host:port,...)") from None

@@ -50,6 +50,7 @@ class EtcdClient:
         self._clients: dict[int, Any] = {}
         self._lock = threading.Lock()
         self.full: EtcdFull | None = None  # once a write was refused for NOSPACE: what every later one raises
+        self.running = False  # a job runs on it: a full etcd is then told once, as the ranks go on
 
     def _client(self, index: int) -> Any:
         from etcd3gw.client import Etcd3Client
@@ -108,8 +109,9 @@ class EtcdClient:
                 f"etcd at {self.endpoints} is full: its NOSPACE alarm is raised (the database reached its "
                 "--quota-backend-bytes) and it refuses every write; free it (etcdctl compact REV, etcdctl defrag, "
                 "etcdctl alarm disarm) or start it with a larger --quota-backend-bytes")
-            logger.warning("mpddp: %s; ranks that train go on, and a failure is told through the round's store",
-                           self.full)
+            if self.running:
+                logger.warning("mpddp: %s; ranks that train go on, and a failure is told through the round's "
+                               "store", self.full)
         return EtcdFull(*self.full.args)
 
 
