@@ -228,6 +228,8 @@ class EtcdRendezvous:
         return self._watches[attempt]
 
     def end_round(self, attempt: int) -> None:
+        if self.client.unanswered:
+            return  # etcd just did not answer: the mark would only wait for it again
         with contextlib.suppress(RendezvousGone):
             self._mark(attempt, "ended")
 
@@ -367,6 +369,10 @@ class EtcdRendezvous:
         """Done with the job: this launcher's lease goes, and the last launcher to leave removes the job's keys.
         etcd full, the last round's store host first waits for the others to read a record on its store."""
         if not self.reached:
+            return
+        if self.client.unanswered:  # etcd did not answer the last call: the lease's TTL removes this one's keys
+            if self._lease is not None:
+                self._lease.stop()
             return
         last = max(self.rounds, default=None)
         if self.client.full is not None and last is not None and self.rounds[last].node_rank == 0 and (
