@@ -20,6 +20,7 @@ from ...errors import ConfigError, RendezvousError
 from ...log import logger
 from ..wire.protocol import FailureRecord
 from .api import NotNeeded, Round, resized_record
+from .rules import Outside, Step, join_step, member_order, outside
 
 
 class Keys(Protocol):
@@ -76,20 +77,19 @@ def _size(low: int, high: int) -> str:
 
 def _members(keys: Keys, attempt: int, number: int, low: int, high: int, last_call: float, timeout: float,
              start_them: str) -> list[str]:
-    """The round's launchers once decided. One launcher decides, by the counter alone: the one whose arrival
-    made it ``MAX``, or the last to come once ``MIN`` came and nobody else for ``last_call_timeout`` (the
-    others too, once the count stood still for two looks, in case it is gone). Only that one reads the
-    arrivals, once; the others look at the member list and count the arrivals every fourth
-    look, less often the more launchers there are: flat per node."""
+    """The round's launchers once decided (who decides when: core/nodes/rules.py's :func:`join_step`). Only the
+    one that decides reads the arrivals, once; the others look at the member list and count the arrivals every
+    fourth look, less often the more launchers there are: flat per node."""
     deadline = time.monotonic() + timeout
     seen = number  # how many had come, as last counted
     since = counted = time.monotonic()  # when that count last changed, and when it was read (this machine's clock)
     while True:
         look, now = keys.look(seen), time.monotonic()
-        latest = number == seen  # the last to come: it times the last call
-        if (latest or now - since >= 2 * look) and (seen >= high or (seen >= low and now - since >= last_call)):
+        latest = number == seen  # the last to come: it counts as often as it looks
+        if join_step(came=number, seen=seen, since=since, now=now, look=look, low=low, high=high,
+                     last_call=last_call) is Step.DECIDE:
             arrivals = {m: json.loads(a) for m, a in keys.arrivals(attempt).items()}
-            keys.decide(attempt, json.dumps(sorted(arrivals, key=lambda m: _order(arrivals[m]))[:high]))
+            keys.decide(attempt, json.dumps(sorted(arrivals, key=lambda m: member_order(arrivals[m]))[:high]))
         if (decided := keys.await_decided(attempt, look)) is not None:
             return list(json.loads(decided))
         if time.monotonic() - counted >= (look if latest else 4 * look):  # the others count seldom
@@ -107,18 +107,10 @@ def poll_interval(nodes: int) -> float:
     return min(1.0, max(0.1, nodes / 1000))
 
 
-def _order(arrival: dict[str, object]) -> tuple[float, float, float]:
-    """A launcher's place: its old node rank first, then its --node-rank (none: after those given), then when
-    it came."""
-    old, rank, since = arrival.get("old"), arrival.get("rank"), arrival.get("since")
-    return (float(old) if isinstance(old, int) else float("inf"), float(rank) if isinstance(rank, int) else float("inf"),
-            float(since) if isinstance(since, (int, float)) else 0.0)
-
-
 def _wait_outside(keys: Keys, attempt: int, members: list[str], high: int, size: str) -> None:
     """Round ``attempt`` runs without this launcher: have it restart to admit this one (below MAX), or wait as a
     spare; return once the round has ended (its record is written, or none of its members is left)."""
-    if len(members) < high:
+    if outside(len(members), high) is Outside.ADMIT:
         keys.admit(attempt, resized_record(socket.gethostname(), len(members)))
     else:
         logger.warning("mpddp: the job runs on %d node(s), its --nnodes %s allows no more: this node waits as a "

@@ -1,0 +1,54 @@
+"""The rules of a round's membership as pure functions: what a launcher does next, from what it has seen and now.
+
+Owns: :func:`join_step` (decide the member list now, or look again), :func:`member_order` (the order of the list,
+which is the round's node ranks) and :func:`outside` (a launcher that came to a round decided without it: admitted
+by a restart, or a spare). Each takes plain values (counts, seconds from the caller's clock) and returns a value:
+no store, no sleep, so tests/test_rules.py checks them in milliseconds with injected time. core/nodes/membership.py
+carries them out over a backend's keys.
+"""
+
+from __future__ import annotations
+
+import enum
+
+
+class Step(enum.Enum):
+    """What a launcher that waits for a round's member list does next."""
+
+    DECIDE = "decide"  # write the member list, created only if absent: the first writer wins
+    LOOK = "look"  # look at the list (and now and then at the arrivals' count) again
+
+
+class Outside(enum.Enum):
+    """A launcher that came to a round already decided without it."""
+
+    ADMIT = "admit"  # the round is below MAX: its nodes restart with this one (no restart count pays for it)
+    SPARE = "spare"  # the round is full: wait, and take a lost node's place at the next round
+
+
+def join_step(*, came: int, seen: int, since: float, now: float, look: float, low: int, high: int,
+              last_call: float) -> Step:
+    """One launcher decides, by the arrival counter alone: the one whose arrival made ``MAX`` (``high``), or the last
+    to come once ``MIN`` (``low``) came and nobody else for ``last_call`` seconds; the others too, once the count
+    stood still for two looks, in case the last to come is gone. ``came``: how many had come with this launcher's
+    arrival; ``seen``: how many have come, as last counted, ``since`` when that count last changed."""
+    latest = came == seen  # the last to come: it times the last call
+    if not (latest or now - since >= 2 * look):
+        return Step.LOOK
+    if seen >= high or (seen >= low and now - since >= last_call):
+        return Step.DECIDE
+    return Step.LOOK
+
+
+def member_order(arrival: dict[str, object]) -> tuple[float, float, float]:
+    """A launcher's place in the member list: its old node rank first (the last round's nodes keep their order, so
+    the ranks are compacted when a node is gone), then its --node-rank (none: after those given), then when it
+    came."""
+    old, rank, since = arrival.get("old"), arrival.get("rank"), arrival.get("since")
+    return (float(old) if isinstance(old, int) else float("inf"), float(rank) if isinstance(rank, int) else float("inf"),
+            float(since) if isinstance(since, (int, float)) else 0.0)
+
+
+def outside(members: int, high: int) -> Outside:
+    """A round of ``members`` nodes decided without this launcher, under ``--nnodes MIN:high``."""
+    return Outside.ADMIT if members < high else Outside.SPARE

@@ -1,0 +1,61 @@
+"""The rules of a round's membership (core/nodes/rules.py), one state in and one step out, with injected time:
+no process, no store, no sleep."""
+
+from __future__ import annotations
+
+import pytest
+
+from mpddp.core.nodes.rules import Outside, Step, join_step, member_order, outside
+
+LOOK, LAST_CALL = 0.1, 3.0
+
+
+@pytest.mark.parametrize("came, seen, waited, low, high, step", [
+    (4, 4, 0.0, 2, 4, Step.DECIDE),   # this arrival made MAX: it decides at once
+    (2, 2, 0.0, 2, 4, Step.LOOK),     # MIN came: the last call runs
+    (2, 2, 2.9, 2, 4, Step.LOOK),
+    (2, 2, 3.0, 2, 4, Step.DECIDE),   # MIN, and nobody else for last_call_timeout: the last to come decides
+    (3, 3, 3.0, 2, 4, Step.DECIDE),
+    (1, 1, 60.0, 2, 4, Step.LOOK),    # below MIN: nobody decides, however long (the caller's --timeout ends it)
+    (2, 4, 0.0, 2, 4, Step.LOOK),     # MAX came, but not with this one: the last to come decides ...
+    (2, 4, 0.15, 2, 4, Step.LOOK),
+    (2, 4, 0.2, 2, 4, Step.DECIDE),   # ... unless the count stood still for two looks (it may be gone)
+    (1, 2, 0.5, 2, 4, Step.LOOK),     # not the last, still for two looks, but MIN's last call still runs
+    (1, 2, 3.0, 2, 4, Step.DECIDE),
+    (5, 5, 0.0, 4, 4, Step.DECIDE),   # more than MAX came: decided, the list takes MAX of them
+    (1, 1, 0.0, 1, 1, Step.DECIDE),   # one node
+])
+def test_who_decides_the_member_list_and_when(came, seen, waited, low, high, step):
+    now = 1000.0  # the caller's monotonic clock: only differences count
+    assert join_step(came=came, seen=seen, since=now - waited, now=now, look=LOOK, low=low, high=high,
+                     last_call=LAST_CALL) is step
+
+
+def test_the_last_call_is_timed_from_the_last_arrival_not_the_first():
+    """A newcomer every 2 s keeps the round open (last_call 3 s); the step after the last one's 3 s decides."""
+    arrivals = [0.0, 2.0, 4.0, 6.0]
+    for t in (6.0, 7.0, 8.9):
+        assert join_step(came=4, seen=4, since=arrivals[-1], now=t, look=LOOK, low=2, high=8,
+                         last_call=LAST_CALL) is Step.LOOK
+    assert join_step(came=4, seen=4, since=arrivals[-1], now=9.0, look=LOOK, low=2, high=8,
+                     last_call=LAST_CALL) is Step.DECIDE
+
+
+def test_the_member_order_keeps_the_old_nodes_then_the_given_ranks_then_arrival():
+    arrivals = {
+        "late-given-1": {"old": None, "rank": 1, "since": 50.0},
+        "old-2": {"old": 2, "rank": None, "since": 40.0},
+        "new-early": {"old": None, "rank": None, "since": 10.0},
+        "old-0": {"old": 0, "rank": 5, "since": 30.0},
+        "new-late": {"old": None, "rank": None, "since": 20.0},
+        "garbled": {"old": "x", "rank": "y", "since": "z"},  # a value of another type sorts last, never raises
+    }
+    assert sorted(arrivals, key=lambda m: member_order(arrivals[m])) == [
+        "old-0", "old-2", "late-given-1", "garbled", "new-early", "new-late"]
+
+
+@pytest.mark.parametrize("members, high, verdict", [
+    (1, 2, Outside.ADMIT), (3, 4, Outside.ADMIT), (4, 4, Outside.SPARE), (2, 2, Outside.SPARE),
+])
+def test_a_launcher_outside_a_decided_round_is_admitted_below_max_else_a_spare(members, high, verdict):
+    assert outside(members, high) is verdict
