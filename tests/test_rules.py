@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from mpddp.core.nodes.rules import Outside, Step, join_step, member_order, outside
+from mpddp.core.nodes.rules import NodeState, Outside, Step, join_step, member_order, move, outside
 
 LOOK, LAST_CALL = 0.1, 3.0
 
@@ -59,3 +59,30 @@ def test_the_member_order_keeps_the_old_nodes_then_the_given_ranks_then_arrival(
 ])
 def test_a_launcher_outside_a_decided_round_is_admitted_below_max_else_a_spare(members, high, verdict):
     assert outside(members, high) is verdict
+
+
+@pytest.mark.parametrize("current, target, counters", [
+    (NodeState.RUNNING, NodeState.WAITING, ("waiting", "quiet")),
+    (NodeState.RUNNING, NodeState.RETURNED, ("returned", "quiet", "done")),
+    (NodeState.RUNNING, NodeState.ENDED, ("ended", "quiet", "done")),
+    (NodeState.WAITING, NodeState.ENDED, ("ended", "quiet", "done")),
+    (NodeState.RETURNED, NodeState.WAITING, ("waiting", "quiet")),  # the round's record came after its ranks returned
+    (NodeState.RETURNED, NodeState.ENDED, ("ended", "quiet", "done")),
+    (NodeState.RUNNING, NodeState.RUNNING, None),  # the same state again: nothing written
+    (NodeState.ENDED, NodeState.ENDED, None),
+    (NodeState.ENDED, NodeState.WAITING, None),  # out of ENDED: the round is over for this node
+    (NodeState.LOST, NodeState.ENDED, None),  # a node its lease called lost never comes back into the round
+    (NodeState.RUNNING, NodeState.LOST, None),  # no node writes LOST of itself
+])
+def test_every_move_of_a_node_in_a_round_goes_through_one_function(current, target, counters):
+    assert move(current, target) == counters
+
+
+def test_every_state_a_node_moves_to_counts_it_quiet_and_only_returned_or_ended_count_it_done():
+    """What the other nodes count: QUIET (its ranks no longer run) and DONE (its ranks ended)."""
+    for state in NodeState:
+        for target in NodeState:
+            counters = move(state, target)
+            if counters is not None:
+                assert "quiet" in counters and target.value in counters
+                assert ("done" in counters) == (target in (NodeState.RETURNED, NodeState.ENDED))

@@ -20,6 +20,7 @@ removes the job's keys.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import socket
 import time
@@ -36,6 +37,7 @@ from . import membership
 from .api import RendezvousGone, Round, stopped_record
 from .etcd_client import EtcdClient, EtcdFull, KeptLease, grpc_code
 from .etcd_keys import EtcdKeys, EtcdRoundWatch, etcd_interval
+from .rules import NodeState, move
 from .store_beat import StoreBeat
 
 _FIRST_CONTACT = 5.0  # seconds the first contact with etcd may take, at most
@@ -66,6 +68,7 @@ class EtcdRendezvous:
         self._members_of: dict[int, list[str]] = {}  # each round's launchers, by node rank
         self._known_gone: dict[int, set[int]] = {}  # a round's nodes whose lease is known gone (lost, or left)
         self._lease: KeptLease | None = None
+        self._states: dict[int, NodeState] = {}  # this node's state in each round, as last written
         self._watches: dict[int, EtcdRoundWatch] = {}  # each round's beat: its first failure's writer tells it
 
     # ---- keys ---------------------------------------------------------------------------------------------
@@ -111,15 +114,32 @@ class EtcdRendezvous:
                 for k, v in pairs.items()]
         self.client.call(lambda c: c.transaction({"compare": [], "success": puts, "failure": []}))
 
-    def _mark(self, attempt: int, *marks: str) -> None:
-        """This node's ``marks`` in the round (``waiting``, ``returned``, ``ended``), and ``quiet`` (all three)
-        and ``done`` (the last two) beside them, which the others count without reading them."""
+    def _move(self, attempt: int, target: NodeState) -> None:
+        """This node's record in round ``attempt`` moved to ``target`` (core/nodes/rules.py's :func:`move` says
+        whether it may), and the node entered in the target's counters, which the others count without reading
+        them: one transaction, which compares the record with what this node last wrote there."""
+        from etcd3gw.utils import _decode, _encode
+
         me = self.config.node_rank
-        pairs: dict[str, str | bytes] = {self._key(attempt, m, me): repr(time.time()) for m in marks}
-        pairs[self._key(attempt, "quiet", me)] = "1"
-        if set(marks) & {"returned", "ended"}:
-            pairs[self._key(attempt, "done", me)] = "1"
-        self._put_all(pairs)
+        key = self._key(attempt, "state", me)
+        current: NodeState | None = self._states.get(attempt, NodeState.RUNNING)  # None: no record (yet)
+        for _ in range(2):  # a compare that failed: the record as etcd holds it, once more
+            if (counters := move(current or NodeState.RUNNING, target)) is None:
+                return
+            puts = [{"request_put": {"key": _encode(self._key(attempt, c, me)), "value": _encode(repr(time.time()))}}
+                    for c in counters]
+            same = ({"target": "VALUE", "result": "EQUAL", "value": _encode(current.value)} if current is not None
+                    else {"target": "VERSION", "result": "EQUAL", "version": 0})
+            txn = {"compare": [{"key": _encode(key), **same}],
+                   "success": [*puts, {"request_put": {"key": _encode(key), "value": _encode(target.value)}}],
+                   "failure": [{"request_range": {"key": _encode(key)}}]}
+            answer = self.client.call(functools.partial(_transaction, txn=txn))
+            if answer.get("succeeded"):
+                self._states[attempt] = target
+                return
+            found = answer["responses"][0].get("response_range", {}).get("kvs")
+            current = NodeState(_decode(found[0]["value"]).decode()) if found else None
+        raise RendezvousError(f"node {me}'s record in round {attempt} moves under it: another launcher writes it")
 
     def _lease_object(self) -> Any:
         from etcd3gw.lease import Lease
@@ -156,6 +176,7 @@ class EtcdRendezvous:
         self.rounds[here.number], self._members_of[here.number] = here, members
         self.config = replace(self.launched, nnodes=here.nnodes, node_rank=here.node_rank)
         self.gone = set()  # node ranks are the new round's: those lost before are not among them
+        self._put_all({self._key(here.number, "state", here.node_rank): NodeState.RUNNING.value})  # its record
         self._put(self._key(here.number, "alive", here.node_rank), "1", leased=True)  # counted, not read
         if here.node_rank == 0:
             self._tidy(here.number)
@@ -231,14 +252,14 @@ class EtcdRendezvous:
         if self.client.unanswered:
             return  # etcd just did not answer: the mark would only wait for it again
         with contextlib.suppress(RendezvousGone):
-            self._mark(attempt, "ended")
+            self._move(attempt, NodeState.ENDED)
 
     def finish(self, attempt: int) -> FailureRecord | None:
         """This node's ranks all returned: wait for the others' (or their end, or their loss); the round's
         record if one is written meanwhile (as core/nodes/c10d.py's, whose docstring says why)."""
         me = self.config.node_rank
         try:
-            self._mark(attempt, "returned")
+            self._move(attempt, NodeState.RETURNED)
             while True:
                 pending = self._short_of(attempt, "done")
                 if (record := self.record(attempt)) is not None:
@@ -331,7 +352,7 @@ class EtcdRendezvous:
 
     def mark_waiting(self, attempt: int) -> None:
         with contextlib.suppress(EtcdFull):  # unmarked: the record, on the round's store then, still tells it
-            self._mark(attempt, "waiting")
+            self._move(attempt, NodeState.WAITING)
 
     def waiting(self, attempt: int, nodes: set[int]) -> bool:
         return bool(nodes) and all(self._get(self._key(attempt, "waiting", n)) is not None for n in sorted(nodes))
@@ -388,3 +409,6 @@ class EtcdRendezvous:
         if self._lease is not None:
             self._lease.revoke()
 
+
+def _transaction(client: Any, txn: dict[str, Any]) -> Any:
+    return client.transaction(txn)

@@ -1,8 +1,9 @@
 """The rules of a round's membership as pure functions: what a launcher does next, from what it has seen and now.
 
-Owns: :func:`join_step` (decide the member list now, or look again), :func:`member_order` (the order of the list,
-which is the round's node ranks) and :func:`outside` (a launcher that came to a round decided without it: admitted
-by a restart, or a spare). Each takes plain values (counts, seconds from the caller's clock) and returns a value:
+Owns: :class:`NodeState`, a node's life in a round, and :func:`move`, the one transition function (which moves
+are allowed, and which counters a move enters the node in); :func:`join_step` (decide the member list now, or look
+again), :func:`member_order` (the order of the list, which is the round's node ranks) and :func:`outside` (a
+launcher that came to a round decided without it: admitted by a restart, or a spare). Each takes plain values (counts, seconds from the caller's clock) and returns a value:
 no store, no sleep, so tests/test_rules.py checks them in milliseconds with injected time. core/nodes/membership.py
 carries them out over a backend's keys.
 """
@@ -10,6 +11,33 @@ carries them out over a backend's keys.
 from __future__ import annotations
 
 import enum
+
+
+class NodeState(enum.Enum):
+    """A node's life in a round: its record there, moved only by :func:`move`. LOST is no node's own word: its
+    lease ran out (etcd) or its beat stood still (c10d) before it ENDED."""
+
+    RUNNING = "running"  # joined the round: its ranks run
+    WAITING = "waiting"  # its ranks stopped on a failure: it waits for the round's record of the cause
+    RETURNED = "returned"  # its ranks all returned: it waits for the other nodes' ends
+    ENDED = "ended"  # done with the round
+    LOST = "lost"
+
+
+# The counters a node in each state is entered in (a key a node under each, counted without being read): QUIET,
+# every node whose ranks no longer run; DONE, those whose ranks ended.
+COUNTERS = {NodeState.RUNNING: (), NodeState.WAITING: ("waiting", "quiet"),
+            NodeState.RETURNED: ("returned", "quiet", "done"), NodeState.ENDED: ("ended", "quiet", "done")}
+_MOVES = {NodeState.RUNNING: {NodeState.WAITING, NodeState.RETURNED, NodeState.ENDED},
+          NodeState.WAITING: {NodeState.RETURNED, NodeState.ENDED},
+          NodeState.RETURNED: {NodeState.WAITING, NodeState.ENDED},  # its record came after its ranks returned
+          NodeState.ENDED: set(), NodeState.LOST: set()}
+
+
+def move(current: NodeState, target: NodeState) -> tuple[str, ...] | None:
+    """The counters a node's move from ``current`` to ``target`` enters it in; None when it is no move (the same
+    state again, or out of ENDED or LOST): nothing is written then."""
+    return COUNTERS[target] if target in _MOVES[current] else None
 
 
 class Step(enum.Enum):
