@@ -122,9 +122,10 @@ def _store_socket(config: LaunchConfig) -> tuple[LaunchConfig, socket.socket | N
     port free) is node 0 and hosts the store; any other joins it as a client and is numbered as it comes
     (core/nodes/c10d.py). The bind decides, and is kept: two launchers on one machine cannot both be node 0.
     """
+    from ..nodes.backends import hosts_round_store
     from ..nodes.rendezvous import listen, try_listen
 
-    if config.rdzv_backend == "etcd":  # each round's store is its first node's, whatever its number (core/launcher/job.py)
+    if hosts_round_store(config):  # each round's store is its first node's, whatever its number (core/launcher/job.py)
         return config, None
     if config.node_rank == 0:
         return config, listen(config.master_addr, config.master_port)
@@ -138,7 +139,8 @@ def run_node(config: LaunchConfig, payload: bytes, init_process_group: bool, pre
              listening: socket.socket | None = None) -> list[Any]:
     """This node's ranks, from a checked config and a shipped ``fn``: the forkserver, the plan, the attempts.
 
-    ``listening``: node 0's rendezvous socket, already listening (a ``--hosts`` node, core/launcher/hosts_node.py).
+    ``listening``: node 0's socket for the job's store, already listening (:func:`_store_socket`'s, or a ``--hosts``
+    node's, core/launcher/hosts_node.py); None on the other nodes, and where each round's first node hosts its store.
     """
     LAUNCHING.set()  # the command line's start-up handler (exit_on_interrupt) now leaves Ctrl-C to the teardown
     with stacks.on_demand(), interrupts_deferred():  # SIGUSR1: where is every rank (from the first moment)

@@ -1,15 +1,19 @@
 """One job from start to end: its store, its rounds, and the restart loop.
 
 Owns: what lives for the whole job and is built once (:class:`Job`: the config, the plan, the start method's
-context, ``fn`` shipped by value, the rendezvous), the store server (c10d: node 0's, on the one port every node
-finds, for the whole job; etcd: each round's, on the round's first node), the rounds (who is in each, the
-plan of this node's ranks in it) and what a failed round becomes: a restart while ``max_restarts`` allows (one
-that admits a node is free), else the report. A store server lost is replaced for the next round on one node
-and under etcd; under c10d on several nodes the others could not find a new one, so the job ends there.
+context, ``fn`` shipped by value, the rendezvous), the store servers this node hosts (node 0's for the whole
+job, or a round's own when the rendezvous places it here: :meth:`~mpddp.core.nodes.api.Rendezvous.round_store`
+says where, and what its loss means), the rounds (who is in each, the plan of this node's ranks in it), and the
+restart loop: a failed round is a :class:`Failed`, and :func:`next_step` decides what follows: a restart while
+``max_restarts`` allows (one that admits a node is free), else the end, with the report. A store server lost
+is replaced for the next round on one node, and by the next round's own where each round has one; where one
+store serves every round of several nodes, the others could not find a new one, so the job ends there.
+This module never asks which backend runs: only the rendezvous' answers.
 """
 
 from __future__ import annotations
 
+import enum
 import socket
 import time
 from dataclasses import dataclass, field
@@ -19,7 +23,7 @@ from ...config import LaunchConfig
 from ...errors import AddressError, ConfigError, Outcome, RestartsExhausted, StoreLost, WorkerFailed
 from ...log import logger
 from ..nodes import last_word, rendezvous, store_server
-from ..nodes.api import NotNeeded, Rendezvous
+from ..nodes.api import NotNeeded, Rendezvous, Round, RoundStore
 from ..nodes.backends import open_rendezvous
 from ..nodes.store_server import StoreServer
 from ..wire import protocol
@@ -39,22 +43,24 @@ class Job:
     mp_context: Any
     payload: bytes  # cloudpickle of (fn, args, kwargs, notebook cells' lines)
     init_group: bool  # False: fn (or the script) calls init_process_group itself
-    port: int  # node 0's store, for the whole job
-    store: StoreServer | None = None  # node 0 only
+    port: int  # the round's store: node 0's, for the whole job, or the round's own
+    store: StoreServer | None = None  # the store server this node hosts (node 0's, or the round's first node's)
     # A script that calls init_process_group("env://") itself (init_group False) uses MASTER_PORT's store with no
     # prefix of its own: from the second round on it gets a fresh store of the round's (core/launcher/job.py).
     script_port: int | None = None
     script_store: StoreServer | None = None  # node 0 only
     link: Rendezvous | None = None  # several nodes only: what the nodes agree on (core/nodes/api.py)
+    round_store: RoundStore | None = None  # several nodes: where the round's store listens, as the link placed it
     lags: stragglers.Stragglers = field(default_factory=stragglers.Stragglers)  # arrivals at collectives, job-wide
     intruder: bool = False  # another launcher holds this node rank: the job's keys are not this one's to touch
     last_store: StoreServer | None = None  # node 0 of several, its store server lost: the store of why, for the others
 
     def open_last_word(self, attempt: int, loss: str) -> None:
-        """Node 0 of several (c10d), its store server just lost (``loss`` says how): a fresh one on the same port,
-        before the teardown, with the loss as round ``attempt``'s record (core/nodes/last_word.py). The other
-        nodes tell it as this one does, not "node 0 is gone"; :func:`_close_last_word` ends it."""
-        if self.link is None or self.store is None or self.link.hosts_round_store or self.last_store is not None:
+        """Node 0 of several, whose store serves every round, its store server just lost (``loss`` says how): a
+        fresh one on the same port, before the teardown, with the loss as round ``attempt``'s record
+        (core/nodes/last_word.py). The other nodes tell it as this one does, not "node 0 is gone";
+        :func:`_close_last_word` ends it."""
+        if self.link is None or self.store is None or not self.one_store or self.last_store is not None:
             return
         try:
             self.last_store = _start_store(self.mp_context, rendezvous.listen(self.config.master_addr, self.port),
@@ -69,22 +75,26 @@ class Job:
     def config(self) -> LaunchConfig:
         return self.plan.config
 
+    @property
+    def one_store(self) -> bool:
+        """One store serves every round (node 0's, or the single node's), not each round its own."""
+        return self.round_store is None or self.round_store.serves_every_round
 
 
 def run_job(plan: Plan, mp_context: Any, payload: bytes, init_group: bool, listening: socket.socket | None) -> list[Any]:
-    """Every attempt of this node's part of the job, with the store up from the first to the last."""
+    """Every attempt of this node's part of the job, with the store up from the first to the last.
+
+    ``listening``: node 0's socket for the job's store (core/launcher/api.py binds it where one store serves every
+    round); without it, the rendezvous places each round's store, on a single node too."""
     config = plan.config
-    etcd = config.rdzv_backend == "etcd"  # each round's first node hosts the round's store (_join)
-    sock = listening or (rendezvous.listen(config.master_addr, config.master_port)
-                         if config.node_rank == 0 and not etcd else None)
-    port = sock.getsockname()[1] if sock is not None else config.master_port
+    port = listening.getsockname()[1] if listening is not None else config.master_port
     job = Job(plan, mp_context, payload, init_group, port)
-    if config.nnodes > 1 or etcd:
-        job.link = open_rendezvous(config, port, plan.nprocs)  # c10d: it connects once the ranks run (its watch)
+    if config.nnodes > 1 or listening is None:
+        job.link = open_rendezvous(config, port, plan.nprocs)  # it may connect only once the ranks run (its watch)
     values = None
     try:
-        if sock is not None:
-            job.store = _start_store(mp_context, sock, config)
+        if listening is not None:
+            job.store = _start_store(mp_context, listening, config)
         try:
             values = _attempts(job)
         except NotNeeded as spare:
@@ -99,8 +109,8 @@ def run_job(plan: Plan, mp_context: Any, payload: bytes, init_group: bool, liste
         for store in (job.store, job.script_store):
             if store is not None:
                 _stop_store(store)
-        if sock is not None:
-            sock.close()
+        if listening is not None:
+            listening.close()
         launch_ended()  # every process the forkserver started is gone: it may go too, in the command line
 
 
@@ -123,56 +133,93 @@ def _tell_lags(job: Job, succeeded: bool) -> None:
         logger.warning("mpddp: could not draw the timeline %s (%s: %s)", path, type(e).__name__, e)
 
 
+class Step(enum.Enum):
+    """What follows a failed round."""
+
+    ADMIT = "admit"  # a node arrived: every node restarts to admit it, not counted against --max-restarts
+    RESTART = "restart"  # counted against --max-restarts
+    END = "end"  # the job ends with the failure's report
+
+
+@dataclass(frozen=True)
+class Failed:
+    """A round that failed, as the restart rule reads it: what the attempt raised and what became of its store."""
+
+    error: WorkerFailed | StoreLost
+    store_lost: bool  # the round's store is gone: this node's server, or the one its ranks met in
+    lost: str | None  # one store served every round of several nodes: why its loss ends the job (RoundStore.lost)
+
+    @property
+    def resized(self) -> bool:
+        """Every node stopped to admit a node that arrived: no failure (core/nodes/api.py's resized_record)."""
+        failures = self.error.failures if isinstance(self.error, WorkerFailed) else []
+        return bool(failures) and failures[0].outcome is Outcome.RESIZED
+
+
+def next_step(failed: Failed, restarts: int, max_restarts: int) -> Step:
+    """What follows ``failed`` after ``restarts`` counted restarts (pure): a node's arrival is admitted for free
+    (torchrun's rule); restarts used up, or a lost store no other node can replace, end the job."""
+    if failed.resized:
+        return Step.ADMIT
+    if restarts == max_restarts or (failed.store_lost and failed.lost is not None):
+        return Step.END
+    return Step.RESTART
+
+
 def _attempts(job: Job) -> list[Any]:
-    """Run the group, and again after a failure while restarts are left (a restart that admits a node that
-    arrived is free, as torchrun's). ``attempt`` is the round: the backend may start this node at a later one."""
-    config = job.config
+    """Run the group, and again after a failure while :func:`next_step` says so. ``attempt`` is the round: the
+    backend may start this node at a later one."""
     attempt = restarts = 0
-    numbered = config.node_rank is None  # the backend's join numbers this node (no --node-rank: torchrun's c10d)
     while True:
-        if job.link is not None and (job.link.hosts_round_store or config.min_nnodes < config.nnodes or numbered):
-            if attempt and not job.init_group and not job.link.hosts_round_store:
-                _new_script_store(job, attempt)  # c10d's node 0, before the others read its port
-            attempt = _join(job, attempt)
-        elif attempt:
-            if not job.init_group:
-                _new_script_store(job, attempt)
-            if job.link is not None:
-                job.link.join(attempt)  # a restart starts its ranks once every node's launcher is there
-                if not job.init_group and job.store is None:
-                    job.script_port = job.link.script_port(attempt)
+        attempt = _begin(job, attempt)
         try:
             return run_group(job, attempt)
         except KeyboardInterrupt:  # the teardown has already run, in run_group's finally
             raise KeyboardInterrupt("mpddp: interrupted; every worker was stopped") from None
-        except (WorkerFailed, StoreLost) as failure:
-            resized = isinstance(failure, WorkerFailed) and bool(failure.failures) and (
-                failure.failures[0].outcome is Outcome.RESIZED)
-            store_lost = isinstance(failure, StoreLost) or (job.store is not None and job.store.lost)
-            fixed_store = job.link is not None and not job.link.hosts_round_store  # c10d: node 0's, job-long
-            if not resized and (restarts == config.max_restarts or (store_lost and fixed_store)):
+        except (WorkerFailed, StoreLost) as error:
+            failed = _failed(job, error)
+            step = next_step(failed, restarts, job.config.max_restarts)
+            if step is Step.END:
                 _close_last_word(job, wait=True)  # node 0, its store server lost: once the others have read why
-                final = _final(failure, config.max_restarts, several_nodes=job.link is not None)
-                if final is failure:
+                final = _final(failed, job.config.max_restarts)
+                if final is error:
                     raise  # as it is: its __cause__ is the failing rank's own exception
-                raise final from failure
-            if job.link is None and job.store is not None and (job.store.lost or job.store.stalled()):
-                _replace_store(job)
-            # the cause's line, so that a run that recovers still says what went wrong
-            said = ("mpddp: " if isinstance(failure, StoreLost) else "") + str(failure).splitlines()[0]
-            if resized:
-                logger.warning("%s", said)
-            else:
-                restarts += 1
-                logger.warning("%s\nmpddp: restarting the group (%d of %d)", said, restarts, config.max_restarts)
+                raise final from error
+            restarts += step is Step.RESTART
+            _restart(job, failed, step, restarts)
             attempt += 1
 
 
+def _failed(job: Job, error: WorkerFailed | StoreLost) -> Failed:
+    lost = isinstance(error, StoreLost) or (job.store is not None and job.store.lost)
+    return Failed(error, lost, job.round_store.lost if job.round_store is not None else None)
+
+
+def _restart(job: Job, failed: Failed, step: Step, restarts: int) -> None:
+    """Before the next round: a single node's store server replaced, if lost, and the cause's line, so that a run
+    that recovers still says what went wrong."""
+    if job.link is None and job.store is not None and (job.store.lost or job.store.stalled()):
+        _replace_store(job)
+    error = failed.error
+    said = ("mpddp: " if isinstance(error, StoreLost) else "") + str(error).splitlines()[0]
+    if step is Step.ADMIT:
+        logger.warning("%s", said)
+    else:
+        logger.warning("%s\nmpddp: restarting the group (%d of %d)", said, restarts, job.config.max_restarts)
+
+
+def _begin(job: Job, attempt: int) -> int:
+    """Round ``attempt``'s start: from the second round on, a fresh store for an env:// script where one store
+    serves every round (node 0's, before the others read its port); with several nodes, the round joined. The
+    round's number: the backend may start this node at a later one."""
+    if attempt and not job.init_group and job.one_store:
+        _new_script_store(job, attempt)
+    return attempt if job.link is None else _join(job, attempt)
+
+
 def _join(job: Job, attempt: int) -> int:
-    """A round whose nodes the backend decides (etcd, an elastic job, a node numbered as it joins): this node's
-    place in it, and where the round's store listens. With etcd the round's first node hosts it, a fresh one
-    each round (a restarted env:// script finds no dead rank's keys); with c10d it is node 0's, for the whole
-    job."""
+    """This node's place in the next round, from ``attempt`` on, and where the round's store listens: the
+    rendezvous says, and has this node host a fresh one when it is the round's (:func:`_host_store`)."""
     link = job.link
     assert link is not None
     try:
@@ -180,46 +227,39 @@ def _join(job: Job, attempt: int) -> int:
     except ConfigError:  # refused: its --node-rank taken, or one node too many; the job's keys are not its own
         job.intruder = True
         raise
-    if not link.hosts_round_store:
-        host, port = link.store(here.number)
-        if here.number and not job.init_group and job.store is None:
-            job.script_port = link.script_port(here.number)
-    else:
-        if job.store is not None:
-            _stop_store(job.store)
-            job.store = None
-        if here.node_rank == 0:
-            host = job.config.local_addr or _own_address(job.config)
-            sock = rendezvous.listen(host, 0)
-            port = sock.getsockname()[1]
-            job.store = _start_store(job.mp_context, sock, job.config)
-            link.set_store(here.number, host, port)
-        else:
-            host, port = link.store(here.number)
-        job.port, job.script_port = port, None if job.init_group else port
-    job.plan = for_round(job.plan, here.nnodes, here.node_rank, host, port)
-    if here.changed() or (here.number == 0 and job.config.verbose):
-        logger.warning("mpddp: round %d: %d node(s) x %d rank(s) = %d rank(s); this is node %d. Node -> ranks, "
-                       "old -> new:\n%s", here.number, here.nnodes, job.plan.nprocs, here.nnodes * job.plan.nprocs,
-                       here.node_rank, "\n".join(here.table(job.plan.nprocs)))
+    if job.store is not None and not job.one_store:  # the round before's, which this node hosted
+        _stop_store(job.store)
+        job.store = None
+    job.round_store = link.round_store(here.number, lambda host: _host_store(job, host))
+    job.port = job.round_store.port
+    if job.one_store and here.number and not job.init_group and job.store is None:
+        job.script_port = link.script_port(here.number)  # node 0's, for this round's env:// script
+    job.plan = for_round(job.plan, here.nnodes, here.node_rank, job.round_store.host, job.port)
+    _tell_round(job, here)
     return here.number
 
 
-def _own_address(config: LaunchConfig) -> str:
-    """This node's address toward the etcd cluster's first member: the interface the other nodes reach too."""
-    from ...machine.netif import resolve, source_address
-    from ...rendezvous_options import parse_endpoints
+def _tell_round(job: Job, here: Round) -> None:
+    """The round's nodes and their ranks, once they changed (and in the first round, with --verbose)."""
+    if here.changed() or (here.number == 0 and here.decided and job.config.verbose):
+        logger.warning("mpddp: round %d: %d node(s) x %d rank(s) = %d rank(s); this is node %d. Node -> ranks, "
+                       "old -> new:\n%s", here.number, here.nnodes, job.plan.nprocs, here.nnodes * job.plan.nprocs,
+                       here.node_rank, "\n".join(here.table(job.plan.nprocs)))
 
-    host, port = parse_endpoints(config.rdzv_endpoint or "")[0]
-    return source_address(resolve(host), port)
+
+def _host_store(job: Job, host: str) -> int:
+    """A fresh store server for this round, on ``host`` (the rendezvous' choice) and a port the OS picks."""
+    sock = rendezvous.listen(host, 0)
+    port = sock.getsockname()[1]
+    job.store = _start_store(job.mp_context, sock, job.config)
+    return int(port)
 
 
-def _final(failure: WorkerFailed | StoreLost, max_restarts: int, several_nodes: bool) -> Exception:
+def _final(failed: Failed, max_restarts: int) -> Exception:
     """The error a job ends with: the failure itself, or that restarts gave up after it."""
-    if isinstance(failure, StoreLost) and several_nodes and max_restarts:
-        return StoreLost(f"{failure}\nmpddp: not restarted: node 0 hosted the job's store (--rdzv-backend c10d), and "
-                         "no other node can take its place; with --rdzv-backend etcd the job survives the loss of any "
-                         "node, node 0 included")
+    failure = failed.error
+    if isinstance(failure, StoreLost) and failed.lost is not None and max_restarts:
+        return StoreLost(f"{failure}\nmpddp: {failed.lost}")
     if not max_restarts:
         return failure
     gave_up = (f"{failure}\nmpddp: gave up after {max_restarts} restart(s) (max_restarts={max_restarts}); raise "

@@ -13,8 +13,10 @@ this module only, and a test keeps it so.
 The interface, by what it is for:
 
 * a round: :meth:`~Rendezvous.join` it (every node's launcher is there; its
-  :class:`Round` says who), where its store listens (:meth:`~Rendezvous.set_store`,
-  :meth:`~Rendezvous.store`, with etcd: its first node's), its store for env:// scripts (:meth:`~Rendezvous.set_script_port`,
+  :class:`Round` says who), where its store listens and what its loss means
+  (:meth:`~Rendezvous.round_store`, a :class:`RoundStore`: node 0's for the
+  whole job, or one per round that its first node hosts), its store for
+  env:// scripts (:meth:`~Rendezvous.set_script_port`,
   :meth:`~Rendezvous.script_port`), :meth:`~Rendezvous.watch` it (the beat),
   :meth:`~Rendezvous.end_round`, and :meth:`~Rendezvous.finish` it when this
   node's ranks all returned (wait for the others);
@@ -67,6 +69,7 @@ class Round:
     nnodes: int
     node_rank: int
     old: tuple[int | None, ...]
+    decided: bool = True  # the backend placed the nodes (False: --nnodes and --node-rank did, for every round)
 
     def changed(self) -> bool:
         """The nodes are not those of the round before, in the same order."""
@@ -83,6 +86,22 @@ class Round:
                 before = names([rank_math.global_rank(old, i, nprocs) for i in range(nprocs)])
                 lines.append(f"  node {old} -> {new}: ranks {before} -> {ranks}")
         return lines
+
+
+@dataclass(frozen=True)
+class RoundStore:
+    """Where a round's process-group store listens, as the backend placed it, and what its loss means: what the
+    launcher asks instead of which backend runs (core/launcher/job.py)."""
+
+    host: str
+    port: int
+    lost: str | None = None  # one store serves every round (node 0's): why its loss ends the job, in words.
+    # None: each round has its own, hosted by its first node, and the next round's replaces a lost one
+
+    @property
+    def serves_every_round(self) -> bool:
+        """The same store serves every round of the job."""
+        return self.lost is not None
 
 
 class RoundWatch(Protocol):
@@ -141,12 +160,11 @@ class Rendezvous(Protocol):
     nprocs: int  # ranks per node
     reached: bool  # the backend answered once, this launcher or one of its ranks
     gone: set[int]  # nodes found lost
-    hosts_round_store: bool  # each round's first node hosts its store (else node 0's, for the whole job)
     me: str  # this launcher, for the others: its host, pid and a random tail
 
     def join(self, attempt: int) -> Round: ...
-    def set_store(self, attempt: int, host: str, port: int) -> None: ...
-    def store(self, attempt: int) -> tuple[str, int]: ...
+    # where the round's store listens: ``host(address)`` starts one there, when this node is to host it, its port
+    def round_store(self, attempt: int, host: Callable[[str], int]) -> RoundStore: ...
     def set_script_port(self, attempt: int, port: int) -> None: ...
     def script_port(self, attempt: int) -> int: ...
     def watch(self, attempt: int, share: Callable[[bool], bytes | None] | None = None) -> RoundWatch: ...

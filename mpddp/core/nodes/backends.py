@@ -1,34 +1,51 @@
 """The rendezvous backends by name, as a launcher picks one (``c10d`` today).
 
 Owns: the one table from a backend's name to its class, each implementing
-core/nodes/api.py's :class:`~mpddp.core.nodes.api.Rendezvous`.
+core/nodes/api.py's :class:`~mpddp.core.nodes.api.Rendezvous`, and the one
+question a launcher asks of a backend before the job's rendezvous opens
+(:func:`hosts_round_store`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from ...config import LaunchConfig
 from .api import Rendezvous
 from .c10d import C10dRendezvous
 
+if TYPE_CHECKING:
+    from .etcd import EtcdRendezvous
 
-def _etcd(config: LaunchConfig, port: int, nprocs: int) -> Rendezvous:
+
+def _etcd() -> type[EtcdRendezvous]:
     from .etcd import EtcdRendezvous  # etcd3gw is an extra: imported only where asked for
 
-    return EtcdRendezvous(config, port, nprocs)
+    return EtcdRendezvous
 
 
-def _c10d(config: LaunchConfig, port: int, nprocs: int) -> Rendezvous:
-    return C10dRendezvous(config, port, nprocs)
+def _c10d() -> type[C10dRendezvous]:
+    return C10dRendezvous
 
 
-BACKENDS: dict[str, Callable[[LaunchConfig, int, int], Rendezvous]] = {"c10d": _c10d, "static": _c10d, "etcd": _etcd}
+BACKENDS: dict[str, Callable[[], type[C10dRendezvous | EtcdRendezvous]]] = {"c10d": _c10d, "static": _c10d,
+                                                                            "etcd": _etcd}
+
+
+def _backend(config: LaunchConfig) -> type[C10dRendezvous | EtcdRendezvous]:
+    backend = config.rdzv_backend
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown rendezvous backend {backend!r}: one of {', '.join(BACKENDS)}")
+    return BACKENDS[backend]()
 
 
 def open_rendezvous(config: LaunchConfig, port: int, nprocs: int) -> Rendezvous:
     """This launcher's rendezvous for the job, by --rdzv-backend (``c10d``: node 0's store at ``port``)."""
-    backend = config.rdzv_backend
-    if backend not in BACKENDS:
-        raise ValueError(f"unknown rendezvous backend {backend!r}: one of {', '.join(BACKENDS)}")
-    return BACKENDS[backend](config, port, nprocs)
+    return _backend(config)(config, port, nprocs)
+
+
+def hosts_round_store(config: LaunchConfig) -> bool:
+    """Each round's first node hosts the round's store (else node 0 one for the whole job, which its launcher binds
+    before anything starts: core/launcher/api.py). Asked of the backend's class: its rendezvous is not open yet."""
+    return _backend(config).hosts_round_store

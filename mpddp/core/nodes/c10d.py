@@ -29,7 +29,7 @@ from ...log import logger
 from ..wire import protocol
 from ..wire.protocol import FailureRecord, full_key
 from . import last_word, membership
-from .api import POLL, STALLED_AFTER, RendezvousGone, Round, names, stopped_record
+from .api import POLL, STALLED_AFTER, RendezvousGone, Round, RoundStore, names, stopped_record
 from .c10d_keys import ABSENT, C10dKeys, first_record, missing_ranks, take_number
 from .store_beat import read_all
 
@@ -38,6 +38,8 @@ if TYPE_CHECKING:
 
 _LIVE_BEATS = 12  # ... by at least this many beats (3 s of them): a starved launcher beats again before that
 _LEAVE_WAIT = 10.0  # seconds node 0 keeps the store for the other launchers to read the last round
+_NODE0_ONLY = ("not restarted: node 0 hosted the job's store (--rdzv-backend c10d), and no other node can take its "
+               "place; with --rdzv-backend etcd the job survives the loss of any node, node 0 included")
 
 
 class C10dRendezvous:
@@ -121,7 +123,7 @@ class C10dRendezvous:
                 self._join(attempt, node, nnodes, timeout)
             except RendezvousGone:
                 raise self._no_round(attempt) from None
-        return Round(attempt, nnodes, node, tuple(range(nnodes)))
+        return Round(attempt, nnodes, node, tuple(range(nnodes)), decided=self.launched.node_rank is None)
 
     def _take_number(self) -> int:
         """This launcher's node rank in a fixed-size job, as it comes to node 0's store (c10d_keys.take_number)."""
@@ -183,11 +185,9 @@ class C10dRendezvous:
             f"{self.config.max_restarts}) within --timeout {timeout:g} s: their launchers are gone or stopped "
             "(killed, preempted, machine lost); every node must be running to restart the group")
 
-    def set_store(self, attempt: int, host: str, port: int) -> None:
-        """Nothing to publish: every round's store is node 0's, at --master-addr and --master-port."""
-
-    def store(self, attempt: int) -> tuple[str, int]:
-        return self.config.master_addr, self.port
+    def round_store(self, attempt: int, host: Callable[[str], int]) -> RoundStore:
+        """Node 0's, at --master-addr and --master-port, for every round: no other node can take its place."""
+        return RoundStore(self.config.master_addr, self.port, lost=_NODE0_ONLY)
 
     def set_script_port(self, attempt: int, port: int) -> None:
         """Node 0: the port of the round's own store for env:// scripts, for the other nodes to read."""

@@ -34,7 +34,7 @@ from ...errors import AddressError, NeverArrived, RendezvousError, WorkerFailed
 from ...log import logger
 from ..wire.protocol import FailureRecord
 from . import membership
-from .api import RendezvousGone, Round, stopped_record
+from .api import RendezvousGone, Round, RoundStore, stopped_record
 from .etcd_client import EtcdClient, EtcdFull, KeptLease, grpc_code
 from .etcd_keys import EtcdKeys, EtcdRoundWatch, etcd_interval
 from .rules import NodeState, move
@@ -408,6 +408,20 @@ class EtcdRendezvous:
             pass
         if self._lease is not None:
             self._lease.revoke()
+
+    def round_store(self, attempt: int, host: Callable[[str], int]) -> RoundStore:
+        """A fresh store each round (a restarted env:// script finds no dead rank's keys): the round's first node
+        hosts it, at --local-addr or its address toward etcd's first member (the interface the others reach too)."""
+        from ...machine.netif import resolve, source_address
+        from ...rendezvous_options import parse_endpoints
+
+        if self.config.node_rank != 0:
+            return RoundStore(*self.store(attempt))
+        member, member_port = parse_endpoints(self.launched.rdzv_endpoint or "")[0]
+        address = self.config.local_addr or source_address(resolve(member), member_port)
+        port = host(address)
+        self.set_store(attempt, address, port)
+        return RoundStore(address, port)
 
 
 def _transaction(client: Any, txn: dict[str, Any]) -> Any:
