@@ -1,74 +1,29 @@
-"""One job from start to end: its store, its rounds, and the restart loop.
+"""One job from start to end: its rounds and the restart loop.
 
-Owns: what lives for the whole job and is built once (:class:`Job`: the config, the plan, the start method's
-context, ``fn`` shipped by value, the rendezvous), the store server (c10d: node 0's, on the one port every node
-finds, for the whole job; etcd: each round's, on the round's first node), the rounds (who is in each, the
-plan of this node's ranks in it) and what a failed round becomes: a restart while ``max_restarts`` allows (one
-that admits a node is free), else the report. A store server lost is replaced for the next round on one node
-and under etcd; under c10d on several nodes the others could not find a new one, so the job ends there.
+Owns: building the job's :class:`~mpddp.core.launcher.job_state.Job` once (core/launcher/job_state.py holds it
+and starts its store servers), the store server (c10d: node 0's, on the one port every node finds, for the
+whole job; etcd: each round's, on the round's first node), the rounds (who is in each, the plan of this node's
+ranks in it) and what a failed round becomes: a restart while ``max_restarts`` allows (one that admits a node
+is free), else the report. A store server lost is replaced for the next round on one node and under etcd;
+under c10d on several nodes the others could not find a new one, so the job ends there.
 """
 
 from __future__ import annotations
 
 import socket
-import time
-from dataclasses import dataclass, field
 from typing import Any
 
 from ...config import LaunchConfig
-from ...errors import AddressError, ConfigError, Outcome, RestartsExhausted, StoreLost, WorkerFailed
+from ...errors import ConfigError, Outcome, RestartsExhausted, StoreLost, WorkerFailed
 from ...log import logger
-from ..nodes import last_word, rendezvous, store_server
-from ..nodes.api import NotNeeded, Rendezvous
+from ..nodes import rendezvous
+from ..nodes.api import NotNeeded
 from ..nodes.backends import open_rendezvous
-from ..nodes.store_server import StoreServer
-from ..wire import protocol
-from ..wire.protocol import FailureRecord
 from . import stragglers
 from .attempt import run_group
+from .job_state import Job, start_store, stop_store
 from .plan import Plan, for_round
 from .startup import launch_ended
-from .stop import LIVE, LIVE_LOCK
-
-
-@dataclass
-class Job:
-    """What every attempt of one launch shares, built once."""
-
-    plan: Plan
-    mp_context: Any
-    payload: bytes  # cloudpickle of (fn, args, kwargs, notebook cells' lines)
-    init_group: bool  # False: fn (or the script) calls init_process_group itself
-    port: int  # node 0's store, for the whole job
-    store: StoreServer | None = None  # node 0 only
-    # A script that calls init_process_group("env://") itself (init_group False) uses MASTER_PORT's store with no
-    # prefix of its own: from the second round on it gets a fresh store of the round's (core/launcher/job.py).
-    script_port: int | None = None
-    script_store: StoreServer | None = None  # node 0 only
-    link: Rendezvous | None = None  # several nodes only: what the nodes agree on (core/nodes/api.py)
-    lags: stragglers.Stragglers = field(default_factory=stragglers.Stragglers)  # arrivals at collectives, job-wide
-    intruder: bool = False  # another launcher holds this node rank: the job's keys are not this one's to touch
-    last_store: StoreServer | None = None  # node 0 of several, its store server lost: the store of why, for the others
-
-    def open_last_word(self, attempt: int, loss: str) -> None:
-        """Node 0 of several (c10d), its store server just lost (``loss`` says how): a fresh one on the same port,
-        before the teardown, with the loss as round ``attempt``'s record (core/nodes/last_word.py). The other
-        nodes tell it as this one does, not "node 0 is gone"; :func:`_close_last_word` ends it."""
-        if self.link is None or self.store is None or self.link.hosts_round_store or self.last_store is not None:
-            return
-        try:
-            self.last_store = _start_store(self.mp_context, rendezvous.listen(self.config.master_addr, self.port),
-                                          self.config)
-        except (OSError, RuntimeError, AddressError):  # the port taken, the forkserver gone: they say node 0 went
-            return
-        line = f"{protocol.ERROR_LINE}{loss}"
-        last_word.tell(self.config.master_addr, self.port, attempt,
-                       FailureRecord(0, 0, 0, Outcome.STORE_LOST, 1, line, time.time(), writer=0))
-
-    @property
-    def config(self) -> LaunchConfig:
-        return self.plan.config
-
 
 
 def run_job(plan: Plan, mp_context: Any, payload: bytes, init_group: bool, listening: socket.socket | None) -> list[Any]:
@@ -84,7 +39,7 @@ def run_job(plan: Plan, mp_context: Any, payload: bytes, init_group: bool, liste
     values = None
     try:
         if sock is not None:
-            job.store = _start_store(mp_context, sock, config)
+            job.store = start_store(mp_context, sock, config)
         try:
             values = _attempts(job)
         except NotNeeded as spare:
@@ -95,10 +50,10 @@ def run_job(plan: Plan, mp_context: Any, payload: bytes, init_group: bool, liste
         _tell_lags(job, succeeded=values is not None)
         if job.link is not None and not job.intruder:
             job.link.leave()  # node 0: the store stays until the others have read the last round
-        _close_last_word(job, wait=False)
+        job.close_last_word(wait=False)
         for store in (job.store, job.script_store):
             if store is not None:
-                _stop_store(store)
+                stop_store(store)
         if sock is not None:
             sock.close()
         launch_ended()  # every process the forkserver started is gone: it may go too, in the command line
@@ -151,7 +106,7 @@ def _attempts(job: Job) -> list[Any]:
             store_lost = isinstance(failure, StoreLost) or (job.store is not None and job.store.lost)
             fixed_store = job.link is not None and not job.link.hosts_round_store  # c10d: node 0's, job-long
             if not resized and (restarts == config.max_restarts or (store_lost and fixed_store)):
-                _close_last_word(job, wait=True)  # node 0, its store server lost: once the others have read why
+                job.close_last_word(wait=True)  # node 0, its store server lost: once the others have read why
                 final = _final(failure, config.max_restarts, several_nodes=job.link is not None)
                 if final is failure:
                     raise  # as it is: its __cause__ is the failing rank's own exception
@@ -186,13 +141,13 @@ def _join(job: Job, attempt: int) -> int:
             job.script_port = link.script_port(here.number)
     else:
         if job.store is not None:
-            _stop_store(job.store)
+            stop_store(job.store)
             job.store = None
         if here.node_rank == 0:
             host = job.config.local_addr or _own_address(job.config)
             sock = rendezvous.listen(host, 0)
             port = sock.getsockname()[1]
-            job.store = _start_store(job.mp_context, sock, job.config)
+            job.store = start_store(job.mp_context, sock, job.config)
             link.set_store(here.number, host, port)
         else:
             host, port = link.store(here.number)
@@ -231,40 +186,13 @@ def _final(failure: WorkerFailed | StoreLost, max_restarts: int, several_nodes: 
     return exhausted
 
 
-def _start_store(mp_context: Any, sock: socket.socket, config: Any) -> StoreServer:
-    """Node 0's store, in its own process (core/nodes/store_server.py), counted among this process's live children."""
-    with LIVE_LOCK:
-        store = store_server.start(mp_context, sock, config.timeout, forked=config.start_method == "fork")
-        LIVE.add(store.pid)
-    # The store server's copy listens; were it to die, clients are refused, not left waiting (a torch client
-    # connected to a socket that listens, but that no server accepts from, waits without end: measured).
-    sock.close()
-    return store
-
-
-def _close_last_word(job: Job, wait: bool) -> None:
-    """Stop node 0's last word, once the other launchers have read it (``wait``, :data:`last_word.WAIT` at most)."""
-    if job.last_store is None:
-        return
-    if wait and job.link is not None:
-        last_word.heard(job.config.master_addr, job.port, job.config.nnodes - 1 - len(job.link.gone))
-    _stop_store(job.last_store)
-    job.last_store = None
-
-
-def _stop_store(store: StoreServer) -> None:
-    store.stop()
-    with LIVE_LOCK:
-        LIVE.discard(store.pid)
-
-
 def _replace_store(job: Job) -> None:
     """One node: a fresh store server on a fresh port after the last one was lost (every rank is this node's)."""
     assert job.store is not None
-    _stop_store(job.store)
+    stop_store(job.store)
     sock = rendezvous.listen(job.config.master_addr, job.config.master_port)
     job.port = sock.getsockname()[1]
-    job.store = _start_store(job.mp_context, sock, job.config)
+    job.store = start_store(job.mp_context, sock, job.config)
 
 
 def _new_script_store(job: Job, attempt: int) -> None:
@@ -278,9 +206,9 @@ def _new_script_store(job: Job, attempt: int) -> None:
     if job.store is None:
         return
     if job.script_store is not None:
-        _stop_store(job.script_store)
+        stop_store(job.script_store)
     sock = rendezvous.listen(job.config.master_addr, 0)
     job.script_port = sock.getsockname()[1]
-    job.script_store = _start_store(job.mp_context, sock, job.config)
+    job.script_store = start_store(job.mp_context, sock, job.config)
     if job.link is not None:
         job.link.set_script_port(attempt, job.script_port)

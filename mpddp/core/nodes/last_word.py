@@ -4,7 +4,7 @@ Owns: what node 0's launcher says when the store server of a job of several
 nodes ended while the launcher lives (killed from outside, the out-of-memory
 killer), and how another node's launcher listens for it once node 0's store
 stopped answering. Node 0's launcher starts a fresh store server on the
-job's port (core/launcher/job.py) that holds one record, the loss
+job's port (core/launcher/job_state.py) that holds one record, the loss
 (:func:`tell`), until every other launcher read it or :data:`WAIT` passed
 (:func:`heard`).
 Another launcher (:func:`hear`) connects to node 0's port: a connection
