@@ -3,15 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ..wire import protocol
 from ..wire.protocol import full_key
 from .api import INTERVAL, BeatThread, RendezvousGone
-from .c10d_keys import read_all
-
-if TYPE_CHECKING:
-    from .c10d import C10dRendezvous
+from .c10d_keys import C10dLink, read_all
 
 
 class C10dRoundWatch(BeatThread):
@@ -24,7 +21,7 @@ class C10dRoundWatch(BeatThread):
     round's first failure: the attempt then stops this node's ranks.
     """
 
-    def __init__(self, link: C10dRendezvous, attempt: int,
+    def __init__(self, link: C10dLink, attempt: int,
                  share: Callable[[bool], bytes | None] | None = None) -> None:
         super().__init__(attempt, share)
         self.link = link
@@ -54,7 +51,7 @@ class C10dRoundWatch(BeatThread):
         try:
             while not self._stop.is_set():
                 beats += 1
-                step, total = self.link.call(turn)
+                step, total = self.link.client.call(turn)
                 if step:
                     self._progress.clear()
                 mine += step
@@ -73,7 +70,7 @@ class C10dRoundWatch(BeatThread):
             s.set(key, snapshot)
             self._list(s)
 
-        self.link.call(put)
+        self.link.client.call(put)
 
     def _list(self, s: Any) -> None:
         """Once, after its first collectives are in: this node among the SHARERS (two operations)."""
@@ -95,6 +92,6 @@ class C10dRoundWatch(BeatThread):
             return read_all(s, [full_key(attempt, protocol.calls_key(n)) for n in nodes])
 
         try:
-            return self.link.call(read)
+            return self.link.client.call(read)
         except RendezvousGone:
             return []
