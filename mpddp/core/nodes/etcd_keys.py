@@ -17,7 +17,7 @@ from ..wire.protocol import FailureRecord
 from .api import INTERVAL, BeatThread, RendezvousGone
 
 if TYPE_CHECKING:
-    from .etcd import EtcdRendezvous
+    from .etcd_link import EtcdLink
 
 
 def _create(client: Any, key: str, value: str | bytes, lease: Any = None) -> bool:
@@ -55,7 +55,7 @@ def etcd_interval(nodes: int) -> float:
 class EtcdKeys:
     """core/nodes/membership.py's keys, in etcd: arrivals put with the launcher's lease."""
 
-    def __init__(self, link: EtcdRendezvous) -> None:
+    def __init__(self, link: EtcdLink) -> None:
         self.link = link
         self._early: dict[int, str] = {}  # a round's member list, when it was decided before this launcher came
         self._counted: dict[int, int] = {}  # a round's arrivals, as counted by the last look
@@ -146,7 +146,7 @@ class EtcdRoundWatch(BeatThread):
     key: its version counts every node's steps) and collectives when they moved, and reads the progress key
     and the round's first failure (core/nodes/c10d_watch.py's has the rules)."""
 
-    def __init__(self, link: EtcdRendezvous, attempt: int,
+    def __init__(self, link: EtcdLink, attempt: int,
                  share: Callable[[bool], bytes | None] | None = None) -> None:
         super().__init__(attempt, share)
         self.link = link
