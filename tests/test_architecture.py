@@ -450,3 +450,25 @@ def test_no_frame_of_the_core_is_taken_for_the_users():
     for module, path in MODULES.items():
         frame = stacks.Frame(str(path), 1, "f")
         assert stacks._is_user(frame) is (not module.startswith("mpddp.core")), module
+
+
+# ---- modules stay readable, and keep to their own members ------------------------------------------------
+
+MAX_LINES = 400  # a module read in one sitting (../STYLE.md: about 300); a longer one is split at a seam
+
+
+def _too_long(paths: list[Path]) -> dict[str, int]:
+    return {str(p.relative_to(p.parents[1])): n for p in paths if (n := len(p.read_text("utf-8").splitlines())) > MAX_LINES}
+
+
+def test_no_module_is_over_400_lines():
+    assert len(MODULES) > 90  # the walk sees every .py file of the package
+    assert not (long := _too_long(sorted(MODULES.values()))), f"split these at a seam: {long}"
+
+
+def test_a_long_module_would_be_found(tmp_path):
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "short.py").write_text("x = 1\n" * MAX_LINES)
+    (tmp_path / "pkg" / "long.py").write_text("x = 1\n" * (MAX_LINES + 1))
+    assert _too_long(sorted((tmp_path / "pkg").glob("*.py"))) == {"pkg/long.py": MAX_LINES + 1}
+
