@@ -2,22 +2,20 @@
 
 Owns: every launch option, its default, its validation and its command-line
 help (each field's ``metadata``: the CLI's shared launch options are made
-from these fields, so the two cannot drift apart), and what this machine's
-limits allow before anything starts (open files and processes for the local
-ranks, a log directory that can be created). Each violation raises
+from these fields, so the two cannot drift apart). Each violation raises
 :class:`~mpddp.errors.ConfigError` naming the value, what is allowed and the
-fix. Leaves to others: values that need the machine (GPU count, backend
+fix. Leaves to others: what this machine's limits allow before anything starts
+(open files and processes for the local ranks, a log directory that can be
+created) to limits.py, values that need the machine (GPU count, backend
 ``auto``) to core/launcher/plan.py, reading SLURM to machine/slurm.py, merging the two
 to core/launcher/api.py.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import math
 import os
 import re
-import resource
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,20 +23,14 @@ from typing import Any
 from . import rendezvous_options
 from .errors import ConfigError
 from .hostfile import parse_hostfile
+from .limits import check_dir_creatable, check_local_ranks, check_timeline
 
 BACKENDS = ("auto", "nccl", "gloo")
 START_METHODS = ("forkserver", "spawn", "fork")
 DEFAULT_TIMEOUT = 180.0
 _FREE_GPUS = re.compile(r"^free(:[1-9][0-9]*)?$")
-
-
 MAX_TIMEOUT = 1e7  # seconds (115 days): beyond it timedelta and the C++ clocks overflow
 MIN_TIMEOUT = 1.0  # seconds: a shorter window cannot tell a hang from a slow start
-FDS_PER_RANK = 8  # core/launcher/attempt.py opens 4 pipes a local rank (messages, stdout, stderr, stacks) up front
-FD_HEADROOM = 64  # the launcher's own files, sockets and torch's
-# File systems where no directory of a user's can be made, whatever os.access says (it says yes to root)
-_NO_USER_DIRS = frozenset({"proc", "sysfs", "cgroup", "cgroup2", "debugfs", "tracefs", "securityfs", "pstore",
-                           "bpf", "configfs", "efivarfs", "devpts", "fusectl", "binfmt_misc"})
 
 
 def check_int(name: str, value: object, low: int, high: int | None, fix: str, verdict: str = "is out of range") -> None:
@@ -48,83 +40,6 @@ def check_int(name: str, value: object, low: int, high: int | None, fix: str, ve
         raise ConfigError(f"{name}={value!r} is not allowed: it must be {allowed}{fix}")
     if value < low or (high is not None and value > high):
         raise ConfigError(f"{name}={value} {verdict}: it must be {allowed}{fix}")
-
-
-def check_local_ranks(nprocs: int) -> None:
-    """Raise ConfigError when this machine's limits cannot hold ``nprocs`` local ranks (before any starts)."""
-    files, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    need = nprocs * FDS_PER_RANK + FD_HEADROOM
-    if files != resource.RLIM_INFINITY and need > files:
-        most = (files - FD_HEADROOM) // FDS_PER_RANK
-        fixes = [f"pass --nprocs {most} or fewer"] if most >= 1 else []
-        if hard == resource.RLIM_INFINITY or need <= hard:  # a user may raise the soft limit up to the hard one
-            fixes.append(f"raise the limit first with `ulimit -n {need}`")
-        raise ConfigError(f"nprocs={nprocs} needs about {need} open files in the launcher ({FDS_PER_RANK} per rank "
-                          f"+ {FD_HEADROOM}) but the limit here is {files} (ulimit -n): "
-                          f"{', or '.join(fixes) or 'ask for a higher open-file limit (ulimit -Hn)'}")
-    processes = resource.getrlimit(resource.RLIMIT_NPROC)[0]
-    if processes != resource.RLIM_INFINITY and nprocs >= processes:
-        raise ConfigError(f"nprocs={nprocs} is more processes than this user may run here ({processes}, "
-                          f"ulimit -u): pass --nprocs {max(processes - 1, 1)} or fewer, or raise `ulimit -u`")
-
-
-def check_dir_creatable(name: str, path: str | os.PathLike[str], example: str) -> None:
-    """Raise ConfigError unless ``path`` is, or could be made, a directory this process can write.
-
-    Creates nothing: it walks up to the nearest part of the path that
-    exists, which must be a writable directory on a file system that holds
-    users' directories.
-    """
-    if not isinstance(path, (str, os.PathLike)) or not os.fspath(path):
-        raise ConfigError(f"{name}={path!r} is not a path: pass a directory (created if missing), e.g. {example}")
-    shown = os.fspath(path)
-    full = probe = os.path.normpath(shown)
-    while probe not in ("", ".") and not os.path.lexists(probe):  # up to "/" or the working directory
-        probe = os.path.dirname(probe)
-    probe = probe or "."
-    if not os.path.isdir(probe):
-        what = "a file" if os.path.isfile(probe) else "not a directory"
-        where = f"is {what}" if probe == full else f"cannot be created: {probe!r} is {what}"
-        raise ConfigError(f"{name}={shown!r} {where}: pass a directory (created if missing), e.g. {example}")
-    kind = _file_system(probe)
-    if kind in _NO_USER_DIRS or not os.access(probe, os.W_OK | os.X_OK):
-        why = f"on the {kind} file system" if kind in _NO_USER_DIRS else "read-only, or not yours"
-        where = "is not writable" if probe == full else f"cannot be created: {probe!r} is not writable"
-        raise ConfigError(f"{name}={shown!r} {where} ({why}): pass a directory you can write, e.g. {example}")
-
-
-_PICTURES = (".png", ".svg", ".pdf")
-
-
-def check_timeline(path: str) -> None:
-    """``--timeline``: a picture file in a writable directory, and matplotlib to draw it."""
-    if not isinstance(path, str) or not path.strip():
-        raise ConfigError(f"timeline={path!r} is not a file name: pass a picture to write, e.g. timeline.png")
-    if not path.lower().endswith(_PICTURES):
-        raise ConfigError(f"timeline={path!r} is not a picture file: end its name with {', '.join(_PICTURES)}, "
-                          "e.g. timeline.png")
-    if os.path.isdir(path):
-        raise ConfigError(f"timeline={path!r} is a directory: pass a file name in it, e.g. {path.rstrip('/')}/t.png")
-    check_dir_creatable("timeline", os.path.dirname(os.path.abspath(path)), "a directory of yours")
-    if importlib.util.find_spec("matplotlib") is None:
-        raise ConfigError(f"timeline={path!r} needs matplotlib, which is not installed: pip install 'mpddp[plot]' "
-                          "(or matplotlib), or drop --timeline")
-
-
-def _file_system(path: str) -> str | None:
-    """The type of the file system that holds ``path`` (``proc``, ``ext4``...), from /proc/self/mounts."""
-    try:
-        with open("/proc/self/mounts", encoding="utf-8") as f:
-            mounts = [line.split()[1:3] for line in f if len(line.split()) >= 3]
-    except OSError:  # not Linux: os.access alone decides
-        return None
-    real, best, kind = os.path.realpath(path), "", None
-    for point, fs in mounts:
-        point = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), point)  # "\040" is a space
-        inside = real == point or real.startswith(point.rstrip("/") + "/")
-        if inside and len(point) >= len(best):  # the deepest mount wins; of equal ones, the last mounted
-            best, kind = point, fs
-    return kind
 
 
 def _cli(help: str, kind: Any = str, *decls: str) -> dict[str, Any]:

@@ -99,8 +99,8 @@ def _links(backend: str, nodes: int, where: str, counter: list[int]) -> list[Any
             from mpddp.core.nodes.c10d import C10dRendezvous
 
             link: Any = C10dRendezvous(config, config.master_port, 1)
-            connect = link._connect
-            link._connect = lambda timeout, connect=connect: Counted(connect(timeout), counter)
+            connect = link.client._connect
+            link.client._connect = lambda timeout, connect=connect: Counted(connect(timeout), counter)
         else:
             from mpddp.core.nodes.etcd import EtcdRendezvous
 
@@ -162,7 +162,7 @@ def one_size(backend: str, nodes: int, where: str, store_procs: list[psutil.Proc
     counter = [0]
     links = _links(backend, nodes, where, counter)
     started = time.monotonic()
-    _parallel([(lambda link=link: link.call(lambda s: None)) if backend == "c10d" else link._first_contact
+    _parallel([(lambda link=link: link.client.call(lambda s: None)) if backend == "c10d" else link._first_contact
                for link in links])
     connect_s = time.monotonic() - started
     started = time.monotonic()

@@ -215,7 +215,7 @@ def test_the_table_is_big_enough_and_the_manual_counts_it():
 
 @pytest.mark.usefixtures("no_leftovers")
 def test_the_most_ranks_the_open_file_check_allows_do_start(tmp_path):
-    from mpddp.config import FD_HEADROOM, FDS_PER_RANK
+    from mpddp.limits import FD_HEADROOM, FDS_PER_RANK
 
     limit = 128
     most = (limit - FD_HEADROOM) // FDS_PER_RANK

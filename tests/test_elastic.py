@@ -314,13 +314,13 @@ def test_a_lease_that_ran_out_under_a_starved_launcher_is_taken_again(etcd_clust
     config = LaunchConfig(nnodes=2, rdzv_backend="etcd", rdzv_endpoint=etcd_cluster.endpoints, rdzv_id="starved")
     link = EtcdRendezvous(config, 0, 1)
     try:
-        link._put(link._key(0, "join", "a"), "1", leased=True)
+        link.put(link.key(0, "join", "a"), "1", leased=True)
         kept = link._lease
         first = kept.id  # type: ignore[union-attr]
         link.client.call(lambda c: Lease(first, client=c).revoke())
-        assert link._get(link._key(0, "join", "a")) is None
-        link._put(link._key(1, "join", "a"), "1", leased=True)
-        assert link._lease.id != first and link._get(link._key(1, "join", "a")) == b"1"  # type: ignore[union-attr]
+        assert link.get(link.key(0, "join", "a")) is None
+        link.put(link.key(1, "join", "a"), "1", leased=True)
+        assert link._lease.id != first and link.get(link.key(1, "join", "a")) == b"1"  # type: ignore[union-attr]
         # the dead lease's thread ends with it (it refreshed on, and outlived the test: an unhandled exception later)
         assert not kept._thread.is_alive()  # type: ignore[union-attr]
     finally:

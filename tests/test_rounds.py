@@ -348,7 +348,7 @@ def _link(node: int, beats: _Beats, timeout: float = 180.0) -> object:
 
     config = mpddp.LaunchConfig(nnodes=3, node_rank=node, master_addr="127.0.0.1", master_port=29500, timeout=timeout)
     link = C10dRendezvous(config, 29500, 1)
-    link._store = beats
+    link.client._store = beats
     return link
 
 

@@ -19,8 +19,8 @@ import importlib.util
 from pathlib import Path
 from typing import Any
 
-from ..config import check_dir_creatable
 from ..errors import ConfigError
+from ..limits import check_dir_creatable
 from . import checkpoint, rundir
 from .config import BUILTIN_TASKS, RUNS_ROOT, TrainConfig, task_name
 

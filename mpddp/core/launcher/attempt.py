@@ -18,7 +18,7 @@ import threading
 import time
 from collections.abc import Callable
 from multiprocessing import util
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import cloudpickle
 
@@ -32,14 +32,12 @@ from . import board, stragglers
 from .board import Board, Mismatch
 from .channels import receive, start_ranks
 from .classify import Hang, RankState, Verdict, classify, node_cause
+from .job_state import Job
 from .output import Relay
 from .report import early_exit_line, failure_error, hang_error, mismatch_error, remote_error
 from .stop import forkserver_gone, forkserver_lost, release, stop_ranks
 from .watch import locate, watch
 from .watchdog import Watchdog
-
-if TYPE_CHECKING:
-    from .job import Job
 
 
 def run_group(job: Job, attempt: int) -> list[Any]:

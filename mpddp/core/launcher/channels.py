@@ -13,7 +13,6 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
-from typing import TYPE_CHECKING
 
 from ...context import WorkerContext
 from ...rank_math import banner
@@ -22,12 +21,10 @@ from ..rank import boot
 from ..wire import protocol
 from .board import Board
 from .classify import RankState
+from .job_state import Job
 from .output import Relay
 from .plan import node_env, rank_env
 from .stop import LIVE, LIVE_LOCK
-
-if TYPE_CHECKING:
-    from .job import Job
 
 
 def _pipe() -> tuple[int, Connection]:

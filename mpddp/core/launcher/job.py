@@ -1,9 +1,9 @@
 """One job from start to end: its store, its rounds, and the restart loop.
 
-Owns: what lives for the whole job and is built once (:class:`Job`: the config, the plan, the start method's
-context, ``fn`` shipped by value, the rendezvous), the store servers this node hosts (node 0's for the whole
-job, or a round's own when the rendezvous places it here: :meth:`~mpddp.core.nodes.api.Rendezvous.round_store`
-says where, and what its loss means), the rounds (who is in each, the plan of this node's ranks in it), and the
+Owns: building the job's :class:`~mpddp.core.launcher.job_state.Job` once (core/launcher/job_state.py holds it
+and starts its store servers), the store servers this node hosts (node 0's for the whole job, or a round's own
+when the rendezvous places it here: :meth:`~mpddp.core.nodes.api.Rendezvous.round_store` says where, and what
+its loss means), the rounds (who is in each, the plan of this node's ranks in it), and the
 restart loop: a failed round is a :class:`Failed`, and :func:`next_step` decides what follows: a restart while
 ``max_restarts`` allows (one that admits a node is free), else the end, with the report. A store server lost
 is replaced for the next round on one node, and by the next round's own where each round has one; where one
@@ -15,70 +15,19 @@ from __future__ import annotations
 
 import enum
 import socket
-import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
-from ...config import LaunchConfig
-from ...errors import AddressError, ConfigError, Outcome, RestartsExhausted, StoreLost, WorkerFailed
+from ...errors import ConfigError, Outcome, RestartsExhausted, StoreLost, WorkerFailed
 from ...log import logger
-from ..nodes import last_word, rendezvous, store_server
-from ..nodes.api import NotNeeded, Rendezvous, Round, RoundStore
+from ..nodes import rendezvous
+from ..nodes.api import NotNeeded, Round
 from ..nodes.backends import open_rendezvous
-from ..nodes.store_server import StoreServer
-from ..wire import protocol
-from ..wire.protocol import FailureRecord
 from . import stragglers
 from .attempt import run_group
+from .job_state import Job, start_store, stop_store
 from .plan import Plan, for_round
 from .startup import launch_ended
-from .stop import LIVE, LIVE_LOCK
-
-
-@dataclass
-class Job:
-    """What every attempt of one launch shares, built once."""
-
-    plan: Plan
-    mp_context: Any
-    payload: bytes  # cloudpickle of (fn, args, kwargs, notebook cells' lines)
-    init_group: bool  # False: fn (or the script) calls init_process_group itself
-    port: int  # the round's store: node 0's, for the whole job, or the round's own
-    store: StoreServer | None = None  # the store server this node hosts (node 0's, or the round's first node's)
-    # A script that calls init_process_group("env://") itself (init_group False) uses MASTER_PORT's store with no
-    # prefix of its own: from the second round on it gets a fresh store of the round's (core/launcher/job.py).
-    script_port: int | None = None
-    script_store: StoreServer | None = None  # node 0 only
-    link: Rendezvous | None = None  # several nodes only: what the nodes agree on (core/nodes/api.py)
-    round_store: RoundStore | None = None  # several nodes: where the round's store listens, as the link placed it
-    lags: stragglers.Stragglers = field(default_factory=stragglers.Stragglers)  # arrivals at collectives, job-wide
-    intruder: bool = False  # another launcher holds this node rank: the job's keys are not this one's to touch
-    last_store: StoreServer | None = None  # node 0 of several, its store server lost: the store of why, for the others
-
-    def open_last_word(self, attempt: int, loss: str) -> None:
-        """Node 0 of several, whose store serves every round, its store server just lost (``loss`` says how): a
-        fresh one on the same port, before the teardown, with the loss as round ``attempt``'s record
-        (core/nodes/last_word.py). The other nodes tell it as this one does, not "node 0 is gone";
-        :func:`_close_last_word` ends it."""
-        if self.link is None or self.store is None or not self.one_store or self.last_store is not None:
-            return
-        try:
-            self.last_store = _start_store(self.mp_context, rendezvous.listen(self.config.master_addr, self.port),
-                                          self.config)
-        except (OSError, RuntimeError, AddressError):  # the port taken, the forkserver gone: they say node 0 went
-            return
-        line = f"{protocol.ERROR_LINE}{loss}"
-        last_word.tell(self.config.master_addr, self.port, attempt,
-                       FailureRecord(0, 0, 0, Outcome.STORE_LOST, 1, line, time.time(), writer=0))
-
-    @property
-    def config(self) -> LaunchConfig:
-        return self.plan.config
-
-    @property
-    def one_store(self) -> bool:
-        """One store serves every round (node 0's, or the single node's), not each round its own."""
-        return self.round_store is None or self.round_store.serves_every_round
 
 
 def run_job(plan: Plan, mp_context: Any, payload: bytes, init_group: bool, listening: socket.socket | None) -> list[Any]:
@@ -94,7 +43,7 @@ def run_job(plan: Plan, mp_context: Any, payload: bytes, init_group: bool, liste
     values = None
     try:
         if listening is not None:
-            job.store = _start_store(mp_context, listening, config)
+            job.store = start_store(mp_context, listening, config)
         try:
             values = _attempts(job)
         except NotNeeded as spare:
@@ -105,10 +54,10 @@ def run_job(plan: Plan, mp_context: Any, payload: bytes, init_group: bool, liste
         _tell_lags(job, succeeded=values is not None)
         if job.link is not None and not job.intruder:
             job.link.leave()  # node 0: the store stays until the others have read the last round
-        _close_last_word(job, wait=False)
+        job.close_last_word(wait=False)
         for store in (job.store, job.script_store):
             if store is not None:
-                _stop_store(store)
+                stop_store(store)
         if listening is not None:
             listening.close()
         launch_ended()  # every process the forkserver started is gone: it may go too, in the command line
@@ -180,7 +129,7 @@ def _attempts(job: Job) -> list[Any]:
             failed = _failed(job, error)
             step = next_step(failed, restarts, job.config.max_restarts)
             if step is Step.END:
-                _close_last_word(job, wait=True)  # node 0, its store server lost: once the others have read why
+                job.close_last_word(wait=True)  # node 0, its store server lost: once the others have read why
                 final = _final(failed, job.config.max_restarts)
                 if final is error:
                     raise  # as it is: its __cause__ is the failing rank's own exception
@@ -228,7 +177,7 @@ def _join(job: Job, attempt: int) -> int:
         job.intruder = True
         raise
     if job.store is not None and not job.one_store:  # the round before's, which this node hosted
-        _stop_store(job.store)
+        stop_store(job.store)
         job.store = None
     job.round_store = link.round_store(here.number, lambda host: _host_store(job, host))
     job.port = job.round_store.port
@@ -251,7 +200,7 @@ def _host_store(job: Job, host: str) -> int:
     """A fresh store server for this round, on ``host`` (the rendezvous' choice) and a port the OS picks."""
     sock = rendezvous.listen(host, 0)
     port = sock.getsockname()[1]
-    job.store = _start_store(job.mp_context, sock, job.config)
+    job.store = start_store(job.mp_context, sock, job.config)
     return int(port)
 
 
@@ -271,40 +220,13 @@ def _final(failed: Failed, max_restarts: int) -> Exception:
     return exhausted
 
 
-def _start_store(mp_context: Any, sock: socket.socket, config: Any) -> StoreServer:
-    """Node 0's store, in its own process (core/nodes/store_server.py), counted among this process's live children."""
-    with LIVE_LOCK:
-        store = store_server.start(mp_context, sock, config.timeout, forked=config.start_method == "fork")
-        LIVE.add(store.pid)
-    # The store server's copy listens; were it to die, clients are refused, not left waiting (a torch client
-    # connected to a socket that listens, but that no server accepts from, waits without end: measured).
-    sock.close()
-    return store
-
-
-def _close_last_word(job: Job, wait: bool) -> None:
-    """Stop node 0's last word, once the other launchers have read it (``wait``, :data:`last_word.WAIT` at most)."""
-    if job.last_store is None:
-        return
-    if wait and job.link is not None:
-        last_word.heard(job.config.master_addr, job.port, job.config.nnodes - 1 - len(job.link.gone))
-    _stop_store(job.last_store)
-    job.last_store = None
-
-
-def _stop_store(store: StoreServer) -> None:
-    store.stop()
-    with LIVE_LOCK:
-        LIVE.discard(store.pid)
-
-
 def _replace_store(job: Job) -> None:
     """One node: a fresh store server on a fresh port after the last one was lost (every rank is this node's)."""
     assert job.store is not None
-    _stop_store(job.store)
+    stop_store(job.store)
     sock = rendezvous.listen(job.config.master_addr, job.config.master_port)
     job.port = sock.getsockname()[1]
-    job.store = _start_store(job.mp_context, sock, job.config)
+    job.store = start_store(job.mp_context, sock, job.config)
 
 
 def _new_script_store(job: Job, attempt: int) -> None:
@@ -318,9 +240,9 @@ def _new_script_store(job: Job, attempt: int) -> None:
     if job.store is None:
         return
     if job.script_store is not None:
-        _stop_store(job.script_store)
+        stop_store(job.script_store)
     sock = rendezvous.listen(job.config.master_addr, 0)
     job.script_port = sock.getsockname()[1]
-    job.script_store = _start_store(job.mp_context, sock, job.config)
+    job.script_store = start_store(job.mp_context, sock, job.config)
     if job.link is not None:
         job.link.set_script_port(attempt, job.script_port)

@@ -1,11 +1,11 @@
 """The ``c10d`` rendezvous backend: node 0's TCPStore keeps what the nodes of a job agree on.
 
-Owns: :class:`C10dRendezvous`, one client of node 0's store for the whole job; the barriers that start a
-restarted round once every node's launcher joined it and end a round once every node's ranks returned; an
-elastic job's rounds (core/nodes/membership.py's rule on this store's keys); and which nodes are lost: a
-launcher whose beat (core/nodes/c10d_watch.py) stood still while the others beat, or that never beat for
---timeout. Its cost: node 0 is special; when its machine is lost, the job ends everywhere (what it says
-last when it lives on: core/nodes/last_word.py).
+Owns: :class:`C10dRendezvous`, over one client of node 0's store for the whole job (core/nodes/c10d_client.py);
+the barriers that start a restarted round once every node's launcher joined it and end a round once every
+node's ranks returned; an elastic job's rounds (core/nodes/membership.py's rule on this store's keys); and
+which nodes are lost: a launcher whose beat (core/nodes/c10d_watch.py) stood still while the others beat, or
+that never beat for --timeout. Its cost: node 0 is special; when its machine is lost, the job ends everywhere
+(what it says last when it lives on: core/nodes/last_word.py).
 """
 
 from __future__ import annotations
@@ -14,13 +14,12 @@ import contextlib
 import json
 import os
 import socket
-import threading
 import time
 import uuid
 from collections.abc import Callable
 from dataclasses import replace
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ... import rank_math
 from ...config import LaunchConfig
@@ -30,11 +29,10 @@ from ..wire import protocol
 from ..wire.protocol import FailureRecord, full_key
 from . import last_word, membership
 from .api import POLL, STALLED_AFTER, RendezvousGone, Round, RoundStore, names, stopped_record
+from .c10d_client import C10dClient
 from .c10d_keys import ABSENT, C10dKeys, first_record, missing_ranks, take_number
+from .c10d_watch import C10dRoundWatch
 from .store_beat import read_all
-
-if TYPE_CHECKING:
-    from .c10d_watch import C10dRoundWatch
 
 _LIVE_BEATS = 12  # ... by at least this many beats (3 s of them): a starved launcher beats again before that
 _LEAVE_WAIT = 10.0  # seconds node 0 keeps the store for the other launchers to read the last round
@@ -50,63 +48,23 @@ class C10dRendezvous:
 
     def __init__(self, config: LaunchConfig, port: int, nprocs: int) -> None:
         self.config, self.port, self.nprocs = config, port, nprocs
+        self.client = C10dClient(config, port)  # node 0's store, connected on first use
         self.gone: set[int] = set()  # nodes found lost (no beat, no end): node 0 does not wait for them to leave
         self.absent: set[int] = set()  # nodes that never arrived in the first round: node 0 does not wait for them
-        self.reached = False  # node 0's store answered once, this launcher or one of its ranks
-        self._unreachable = False  # a connection failed, after retrying for as long as asked: fail fast from now
-        self._store: Any = None
-        self._lock = threading.Lock()  # one operation at a time on the client
-        self._connecting = threading.Lock()
         self.launched = config  # as started: nnodes is MAX, min_nnodes MIN (config is the round's)
         self.me = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self.rounds: dict[int, Round] = {}
         self._last = 0  # the last round this launcher ran
         self.read: set[int] = set()  # the rounds whose record, another node's, this launcher counted as read
 
-    def call(self, op: Callable[[Any], Any], connect_timeout: float | None = None) -> Any:
-        """``op(store)`` under the lock; :class:`RendezvousGone` when node 0's store cannot be reached."""
-        try:
-            with self._connecting:  # one connection at a time: it retries until node 0 is up, or the timeout
-                if self._unreachable:
-                    raise RendezvousGone(f"node 0's store at {self.config.master_addr}:{self.port} did not answer")
-                if self._store is None:
-                    self._store = self._connect(connect_timeout if connect_timeout is not None else self.config.timeout)
-                    self.reached = True
-            with self._lock:
-                return op(self._store)
-        except RendezvousGone:
-            raise
-        except Exception as e:  # noqa: BLE001 - torch raises several types for a store that is gone
-            if self._store is None:
-                self._unreachable = True
-            raise RendezvousGone(f"node 0's store at {self.config.master_addr}:{self.port} does not answer "
-                            f"({type(e).__name__})") from e
+    @property
+    def reached(self) -> bool:
+        """Node 0's store answered once, this launcher or one of its ranks (the attempt sets it then)."""
+        return self.client.reached
 
-    def _connect(self, timeout: float) -> Any:
-        """A client, trying again every second until ``timeout``: torch's own retries wait up to several
-        seconds between tries, and a launcher that connects late can miss a store that was up meanwhile."""
-        from ..wire.store import connect, load_torch
-
-        # torch first: on a loaded machine its import took 7.9 s (beside a second suite), and node 0's store can be
-        # gone by then: the plain socket below, tried after it, says so at once, where torch's client retried the
-        # refused connection for 3.8 s more, and a node whose own rank failed meanwhile waited for both to tell it
-        deadline = time.monotonic() + timeout
-        load_torch()
-        while True:
-            try:
-                # A plain socket first: each failed try of torch's client prints a C++ stack on stderr. It is
-                # accepted as soon as node 0's launcher listens, before its store server serves the store, and torch's
-                # client, once stuck in that window, can wait out its whole timeout: so short tries, again.
-                socket.create_connection((self.config.master_addr, self.port), timeout=1.0).close()
-                store: Any = connect(self.config.master_addr, self.port, max(0.5, min(2.0, deadline - time.monotonic())))
-                store.set_timeout(timedelta(seconds=self.config.timeout))  # each operation's, once connected
-                return store
-            except Exception as e:  # noqa: BLE001 - OSError from the socket, torch's own types from its client
-                # refused on node 0 (it listens before our first try) or once it answered our ranks: lost, not late
-                refused = isinstance(e, ConnectionRefusedError) and (self.config.node_rank == 0 or self.reached)
-                if refused or time.monotonic() >= deadline:
-                    raise
-                time.sleep(0.2)
+    @reached.setter
+    def reached(self, value: bool) -> None:
+        self.client.reached = value
 
     def join(self, attempt: int) -> Round:
         """Round ``attempt``'s barrier: return once every node's launcher has joined it; name those that did not.
@@ -129,9 +87,9 @@ class C10dRendezvous:
         """This launcher's node rank in a fixed-size job, as it comes to node 0's store (c10d_keys.take_number)."""
         nnodes = self.config.nnodes
         try:
-            number = self.call(lambda s: take_number(s, self.me, nnodes))
+            number = self.client.call(lambda s: take_number(s, self.me, nnodes))
         except RendezvousGone:
-            if self.reached:
+            if self.client.reached:
                 raise self._no_round(0) from None
             raise RendezvousError(self.gone_line()) from None
         if number is None:
@@ -176,9 +134,9 @@ class C10dRendezvous:
             except Exception:  # noqa: BLE001 - torch's timeout; a store that is gone fails the next operation
                 return False
 
-        if self.call(arrive):
+        if self.client.call(arrive):
             return
-        joined = self.call(lambda s: [s.check([full_key(attempt, protocol.joined_key(n))]) for n in range(nnodes)])
+        joined = self.client.call(lambda s: [s.check([full_key(attempt, protocol.joined_key(n))]) for n in range(nnodes)])
         missing = [n for n in range(nnodes) if not joined[n]]
         raise RendezvousError(
             f"node(s) {names(missing)} did not join round {attempt} (restart {attempt} of "
@@ -191,19 +149,17 @@ class C10dRendezvous:
 
     def set_script_port(self, attempt: int, port: int) -> None:
         """Node 0: the port of the round's own store for env:// scripts, for the other nodes to read."""
-        self.call(lambda s: s.set(full_key(attempt, protocol.SCRIPT_PORT), str(port)))
+        self.client.call(lambda s: s.set(full_key(attempt, protocol.SCRIPT_PORT), str(port)))
 
     def watch(self, attempt: int, share: Callable[[bool], bytes | None] | None = None) -> C10dRoundWatch:
         """The round's beat, from a thread of its own, until it is stopped."""
-        from .c10d_watch import C10dRoundWatch
-
         self._last = attempt
         return C10dRoundWatch(self, attempt, share)
 
     def mark_waiting(self, attempt: int) -> None:
         """This node waits for the round's record: its ranks only saw a peer vanish."""
         me = self.config.node
-        self.call(lambda s: s.set(full_key(attempt, protocol.waiting_key(me)), "1"))
+        self.client.call(lambda s: s.set(full_key(attempt, protocol.waiting_key(me)), "1"))
         self._count_once(attempt, me, (protocol.quiet_key, protocol.QUIET))
 
     def _count_once(self, attempt: int, node: int, *marks: tuple[Callable[[int], str], str]) -> None:
@@ -215,14 +171,14 @@ class C10dRendezvous:
                 if s.compare_set(full_key(attempt, key(node)), "", token) == token.encode():
                     s.add(full_key(attempt, counter), 1)
 
-        self.call(count)
+        self.client.call(count)
 
     def never_arrived(self, attempt: int) -> NeverArrived | None:
         """The nodes whose ranks never reached node 0's store in round ``attempt`` (core/rank/worker.py marks
         each rank's arrival), as the error that names them and how to start them; None when every rank came."""
         config, port, world_size = self.config, self.port, self.config.nnodes * self.nprocs
         try:
-            missing = self.call(lambda s: missing_ranks(s, attempt, world_size), connect_timeout=2.0)
+            missing = self.client.call(lambda s: missing_ranks(s, attempt, world_size), connect_timeout=2.0)
         except RendezvousGone:
             return None
         if not missing:
@@ -237,7 +193,7 @@ class C10dRendezvous:
     def gone_line(self) -> str:
         """Node 0's store does not answer: never reached (not started, wrong address), or gone since."""
         config = self.config
-        if not self.reached:
+        if not self.client.reached:
             return (f"node 0's rendezvous store at {config.master_addr}:{self.port} did not answer within --timeout "
                     f"{config.timeout:g} s: start node 0's launcher (--node-rank 0) there, or check --master-addr and "
                     "--master-port")
@@ -245,7 +201,7 @@ class C10dRendezvous:
                 "killed, or its machine lost)")
 
     def gone_error(self, local: WorkerFailed) -> RendezvousError:
-        return (StoreLost if self.reached else RendezvousError)(f"{self.gone_line()}; the failures below are "
+        return (StoreLost if self.client.reached else RendezvousError)(f"{self.gone_line()}; the failures below are "
                                                                  f"consequences\n{local}")
 
     def last_word(self, attempt: int) -> FailureRecord | None:
@@ -254,12 +210,12 @@ class C10dRendezvous:
 
     def script_port(self, attempt: int) -> int:
         """The port of the round's own store for env:// scripts, which node 0 set before it joined (core/launcher/job.py)."""
-        return int(self.call(lambda s: s.get(full_key(attempt, protocol.SCRIPT_PORT))))
+        return int(self.client.call(lambda s: s.get(full_key(attempt, protocol.SCRIPT_PORT))))
 
     def record(self, attempt: int) -> FailureRecord | None:
         """The round's record, once written; read once as another node's, it is counted for :meth:`until_read`."""
         key = full_key(attempt, protocol.FAILURE)
-        data = self.call(lambda s: s.compare_set(key, ABSENT, ABSENT))  # one operation: the value, or ABSENT
+        data = self.client.call(lambda s: s.compare_set(key, ABSENT, ABSENT))  # one operation: the value, or ABSENT
         if not data or data == ABSENT.encode():
             return None
         return last_word.read(self, attempt, FailureRecord.decode(data))
@@ -270,7 +226,7 @@ class C10dRendezvous:
     def publish(self, attempt: int, record: FailureRecord) -> FailureRecord:
         """Write the round's first failure unless another node did first; the record that stands. Its writer
         also adds :data:`~mpddp.core.wire.protocol.FAILED` to the progress counter: every node's next beat sees it."""
-        return FailureRecord.decode(self.call(lambda s: first_record(s, attempt, replace(
+        return FailureRecord.decode(self.client.call(lambda s: first_record(s, attempt, replace(
             record, writer=self.config.node).encode())))
 
     def stopped(self, attempt: int, cause: BaseException) -> None:
@@ -282,7 +238,7 @@ class C10dRendezvous:
         """This node's part of the round is over: its beat stops now, and that is no loss."""
         me = self.config.node
         try:
-            self.call(lambda s: s.set(full_key(attempt, protocol.ended_key(me)), "1"), connect_timeout=2.0)
+            self.client.call(lambda s: s.set(full_key(attempt, protocol.ended_key(me)), "1"), connect_timeout=2.0)
             self._count_once(attempt, me, (protocol.quiet_key, protocol.QUIET), (protocol.done_key, protocol.DONE))
         except RendezvousGone:
             pass
@@ -297,7 +253,7 @@ class C10dRendezvous:
                 return [int(v) for v in s.multi_get(keys)]
             return [int(s.add(k, 0)) for k in keys]  # a node that never beat: 0 (torch 2.1, 2.2: always so)
 
-        return dict(enumerate(self.call(read)))
+        return dict(enumerate(self.client.call(read)))
 
     def stalled(self, attempt: int, before: dict[int, int]) -> list[int] | None:
         """Other nodes whose beat did not move since ``before`` although they did not end the round.
@@ -327,7 +283,7 @@ class C10dRendezvous:
 
     def _not_ended(self, attempt: int, nodes: list[int]) -> list[int]:
         """Of ``nodes``, those that did not end the round: found lost from now on."""
-        ended = self.call(lambda s: {n: s.check([full_key(attempt, protocol.ended_key(n))]) for n in nodes})
+        ended = self.client.call(lambda s: {n: s.check([full_key(attempt, protocol.ended_key(n))]) for n in nodes})
         lost = [n for n in nodes if not ended[n]]
         for n in set(lost) - self.gone:  # counted once, for node 0, which waits for the launchers to leave
             self._count_once(attempt, n, (protocol.lost_key, protocol.LOST))
@@ -342,14 +298,14 @@ class C10dRendezvous:
     def _short_of(self, attempt: int, counter: str, mark: Callable[[int], str]) -> bool:
         """Fewer nodes counted in ``counter`` (or lost without its mark) than the round has."""
         gone = sorted(self.gone)
-        counted, unmarked = self.call(lambda s: (s.add(full_key(attempt, counter), 0),
+        counted, unmarked = self.client.call(lambda s: (s.add(full_key(attempt, counter), 0),
                                                  sum(not s.check([full_key(attempt, mark(n))]) for n in gone)))
         return bool(counted + unmarked < self.config.nnodes)
 
     def waiting(self, attempt: int, nodes: set[int]) -> bool:
         """Every one of ``nodes`` waits for the round's record itself (its ranks only saw a peer vanish)."""
         keys = [full_key(attempt, protocol.waiting_key(n)) for n in sorted(nodes)]
-        return bool(keys) and self.call(lambda s: s.check(keys))
+        return bool(keys) and self.client.call(lambda s: s.check(keys))
 
     def returned(self, attempt: int) -> dict[int, float]:
         """The other nodes whose ranks all returned in this round, and when (their wall clock): one operation
@@ -361,7 +317,7 @@ class C10dRendezvous:
             keys = [full_key(attempt, protocol.returned_entry(n)) for n in range(1, count + 1)]
             return read_all(s, keys)
 
-        entries = [json.loads(value) for value in self.call(read)]
+        entries = [json.loads(value) for value in self.client.call(read)]
         return {int(node): float(when) for node, when in entries if node != me}
 
     def finish(self, attempt: int) -> FailureRecord | None:
@@ -376,7 +332,7 @@ class C10dRendezvous:
         me = self.config.node
         try:
             entry = json.dumps([me, time.time()])
-            self.call(lambda s: s.set(full_key(attempt, protocol.returned_entry(
+            self.client.call(lambda s: s.set(full_key(attempt, protocol.returned_entry(
                 s.add(full_key(attempt, protocol.RETURNED), 1))), entry))
             self._count_once(attempt, me, (protocol.quiet_key, protocol.QUIET), (protocol.done_key, protocol.DONE))
             start = time.monotonic()
@@ -411,11 +367,11 @@ class C10dRendezvous:
                                                    s.add(full_key(self._last, protocol.LOST), 0))
 
         try:
-            self.call(lambda s: s.add(protocol.LEFT, 1), connect_timeout=2.0)
+            self.client.call(lambda s: s.add(protocol.LEFT, 1), connect_timeout=2.0)
             if self.config.node_rank != 0:
                 return
             deadline = time.monotonic() + min(self.config.timeout, _LEAVE_WAIT)
-            while self.call(lambda s: s.add(protocol.LEFT, 0) < waited_for(s)) and time.monotonic() < deadline:
+            while self.client.call(lambda s: s.add(protocol.LEFT, 0) < waited_for(s)) and time.monotonic() < deadline:
                 time.sleep(POLL)
         except RendezvousGone:
             pass

@@ -1,25 +1,36 @@
 """What the ``c10d`` backend keeps in node 0's store beyond the round's own keys: core/nodes/membership.py's, for
 an elastic job; a fixed-size job's numbers for the launchers that come without ``--node-rank``; the round's
-first failure; the ranks that never came."""
+first failure; the ranks that never came. Also :class:`C10dLink`, what this module, core/nodes/c10d_watch.py
+and core/nodes/last_word.py use of the backend (core/nodes/c10d.py), which imports them."""
 
 from __future__ import annotations
 
 import json
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
+from ...config import LaunchConfig
 from ..wire import protocol
 from ..wire.protocol import FailureRecord, full_key
+from .c10d_client import C10dClient
 from .membership import poll_interval
 from .store_beat import read_all
-
-if TYPE_CHECKING:
-    from .c10d import C10dRendezvous
 
 _ARRIVALS, _MEMBERS, _CLAIMS = "arrivals", "members", "claims"  # an elastic job's round
 ABSENT = "\x00absent"  # compare_set's answer for a key that is not there (it sets nothing then): a get in one
 _ROUND = "mpddp/job/round"  # the round an elastic job is in now, for a launcher that comes late
 _NUMBERED = "mpddp/job/numbered"  # a counter: the launchers of a fixed-size job numbered as they came (1, 2, ...)
+
+
+class C10dLink(Protocol):
+    """The backend, as its helpers see it: node 0's store, and this node's place in the round."""
+
+    client: C10dClient  # node 0's store
+    config: LaunchConfig  # this round's: nnodes and node_rank may change from round to round
+    gone: set[int]  # nodes found lost
+    read: set[int]  # the rounds whose record, another node's, this launcher counted as read
+
+    def record(self, attempt: int) -> FailureRecord | None: ...
 
 
 def first_record(s: Any, attempt: int, record: bytes) -> bytes:
@@ -58,7 +69,7 @@ def take_number(s: Any, me: str, nnodes: int) -> int | None:
 class C10dKeys:
     """core/nodes/membership.py's keys in node 0's store: arrivals numbered by a counter (a store lists no keys)."""
 
-    def __init__(self, link: C10dRendezvous) -> None:
+    def __init__(self, link: C10dLink) -> None:
         self.link = link
 
     def arrive(self, attempt: int, me: str, arrival: str) -> int:
@@ -67,14 +78,14 @@ class C10dKeys:
             s.set(full_key(attempt, f"{_ARRIVALS}/{number}"), json.dumps([me, arrival]))
             return int(number)
 
-        return int(self.link.call(put))
+        return int(self.link.client.call(put))
 
     def count(self, attempt: int) -> int:
-        return int(self.link.call(lambda s: s.add(full_key(attempt, _ARRIVALS), 0)))
+        return int(self.link.client.call(lambda s: s.add(full_key(attempt, _ARRIVALS), 0)))
 
     def claim(self, attempt: int, node_rank: int, me: str) -> str | None:
         key = full_key(attempt, f"{_CLAIMS}/{node_rank}")
-        standing = self.link.call(lambda s: s.compare_set(key, "", me)).decode()
+        standing = self.link.client.call(lambda s: s.compare_set(key, "", me)).decode()
         return None if standing == me else standing
 
     def arrivals(self, attempt: int) -> dict[str, str]:
@@ -84,11 +95,11 @@ class C10dKeys:
             values = read_all(s, keys)
             return dict(json.loads(value) for value in values)
 
-        return dict(self.link.call(read))
+        return dict(self.link.client.call(read))
 
     def decided(self, attempt: int) -> str | None:
         key = full_key(attempt, _MEMBERS)
-        found = self.link.call(lambda s: s.compare_set(key, ABSENT, ABSENT)).decode()  # one operation
+        found = self.link.client.call(lambda s: s.compare_set(key, ABSENT, ABSENT)).decode()  # one operation
         return found if found != ABSENT else None
 
     def look(self, nodes: int) -> float:
@@ -100,23 +111,23 @@ class C10dKeys:
 
     def decide(self, attempt: int, members: str) -> bool:
         key = full_key(attempt, _MEMBERS)
-        won = self.link.call(lambda s: s.compare_set(key, "", members)).decode() == members
+        won = self.link.client.call(lambda s: s.compare_set(key, "", members)).decode() == members
         if won:
-            self.link.call(lambda s: s.set(_ROUND, str(attempt)))
+            self.link.client.call(lambda s: s.set(_ROUND, str(attempt)))
         return won
 
     def latest(self) -> int:
-        found = self.link.call(lambda s: s.get(_ROUND) if s.check([_ROUND]) else None)
+        found = self.link.client.call(lambda s: s.get(_ROUND) if s.check([_ROUND]) else None)
         return int(found) if found else 0
 
     def admit(self, attempt: int, record: FailureRecord) -> None:
-        self.link.call(lambda s: first_record(s, attempt, record.encode()))
+        self.link.client.call(lambda s: first_record(s, attempt, record.encode()))
 
     def record(self, attempt: int) -> FailureRecord | None:
         return self.link.record(attempt)
 
     def over(self, attempt: int, members: list[str]) -> bool:
-        return bool(self.link.call(lambda s: s.add(protocol.LEFT, 0)) >= len(members))
+        return bool(self.link.client.call(lambda s: s.add(protocol.LEFT, 0)) >= len(members))
 
     def alive(self, attempt: int, members: list[str]) -> bool:
         return True  # a member lost is named in the round's record by the others: the wait ends there

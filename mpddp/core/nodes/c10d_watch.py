@@ -4,14 +4,11 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 from ..wire import protocol
 from .api import INTERVAL, BeatThread, RendezvousGone
+from .c10d_keys import C10dLink
 from .store_beat import StoreBeat
-
-if TYPE_CHECKING:
-    from .c10d import C10dRendezvous
 
 
 class C10dRoundWatch(BeatThread):
@@ -24,7 +21,7 @@ class C10dRoundWatch(BeatThread):
     round's first failure: the attempt then stops this node's ranks.
     """
 
-    def __init__(self, link: C10dRendezvous, attempt: int,
+    def __init__(self, link: C10dLink, attempt: int,
                  share: Callable[[bool], bytes | None] | None = None) -> None:
         super().__init__(attempt, share)
         self.link = link
@@ -38,7 +35,7 @@ class C10dRoundWatch(BeatThread):
                 beats += 1
                 step = 1 if self._progress.is_set() else 0
                 snapshot = self.share(False) if self.share is not None else None  # when this node's moved
-                total = self.link.call(functools.partial(self.beat.turn, step=step, snapshot=snapshot, beats=beats))
+                total = self.link.client.call(functools.partial(self.beat.turn, step=step, snapshot=snapshot, beats=beats))
                 if step:
                     self._progress.clear()
                 mine += step
@@ -51,11 +48,11 @@ class C10dRoundWatch(BeatThread):
             return
 
     def _put_calls(self, snapshot: bytes) -> None:
-        self.link.call(lambda s: self.beat.put_calls(s, snapshot))
+        self.link.client.call(lambda s: self.beat.put_calls(s, snapshot))
 
     def others_calls(self) -> list[bytes]:
         """The other nodes' last snapshots of their ranks' collectives (none when node 0's store is gone)."""
         try:
-            return self.link.call(self.beat.others_calls)
+            return self.link.client.call(self.beat.others_calls)
         except RendezvousGone:
             return []

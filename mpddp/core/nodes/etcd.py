@@ -20,7 +20,6 @@ removes the job's keys.
 from __future__ import annotations
 
 import contextlib
-import functools
 import os
 import socket
 import time
@@ -35,17 +34,17 @@ from ...log import logger
 from ..wire.protocol import FailureRecord
 from . import membership
 from .api import RendezvousGone, Round, RoundStore, stopped_record
-from .etcd_client import EtcdClient, EtcdFull, KeptLease, grpc_code
+from .etcd_client import EtcdClient, EtcdFull, KeptLease
 from .etcd_keys import EtcdKeys, EtcdRoundWatch, etcd_interval
-from .rules import NodeState, move
+from .etcd_kv import EtcdKV
+from .rules import NodeState
 from .store_beat import StoreBeat
 
 _FIRST_CONTACT = 5.0  # seconds the first contact with etcd may take, at most
-_NOT_FOUND = 5  # the gRPC status of a put with a lease that is gone
 _LEAVE_WAIT = 10.0  # seconds a round's store host stays for the others to read a record it keeps (etcd full)
 
 
-class EtcdRendezvous:
+class EtcdRendezvous(EtcdKV):
     """The ``etcd`` backend of :class:`~mpddp.core.nodes.api.Rendezvous`, for the whole job; thread-safe.
 
     ``config`` is this round's: its ``nnodes`` and ``node_rank`` are the round's, set by :meth:`join`.
@@ -70,85 +69,6 @@ class EtcdRendezvous:
         self._lease: KeptLease | None = None
         self._states: dict[int, NodeState] = {}  # this node's state in each round, as last written
         self._watches: dict[int, EtcdRoundWatch] = {}  # each round's beat: its first failure's writer tells it
-
-    # ---- keys ---------------------------------------------------------------------------------------------
-
-    def _key(self, attempt: int, *parts: object) -> str:
-        return self.prefix + f"r/{attempt}/" + "/".join(map(str, parts))
-
-    def _put(self, key: str, value: str | bytes, leased: bool = False) -> None:
-        from etcd3gw import exceptions
-
-        lease = self._lease_object() if leased else None
-        try:
-            self.client.call(lambda c: c.put(key, value, lease=lease))
-        except exceptions.Etcd3Exception as e:
-            if not (leased and grpc_code(e) == _NOT_FOUND):
-                raise
-            assert self._lease is not None  # the lease ran out before its thread saw it (a starved machine)
-            self._lease.lost = True
-            lease = self._lease_object()
-            self.client.call(lambda c: c.put(key, value, lease=lease))
-
-    def _get(self, key: str) -> bytes | None:
-        found = self.client.call(lambda c: c.get(key))
-        return found[0] if found else None
-
-    def _prefix(self, prefix: str) -> dict[str, bytes]:
-        items = self.client.call(lambda c: c.get_prefix(prefix))
-        return {meta["key"].decode()[len(prefix):]: value for value, meta in items}
-
-    def _count(self, prefix: str) -> int:
-        """How many keys lie under ``prefix``: one request, no key read (etcd's count_only)."""
-        from etcd3gw.utils import _encode, _increment_last_byte
-
-        body = {"key": _encode(prefix), "range_end": _encode(_increment_last_byte(prefix)), "count_only": True}
-        return int(self.client.call(lambda c: c.post(c.get_url("/kv/range"), json=body)).get("count", 0))
-
-    def _put_all(self, pairs: dict[str, str | bytes], leased: bool = False) -> None:
-        """Several keys in one request (a transaction of puts)."""
-        from etcd3gw.utils import _encode
-
-        lease = self._lease_object().id if leased else None
-        puts = [{"request_put": {"key": _encode(k), "value": _encode(v), **({"lease": lease} if lease else {})}}
-                for k, v in pairs.items()]
-        self.client.call(lambda c: c.transaction({"compare": [], "success": puts, "failure": []}))
-
-    def _move(self, attempt: int, target: NodeState) -> None:
-        """This node's record in round ``attempt`` moved to ``target`` (core/nodes/rules.py's :func:`move` says
-        whether it may), and the node entered in the target's counters, which the others count without reading
-        them: one transaction, which compares the record with what this node last wrote there."""
-        from etcd3gw.utils import _decode, _encode
-
-        me = self.config.node_rank
-        key = self._key(attempt, "state", me)
-        current: NodeState | None = self._states.get(attempt, NodeState.RUNNING)  # None: no record (yet)
-        for _ in range(2):  # a compare that failed: the record as etcd holds it, once more
-            if (counters := move(current or NodeState.RUNNING, target)) is None:
-                return
-            puts = [{"request_put": {"key": _encode(self._key(attempt, c, me)), "value": _encode(repr(time.time()))}}
-                    for c in counters]
-            same = ({"target": "VALUE", "result": "EQUAL", "value": _encode(current.value)} if current is not None
-                    else {"target": "VERSION", "result": "EQUAL", "version": 0})
-            txn = {"compare": [{"key": _encode(key), **same}],
-                   "success": [*puts, {"request_put": {"key": _encode(key), "value": _encode(target.value)}}],
-                   "failure": [{"request_range": {"key": _encode(key)}}]}
-            answer = self.client.call(functools.partial(_transaction, txn=txn))
-            if answer.get("succeeded"):
-                self._states[attempt] = target
-                return
-            found = answer["responses"][0].get("response_range", {}).get("kvs")
-            current = NodeState(_decode(found[0]["value"]).decode()) if found else None
-        raise RendezvousError(f"node {me}'s record in round {attempt} moves under it: another launcher writes it")
-
-    def _lease_object(self) -> Any:
-        from etcd3gw.lease import Lease
-
-        if self._lease is None or self._lease.lost:  # lost: etcd took this launcher for gone (a starved machine)
-            if self._lease is not None:
-                self._lease.stop()  # its thread may not have seen the loss yet: it refreshes nothing from now on
-            self._lease = KeptLease(self.client, self.ttl)
-        return Lease(self._lease.id, client=None)  # type: ignore[arg-type]  # put() reads only its id
 
     # ---- a round ------------------------------------------------------------------------------------------
 
@@ -176,8 +96,8 @@ class EtcdRendezvous:
         self.rounds[here.number], self._members_of[here.number] = here, members
         self.config = replace(self.launched, nnodes=here.nnodes, node_rank=here.node_rank)
         self.gone = set()  # node ranks are the new round's: those lost before are not among them
-        self._put_all({self._key(here.number, "state", here.node_rank): NodeState.RUNNING.value})  # its record
-        self._put(self._key(here.number, "alive", here.node_rank), "1", leased=True)  # counted, not read
+        self._put_all({self.key(here.number, "state", here.node_rank): NodeState.RUNNING.value})  # its record
+        self.put(self.key(here.number, "alive", here.node_rank), "1", leased=True)  # counted, not read
         if here.node_rank == 0:
             self._tidy(here.number)
         return here
@@ -191,7 +111,7 @@ class EtcdRendezvous:
 
         def tidy(c: Any) -> None:
             if every or number >= 2:
-                c.delete_prefix(self.prefix if every else self._key(number - 2, ""))
+                c.delete_prefix(self.prefix if every else self.key(number - 2, ""))
             c.post(c.get_url("/kv/compaction"), json={"revision": int(c.status()["header"]["revision"])})
 
         with contextlib.suppress(RendezvousGone, exceptions.Etcd3Exception):
@@ -214,23 +134,23 @@ class EtcdRendezvous:
     def _clear_stale(self, keys: EtcdKeys) -> int:
         """The round the job is in (0: a new job; one request then), once the keys an earlier job with this
         --rdzv-id left, all of whose launchers are gone, are removed: they are not this job's."""
-        latest = self._get(self.prefix + "round")
+        latest = self.get(self.prefix + "round")
         if latest is None:
             return 0
-        if self._get(self._key(int(latest), "members")) is not None and not self._count(self._key(int(latest), "join/")):
+        if self.get(self.key(int(latest), "members")) is not None and not self.count(self.key(int(latest), "join/")):
             logger.info("mpddp: etcd holds an ended job's keys under %s: removed", self.prefix)
             self.client.call(lambda c: c.delete_prefix(self.prefix))
         return keys.latest()
 
     def set_store(self, attempt: int, host: str, port: int) -> None:
         """The round's first node: where its process-group store listens, for the others."""
-        self._put(self._key(attempt, "store"), f"{host}:{port}")
+        self.put(self.key(attempt, "store"), f"{host}:{port}")
 
     def store(self, attempt: int) -> tuple[str, int]:
         """Where the round's process-group store listens, once its first node has published it."""
         deadline = time.monotonic() + self.config.timeout
-        key = self._key(attempt, "store")
-        while (found := self._get(key)) is None:
+        key = self.key(attempt, "store")
+        while (found := self.get(key)) is None:
             if time.monotonic() > deadline or 0 in self.stalled(attempt, {}):
                 raise RendezvousError(f"round {attempt}'s first node did not publish its store within --timeout "
                                       f"{self.config.timeout:g} s: its launcher is gone or stopped")
@@ -239,7 +159,7 @@ class EtcdRendezvous:
         return host, int(port)
 
     def set_script_port(self, attempt: int, port: int) -> None:
-        self._put(self._key(attempt, "script_port"), str(port))
+        self.put(self.key(attempt, "script_port"), str(port))
 
     def script_port(self, attempt: int) -> int:
         return self.store(attempt)[1]
@@ -252,14 +172,14 @@ class EtcdRendezvous:
         if self.client.unanswered:
             return  # etcd just did not answer: the mark would only wait for it again
         with contextlib.suppress(RendezvousGone):
-            self._move(attempt, NodeState.ENDED)
+            self.move_to(attempt, NodeState.ENDED)
 
     def finish(self, attempt: int) -> FailureRecord | None:
         """This node's ranks all returned: wait for the others' (or their end, or their loss); the round's
         record if one is written meanwhile (as core/nodes/c10d.py's, whose docstring says why)."""
         me = self.config.node_rank
         try:
-            self._move(attempt, NodeState.RETURNED)
+            self.move_to(attempt, NodeState.RETURNED)
             while True:
                 pending = self._short_of(attempt, "done")
                 if (record := self.record(attempt)) is not None:
@@ -276,7 +196,7 @@ class EtcdRendezvous:
     # ---- the round's first failure --------------------------------------------------------------------------
 
     def publish(self, attempt: int, record: FailureRecord) -> FailureRecord:
-        key = self._key(attempt, "failure")
+        key = self.key(attempt, "failure")
         mine = replace(record, writer=self.config.node).encode()
         try:
             if self.client.call(lambda c: c.create(key, mine)):
@@ -286,7 +206,7 @@ class EtcdRendezvous:
             if watch is None or (standing := watch.publish(mine)) is None:
                 raise
             return FailureRecord.decode(standing)
-        standing = self._get(key)
+        standing = self.get(key)
         return FailureRecord.decode(standing) if standing else FailureRecord.decode(mine)
 
     def tell_failed(self, attempt: int) -> None:
@@ -304,7 +224,7 @@ class EtcdRendezvous:
             StoreBeat(attempt, -1).tell_failed(connect(host, port, 2.0))  # would retry until its timeout
 
     def record(self, attempt: int) -> FailureRecord | None:
-        data = self._get(self._key(attempt, "failure"))
+        data = self.get(self.key(attempt, "failure"))
         if data is None and self.client.full is not None and (watch := self._watches.get(attempt)) is not None:
             data = watch.record()  # etcd is full: a record written since is on the round's store
         return FailureRecord.decode(data) if data else None
@@ -326,12 +246,12 @@ class EtcdRendezvous:
         went than are known: a node lost, one that left after its end, or one not yet alive at the start."""
         members = self._members_of.get(attempt, [])
         known = self._known_gone.setdefault(attempt, set())
-        alive = self._count(self._key(attempt, "alive/"))
+        alive = self.count(self.key(attempt, "alive/"))
         if alive + len(known) >= len(members):
             return sorted(n for n in known if n in self.gone)
-        here = {int(n) for n in self._prefix(self._key(attempt, "alive/"))}
-        ended = {int(n) for n in self._prefix(self._key(attempt, "ended/"))}
-        joined = set(self._prefix(self._key(attempt, "join/")))  # put with the same lease: alive too, till then
+        here = {int(n) for n in self.under(self.key(attempt, "alive/"))}
+        ended = {int(n) for n in self.under(self.key(attempt, "ended/"))}
+        joined = set(self.under(self.key(attempt, "join/")))  # put with the same lease: alive too, till then
         me = self.config.node_rank
         lost = [n for n, m in enumerate(members) if n != me and n not in here | ended and m not in joined]
         known |= {n for n in range(len(members)) if n not in here and (n in ended or n in lost)}
@@ -347,22 +267,22 @@ class EtcdRendezvous:
     def _short_of(self, attempt: int, mark: str) -> bool:
         """Fewer nodes have put ``mark`` (or are lost without it) than the round has: counted, not read."""
         lost = self.stalled(attempt, {})
-        unmarked = sum(self._get(self._key(attempt, mark, n)) is None for n in lost)
-        return self._count(self._key(attempt, mark + "/")) + unmarked < self.config.nnodes
+        unmarked = sum(self.get(self.key(attempt, mark, n)) is None for n in lost)
+        return self.count(self.key(attempt, mark + "/")) + unmarked < self.config.nnodes
 
     def mark_waiting(self, attempt: int) -> None:
         with contextlib.suppress(EtcdFull):  # unmarked: the record, on the round's store then, still tells it
-            self._move(attempt, NodeState.WAITING)
+            self.move_to(attempt, NodeState.WAITING)
 
     def waiting(self, attempt: int, nodes: set[int]) -> bool:
-        return bool(nodes) and all(self._get(self._key(attempt, "waiting", n)) is not None for n in sorted(nodes))
+        return bool(nodes) and all(self.get(self.key(attempt, "waiting", n)) is not None for n in sorted(nodes))
 
     def returned(self, attempt: int) -> dict[int, float]:
         """One request (a count) while no node's ranks returned; their keys once some did."""
-        me, key = self.config.node_rank, self._key(attempt, "returned/")
-        if not self._count(key):
+        me, key = self.config.node_rank, self.key(attempt, "returned/")
+        if not self.count(key):
             return {}
-        return {int(n): float(v) for n, v in self._prefix(key).items() if int(n) != me}
+        return {int(n): float(v) for n, v in self.under(key).items() if int(n) != me}
 
     def never_arrived(self, attempt: int) -> NeverArrived | None:
         return None  # a round starts with the nodes that joined it: none can be missing from it
@@ -402,7 +322,7 @@ class EtcdRendezvous:
         try:
             self.client.call(lambda c: c.put(self.prefix + "left/" + self.me, "1"), timeout=2.0)
             last = max(self.rounds, default=None)
-            if last is not None and self._count(self.prefix + "left/") >= self.rounds[last].nnodes:
+            if last is not None and self.count(self.prefix + "left/") >= self.rounds[last].nnodes:
                 self._tidy(last, every=True)
         except RendezvousGone:
             pass
@@ -423,6 +343,3 @@ class EtcdRendezvous:
         self.set_store(attempt, address, port)
         return RoundStore(address, port)
 
-
-def _transaction(client: Any, txn: dict[str, Any]) -> Any:
-    return client.transaction(txn)

@@ -19,7 +19,7 @@ from .api import INTERVAL, BeatThread, RendezvousGone
 from .store_beat import StoreBeat
 
 if TYPE_CHECKING:
-    from .etcd import EtcdRendezvous
+    from .etcd_link import EtcdLink
 
 
 def _create(client: Any, key: str, value: str | bytes, lease: Any = None) -> bool:
@@ -57,7 +57,7 @@ def etcd_interval(nodes: int) -> float:
 class EtcdKeys:
     """core/nodes/membership.py's keys, in etcd: arrivals put with the launcher's lease."""
 
-    def __init__(self, link: EtcdRendezvous) -> None:
+    def __init__(self, link: EtcdLink) -> None:
         self.link = link
         self._early: dict[int, str] = {}  # a round's member list, when it was decided before this launcher came
         self._counted: dict[int, int] = {}  # a round's arrivals, as counted by the last look
@@ -66,11 +66,11 @@ class EtcdKeys:
         """Put this launcher's arrival and count them all, in one request (a transaction)."""
         from etcd3gw.utils import _encode
 
-        link, prefix = self.link, self.link._key(attempt, "join/")
-        lease = link._lease_object().id
+        link, prefix = self.link, self.link.key(attempt, "join/")
+        lease = link.lease().id
         txn = {"compare": [], "failure": [], "success": [
             {"request_put": {"key": _encode(prefix + me), "value": _encode(arrival), "lease": lease}},
-            _count_of(prefix), {"request_range": {"key": _encode(link._key(attempt, "members"))}}]}
+            _count_of(prefix), {"request_range": {"key": _encode(link.key(attempt, "members"))}}]}
         answer = link.client.call(functools.partial(_transaction, txn=txn))
         if (members := _value_of(answer["responses"][2])) is not None:  # decided before this one came
             self._early[attempt] = members
@@ -80,20 +80,20 @@ class EtcdKeys:
         """The count the last look read along, once; else one request."""
         if (counted := self._counted.pop(attempt, None)) is not None:
             return counted
-        return self.link._count(self.link._key(attempt, "join/"))
+        return self.link.count(self.link.key(attempt, "join/"))
 
     def arrivals(self, attempt: int) -> dict[str, str]:
-        return {m: v.decode() for m, v in self.link._prefix(self.link._key(attempt, "join/")).items()}
+        return {m: v.decode() for m, v in self.link.under(self.link.key(attempt, "join/")).items()}
 
     def claim(self, attempt: int, node_rank: int, me: str) -> str | None:
-        link, key = self.link, self.link._key(attempt, "claim", node_rank)
-        if link.client.call(functools.partial(_create, key=key, value=me, lease=link._lease_object())):
+        link, key = self.link, self.link.key(attempt, "claim", node_rank)
+        if link.client.call(functools.partial(_create, key=key, value=me, lease=link.lease())):
             return None
-        standing = link._get(key)
+        standing = link.get(key)
         return standing.decode() if standing is not None else None  # its launcher left meanwhile: free again
 
     def decided(self, attempt: int) -> str | None:
-        found = self.link._get(self.link._key(attempt, "members"))
+        found = self.link.get(self.link.key(attempt, "members"))
         return found.decode() if found is not None else None
 
     def look(self, nodes: int) -> float:
@@ -109,24 +109,24 @@ class EtcdKeys:
             return self._early[attempt]
         time.sleep(timeout)
         txn = {"compare": [], "failure": [], "success": [  # the arrivals counted in the same request, for count()
-            {"request_range": {"key": _encode(self.link._key(attempt, "members"))}},
-            _count_of(self.link._key(attempt, "join/"))]}
+            {"request_range": {"key": _encode(self.link.key(attempt, "members"))}},
+            _count_of(self.link.key(attempt, "join/"))]}
         answer = self.link.client.call(functools.partial(_transaction, txn=txn))["responses"]
         self._counted[attempt] = int(answer[1]["response_range"].get("count", 0))
         return _value_of(answer[0])
 
     def decide(self, attempt: int, members: str) -> bool:
         link = self.link
-        if won := link.client.call(functools.partial(_create, key=link._key(attempt, "members"), value=members)):
-            link._put(link.prefix + "round", str(attempt))
+        if won := link.client.call(functools.partial(_create, key=link.key(attempt, "members"), value=members)):
+            link.put(link.prefix + "round", str(attempt))
         return bool(won)
 
     def latest(self) -> int:
-        found = self.link._get(self.link.prefix + "round")
+        found = self.link.get(self.link.prefix + "round")
         return int(found) if found else 0
 
     def admit(self, attempt: int, record: FailureRecord) -> None:
-        key = self.link._key(attempt, "failure")
+        key = self.link.key(attempt, "failure")
         if self.link.client.call(functools.partial(_create, key=key, value=record.encode())):
             self.link.tell_failed(attempt)  # the running nodes read it off their round's store, not etcd
 
@@ -134,7 +134,7 @@ class EtcdKeys:
         return self.link.record(attempt)
 
     def over(self, attempt: int, members: list[str]) -> bool:
-        left = set(self.link._prefix(self.link.prefix + "left/"))
+        left = set(self.link.under(self.link.prefix + "left/"))
         return set(members) <= left or self.decided(attempt) is None  # or the last launcher removed every key
 
     def alive(self, attempt: int, members: list[str]) -> bool:
@@ -153,7 +153,7 @@ class EtcdRoundWatch(BeatThread):
     reached (its node lost), each beat reads the failure key in etcd instead: a read, not a write. Liveness is
     the lease's (core/nodes/etcd_client.py), never a beat."""
 
-    def __init__(self, link: EtcdRendezvous, attempt: int,
+    def __init__(self, link: EtcdLink, attempt: int,
                  share: Callable[[bool], bytes | None] | None = None) -> None:
         super().__init__(attempt, share)
         self.link = link

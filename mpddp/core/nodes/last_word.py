@@ -4,7 +4,7 @@ Owns: what node 0's launcher says when the store server of a job of several
 nodes ended while the launcher lives (killed from outside, the out-of-memory
 killer), and how another node's launcher listens for it once node 0's store
 stopped answering. Node 0's launcher starts a fresh store server on the
-job's port (core/launcher/job.py) that holds one record, the loss
+job's port (core/launcher/job_state.py) that holds one record, the loss
 (:func:`tell`), until every other launcher read it or :data:`WAIT` passed
 (:func:`heard`).
 Another launcher (:func:`hear`) connects to node 0's port: a connection
@@ -24,16 +24,13 @@ import contextlib
 import socket
 import time
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ..wire import protocol
 from ..wire.protocol import FailureRecord, full_key
 from ..wire.store import connect
 from .api import POLL, RendezvousGone
-from .c10d_keys import ABSENT, first_record
-
-if TYPE_CHECKING:
-    from .c10d import C10dRendezvous
+from .c10d_keys import ABSENT, C10dLink, first_record
 
 WAIT = 5.0  # seconds node 0 keeps its last word up for the others, and seconds they wait for it, at most
 LISTEN_WAIT = 2.0  # seconds another launcher tries a refused connection to node 0's port again, at most
@@ -96,7 +93,7 @@ def _client(addr: str, port: int) -> Any:
     return store
 
 
-def until_read(link: C10dRendezvous, attempt: int) -> None:
+def until_read(link: C10dLink, attempt: int) -> None:
     """In node 0's launcher, stopped itself (Ctrl-C, a signal) and its ranks stopped: its store stays until
     every other launcher read why (:meth:`C10dRendezvous.record` counts each), or :data:`READ_WAIT`. Shielded
     from a second Ctrl-C by the caller: soon after the first, it ended the store before the others read the
@@ -105,15 +102,15 @@ def until_read(link: C10dRendezvous, attempt: int) -> None:
         return
     others, deadline = link.config.nnodes - 1 - len(link.gone), time.monotonic() + READ_WAIT
     with contextlib.suppress(RendezvousGone):
-        while link.call(lambda s: s.add(full_key(attempt, protocol.READ), 0)) < others:
+        while link.client.call(lambda s: s.add(full_key(attempt, protocol.READ), 0)) < others:
             if time.monotonic() > deadline:
                 return
             time.sleep(POLL)
 
 
-def read(link: C10dRendezvous, attempt: int, record: FailureRecord) -> FailureRecord:
+def read(link: C10dLink, attempt: int, record: FailureRecord) -> FailureRecord:
     """``record``, just read from the store: counted once for :func:`until_read` when another node wrote it."""
     if record.writer != link.config.node_rank and attempt not in link.read:
         link.read.add(attempt)
-        link.call(lambda s: s.add(full_key(attempt, protocol.READ), 1))
+        link.client.call(lambda s: s.add(full_key(attempt, protocol.READ), 1))
     return record
