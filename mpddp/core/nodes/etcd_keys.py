@@ -160,8 +160,15 @@ class EtcdRoundWatch(BeatThread):
         self.beat = StoreBeat(attempt, link.config.node)
         self._store: Any = None  # the round's store, once connected; None again once it stopped answering
         self._store_lock = threading.Lock()  # the beat's thread and share_now's caller
+        self._ever = False  # the store answered once (its host published it and listened)
+        self._reached = threading.Event()  # set with _ever: a publish waits for it (only the beat connects: the
+        # caller's thread may be the round's first node itself, which publishes the store after this)
         self._read = False  # this node counted its read of another node's record on the store
-        self._thread.start()
+        self._next_try = 0.0  # when the beat may try to connect to the round's store again
+        from ..wire.store import load_torch
+
+        load_torch()  # here, not in the beat's thread: a first import of torch there took 2-9 s (no store to tell
+        self._thread.start()  # a record on meanwhile), and once raced the caller's own import of it
 
     def _connect(self) -> None:
         """A client of the round's store (each operation of it waits a lease's TTL at most: a frozen host
@@ -170,13 +177,16 @@ class EtcdRoundWatch(BeatThread):
 
         from ..wire.store import connect
 
+        self._next_try = time.monotonic() + 1.0  # a store not yet reached costs one try a second, at most
         try:
             host, port = self.link.store(self.attempt)
             store: Any = connect(host, port, self.link.config.timeout)  # 64 nodes at once took more than 3 s
             store.set_timeout(timedelta(seconds=self.link.ttl))
-            self._store = store
+            with self._store_lock:
+                self._store, self._ever = store, True
+            self._reached.set()
         except Exception:  # noqa: BLE001 - RendezvousError, torch's own types: etcd's key alone is read then
-            self._store = None
+            pass
 
     def _on_store(self, op: Callable[[Any], Any]) -> Any:
         """``op(store)`` under the lock; None (and the store forgotten) when the round's store does not answer."""
@@ -194,6 +204,8 @@ class EtcdRoundWatch(BeatThread):
         self._connect()
         try:
             while not self._stop.is_set():
+                if self._store is None and not self._ever and time.monotonic() >= self._next_try:
+                    self._connect()  # not yet (its host publishes it late); one that stopped answering: not again
                 step = 1 if self._progress.is_set() else 0
                 snapshot = self.share(False) if self.share is not None else None  # when this node's moved
                 total = self._on_store(functools.partial(self.beat.turn, step=step, snapshot=snapshot, beats=None))
@@ -222,7 +234,9 @@ class EtcdRoundWatch(BeatThread):
         return self._on_store(tell) is not None
 
     def publish(self, record: bytes) -> bytes | None:
-        """The round's record on its store (etcd is full); the standing one, or None where the store is gone."""
+        """The round's record on its store (etcd is full); the standing one, or None where the store is gone.
+        A rank that fails as the round starts: the beat's first connection is waited for, a lease's TTL at most."""
+        self._reached.wait(self.link.ttl)
         return self._on_store(lambda s: self.beat.publish(s, record))
 
     def record(self) -> bytes | None:
