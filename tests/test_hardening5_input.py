@@ -1,0 +1,182 @@
+"""Issue 50's bad input and its small items, each with real launchers (and a real 3-member etcd): an endpoint
+that is not etcd, an etcd with authentication on, an impossible ``--nnodes``/``--node-rank``, a newcomer's
+admission that is no restart, and a round below ``MIN``.
+
+Bad input is one line, ``mpddp: error: ...`` naming the value and the fix, exit 2, before any rank starts,
+no traceback, and nothing of the launch left behind (no process, no temporary file, no lease in etcd).
+"""
+
+from __future__ import annotations
+
+import base64
+import http.server
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+import requests
+from multinode import free_port
+
+from runs import Run
+
+pytestmark = pytest.mark.timeout(180)
+
+HI = "print('ran', flush=True)\n"
+
+
+def _refused_at_once(tmp_path, argv: list[str], started_within: float = 20.0) -> str:
+    """Run ``python -m mpddp *argv`` (``mpddp run``: with hi.py): exit 2 with one line on stderr, no rank ran,
+    nothing left; the line."""
+    (tmp_path / "hi.py").write_text(HI)
+    started = time.monotonic()
+    run = Run(["-m", "mpddp", *argv, *(["hi.py"] if argv[0] == "run" else [])], tmp_path)
+    try:
+        rc = run.finish(60)
+    finally:
+        run.kill()
+    took = time.monotonic() - started
+    lines = run.stderr.strip().splitlines()
+    assert rc == 2, run.stderr
+    assert len(lines) == 1 and lines[0].startswith("mpddp: error: "), run.stderr
+    assert "Traceback" not in run.stderr and "ran" not in run.stdout, run.stdout + run.stderr
+    assert took < started_within, f"refused after {took:.1f} s"
+    run.assert_nothing_left()
+    return lines[0]
+
+
+# ---- 1. an --rdzv-endpoint that answers HTTP but is not etcd; an etcd with authentication on ---------------------
+
+
+class _NotEtcd(http.server.BaseHTTPRequestHandler):
+    """Answers everything with ``status`` and a page of HTML, as a web server on the wrong port does."""
+
+    status = 404
+
+    def _answer(self) -> None:
+        body = b"<html><body><h1>Not here</h1></body></html>"
+        self.send_response(self.status)
+        self.send_header("Content-Type", "text/html")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    do_GET = do_POST = do_PUT = _answer
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@pytest.fixture(params=[404, 200])
+def not_etcd(request) -> Iterator[str]:
+    """An HTTP server on loopback that is not etcd: 404 to everything, or 200 with HTML."""
+    handler = type("Handler", (_NotEtcd,), {"status": request.param})
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(5)
+
+
+def _etcd_run(endpoint: str, command: str = "run") -> list[str]:
+    procs = ["--nproc-per-node", "1"] if command == "run" else ["--nprocs", "1"]
+    return [command, "--nnodes", "2", *procs, "--rdzv-backend", "etcd", "--rdzv-endpoint", endpoint,
+            "--rdzv-id", "probe", "--timeout", "30"]
+
+
+def test_an_endpoint_that_answers_http_but_is_not_etcd_is_one_line_exit_2(tmp_path, not_etcd):
+    line = _refused_at_once(tmp_path, _etcd_run(not_etcd))
+    assert f"{not_etcd} answers HTTP, but not as etcd does" in line, line
+    assert "pass the client address of the etcd members, host:port (2379 by default)" in line, line
+
+
+def test_mpddp_train_on_an_endpoint_that_is_not_etcd_is_one_line_exit_2(tmp_path, not_etcd):
+    line = _refused_at_once(tmp_path, _etcd_run(not_etcd, "train"))
+    assert f"{not_etcd} answers HTTP, but not as etcd does" in line, line
+
+
+def test_an_endpoint_with_nothing_listening_stays_one_line_exit_2(tmp_path):
+    endpoint = f"127.0.0.1:{free_port()}"
+    line = _refused_at_once(tmp_path, _etcd_run(endpoint))
+    assert f"no etcd member answers at --rdzv-endpoint {endpoint}" in line, line
+
+
+def _gateway(cluster, index: int, path: str, body: dict, token: str | None = None) -> requests.Response:
+    session = requests.Session()
+    session.trust_env = False  # loopback: no proxy
+    headers = {"Authorization": token} if token else {}
+    return session.post(f"http://127.0.0.1:{cluster.client_ports[index]}{path}", json=body, headers=headers,
+                        timeout=5)
+
+
+@pytest.fixture(scope="module")
+def etcd_with_auth() -> Iterator[tuple[object, str]]:
+    """A real 3-member etcd with authentication on (``etcdctl user add root:pw; etcdctl auth enable``, through
+    the gateway: Debian ships no etcdctl), and a token of its root user to look inside."""
+    import shutil
+
+    if shutil.which("etcd") is None:
+        pytest.skip("Debian's etcd-server is not installed: apt-get install etcd-server")
+    from etcd_cluster import EtcdCluster
+
+    with EtcdCluster() as cluster:
+        for path, body in [("/v3/auth/role/add", {"name": "root"}),
+                           ("/v3/auth/user/add", {"name": "root", "password": "pw"}),
+                           ("/v3/auth/user/grant", {"user": "root", "role": "root"}), ("/v3/auth/enable", {})]:
+            assert _gateway(cluster, 0, path, body).status_code == 200, path
+        token = _gateway(cluster, 0, "/v3/auth/authenticate", {"name": "root", "password": "pw"}).json()["token"]
+        yield cluster, token
+
+
+def test_an_etcd_with_authentication_and_no_credentials_is_one_line_exit_2(tmp_path, etcd_with_auth):
+    cluster, token = etcd_with_auth
+    line = _refused_at_once(tmp_path, _etcd_run(cluster.endpoints))
+    assert f"--rdzv-endpoint {cluster.endpoints}: the etcd at 127.0.0.1:{cluster.client_ports[0]} has " \
+           "authentication on" in line, line
+    assert "run the job on an etcd without authentication (etcdctl auth disable)" in line, line
+    # nothing of the launch in etcd: no key under /mpddp/, no lease
+    everything = {"key": base64.b64encode(b"/mpddp/").decode(), "range_end": base64.b64encode(b"/mpddp0").decode(),
+                  "count_only": True}
+    assert "count" not in _gateway(cluster, 0, "/v3/kv/range", everything, token).json()
+    assert not _gateway(cluster, 0, "/v3/lease/leases", {}, token).json().get("leases")
+
+
+# ---- the pure readings behind it: the HTTP status and the JSON's shape, never its words ---------------------------
+
+
+@pytest.mark.parametrize(("status", "body", "answer"), [
+    (200, {"etcdserver": "3.4.23", "etcdcluster": "3.4.0"}, "etcd"),
+    (200, {"etcdserver": "3.5.9", "etcdcluster": "3.5.0"}, "etcd"),
+    (404, None, "not-etcd"),
+    (200, None, "not-etcd"),  # HTML
+    (200, {"version": "1.2"}, "not-etcd"),  # JSON, another server's
+    (200, {"etcdserver": "x.y"}, "not-etcd"),
+    (503, {"etcdserver": "3.4.23"}, "not-etcd"),
+])
+def test_a_version_answer_is_read_by_status_and_shape(status, body, answer):
+    from mpddp.core.nodes.etcd_probe import read_version
+
+    assert read_version(status, body).answer.value == answer
+
+
+@pytest.mark.parametrize(("status", "body", "answer"), [
+    (200, {"header": {"revision": "2"}}, "etcd"),
+    (200, {"header": {"revision": "2"}, "count": "3"}, "etcd"),
+    (400, {"error": "etcdserver: user name is empty", "message": "...", "code": 3}, "auth"),
+    (400, {"error": "whatever words", "code": 3}, "auth"),  # the code decides, not the words
+    (403, {"code": 7}, "auth"),
+    (401, {"code": 16}, "auth"),
+    (503, {"code": 14}, "silent"),  # no leader now: another member, or later
+    (504, {"code": 4}, "silent"),
+    (400, {"code": 11}, "etcd"),  # etcd, refusing something else: told later, not here
+    (404, None, "not-etcd"),
+    (200, {"ok": True}, "not-etcd"),
+])
+def test_a_read_answer_is_read_by_status_and_grpc_code(status, body, answer):
+    from mpddp.core.nodes.etcd_probe import read_range
+
+    assert read_range(status, body).answer.value == answer
