@@ -180,3 +180,19 @@ def test_a_read_answer_is_read_by_status_and_grpc_code(status, body, answer):
     from mpddp.core.nodes.etcd_probe import read_range
 
     assert read_range(status, body).answer.value == answer
+
+
+# ---- 2. an --nnodes or --node-rank no job can have: refused at once, not after --timeout ------------------------
+
+
+@pytest.mark.parametrize("command", ["run", "train"])
+@pytest.mark.parametrize(("size", "words"), [
+    (["--nnodes", "0:2"], "nnodes=0:2: the smallest size must be from 1 to the largest; pass e.g. --nnodes 1:2"),
+    (["--nnodes", "2:3", "--node-rank", "7"], "node_rank=7 with nnodes=2:3: node ranks run from 0 to 2 (MAX - 1); "
+                                              "pass --node-rank 2 or less"),
+])
+def test_an_impossible_size_or_node_rank_is_refused_at_once(tmp_path, command, size, words):
+    procs = ["--nproc-per-node", "1"] if command == "run" else ["--nprocs", "1"]
+    argv = [command, *size, *procs, "--master-addr", "127.0.0.1", "--master-port", str(free_port()), "--timeout", "60"]
+    line = _refused_at_once(tmp_path, argv, started_within=15.0)  # not the minute of --timeout
+    assert words in line, line
