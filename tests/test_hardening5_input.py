@@ -196,3 +196,63 @@ def test_an_impossible_size_or_node_rank_is_refused_at_once(tmp_path, command, s
     argv = [command, *size, *procs, "--master-addr", "127.0.0.1", "--master-port", str(free_port()), "--timeout", "60"]
     line = _refused_at_once(tmp_path, argv, started_within=15.0)  # not the minute of --timeout
     assert words in line, line
+
+
+# ---- 3. a newcomer's admission is no restart: TORCHELASTIC_RESTART_COUNT stays as torchrun's agent keeps it -----
+
+GROW = """
+import os, sys, time, torch, torch.distributed as dist
+dist.init_process_group("gloo")
+world, count = dist.get_world_size(), os.environ["TORCHELASTIC_RESTART_COUNT"]
+print(f"ROUND world={world} restart={count}", flush=True)
+step = 0
+while world < 3:  # until the newcomer is admitted: an all-reduce a step, so that the group notices it
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    step += 1
+    print(f"STEP {step}", flush=True)
+    time.sleep(0.05)
+dist.all_reduce(torch.ones(1))  # every rank connected before any leaves
+print(f"DONE world={world} restart={count}", flush=True)
+dist.destroy_process_group()
+"""
+
+
+def _grow(tmp_path, where: list[str]) -> list[Run]:
+    """Two launchers of a 2:3 job, and a third once the job runs on them; the three, once each ended."""
+    (tmp_path / "grow.py").write_text(GROW)
+    runs: list[Run] = []
+
+    def node(name: str, rank: list[str]) -> Run:
+        (tmp_path / name).mkdir()
+        return Run(["-m", "mpddp", "run", "--nnodes", "2:3", *rank, "--nproc-per-node", "1", *where, "--timeout", "30",
+                    str(tmp_path / "grow.py")], tmp_path / name)
+
+    try:
+        runs += [node("node0", ["--node-rank", "0"]), node("node1", ["--node-rank", "1"])]
+        runs[0].wait_for(r"STEP 3\b", timeout=90)
+        runs.append(node("node2", []))  # numbered as it joins
+        codes = [run.finish(120) for run in runs]
+        assert codes == [0, 0, 0], "\n".join(f"--- node {n}:\n{run.stderr}" for n, run in enumerate(runs))
+        return runs
+    finally:
+        for run in runs:
+            run.kill()
+
+
+def _admitted_without_a_restart(runs: list[Run]) -> None:
+    for run in runs[:2]:
+        assert "ROUND world=2 restart=0" in run.stdout, run.stdout + run.stderr
+        assert "mpddp: a node arrived" in run.stderr and "restarting the group" not in run.stderr, run.stderr
+    for run in runs:
+        assert "DONE world=3 restart=0" in run.stdout, run.stdout + run.stderr
+        run.assert_nothing_left()
+
+
+def test_a_newcomers_admission_is_no_restart_under_etcd(tmp_path, etcd_cluster):
+    _admitted_without_a_restart(_grow(tmp_path, ["--rdzv-backend", "etcd", "--rdzv-endpoint", etcd_cluster.endpoints,
+                                                 "--rdzv-id", "grow", "--local-addr", "127.0.0.1"]))
+
+
+def test_a_newcomers_admission_is_no_restart_under_c10d(tmp_path):
+    _admitted_without_a_restart(_grow(tmp_path, ["--master-addr", "127.0.0.1", "--master-port", str(free_port())]))

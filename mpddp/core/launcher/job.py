@@ -49,6 +49,9 @@ class Job:
     lags: stragglers.Stragglers = field(default_factory=stragglers.Stragglers)  # arrivals at collectives, job-wide
     intruder: bool = False  # another launcher holds this node rank: the job's keys are not this one's to touch
     last_store: StoreServer | None = None  # node 0 of several, its store server lost: the store of why, for the others
+    # The job's restarts after a failure so far: --max-restarts' count and TORCHELASTIC_RESTART_COUNT. A round that
+    # admits a node is none (torchrun's agent counts no membership change); the same number on every node.
+    restarts: int = 0
 
     def open_last_word(self, attempt: int, loss: str) -> None:
         """Node 0 of several (c10d), its store server just lost (``loss`` says how): a fresh one on the same port,
@@ -125,15 +128,18 @@ def _tell_lags(job: Job, succeeded: bool) -> None:
 
 def _attempts(job: Job) -> list[Any]:
     """Run the group, and again after a failure while restarts are left (a restart that admits a node that
-    arrived is free, as torchrun's). ``attempt`` is the round: the backend may start this node at a later one."""
+    arrived is free, as torchrun's: ``job.restarts`` does not count it). ``attempt`` is the round, which does:
+    the backend may start this node at a later one."""
     config = job.config
-    attempt = restarts = 0
+    attempt = 0
     numbered = config.node_rank is None  # the backend's join numbers this node (no --node-rank: torchrun's c10d)
     while True:
         if job.link is not None and (job.link.hosts_round_store or config.min_nnodes < config.nnodes or numbered):
             if attempt and not job.init_group and not job.link.hosts_round_store:
                 _new_script_store(job, attempt)  # c10d's node 0, before the others read its port
-            attempt = _join(job, attempt)
+            joined = _join(job, attempt)
+            job.restarts += _restarts_between(job.link, attempt, joined)
+            attempt = joined
         elif attempt:
             if not job.init_group:
                 _new_script_store(job, attempt)
@@ -150,7 +156,7 @@ def _attempts(job: Job) -> list[Any]:
                 failure.failures[0].outcome is Outcome.RESIZED)
             store_lost = isinstance(failure, StoreLost) or (job.store is not None and job.store.lost)
             fixed_store = job.link is not None and not job.link.hosts_round_store  # c10d: node 0's, job-long
-            if not resized and (restarts == config.max_restarts or (store_lost and fixed_store)):
+            if not resized and (job.restarts == config.max_restarts or (store_lost and fixed_store)):
                 _close_last_word(job, wait=True)  # node 0, its store server lost: once the others have read why
                 final = _final(failure, config.max_restarts, several_nodes=job.link is not None)
                 if final is failure:
@@ -163,9 +169,16 @@ def _attempts(job: Job) -> list[Any]:
             if resized:
                 logger.warning("%s", said)
             else:
-                restarts += 1
-                logger.warning("%s\nmpddp: restarting the group (%d of %d)", said, restarts, config.max_restarts)
+                job.restarts += 1
+                logger.warning("%s\nmpddp: restarting the group (%d of %d)", said, job.restarts, config.max_restarts)
             attempt += 1
+
+
+def _restarts_between(link: Rendezvous, first: int, joined: int) -> int:
+    """The restarts after a failure among rounds ``first`` to ``joined - 1``, which ran without this node (it
+    came late, or waited as a spare): each round's record says why it ended, and an admission is no restart."""
+    ended = [link.record(number) for number in range(first, joined)]
+    return sum(record is None or record.outcome is not Outcome.RESIZED for record in ended)
 
 
 def _join(job: Job, attempt: int) -> int:
