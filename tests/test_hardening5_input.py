@@ -256,3 +256,95 @@ def test_a_newcomers_admission_is_no_restart_under_etcd(tmp_path, etcd_cluster):
 
 def test_a_newcomers_admission_is_no_restart_under_c10d(tmp_path):
     _admitted_without_a_restart(_grow(tmp_path, ["--master-addr", "127.0.0.1", "--master-port", str(free_port())]))
+
+
+# ---- 4. a round below MIN ends in the one line that names MIN, never in a configuration error from the join ------
+
+STEPS = """
+import os, time, torch, torch.distributed as dist
+dist.init_process_group("gloo")
+for step in range(1, 10**6):
+    dist.all_reduce(torch.ones(1))
+    print(f"STEP {step}", flush=True)
+    time.sleep(0.05)
+"""
+
+
+def _the_min_story(run: Run, low: int = 2) -> str:
+    """The launcher's last line: the round's size and MIN, no traceback, no configuration error."""
+    last = run.stderr.strip().splitlines()[-1]
+    assert f"but --nnodes {low}:3 needs at least {low}" in last, run.stderr
+    assert "Traceback" not in run.stderr and "nnodes=" not in run.stderr, run.stderr
+    return last
+
+
+@pytest.mark.parametrize("backend", ["etcd", "c10d"])
+def test_a_survivor_below_min_tells_the_min_story_within_timeout(tmp_path, backend, request):
+    """2:3 on two nodes, --max-restarts 1: node 1's machine lost; the survivor's next round cannot reach MIN."""
+    import psutil
+
+    (tmp_path / "steps.py").write_text(STEPS)
+    if backend == "etcd":
+        cluster = request.getfixturevalue("etcd_cluster")
+        where = ["--rdzv-backend", "etcd", "--rdzv-endpoint", cluster.endpoints, "--rdzv-id", "below-min",
+                 "--local-addr", "127.0.0.1"]
+    else:
+        where = ["--master-addr", "127.0.0.1", "--master-port", str(free_port())]
+    runs: list[Run] = []
+    try:
+        for node in range(2):
+            (tmp_path / f"node{node}").mkdir()
+            runs.append(Run(["-m", "mpddp", "run", "--nnodes", "2:3", "--node-rank", str(node), "--nproc-per-node", "1",
+                             "--max-restarts", "1", *where, "--timeout", "15", str(tmp_path / "steps.py")],
+                            tmp_path / f"node{node}"))
+        runs[0].wait_for(r"STEP 5\b", timeout=90)
+        for run in runs:
+            run.list_tree()
+        lost = [psutil.Process(runs[1].proc.pid), *psutil.Process(runs[1].proc.pid).children(recursive=True)]
+        killed = time.monotonic()
+        for proc in lost:
+            proc.kill()
+        assert runs[0].finish(60) == 1, runs[0].stderr
+        assert time.monotonic() - killed < 15 + 15, f"told after {time.monotonic() - killed:.1f} s"
+        assert "round 1: 1 node(s)" in _the_min_story(runs[0]), runs[0].stderr
+        runs[0].assert_nothing_left()
+    finally:
+        for run in runs:
+            run.kill()
+
+
+def test_a_round_decided_below_min_is_the_min_story_not_a_config_error(tmp_path, etcd_cluster):
+    """The launcher that decides a round reads its arrivals once the count reached MIN; one whose lease ran out
+    in between is not among them, so a member list below MIN can be written. Here the test writes it, as that
+    launcher would: the one launcher in it must tell the round's size and MIN (main: 'nnodes=2:1: the smallest
+    size must be from 1 to the largest', exit 2)."""
+    import json
+
+    (tmp_path / "hi.py").write_text(HI)
+    job = "decided-below-min"
+    run = Run(["-m", "mpddp", "run", "--nnodes", "2:3", "--nproc-per-node", "1", "--rdzv-backend", "etcd",
+               "--rdzv-endpoint", etcd_cluster.endpoints, "--rdzv-id", job, "--timeout", "60", "hi.py"], tmp_path)
+    try:
+        client = etcd_cluster.client(0)
+        deadline = time.monotonic() + 60
+        while not (joined := client.get_prefix(f"/mpddp/{job}/r/0/join/")):
+            assert time.monotonic() < deadline and run.proc.poll() is None, run.stderr
+            time.sleep(0.05)
+        me = joined[0][1]["key"].decode().rsplit("/", 1)[1]
+        assert client.create(f"/mpddp/{job}/r/0/members", json.dumps([me]))
+        assert run.finish(30) == 1, run.stderr
+        assert "round 0: 1 node(s)" in _the_min_story(run), run.stderr
+        assert "ran" not in run.stdout
+        run.assert_nothing_left()
+    finally:
+        run.kill()
+
+
+def test_too_few_nodes_is_a_rendezvous_error_that_survives_pickling():
+    import pickle
+
+    from mpddp.errors import RendezvousError, TooFewNodes
+
+    error = pickle.loads(pickle.dumps(TooFewNodes("round 1: 1 node(s) ...", 1, 1, 2)))
+    assert isinstance(error, RendezvousError) and (str(error), error.round_number, error.nodes, error.low) == (
+        "round 1: 1 node(s) ...", 1, 1, 2)
