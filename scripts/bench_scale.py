@@ -86,7 +86,7 @@ def _links(backend: str, nodes: int, where: str, counter: list[int]) -> list[Any
                            if backend == "etcd" else {"master_addr": "127.0.0.1", "master_port": int(where)}))
     links = []
     for node in range(nodes):
-        config = replace(base, node_rank=node if backend == "c10d" else 0)
+        config = replace(base, node_rank=node if backend == "c10d" else None)  # etcd: numbered as they come
         if backend == "c10d":
             from mpddp.core.nodes.c10d import C10dRendezvous
 
