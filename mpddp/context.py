@@ -20,7 +20,10 @@ class WorkerContext:
     ``rank = node_rank * nprocs_per_node + local_rank``; ``device`` is
     ``"cuda:<local_rank>"`` on GPUs (already set as the current device) and
     ``"cpu"`` otherwise; ``gpu`` is the physical GPU id or None. ``restart``
-    counts restarts of the group (0 on the first attempt).
+    counts restarts of the group (0 on the first attempt), a node's
+    admission to an elastic job included (the trainer resumes then too);
+    ``TORCHELASTIC_RESTART_COUNT`` counts only those after a failure, as
+    torchrun's agent does.
     """
 
     rank: int

@@ -91,6 +91,18 @@ class NeverArrived(RendezvousError):
         self.ranks = ranks
 
 
+class TooFewNodes(RendezvousError):
+    """An elastic job's round ``round_number`` has ``nodes`` node(s), fewer than ``MIN`` (``low``): it does not
+    start, on any node of it."""
+
+    def __init__(self, message: str, round_number: int, nodes: int, low: int) -> None:
+        super().__init__(message)
+        self.round_number, self.nodes, self.low = round_number, nodes, low
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return type(self), (str(self), self.round_number, self.nodes, self.low)
+
+
 class AddressError(ConfigError, RendezvousError):
     """Node 0 cannot host the store at the address and port given (not this machine's, or taken): bad input."""
 

@@ -126,7 +126,7 @@ def test_the_flags_reach_each_workers_environment(parse):
     config, extra, _ = parse(["--nnodes=2:2", "--node_rank=1", "--master_addr=127.0.0.1", "--master_port=29500",
                               "--nproc_per_node=2", "--max_restarts=3", "--rdzv_id=job7", "--role", "trainer"])
     plan = plan_launch(replace(config, env=tuple(extra.items())))
-    shared = node_env(plan, 29500, attempt=1)
+    shared = node_env(plan, 29500, restarts=1)
     envs = [rank_env(shared, slot, "/errors") for slot in plan.slots]
     assert [(e["RANK"], e["LOCAL_RANK"], e["ROLE_RANK"], e["TORCHELASTIC_ERROR_FILE"]) for e in envs] == [
         ("2", "0", "2", "/errors/rank2.json"), ("3", "1", "3", "/errors/rank3.json")]

@@ -56,7 +56,7 @@ def start_ranks(job: Job, attempt: int, relay: Relay, states: list[RankState], e
     """Start every rank, adding each to ``states`` at once: a Ctrl-C between two starts
     must still find the ones already running (the caller tears ``states`` down)."""
     plan, mp_context, config, port = job.plan, job.mp_context, job.config, job.port
-    shared_env = node_env(plan, job.script_port or port, attempt)
+    shared_env = node_env(plan, job.script_port or port, job.restarts)
     channels = [_Channels(mp_context.Pipe(duplex=False), _pipe(), _pipe(), _pipe()) for _ in plan.slots]
     all_fds = set().union(*(c.fds for c in channels))
     for slot, ch in zip(plan.slots, channels):

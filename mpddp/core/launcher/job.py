@@ -21,7 +21,7 @@ from typing import Any
 from ...errors import ConfigError, Outcome, RestartsExhausted, StoreLost, WorkerFailed
 from ...log import logger
 from ..nodes import rendezvous
-from ..nodes.api import NotNeeded, Round
+from ..nodes.api import NotNeeded, Rendezvous, Round
 from ..nodes.backends import open_rendezvous
 from . import stragglers
 from .attempt import run_group
@@ -118,7 +118,7 @@ def next_step(failed: Failed, restarts: int, max_restarts: int) -> Step:
 def _attempts(job: Job) -> list[Any]:
     """Run the group, and again after a failure while :func:`next_step` says so. ``attempt`` is the round: the
     backend may start this node at a later one."""
-    attempt = restarts = 0
+    attempt = 0
     while True:
         attempt = _begin(job, attempt)
         try:
@@ -127,15 +127,15 @@ def _attempts(job: Job) -> list[Any]:
             raise KeyboardInterrupt("mpddp: interrupted; every worker was stopped") from None
         except (WorkerFailed, StoreLost) as error:
             failed = _failed(job, error)
-            step = next_step(failed, restarts, job.config.max_restarts)
+            step = next_step(failed, job.restarts, job.config.max_restarts)
             if step is Step.END:
                 job.close_last_word(wait=True)  # node 0, its store server lost: once the others have read why
                 final = _final(failed, job.config.max_restarts)
                 if final is error:
                     raise  # as it is: its __cause__ is the failing rank's own exception
                 raise final from error
-            restarts += step is Step.RESTART
-            _restart(job, failed, step, restarts)
+            job.restarts += step is Step.RESTART
+            _restart(job, failed, step, job.restarts)
             attempt += 1
 
 
@@ -163,7 +163,18 @@ def _begin(job: Job, attempt: int) -> int:
     round's number: the backend may start this node at a later one."""
     if attempt and not job.init_group and job.one_store:
         _new_script_store(job, attempt)
-    return attempt if job.link is None else _join(job, attempt)
+    if job.link is None:
+        return attempt
+    joined = _join(job, attempt)
+    job.restarts += _restarts_between(job.link, attempt, joined)
+    return joined
+
+
+def _restarts_between(link: Rendezvous, first: int, joined: int) -> int:
+    """The restarts after a failure among rounds ``first`` to ``joined - 1``, which ran without this node (it
+    came late, or waited as a spare): each round's record says why it ended, and an admission is no restart."""
+    ended = [link.record(number) for number in range(first, joined)]
+    return sum(record is None or record.outcome is not Outcome.RESIZED for record in ended)
 
 
 def _join(job: Job, attempt: int) -> int:

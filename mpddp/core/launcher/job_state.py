@@ -45,6 +45,9 @@ class Job:
     lags: stragglers.Stragglers = field(default_factory=stragglers.Stragglers)  # arrivals at collectives, job-wide
     intruder: bool = False  # another launcher holds this node rank: the job's keys are not this one's to touch
     last_store: StoreServer | None = None  # node 0 of several, its store server lost: the store of why, for the others
+    # The job's restarts after a failure so far: --max-restarts' count and TORCHELASTIC_RESTART_COUNT. A round that
+    # admits a node is none (torchrun's agent counts no membership change); the same number on every node.
+    restarts: int = 0
 
     def open_last_word(self, attempt: int, loss: str) -> None:
         """Node 0 of several, whose store serves every round, its store server just lost (``loss`` says how): a

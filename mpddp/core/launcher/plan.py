@@ -141,8 +141,9 @@ def for_round(plan: Plan, nnodes: int, node_rank: int, host: str, port: int) -> 
     return replace(plan, config=config, slots=mine)
 
 
-def node_env(plan: Plan, port: int, attempt: int) -> dict[str, str]:
-    """The environment every worker of this node shares, computed once per group."""
+def node_env(plan: Plan, port: int, restarts: int) -> dict[str, str]:
+    """The environment every worker of this node shares, computed once per group; ``restarts``: the job's
+    restarts after a failure (a node's admission is none, as under torchrun's agent)."""
     config = plan.config
     env = dict(os.environ)
     env.update(  # torchrun's elastic agent sets the same (TORCHELASTIC_RUN_ID: is_torchelastic_launched())
@@ -154,7 +155,7 @@ def node_env(plan: Plan, port: int, attempt: int) -> dict[str, str]:
         ROLE_WORLD_SIZE=str(plan.slots[0].world_size),
         MASTER_ADDR=config.master_addr,
         MASTER_PORT=str(port),
-        TORCHELASTIC_RESTART_COUNT=str(attempt),
+        TORCHELASTIC_RESTART_COUNT=str(restarts),
         TORCHELASTIC_MAX_RESTARTS=str(config.max_restarts),
         TORCHELASTIC_RUN_ID=plan.run_id,
         TORCHELASTIC_SIGNALS_TO_HANDLE=SIGNALS_HANDLED,

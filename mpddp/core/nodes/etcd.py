@@ -32,7 +32,7 @@ from ...config import LaunchConfig
 from ...errors import AddressError, NeverArrived, RendezvousError, WorkerFailed
 from ...log import logger
 from ..wire.protocol import FailureRecord
-from . import membership
+from . import etcd_probe, membership
 from .api import RendezvousGone, Round, RoundStore, stopped_record
 from .etcd_client import EtcdClient, EtcdFull, KeptLease
 from .etcd_keys import EtcdKeys, EtcdRoundWatch, etcd_interval
@@ -118,10 +118,12 @@ class EtcdRendezvous(EtcdKV):
             self.client.call(tidy, timeout=2.0)
 
     def _first_contact(self) -> None:
-        """Bad input, before any rank starts, when no member of --rdzv-endpoint answers within a few seconds. The
-        first request grants this launcher's lease: the join puts its arrival with it (one round trip the less)."""
+        """Bad input, before any rank starts, when no member of --rdzv-endpoint answers within a few seconds, or
+        one answers but not as an etcd this launcher may use (core/nodes/etcd_probe.py). Then this launcher's
+        lease is granted: the join puts its arrival with it (one round trip the less)."""
         wait = min(self.config.timeout, _FIRST_CONTACT)
         try:
+            etcd_probe.check(self.client.endpoints, self.client.tls, self.prefix, wait)  # not etcd, or auth on
             if self._lease is None:
                 self._lease = KeptLease(self.client, self.ttl, timeout=wait)
         except EtcdFull as e:

@@ -16,7 +16,7 @@ import socket
 import time
 from typing import Protocol
 
-from ...errors import ConfigError, RendezvousError
+from ...errors import ConfigError, TooFewNodes
 from ...log import logger
 from ..wire.protocol import FailureRecord
 from .api import NotNeeded, Round, resized_record
@@ -59,6 +59,8 @@ def join_round(keys: Keys, attempt: int, me: str, *, low: int, high: int, node_r
             break
         _wait_outside(keys, attempt, members, high, _size(low, high))
         attempt += 1
+    if len(members) < low:  # decided from the arrivals still there: one lost since it was counted is not
+        raise _too_few(attempt, len(members), "remained in it", low, high, start_them)
     before = {m: n for n, m in enumerate(json.loads(keys.decided(attempt - 1) or "[]") if attempt else [])}
     old = tuple(before.get(m) for m in members)  # a dict: a list's index() is O(N) a member, O(N^2) a node
     return Round(attempt, len(members), members.index(me), old), members
@@ -97,8 +99,13 @@ def _members(keys: Keys, attempt: int, number: int, low: int, high: int, last_ca
             if (count := keys.count(attempt)) != seen:
                 seen, since = count, counted
         if time.monotonic() > deadline:
-            raise RendezvousError(f"round {attempt}: {seen} node(s) joined within --timeout {timeout:g} s, "
-                                  f"but --nnodes {_size(low, high)} needs at least {low}: {start_them}")
+            raise _too_few(attempt, seen, f"joined within --timeout {timeout:g} s", low, high, start_them)
+
+
+def _too_few(attempt: int, nodes: int, how: str, low: int, high: int, start_them: str) -> TooFewNodes:
+    """A round below ``MIN``, whichever way it came about, in one line: the same words on every node."""
+    return TooFewNodes(f"round {attempt}: {nodes} node(s) {how}, but --nnodes {_size(low, high)} needs at least "
+                       f"{low}: {start_them}", attempt, nodes, low)
 
 
 def poll_interval(nodes: int) -> float:
