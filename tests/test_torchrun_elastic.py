@@ -232,7 +232,7 @@ def test_node_0_is_the_launcher_that_binds_the_endpoint(node_rank, where, hosts)
 def test_a_round_orders_old_nodes_then_given_node_ranks_then_arrivals():
     """core/nodes/membership.py's order of an elastic round: a launcher without --node-rank comes after every
     launcher given one (c10d: node 0, the store's host, is given 0), in the order they came."""
-    from mpddp.core.nodes.membership import _order
+    from mpddp.core.nodes.rules import member_order as _order
 
     arrivals = {"late": {"old": None, "rank": None, "since": 3.0}, "early": {"old": None, "rank": None, "since": 1.0},
                 "given 1": {"old": None, "rank": 1, "since": 5.0}, "host": {"old": None, "rank": 0, "since": 4.0},
