@@ -52,6 +52,8 @@ def run_job(plan: Plan, mp_context: Any, payload: bytes, init_group: bool, liste
         return values
     finally:
         _tell_lags(job, succeeded=values is not None)
+        if listening is not None and job.store is None:  # no server took it (its start failed): a client of it
+            listening.close()  # would wait without end, this node's leave and every other node's among them
         if job.link is not None and not job.intruder:
             job.link.leave()  # node 0: the store stays until the others have read the last round
         job.close_last_word(wait=False)
