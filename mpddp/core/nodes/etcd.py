@@ -311,7 +311,9 @@ class EtcdRendezvous(EtcdKV):
     def leave(self) -> None:
         """Done with the job: this launcher's lease goes, and the last launcher to leave removes the job's keys.
         etcd full, the last round's store host first waits for the others to read a record on its store."""
-        if not self.reached:
+        if not self.reached:  # no first contact: a lease taken by a put all the same stops refreshing
+            if self._lease is not None:
+                self._lease.stop()
             return
         if self.client.unanswered:  # etcd did not answer the last call: the lease's TTL removes this one's keys
             if self._lease is not None:
