@@ -28,28 +28,14 @@ import re
 import shutil
 import sys
 import tempfile
-import textwrap
 import time
 import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
+JOB = str(ROOT / "tests" / "scripts" / "collectives_until_failed.py")  # ranks all_reduce; rank 1 fails
 
-JOB = textwrap.dedent("""
-    import os, sys, time, torch, torch.distributed as dist
-    dist.init_process_group("gloo")
-    rank = dist.get_rank()
-    step = 0
-    while not os.path.exists(os.environ["FAIL_AT"]) or rank != 1:
-        t = torch.ones(1)
-        dist.all_reduce(t)
-        step += 1
-        if step % 100 == 0:
-            print(f"STEP {step}", flush=True)
-        time.sleep(0.01)
-    raise RuntimeError("bench: rank 1 fails on purpose")
-""")
 
 _METRIC = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})? ([0-9.eE+-]+)$")
 
@@ -81,7 +67,6 @@ def main() -> None:
     from runs import Run
 
     work = Path(tempfile.mkdtemp(prefix="bench-etcd-"))
-    (work / "job.py").write_text(JOB)
     fail_at = work / "fail"
     with EtcdCluster(quota_bytes=args.quota or None) as cluster:
         leader, job = cluster.leader_index(), f"bench-{time.time_ns()}"
@@ -92,7 +77,7 @@ def main() -> None:
             runs.append(Run(["-m", "mpddp", "run", "--nnodes", str(args.nodes), "--node-rank", str(node),
                              "--nprocs", "1", "--rdzv-backend", "etcd", "--rdzv-endpoint", cluster.endpoints,
                              "--rdzv-id", job, "--local-addr", "127.0.0.1", "--timeout", "30",
-                             str(work / "job.py")], where, env={"FAIL_AT": str(fail_at)}))
+                             JOB, "1", "100"], where, env={"FAIL_AT": str(fail_at)}))
         try:
             for run in runs:
                 run.wait_for(r"STEP 100\b", timeout=120)

@@ -11,31 +11,20 @@ from __future__ import annotations
 
 import re
 import shutil
-import textwrap
 import time
 import urllib.request
+from pathlib import Path
 
 import pytest
 
 from runs import Run
 
+JOB = str(Path(__file__).parent / "scripts" / "collectives_until_failed.py")  # ranks all_reduce; one fails
+
 pytestmark = [pytest.mark.timeout(240), pytest.mark.skipif(shutil.which("etcd") is None,
                                                           reason="Debian's etcd-server is not installed")]
 QUOTA = 256 * 1024  # bytes: what 20 s of a put a beat filled, three nodes
 
-JOB = textwrap.dedent("""
-    import os, time, torch, torch.distributed as dist
-    dist.init_process_group("gloo")
-    rank, step = dist.get_rank(), 0
-    while not os.path.exists(os.environ["FAIL_AT"]) or rank != 1:  # the others go on: rank 1's failure stops them
-        t = torch.ones(1)
-        dist.all_reduce(t)
-        step += 1
-        if step % 100 == 0:
-            print(f"STEP {step}", flush=True)
-        time.sleep(0.01)
-    raise RuntimeError("rank 1 fails on purpose")
-""")
 FAILED_FIRST = "mpddp: rank 1 (node 1, local rank 0) failed first: it raised RuntimeError: rank 1 fails on purpose"
 
 
@@ -60,14 +49,13 @@ def _alarms(cluster) -> list[str]:
 
 
 def _job(tmp_path, cluster, nodes=3) -> list[Run]:
-    (tmp_path / "job.py").write_text(JOB)
     runs = []
     for node in range(nodes):
         where = tmp_path / f"node{node}"
         where.mkdir()
         runs.append(Run(["-m", "mpddp", "run", "--nnodes", str(nodes), "--node-rank", str(node), "--nprocs", "1",
                          "--rdzv-backend", "etcd", "--rdzv-endpoint", cluster.endpoints, "--rdzv-id", "budget",
-                         "--local-addr", "127.0.0.1", "--timeout", "20", str(tmp_path / "job.py")], where,
+                         "--local-addr", "127.0.0.1", "--timeout", "20", JOB, "1", "100"], where,
                         env={"FAIL_AT": str(tmp_path / "fail")}))
     for run in runs:
         run.wait_for(r"STEP 100\b", timeout=120)
@@ -156,10 +144,9 @@ def test_a_job_that_starts_on_a_full_etcd_is_one_line_on_every_node(tmp_path, sm
             client.put(f"/someone-else/{filled}", "x" * (64 * 1024))
             filled += 1
     assert "NOSPACE" in _alarms(small_etcd)
-    (tmp_path / "job.py").write_text(JOB)
     runs = [Run(["-m", "mpddp", "run", "--nnodes", "2", "--node-rank", str(node), "--nprocs", "1", "--rdzv-backend",
                  "etcd", "--rdzv-endpoint", small_etcd.endpoints, "--rdzv-id", "full", "--local-addr", "127.0.0.1",
-                 "--timeout", "20", str(tmp_path / "job.py")], tmp_path, env={"FAIL_AT": str(tmp_path / "fail")})
+                 "--timeout", "20", JOB, "1", "100"], tmp_path, env={"FAIL_AT": str(tmp_path / "fail")})
             for node in range(2)]
     try:
         for run in runs:

@@ -7,29 +7,19 @@ Real launchers on a real 3-member etcd whose quota is 256 KiB, filled by another
 from __future__ import annotations
 
 import shutil
-import textwrap
 import time
+from pathlib import Path
 
 import pytest
 
 from runs import Run
 
+JOB = str(Path(__file__).parent / "scripts" / "collectives_until_failed.py")  # ranks all_reduce; one fails
+
 pytestmark = [pytest.mark.timeout(240), pytest.mark.skipif(shutil.which("etcd") is None,
                                                           reason="Debian's etcd-server is not installed")]
 QUOTA = 256 * 1024
 
-JOB = textwrap.dedent("""
-    import os, time, torch, torch.distributed as dist
-    dist.init_process_group("gloo")
-    rank, step = dist.get_rank(), 0
-    while not os.path.exists(os.environ["FAIL_AT"]) or rank != 2:
-        dist.all_reduce(torch.ones(1))
-        step += 1
-        if step % 50 == 0:
-            print(f"STEP {step}", flush=True)
-        time.sleep(0.01)
-    raise RuntimeError("rank 2 fails on purpose")
-""")
 FAILED_FIRST = "mpddp: rank 2 (node 2, local rank 0) failed first: it raised RuntimeError: rank 2 fails on purpose"
 
 
@@ -41,15 +31,13 @@ def test_a_rank_of_the_last_node_that_fails_early_on_a_full_etcd_is_named_on_eve
     pytest.importorskip("etcd3gw")
     from etcd3gw.exceptions import Etcd3Exception
     from etcd_cluster import EtcdCluster
-
-    (tmp_path / "job.py").write_text(JOB)
     with EtcdCluster(quota_bytes=QUOTA) as cluster:
         runs = []
         for node in range(3):
             (tmp_path / f"node{node}").mkdir()
             runs.append(Run(["-m", "mpddp", "run", "--nnodes", "3", "--node-rank", str(node), "--nprocs", "1",
                              "--rdzv-backend", "etcd", "--rdzv-endpoint", cluster.endpoints, "--rdzv-id", "early",
-                             "--local-addr", "127.0.0.1", "--timeout", "20", str(tmp_path / "job.py")],
+                             "--local-addr", "127.0.0.1", "--timeout", "20", JOB, "2", "50"],
                             tmp_path / f"node{node}", env={"FAIL_AT": str(tmp_path / "fail")}))
         try:
             for run in runs:
