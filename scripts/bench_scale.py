@@ -53,6 +53,7 @@ import benchlib  # noqa: E402
 
 from mpddp.config import LaunchConfig  # noqa: E402
 from mpddp.core.nodes import api  # noqa: E402
+from mpddp.core.nodes.rules import NodeState  # noqa: E402
 from mpddp.core.wire.protocol import FailureRecord  # noqa: E402
 from mpddp.errors import Outcome, TooFewNodes  # noqa: E402
 
@@ -198,7 +199,7 @@ def one_size(backend: str, nodes: int, where: str, store_procs: list[psutil.Proc
     time.sleep(max(0.0, t1 + 1.0 - time.monotonic()))  # a second of it at least: the nodes that read the record
     failure_ops, failure_s = counter[0] - ops1, time.monotonic() - t1
     for link, w in zip(links, watches):
-        link.end_round(0)
+        link.move(0, NodeState.ENDED)
         w.stop()
     # the next round, without the node that failed: no last call
     others = links[:-1]

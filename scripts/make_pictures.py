@@ -9,7 +9,10 @@ Each picture comes from mpddp itself, never drawn by hand:
   rank 0 before each all_reduce from there on);
 - ``curves.png``: the curves of a real ``mpddp train`` run on the digits, where
   this mpddp draws them (``mpddp.trainer.curves``); otherwise it is skipped
-  with a line saying so.
+  with a line saying so;
+- ``states.png``: a node's life in a round, every arrow a move that
+  :func:`mpddp.core.nodes.rules.move` allows, labelled with the counters it
+  enters the node in (asked of the function itself, state by state).
 
 The runs take a temporary directory and this checkout's mpddp. The docs build
 (``python -m sphinx ...``) only shows the PNGs committed here: it runs nothing.
@@ -32,7 +35,7 @@ sys.path.insert(0, str(ROOT))
 from mpddp.rank_math import layout  # noqa: E402
 
 OUT = ROOT / "docs" / "_static"
-PICTURES = ("ranks", "stragglers", "curves")
+PICTURES = ("ranks", "stragglers", "curves", "states")
 
 # A torchrun-style script: steps of 10 ms on every rank, and from step 150 on rank 1 reaches every
 # all_reduce 30 ms after rank 0.
@@ -93,6 +96,46 @@ def draw_ranks(path: Path, nnodes: int = 2, nprocs: int = 4, highlight: tuple[in
     plt.close(fig)
 
 
+def draw_states(path: Path) -> None:
+    """A node's states in a round and the moves between them, as core/nodes/rules.py's ``move`` allows them."""
+    import matplotlib
+
+    matplotlib.use("Agg", force=False)
+    import matplotlib.pyplot as plt
+
+    from mpddp.core.nodes.rules import NodeState, move
+
+    where = {NodeState.RUNNING: (0.0, 1.5), NodeState.WAITING: (4.0, 3.0), NodeState.RETURNED: (4.0, 0.0),
+             NodeState.ENDED: (8.0, 3.0), NodeState.LOST: (8.0, 0.0)}
+    said = {NodeState.RUNNING: "joined: its ranks run", NodeState.WAITING: "its ranks stopped:\nwaits for the record",
+            NodeState.RETURNED: "its ranks all returned:\nwaits for the others", NodeState.ENDED: "done with the round",
+            NodeState.LOST: "lease ran out (etcd), or its beat\nstood still (c10d): another's word"}
+    fig, ax = plt.subplots(figsize=(10, 4.6))
+    for a in NodeState:
+        for b in NodeState:
+            if (counters := move(a, b)) is None:
+                continue
+            (x0, y0), (x1, y1) = where[a], where[b]
+            ax.annotate("", xy=(x1 - 1.0, y1), xytext=(x0 + 1.0, y0),
+                        arrowprops={"arrowstyle": "-|>", "color": "#555555", "lw": 1.2, "shrinkA": 2, "shrinkB": 2})
+            t = 0.22 if abs(y1 - y0) > 2 else 0.5  # long diagonals: near their start, where they do not cross
+            lx, ly = x0 + 1.0 + t * (x1 - x0 - 2.0), y0 + t * (y1 - y0)
+            ax.text(lx, ly + 0.12, "+" + ", ".join(counters), fontsize=7.5, color="#205080", ha="center",
+                    bbox={"fc": "white", "ec": "none", "pad": 0.5})
+    for state, (x, y) in where.items():
+        ax.add_patch(plt.Rectangle((x - 1.0, y - 0.45), 2.0, 0.9, fc="#f3f3f3", ec="#333333", lw=1.2))
+        ax.text(x, y + 0.2, state.name, ha="center", va="center", fontsize=10, weight="bold")
+        ax.text(x, y - 0.12, said[state], ha="center", va="center", fontsize=7, color="#444444")
+    ax.set_xlim(-1.1, 9.1)
+    ax.set_ylim(-0.6, 3.6)
+    ax.axis("off")
+    ax.set_title("A node's record in a round: one compare-and-set a move, then the counters it newly enters "
+                 "(each node once)", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def _env() -> dict[str, str]:
     """This checkout's mpddp for the runs; a job's SLURM variables would make them a multi-node launch."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
@@ -138,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--only {','.join(unknown)}: the pictures are {', '.join(PICTURES)}")
     args.out.mkdir(parents=True, exist_ok=True)
     drawers = {"ranks": lambda p: draw_ranks(p) or True, "stragglers": lambda p: draw_stragglers(p) or True,
-               "curves": draw_curves}
+               "curves": draw_curves, "states": lambda p: draw_states(p) or True}
     for name in wanted:
         target = args.out / f"{name}.png"
         if drawers[name](target):

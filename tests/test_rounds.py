@@ -318,28 +318,20 @@ class _Beats:
 
 
 def _mark_ended(beats: _Beats, node: int) -> None:
-    """What node ``node``'s end_round leaves in the store."""
-    from mpddp.core.wire import protocol
+    """What node ``node``'s end of the round leaves in the store: its record moved to ENDED, and its counters."""
+    _move(beats, node, "ENDED")
 
-    beats.set(protocol.full_key(0, protocol.ended_key(node)), "1")
-    for key, counter in ((protocol.quiet_key, protocol.QUIET), (protocol.done_key, protocol.DONE)):
-        if not beats.check([protocol.full_key(0, key(node))]):
-            beats.set(protocol.full_key(0, key(node)), "1")
-            beats.add(protocol.full_key(0, counter), 1)
+
+def _move(beats: _Beats, node: int, state: str) -> None:
+    """Node ``node``'s record in round 0 moved to ``state``, as its own launcher moves it."""
+    from mpddp.core.nodes.rules import NodeState
+
+    _link(node, beats).move(0, NodeState[state])
 
 
 def _mark_returned(beats: _Beats, node: int) -> None:
     """What node ``node``'s finish leaves in the store when its ranks all returned."""
-    import json
-
-    from mpddp.core.wire import protocol
-
-    number = beats.add(protocol.full_key(0, protocol.RETURNED), 1)
-    beats.set(protocol.full_key(0, protocol.returned_entry(number)), json.dumps([node, time.time()]))
-    for key, counter in ((protocol.quiet_key, protocol.QUIET), (protocol.done_key, protocol.DONE)):
-        if not beats.check([protocol.full_key(0, key(node))]):
-            beats.set(protocol.full_key(0, key(node)), "1")
-            beats.add(protocol.full_key(0, counter), 1)
+    _move(beats, node, "RETURNED")
 
 
 def _link(node: int, beats: _Beats, timeout: float = 180.0) -> object:
@@ -488,10 +480,9 @@ def test_a_hang_blamed_on_a_node_that_itself_only_waits_is_told_at_once() -> Non
     better. Before, the two nodes waited for each other's record for _RECORD_WAIT, then raced to write one."""
     import mpddp
     from mpddp.core.nodes import settle
-    from mpddp.core.wire import protocol
 
     beats = _Beats({0: 12, 1: 12, 2: 12}, ended={2})
-    beats.set(protocol.full_key(0, protocol.waiting_key(1)), "1")
+    _move(beats, 1, "WAITING")
     link = _link(0, beats, timeout=30.0)
     seen_here = mpddp.WorkerFailed("mpddp: ranks 0, 2 called all_reduce #41 while rank 1 called broadcast #41", rank=1)
     started = time.monotonic()
@@ -508,12 +499,10 @@ def test_a_hang_that_names_ranks_here_and_elsewhere_is_told_again_once_the_other
     its first words at once, and every node named ranks 1 and 2 (seen with two suites on 2 cores)."""
     import mpddp
     from mpddp.core.nodes import settle
-    from mpddp.core.wire import protocol
 
     beats = _Beats({0: 12, 1: 12, 2: 12})
     for node in (0, 2):  # node 0's rank saw the group stop too: both wait, their collectives shared first
-        beats.set(protocol.full_key(0, protocol.waiting_key(node)), "1")
-        _mark_quiet(beats, node)
+        _move(beats, node, "WAITING")
     link = _link(1, beats, timeout=30.0)
     stale = mpddp.WorkerFailed("mpddp: ranks 1, 2 made no progress for 4 s while rank 0 waited", rank=1)
     fresh = mpddp.WorkerFailed("mpddp: rank 1 made no progress for 4 s while ranks 0, 2 waited", rank=1)
@@ -532,14 +521,12 @@ def test_a_hang_told_again_waits_for_a_node_that_has_not_shared_its_collectives_
 
     import mpddp
     from mpddp.core.nodes import settle
-    from mpddp.core.wire import protocol
 
     beats = _Beats({0: 12, 1: 12, 2: 12})
-    beats.set(protocol.full_key(0, protocol.waiting_key(2)), "1")
-    _mark_quiet(beats, 2)
+    _move(beats, 2, "WAITING")
     told: list[float] = []
     fresh = mpddp.WorkerFailed("mpddp: ranks 0, 2 called all_reduce #41 while rank 1 called broadcast #41", rank=1)
-    later = threading.Timer(1.5, lambda: _mark_quiet(beats, 0))
+    later = threading.Timer(1.5, lambda: _move(beats, 0, "WAITING"))
     started = time.monotonic()  # before the timer starts: it fires 1.5 s after its own start (told 1.49999 s)
     later.start()
     try:
@@ -550,14 +537,6 @@ def test_a_hang_told_again_waits_for_a_node_that_has_not_shared_its_collectives_
     finally:
         later.join()
     assert said is fresh and len(told) == 1 and 1.5 <= told[0] < 5.0, told
-
-
-def _mark_quiet(beats: _Beats, node: int) -> None:
-    """What a node's mark_waiting (or end_round) counts: QUIET, once."""
-    from mpddp.core.wire import protocol
-
-    beats.set(protocol.full_key(0, protocol.quiet_key(node)), "1")
-    beats.add(protocol.full_key(0, protocol.QUIET), 1)
 
 
 def test_a_node_whose_ranks_returned_while_ours_waited_is_named_at_once() -> None:
@@ -585,6 +564,7 @@ def test_a_node_whose_ranks_returned_waits_for_the_others_to_end_the_round(then:
     import threading
 
     import mpddp
+    from mpddp.core.nodes import settle
     from mpddp.core.wire import protocol
     from mpddp.core.wire.protocol import FailureRecord
 
@@ -600,7 +580,7 @@ def test_a_node_whose_ranks_returned_waits_for_the_others_to_end_the_round(then:
     late.start()
     started = time.monotonic()
     try:
-        found = link.finish(0)
+        found = settle.finish(link, 0)
     finally:
         late.join()
     assert 1.0 <= time.monotonic() - started < 3.0

@@ -65,24 +65,36 @@ def test_a_launcher_outside_a_decided_round_is_admitted_below_max_else_a_spare(m
     (NodeState.RUNNING, NodeState.WAITING, ("waiting", "quiet")),
     (NodeState.RUNNING, NodeState.RETURNED, ("returned", "quiet", "done")),
     (NodeState.RUNNING, NodeState.ENDED, ("ended", "quiet", "done")),
-    (NodeState.WAITING, NodeState.ENDED, ("ended", "quiet", "done")),
-    (NodeState.RETURNED, NodeState.WAITING, ("waiting", "quiet")),  # the round's record came after its ranks returned
-    (NodeState.RETURNED, NodeState.ENDED, ("ended", "quiet", "done")),
+    (NodeState.WAITING, NodeState.ENDED, ("ended", "done")),  # quiet once: a counter counts nodes
+    (NodeState.RETURNED, NodeState.WAITING, None),  # the round's record came after its ranks returned: quiet already
+    (NodeState.RETURNED, NodeState.ENDED, ("ended",)),
+    (NodeState.RUNNING, NodeState.LOST, ("lost", "quiet", "done")),  # another node found it lost (c10d)
+    (NodeState.WAITING, NodeState.LOST, ("lost", "done")),
+    (NodeState.WAITING, NodeState.RETURNED, None),  # its ranks stopped on a failure: they return no more
     (NodeState.RUNNING, NodeState.RUNNING, None),  # the same state again: nothing written
     (NodeState.ENDED, NodeState.ENDED, None),
     (NodeState.ENDED, NodeState.WAITING, None),  # out of ENDED: the round is over for this node
-    (NodeState.LOST, NodeState.ENDED, None),  # a node its lease called lost never comes back into the round
-    (NodeState.RUNNING, NodeState.LOST, None),  # no node writes LOST of itself
+    (NodeState.ENDED, NodeState.LOST, None),  # a node that ended is not lost: its beat stops by design
+    (NodeState.LOST, NodeState.ENDED, None),  # a node called lost never comes back into the round
 ])
 def test_every_move_of_a_node_in_a_round_goes_through_one_function(current, target, counters):
     assert move(current, target) == counters
 
 
-def test_every_state_a_node_moves_to_counts_it_quiet_and_only_returned_or_ended_count_it_done():
-    """What the other nodes count: QUIET (its ranks no longer run) and DONE (its ranks ended)."""
-    for state in NodeState:
+def test_each_node_is_counted_once_in_each_counter_whatever_its_path():
+    """What the other nodes count: QUIET (its ranks no longer run) and DONE (its ranks ended), each node once.
+    Every path of moves from RUNNING enters a node in QUIET once, and in DONE once when it ends, returns or is
+    lost: a counter of nodes compared with the round's size."""
+    def paths(been, entered):
+        yield been, entered
         for target in NodeState:
-            counters = move(state, target)
+            counters = move(been[-1], target)
             if counters is not None:
-                assert "quiet" in counters and target.value in counters
-                assert ("done" in counters) == (target in (NodeState.RETURNED, NodeState.ENDED))
+                assert not set(counters) & set(entered), (been, target, counters)  # never counted twice
+                yield from paths(been + (target,), entered + counters)
+
+    ends = {NodeState.RETURNED, NodeState.ENDED, NodeState.LOST}
+    for been, entered in paths((NodeState.RUNNING,), ()):
+        assert ("quiet" in entered) == (len(been) > 1)
+        assert ("done" in entered) == bool(ends & set(been)), (been, entered)  # its ranks ended on the way
+        assert {s.value for s in been[1:]} <= set(entered)

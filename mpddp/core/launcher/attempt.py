@@ -24,7 +24,8 @@ import cloudpickle
 
 from ...errors import ConfigError, MainGuardError, Outcome, RendezvousError, StoreLost, WorkerFailed
 from ..nodes import settle
-from ..nodes.api import RoundWatch
+from ..nodes.api import RoundWatch, stopped
+from ..nodes.rules import NodeState
 from ..procs import teardown
 from ..wire import errorfile, protocol
 from ..wire.protocol import ERROR_LINE, FailureRecord
@@ -57,7 +58,7 @@ def run_group(job: Job, attempt: int) -> list[Any]:
                     this.tell_stopped(stopped_by)
                 this.stop(urgent)
                 if stopped_by is not None and job.link is not None and not job.intruder:
-                    job.link.until_read(attempt)  # node 0: its store goes only once the others read why
+                    job.link.move(attempt, NodeState.ENDED)  # node 0's store goes only once the others read why
         return this.report()
     finally:
         this.close()
@@ -141,7 +142,7 @@ class Attempt:
             raise StoreLost(store.loss(several=job.link is not None))  # type: ignore[union-attr]
         if settled is not None:
             raise settled
-        if job.link is not None and (record := job.link.finish(self.number)) is not None:
+        if job.link is not None and (record := settle.finish(job.link, self.number)) is not None:
             for s in states:  # our ranks ended, the round did not: one of them may be the one named
                 s.tail = self.relay.tail(s.slot.rank)
             raise remote_error(record, states, verdict, job.config.node)
@@ -178,7 +179,7 @@ class Attempt:
         the teardown: node 0 keeps the store for the others, and a second one soon after ends it (measured:
         written after the teardown, node 1 said "node 0 ... is gone" in 5 of 5 runs)."""
         if self.round_watch is not None and self.job.link is not None and not self.job.intruder:
-            self.job.link.stopped(self.number, stopped_by)
+            stopped(self.job.link, self.number, stopped_by)
 
     def close(self) -> None:
         """The round is over for this node: its beat stops now, and the other nodes read that as no loss."""
@@ -188,7 +189,7 @@ class Attempt:
         if self.job.intruder:  # the node rank is another launcher's: its keys are not this one's to mark
             self.round_watch.stop()
             return
-        link.end_round(self.number)
+        link.move(self.number, NodeState.ENDED)
         self.round_watch.stop()
 
 
@@ -227,7 +228,7 @@ def _settle(job: Job, attempt: int, states: list[RankState], verdict: Verdict, l
                             early_exit=lambda rank: early_exit_line(states, verdict, rank), again=again if stop else None)
     return settle.settle(link, attempt, local, cause, remote,
                          remote_error=lambda record: remote_error(record, states, verdict, node),
-                         missing=lambda: link.never_arrived(attempt) if job.store else None,
+                         missing=lambda: link.view(attempt).never_arrived if job.store else None,
                          blame=blame)
 
 

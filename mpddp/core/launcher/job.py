@@ -175,7 +175,7 @@ def _begin(job: Job, attempt: int) -> int:
 def _restarts_between(link: Rendezvous, first: int, joined: int) -> int:
     """The restarts after a failure among rounds ``first`` to ``joined - 1``, which ran without this node (it
     came late, or waited as a spare): each round's record says why it ended, and an admission is no restart."""
-    ended = [link.record(number) for number in range(first, joined)]
+    ended = [link.view(number).record for number in range(first, joined)]
     return sum(record is None or record.outcome is not Outcome.RESIZED for record in ended)
 
 
@@ -258,4 +258,4 @@ def _new_script_store(job: Job, attempt: int) -> None:
     job.script_port = sock.getsockname()[1]
     job.script_store = start_store(job.mp_context, sock, job.config)
     if job.link is not None:
-        job.link.set_script_port(attempt, job.script_port)
+        job.link.script_port(attempt, job.script_port)

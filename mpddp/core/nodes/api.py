@@ -1,40 +1,41 @@
 """The seam between the launcher and what the nodes of a job agree on: one interface, a backend behind it.
 
 Owns: :class:`Rendezvous`, what a launcher asks of the other nodes of its
-job, whichever backend keeps it (today ``c10d``: node 0's TCPStore,
-core/nodes/c10d.py), and :class:`RoundWatch`, the beat of one round seen
-from the attempt; the error a backend raises when it stops answering
+job, whichever backend keeps it (``c10d``: node 0's TCPStore,
+core/nodes/c10d.py; ``etcd``: core/nodes/etcd.py), :class:`RoundView`, one look
+at a round, and :class:`RoundWatch`, the beat of one round seen from the
+attempt; the error a backend raises when it stops answering
 (:class:`RendezvousGone`) and the beat's timing; core/nodes/backends.py
-picks a backend by name. What crosses the seam is plain values and
+picks a backend by name. What crosses the seam is plain values,
+core/nodes/rules.py's :class:`~mpddp.core.nodes.rules.NodeState` and
 :class:`~mpddp.core.wire.protocol.FailureRecord`. Above core/nodes/ nothing
 names a backend: the launcher and the settlement (core/nodes/settle.py) use
 this module only, and a test keeps it so.
 
-The interface, by what it is for:
+A backend is storage, liveness and a watch, in eleven methods:
 
-* a round: :meth:`~Rendezvous.join` it (every node's launcher is there; its
-  :class:`Round` says who), where its store listens and what its loss means
-  (:meth:`~Rendezvous.round_store`, a :class:`RoundStore`: node 0's for the
-  whole job, or one per round that its first node hosts), its store for
-  env:// scripts (:meth:`~Rendezvous.set_script_port`,
-  :meth:`~Rendezvous.script_port`), :meth:`~Rendezvous.watch` it (the beat),
-  :meth:`~Rendezvous.end_round`, and :meth:`~Rendezvous.finish` it when this
-  node's ranks all returned (wait for the others);
-* its first failure: :meth:`~Rendezvous.publish` (the first writer wins),
-  :meth:`~Rendezvous.record`, :meth:`~Rendezvous.stopped` (this launcher was);
-* liveness, for a node that waits for that record: the beats
-  (:meth:`~Rendezvous.heartbeats`, :meth:`~Rendezvous.stalled`,
-  :meth:`~Rendezvous.silent`), who still works (:meth:`~Rendezvous.busy`),
-  who waits too (:meth:`~Rendezvous.mark_waiting`, :meth:`~Rendezvous.waiting`),
-  whose ranks returned (:meth:`~Rendezvous.returned`), which nodes never
-  arrived (:meth:`~Rendezvous.never_arrived`), and what to say when the backend
-  itself is gone (:meth:`~Rendezvous.gone_error`);
-* :meth:`~Rendezvous.pause` between two looks (longer the more nodes look), and
-  :meth:`~Rendezvous.leave` the job.
+* a round: :meth:`~Rendezvous.join` it (its :class:`Round` says who), where
+  its store listens (:meth:`~Rendezvous.round_store`, a :class:`RoundStore`:
+  node 0's for the whole job, or one per round that its first node hosts),
+  the port of a restarted env:// script's store (:meth:`~Rendezvous.script_port`),
+  :meth:`~Rendezvous.watch` it (the beat), and :meth:`~Rendezvous.move` this
+  node's record in it (waiting, returned, ended: the one transition function);
+* its first failure: :meth:`~Rendezvous.publish` (the first writer wins);
+* one look at it: :meth:`~Rendezvous.view` (the record, who is busy, whose
+  ranks returned, who waits, who never arrived), and who is
+  :meth:`~Rendezvous.lost` (by the backend's own means: beats, or leases);
+* what a node hears when the backend itself is gone: :meth:`~Rendezvous.last_word`
+  (node 0's, where it hosts the store) and :meth:`~Rendezvous.gone_line`;
+* :meth:`~Rendezvous.leave` the job.
+
+What is not a backend's is above it: :func:`stopped` (a record like any
+other), core/nodes/settle.py's wait for the record and :func:`~mpddp.core.nodes.settle.finish`
+(loops over views, by the rules), and the error a gone backend means.
 """
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import threading
 import time
@@ -44,8 +45,9 @@ from typing import Protocol
 
 from ... import rank_math
 from ...config import LaunchConfig
-from ...errors import NeverArrived, Outcome, RendezvousError, StoreLost, WorkerFailed
+from ...errors import NeverArrived, Outcome, StoreLost
 from ..wire.protocol import FailureRecord
+from .rules import NodeState
 
 INTERVAL = 0.25  # seconds between two beats (and two looks for another node's failure)
 STALLED_AFTER = 6 * INTERVAL  # a beat that did not move for this long, while others moved: its launcher is gone
@@ -58,6 +60,8 @@ class NotNeeded(Exception):  # noqa: N818 - not an error: the job ended well wit
 
 class RendezvousGone(StoreLost):
     """The backend does not answer (node 0's store: its launcher or store server is gone)."""
+
+    went = "the rendezvous went away"  # what went, for a line: each backend's client raises its own kind
 
 
 @dataclass(frozen=True)
@@ -153,6 +157,32 @@ class BeatThread:
         self._thread.join(1.0)
 
 
+@dataclass(frozen=True)
+class Lost:
+    """Nodes of a round found lost: ``beat``, they had beaten in it (their beat stood still, or their lease ran
+    out); else they never beat in it within --timeout, nor ended it."""
+
+    nodes: list[int]
+    beat: bool = True
+
+
+class RoundView(Protocol):
+    """One look at a round, as core/nodes/settle.py's rules read it. A backend reads each value when it is first
+    asked, and once: a rule that stops at the record costs one read, and a table test passes plain values."""
+
+    @property
+    def record(self) -> FailureRecord | None: ...  # the round's first failure, once written
+    @property
+    def busy(self) -> bool: ...  # another node still runs the round (neither waits, returned, ended nor is lost)
+    @property
+    def pending(self) -> bool: ...  # another node's ranks have not all returned, nor did it end or get lost
+    @property
+    def returned(self) -> dict[int, float]: ...  # the other nodes whose ranks all returned, and when (wall clock)
+    @property
+    def never_arrived(self) -> NeverArrived | None: ...  # the nodes whose ranks never came (round 0, node 0 asks)
+    def waiting(self, nodes: set[int]) -> bool: ...  # every one of ``nodes`` waits for the record itself
+
+
 class Rendezvous(Protocol):
     """What one launcher asks of the other nodes of its job, for the whole job (see the module's list)."""
 
@@ -161,32 +191,30 @@ class Rendezvous(Protocol):
     reached: bool  # the backend answered once, this launcher or one of its ranks
     gone: set[int]  # nodes found lost
     me: str  # this launcher, for the others: its host, pid and a random tail
+    hosts_round_store: bool  # each round's first node hosts its store (else node 0's serves every round)
+
+    @property
+    def interval(self) -> float: ...  # seconds between two looks of a launcher that waits for the others
 
     def join(self, attempt: int) -> Round: ...
     # where the round's store listens: ``host(address)`` starts one there, when this node is to host it, its port
     def round_store(self, attempt: int, host: Callable[[str], int]) -> RoundStore: ...
-    def set_script_port(self, attempt: int, port: int) -> None: ...
-    def script_port(self, attempt: int) -> int: ...
+    # node 0 sets the port of the round's store for env:// scripts (``port``); the others read it (None)
+    def script_port(self, attempt: int, port: int | None = None) -> int: ...
     def watch(self, attempt: int, share: Callable[[bool], bytes | None] | None = None) -> RoundWatch: ...
-    def end_round(self, attempt: int) -> None: ...
-    def finish(self, attempt: int) -> FailureRecord | None: ...
-    def publish(self, attempt: int, record: FailureRecord) -> FailureRecord: ...
-    def record(self, attempt: int) -> FailureRecord | None: ...
-    def stopped(self, attempt: int, cause: BaseException) -> None: ...
-    def heartbeats(self, attempt: int) -> dict[int, int]: ...
-    def stalled(self, attempt: int, before: dict[int, int]) -> list[int] | None: ...
-    def silent(self, attempt: int) -> list[int]: ...
-    def busy(self, attempt: int) -> bool: ...  # another node still runs the round
-    def mark_waiting(self, attempt: int) -> None: ...
-    def waiting(self, attempt: int, nodes: set[int]) -> bool: ...
-    def returned(self, attempt: int) -> dict[int, float]: ...
-    def never_arrived(self, attempt: int) -> NeverArrived | None: ...
-    def gone_line(self) -> str: ...  # the backend does not answer: why, in words
-    def gone_error(self, local: WorkerFailed) -> RendezvousError: ...
+    def move(self, attempt: int, state: NodeState) -> None: ...  # this node's record (rules.move says if it may)
+    def publish(self, attempt: int, record: FailureRecord) -> FailureRecord: ...  # the record that stands
+    def view(self, attempt: int) -> RoundView: ...
+    def lost(self, attempt: int, since: float) -> Lost | None: ...  # ``since``: when this node began to wait
     def last_word(self, attempt: int) -> FailureRecord | None: ...  # node 0's, its store lost
-    def until_read(self, attempt: int) -> None: ...  # node 0, stopped itself: the others read why
-    def pause(self, attempt: int) -> None: ...  # until the round's keys change, or a moment (POLL and more)
+    def gone_line(self) -> str: ...  # the backend does not answer: why, in words
     def leave(self) -> None: ...
+
+
+def stopped(link: Rendezvous, attempt: int, cause: BaseException) -> None:
+    """This launcher was stopped (Ctrl-C, SIGTERM, ...) while its ranks ran: the round's failure, if first."""
+    with contextlib.suppress(RendezvousGone):
+        link.publish(attempt, stopped_record(link.config, link.nprocs, cause))
 
 
 def stopped_record(config: LaunchConfig, nprocs: int, cause: BaseException) -> FailureRecord:

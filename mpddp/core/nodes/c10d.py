@@ -11,6 +11,7 @@ that never beat for --timeout. Its cost: node 0 is special; when its machine is 
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import socket
@@ -23,15 +24,15 @@ from typing import Any
 
 from ... import rank_math
 from ...config import LaunchConfig
-from ...errors import ConfigError, NeverArrived, RendezvousError, StoreLost, WorkerFailed
-from ...log import logger
+from ...errors import ConfigError, NeverArrived, Outcome, RendezvousError, StoreLost
 from ..wire import protocol
 from ..wire.protocol import FailureRecord, full_key
-from . import last_word, membership
-from .api import POLL, STALLED_AFTER, RendezvousGone, Round, RoundStore, names, stopped_record
+from . import last_word, membership, rules
+from .api import POLL, STALLED_AFTER, Lost, RendezvousGone, Round, RoundStore, names
 from .c10d_client import C10dClient
 from .c10d_keys import ABSENT, C10dKeys, first_record, missing_ranks, take_number
 from .c10d_watch import C10dRoundWatch
+from .rules import NodeState
 from .store_beat import read_all
 
 _LIVE_BEATS = 12  # ... by at least this many beats (3 s of them): a starved launcher beats again before that
@@ -45,6 +46,7 @@ class C10dRendezvous:
     store, for the whole job; every call is thread-safe."""
 
     hosts_round_store = False  # node 0's store serves every round
+    interval = POLL  # a store has no watch: look again soon
 
     def __init__(self, config: LaunchConfig, port: int, nprocs: int) -> None:
         self.config, self.port, self.nprocs = config, port, nprocs
@@ -56,6 +58,9 @@ class C10dRendezvous:
         self.rounds: dict[int, Round] = {}
         self._last = 0  # the last round this launcher ran
         self.read: set[int] = set()  # the rounds whose record, another node's, this launcher counted as read
+        self.stopped_in: set[int] = set()  # the rounds whose record this launcher wrote as it was stopped
+        self._window: tuple[tuple[int, float], dict[int, int], float] | None = None  # lost(): (wait, beats, since)
+        self._moves = 0  # this launcher's moves of a record, for a token of its own
 
     @property
     def reached(self) -> bool:
@@ -147,31 +152,58 @@ class C10dRendezvous:
         """Node 0's, at --master-addr and --master-port, for every round: no other node can take its place."""
         return RoundStore(self.config.master_addr, self.port, lost=_NODE0_ONLY)
 
-    def set_script_port(self, attempt: int, port: int) -> None:
-        """Node 0: the port of the round's own store for env:// scripts, for the other nodes to read."""
-        self.client.call(lambda s: s.set(full_key(attempt, protocol.SCRIPT_PORT), str(port)))
+    def script_port(self, attempt: int, port: int | None = None) -> int:
+        """The port of the round's own store for env:// scripts: node 0 sets it before it joins (core/launcher/job.py),
+        the others read it (waiting for it)."""
+        key = full_key(attempt, protocol.SCRIPT_PORT)
+        if port is not None:
+            self.client.call(lambda s: s.set(key, str(port)))
+            return port
+        return int(self.client.call(lambda s: s.get(key)))
 
     def watch(self, attempt: int, share: Callable[[bool], bytes | None] | None = None) -> C10dRoundWatch:
         """The round's beat, from a thread of its own, until it is stopped."""
         self._last = attempt
         return C10dRoundWatch(self, attempt, share)
 
-    def mark_waiting(self, attempt: int) -> None:
-        """This node waits for the round's record: its ranks only saw a peer vanish."""
+    def move(self, attempt: int, state: NodeState) -> None:
+        """This node's record in round ``attempt`` moved to ``state`` (:meth:`_move`). Its end is no loss: a store
+        gone meanwhile is none of its business, and node 0 stopped itself (Ctrl-C, a signal) keeps its store
+        until the others read why (core/nodes/last_word.py's ``until_read``; called shielded from a second one)."""
         me = self.config.node
-        self.client.call(lambda s: s.set(full_key(attempt, protocol.waiting_key(me)), "1"))
-        self._count_once(attempt, me, (protocol.quiet_key, protocol.QUIET))
+        if state is not NodeState.ENDED:
+            self._move(attempt, me, state)
+            return
+        with contextlib.suppress(RendezvousGone):
+            self._move(attempt, me, state, connect_timeout=2.0)
+        if attempt in self.stopped_in:
+            last_word.until_read(self, attempt)
 
-    def _count_once(self, attempt: int, node: int, *marks: tuple[Callable[[int], str], str]) -> None:
-        """Count ``node`` in each mark's counter, the first time only: a set-once key says whether it was."""
-        token = f"{self.me}-{time.monotonic_ns()}"
+    def _move(self, attempt: int, node: int, target: NodeState, connect_timeout: float | None = None) -> bool:
+        """Node ``node``'s record in round ``attempt`` moved to ``target`` by compare-and-set (core/nodes/rules.py's
+        :func:`~mpddp.core.nodes.rules.move` says whether it may), then the node entered in the counters the move
+        newly enters it in: each a counter, a flag a node and an entry a number, so that a counter is read in one
+        operation and its nodes in two. False: no move (the record was there already, or past it)."""
+        key = full_key(attempt, f"{protocol.STATE}/{node}")
+        self._moves += 1
+        mine = f"{target.value}/{self.me}-{self._moves}"  # whose write won, when two find one node lost at once
 
-        def count(s: Any) -> None:
-            for key, counter in marks:
-                if s.compare_set(full_key(attempt, key(node)), "", token) == token.encode():
-                    s.add(full_key(attempt, counter), 1)
+        def move(s: Any) -> bool:
+            standing = s.compare_set(key, ABSENT, ABSENT).decode()  # one operation: the record, or ABSENT
+            for _ in range(3):  # a compare that failed: the record as it stands now, once more
+                current = NodeState.RUNNING if standing == ABSENT else NodeState(standing.partition("/")[0])
+                if (counters := rules.move(current, target)) is None:
+                    return False
+                standing = s.compare_set(key, "" if standing == ABSENT else standing, mine).decode()
+                if standing == mine:
+                    for counter in counters:
+                        s.set(full_key(attempt, f"{counter}/{node}"), "1")
+                        number = s.add(full_key(attempt, counter), 1)
+                        s.set(full_key(attempt, f"{counter}#{number}"), json.dumps([node, time.time()]))
+                    return True
+            return False
 
-        self.client.call(count)
+        return bool(self.client.call(move, connect_timeout=connect_timeout))
 
     def never_arrived(self, attempt: int) -> NeverArrived | None:
         """The nodes whose ranks never reached node 0's store in round ``attempt`` (core/rank/worker.py marks
@@ -200,17 +232,9 @@ class C10dRendezvous:
         return (f"node 0, which hosts the rendezvous at {config.master_addr}:{self.port}, is gone (its launcher was "
                 "killed, or its machine lost)")
 
-    def gone_error(self, local: WorkerFailed) -> RendezvousError:
-        return (StoreLost if self.client.reached else RendezvousError)(f"{self.gone_line()}; the failures below are "
-                                                                 f"consequences\n{local}")
-
     def last_word(self, attempt: int) -> FailureRecord | None:
         """Node 0's store stopped answering: the record its launcher says last, if it holds the port still."""
         return last_word.hear(self.config.master_addr, self.port, attempt)
-
-    def script_port(self, attempt: int) -> int:
-        """The port of the round's own store for env:// scripts, which node 0 set before it joined (core/launcher/job.py)."""
-        return int(self.client.call(lambda s: s.get(full_key(attempt, protocol.SCRIPT_PORT))))
 
     def record(self, attempt: int) -> FailureRecord | None:
         """The round's record, once written; read once as another node's, it is counted for :meth:`until_read`."""
@@ -220,28 +244,34 @@ class C10dRendezvous:
             return None
         return last_word.read(self, attempt, FailureRecord.decode(data))
 
-    def until_read(self, attempt: int) -> None:
-        last_word.until_read(self, attempt)
-
     def publish(self, attempt: int, record: FailureRecord) -> FailureRecord:
         """Write the round's first failure unless another node did first; the record that stands. Its writer
         also adds :data:`~mpddp.core.wire.protocol.FAILED` to the progress counter: every node's next beat sees it."""
+        if record.outcome is Outcome.STOPPED and record.node_rank == self.config.node:
+            self.stopped_in.add(attempt)
         return FailureRecord.decode(self.client.call(lambda s: first_record(s, attempt, replace(
             record, writer=self.config.node).encode())))
 
-    def stopped(self, attempt: int, cause: BaseException) -> None:
-        """This launcher was stopped (Ctrl-C, SIGTERM, ...) while its ranks ran: the round's failure, if first."""
-        with contextlib.suppress(RendezvousGone):
-            self.publish(attempt, stopped_record(self.config, self.nprocs, cause))
+    def view(self, attempt: int) -> C10dView:
+        return C10dView(self, attempt)
 
-    def end_round(self, attempt: int) -> None:
-        """This node's part of the round is over: its beat stops now, and that is no loss."""
-        me = self.config.node
-        try:
-            self.client.call(lambda s: s.set(full_key(attempt, protocol.ended_key(me)), "1"), connect_timeout=2.0)
-            self._count_once(attempt, me, (protocol.quiet_key, protocol.QUIET), (protocol.done_key, protocol.DONE))
-        except RendezvousGone:
-            pass
+    def lost(self, attempt: int, since: float) -> Lost | None:
+        """The other nodes found lost since this node began to wait (``since``): a beat that stood still over a
+        window of :data:`~mpddp.core.nodes.api.STALLED_AFTER` while others beat (:meth:`stalled`; a new window
+        when every node beat), or none at all for --timeout (:meth:`silent`)."""
+        now = time.monotonic()
+        if self._window is None or self._window[0] != (attempt, since):
+            self._window = ((attempt, since), self.heartbeats(attempt), now)
+        wait, beats, opened = self._window
+        if now - opened >= STALLED_AFTER:
+            stalled = self.stalled(attempt, beats)
+            if stalled:
+                return Lost(stalled)
+            if stalled is not None:  # every node beat: look again over a new window (else the same, longer)
+                self._window = (wait, self.heartbeats(attempt), now)
+        if now - since > self.config.timeout and (silent := self.silent(attempt)):
+            return Lost(silent, beat=False)
+        return None
 
     def heartbeats(self, attempt: int) -> dict[int, int]:
         """Every node's beat counter now, this node's own too (its round watch beats while it waits): one
@@ -282,80 +312,19 @@ class C10dRendezvous:
         return self._not_ended(attempt, [n for n, beat in self.heartbeats(attempt).items() if n != me and beat == 0])
 
     def _not_ended(self, attempt: int, nodes: list[int]) -> list[int]:
-        """Of ``nodes``, those that did not end the round: found lost from now on."""
-        ended = self.client.call(lambda s: {n: s.check([full_key(attempt, protocol.ended_key(n))]) for n in nodes})
-        lost = [n for n in nodes if not ended[n]]
-        for n in set(lost) - self.gone:  # counted once, for node 0, which waits for the launchers to leave
-            self._count_once(attempt, n, (protocol.lost_key, protocol.LOST))
+        """Of ``nodes``, those that did not end the round: found lost from now on, their records moved to LOST
+        (by the first node to find each: the others count it once)."""
+        lost = [n for n in nodes if self._move(attempt, n, NodeState.LOST) or self._state(attempt, n) is NodeState.LOST]
         self.gone.update(lost)
         return lost
 
-    def busy(self, attempt: int) -> bool:
-        """Another node still runs the round: it neither ended it, nor waits for its record or for the other
-        nodes (its ranks all returned), nor is lost. Two operations (a counter), and one a lost node."""
-        return self._short_of(attempt, protocol.QUIET, protocol.quiet_key)
+    def _state(self, attempt: int, node: int) -> NodeState:
+        found = self.client.call(lambda s: s.compare_set(full_key(attempt, f"{protocol.STATE}/{node}"), ABSENT,
+                                                         ABSENT)).decode()
+        return NodeState.RUNNING if found == ABSENT else NodeState(found.partition("/")[0])
 
-    def _short_of(self, attempt: int, counter: str, mark: Callable[[int], str]) -> bool:
-        """Fewer nodes counted in ``counter`` (or lost without its mark) than the round has."""
-        gone = sorted(self.gone)
-        counted, unmarked = self.client.call(lambda s: (s.add(full_key(attempt, counter), 0),
-                                                 sum(not s.check([full_key(attempt, mark(n))]) for n in gone)))
-        return bool(counted + unmarked < self.config.nnodes)
-
-    def waiting(self, attempt: int, nodes: set[int]) -> bool:
-        """Every one of ``nodes`` waits for the round's record itself (its ranks only saw a peer vanish)."""
-        keys = [full_key(attempt, protocol.waiting_key(n)) for n in sorted(nodes)]
-        return bool(keys) and self.client.call(lambda s: s.check(keys))
-
-    def returned(self, attempt: int) -> dict[int, float]:
-        """The other nodes whose ranks all returned in this round, and when (their wall clock): one operation
-        while none has, two once some have (their entries, numbered by a counter)."""
-        me = self.config.node_rank
-
-        def read(s: Any) -> list[bytes]:
-            count = s.add(full_key(attempt, protocol.RETURNED), 0)
-            keys = [full_key(attempt, protocol.returned_entry(n)) for n in range(1, count + 1)]
-            return read_all(s, keys)
-
-        entries = [json.loads(value) for value in self.client.call(read)]
-        return {int(node): float(when) for node, when in entries if node != me}
-
-    def finish(self, attempt: int) -> FailureRecord | None:
-        """This node's ranks all returned: say so, and wait until every other node's ranks returned too, or it
-        ended the round (or was found lost). The round's record if one is written meanwhile: a node whose ranks
-        still waited for ours in a collective names one of ours (they returned too early), or its own failure
-        is the round's. None: the round ended well on every node.
-
-        torchrun's agents wait so too (their exit barrier): a rank of node 0 that saves the checkpoint alone
-        after the others returned keeps them waiting, and its failure is still every node's.
-        """
-        me = self.config.node
-        try:
-            entry = json.dumps([me, time.time()])
-            self.client.call(lambda s: s.set(full_key(attempt, protocol.returned_entry(
-                s.add(full_key(attempt, protocol.RETURNED), 1))), entry))
-            self._count_once(attempt, me, (protocol.quiet_key, protocol.QUIET), (protocol.done_key, protocol.DONE))
-            start = time.monotonic()
-            beats, since = self.heartbeats(attempt), start
-            while True:
-                pending = self._short_of(attempt, protocol.DONE, protocol.done_key)
-                if (record := self.record(attempt)) is not None:  # read after: a node writes it, then ends
-                    return record
-                if not pending:
-                    return None
-                now = time.monotonic()
-                if now - since >= STALLED_AFTER and self.stalled(attempt, beats) is not None:
-                    beats, since = self.heartbeats(attempt), now  # lost nodes are in self.gone from now on
-                if now - start > self.config.timeout:
-                    self.silent(attempt)
-                time.sleep(2 * POLL)
-        except RendezvousGone:  # node 0 gone after our ranks returned: nothing more to learn, and nothing went wrong here
-            logger.warning("mpddp: node 0's store went away before every node ended round %d; node %d's ranks had "
-                           "all returned", attempt, me)
-            return None
-
-    def pause(self, attempt: int) -> None:
-        time.sleep(POLL)  # a store has no watch: look again soon
+    def _count(self, attempt: int, counter: str) -> int:
+        return int(self.client.call(lambda s: s.add(full_key(attempt, counter), 0)))
 
     def leave(self) -> None:
         """Done with the store. Node 0 keeps it until every other launcher has left too (or a short while),
@@ -375,3 +344,43 @@ class C10dRendezvous:
                 time.sleep(POLL)
         except RendezvousGone:
             pass
+
+
+class C10dView:
+    """One look at a round in node 0's store (api.RoundView): each value read when first asked, and once."""
+
+    def __init__(self, link: C10dRendezvous, attempt: int) -> None:
+        self.link, self.attempt = link, attempt
+
+    @functools.cached_property
+    def record(self) -> FailureRecord | None:
+        return self.link.record(self.attempt)
+
+    @functools.cached_property
+    def busy(self) -> bool:
+        """One operation: QUIET counts the nodes that wait, returned, ended or were found lost."""
+        return self.link._count(self.attempt, protocol.QUIET) < self.link.config.nnodes
+
+    @functools.cached_property
+    def pending(self) -> bool:
+        return self.link._count(self.attempt, protocol.DONE) < self.link.config.nnodes
+
+    @functools.cached_property
+    def returned(self) -> dict[int, float]:
+        """One operation while no other node's ranks returned, two once some did (their entries, numbered)."""
+        attempt, me = self.attempt, self.link.config.node_rank
+
+        def read(s: Any) -> list[bytes]:
+            count = s.add(full_key(attempt, protocol.RETURNED), 0)
+            return read_all(s, [full_key(attempt, f"{protocol.RETURNED}#{n}") for n in range(1, count + 1)])
+
+        entries = [json.loads(value) for value in self.link.client.call(read)]
+        return {int(node): float(when) for node, when in entries if node != me}
+
+    @functools.cached_property
+    def never_arrived(self) -> NeverArrived | None:
+        return self.link.never_arrived(self.attempt)
+
+    def waiting(self, nodes: set[int]) -> bool:
+        keys = [full_key(self.attempt, f"{protocol.WAITING}/{n}") for n in sorted(nodes)]
+        return bool(keys) and bool(self.link.client.call(lambda s: s.check(keys)))

@@ -19,6 +19,12 @@ from ...config import LaunchConfig
 from .api import RendezvousGone
 
 
+class StoreGone(RendezvousGone):
+    """Node 0's store does not answer."""
+
+    went = "node 0's store went away"
+
+
 class C10dClient:
     """A client of node 0's store at ``config.master_addr``:``port``; every call is thread-safe.
 
@@ -37,7 +43,7 @@ class C10dClient:
         try:
             with self._connecting:  # one connection at a time: it retries until node 0 is up, or the timeout
                 if self._unreachable:
-                    raise RendezvousGone(f"node 0's store at {self.config.master_addr}:{self.port} did not answer")
+                    raise StoreGone(f"node 0's store at {self.config.master_addr}:{self.port} did not answer")
                 if self._store is None:
                     self._store = self._connect(connect_timeout if connect_timeout is not None else self.config.timeout)
                     self.reached = True
@@ -48,7 +54,7 @@ class C10dClient:
         except Exception as e:  # noqa: BLE001 - torch raises several types for a store that is gone
             if self._store is None:
                 self._unreachable = True
-            raise RendezvousGone(f"node 0's store at {self.config.master_addr}:{self.port} does not answer "
+            raise StoreGone(f"node 0's store at {self.config.master_addr}:{self.port} does not answer "
                             f"({type(e).__name__})") from e
 
     def _connect(self, timeout: float) -> Any:

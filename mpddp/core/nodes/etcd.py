@@ -20,6 +20,7 @@ removes the job's keys.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import socket
 import time
@@ -29,11 +30,11 @@ from dataclasses import replace
 from typing import Any
 
 from ...config import LaunchConfig
-from ...errors import AddressError, NeverArrived, RendezvousError, WorkerFailed
+from ...errors import AddressError, RendezvousError
 from ...log import logger
 from ..wire.protocol import FailureRecord
 from . import etcd_probe, membership
-from .api import RendezvousGone, Round, RoundStore, stopped_record
+from .api import Lost, RendezvousGone, Round, RoundStore
 from .etcd_client import EtcdClient, EtcdFull, KeptLease
 from .etcd_keys import EtcdKeys, EtcdRoundWatch, etcd_interval
 from .etcd_kv import EtcdKV
@@ -153,47 +154,32 @@ class EtcdRendezvous(EtcdKV):
         deadline = time.monotonic() + self.config.timeout
         key = self.key(attempt, "store")
         while (found := self.get(key)) is None:
-            if time.monotonic() > deadline or 0 in self.stalled(attempt, {}):
+            if time.monotonic() > deadline or 0 in self.stalled(attempt):
                 raise RendezvousError(f"round {attempt}'s first node did not publish its store within --timeout "
                                       f"{self.config.timeout:g} s: its launcher is gone or stopped")
-            self.pause(attempt)
+            time.sleep(self.interval)
         host, _, port = found.decode().rpartition(":")
         return host, int(port)
 
-    def set_script_port(self, attempt: int, port: int) -> None:
-        self.put(self.key(attempt, "script_port"), str(port))
-
-    def script_port(self, attempt: int) -> int:
-        return self.store(attempt)[1]
+    def script_port(self, attempt: int, port: int | None = None) -> int:
+        """A round's store is fresh (its first node's): an env:// script uses it, and no node sets another."""
+        return port if port is not None else self.store(attempt)[1]
 
     def watch(self, attempt: int, share: Callable[[bool], bytes | None] | None = None) -> EtcdRoundWatch:
         self._watches[attempt] = EtcdRoundWatch(self, attempt, share)
         return self._watches[attempt]
 
-    def end_round(self, attempt: int) -> None:
-        if self.client.unanswered:
-            return  # etcd just did not answer: the mark would only wait for it again
-        with contextlib.suppress(RendezvousGone):
-            self.move_to(attempt, NodeState.ENDED)
-
-    def finish(self, attempt: int) -> FailureRecord | None:
-        """This node's ranks all returned: wait for the others' (or their end, or their loss); the round's
-        record if one is written meanwhile (as core/nodes/c10d.py's, whose docstring says why)."""
-        me = self.config.node_rank
-        try:
-            self.move_to(attempt, NodeState.RETURNED)
-            while True:
-                pending = self._short_of(attempt, "done")
-                if (record := self.record(attempt)) is not None:
-                    return record
-                if not pending:
-                    return None
-                self.pause(attempt)
-        except RendezvousGone:
-            what = "etcd took no more writes" if self.client.full is not None else "etcd went away"
-            logger.warning("mpddp: %s before every node ended round %d; node %d's ranks had all returned", what,
-                           attempt, me)
-            return None
+    def move(self, attempt: int, state: NodeState) -> None:
+        """This node's record in round ``attempt`` moved to ``state``, with its counters (:meth:`move_to`). Its end
+        is no loss: etcd that did not answer, or is gone, is none of its business then; unmarked as waiting on a
+        full etcd, the record on the round's store still tells the others."""
+        if state is NodeState.ENDED:
+            if not self.client.unanswered:  # etcd just did not answer: the mark would only wait for it again
+                with contextlib.suppress(RendezvousGone):
+                    self.move_to(attempt, state)
+            return
+        with contextlib.suppress(*((EtcdFull,) if state is NodeState.WAITING else ())):
+            self.move_to(attempt, state)
 
     # ---- the round's first failure --------------------------------------------------------------------------
 
@@ -231,17 +217,23 @@ class EtcdRendezvous(EtcdKV):
             data = watch.record()  # etcd is full: a record written since is on the round's store
         return FailureRecord.decode(data) if data else None
 
-    def stopped(self, attempt: int, cause: BaseException) -> None:
-        with contextlib.suppress(RendezvousGone):
-            self.publish(attempt, stopped_record(self.config, self.nprocs, cause))
-
     # ---- liveness ---------------------------------------------------------------------------------------------
 
-    def heartbeats(self, attempt: int) -> dict[int, int]:
-        """No beats here: a lease says who is alive (kept for the interface's callers)."""
-        return {}
+    @property
+    def interval(self) -> float:
+        """A moment between two looks, longer the more nodes look (:func:`etcd_interval`). Not a watch: etcd's
+        HTTP gateway serves a few hundred streams at once (etcd_keys.py's await_decided)."""
+        return etcd_interval(self.config.nnodes)
 
-    def stalled(self, attempt: int, before: dict[int, int]) -> list[int]:
+    def view(self, attempt: int) -> EtcdView:
+        return EtcdView(self, attempt)
+
+    def lost(self, attempt: int, since: float) -> Lost | None:
+        """The nodes whose lease ran out before they ended the round (:meth:`stalled`): known as soon as etcd
+        knows, whatever the wait."""
+        return Lost(lost) if (lost := self.stalled(attempt)) else None
+
+    def stalled(self, attempt: int) -> list[int]:
         """The other nodes of the round whose lease ran out (their ``alive`` key, put with it, is gone) and that
         did not end it: lost, never a guess from timing. One request (a count) while the leases held that are
         not known gone (lost, or ended and left); the keys themselves are read only when the count says more
@@ -260,53 +252,19 @@ class EtcdRendezvous(EtcdKV):
         self.gone.update(lost)
         return sorted(set(lost) | (known & self.gone))
 
-    def silent(self, attempt: int) -> list[int]:
-        return self.stalled(attempt, {})
-
-    def busy(self, attempt: int) -> bool:
-        return self._short_of(attempt, "quiet")
-
     def _short_of(self, attempt: int, mark: str) -> bool:
         """Fewer nodes have put ``mark`` (or are lost without it) than the round has: counted, not read."""
-        lost = self.stalled(attempt, {})
+        lost = self.stalled(attempt)
         unmarked = sum(self.get(self.key(attempt, mark, n)) is None for n in lost)
         return self.count(self.key(attempt, mark + "/")) + unmarked < self.config.nnodes
-
-    def mark_waiting(self, attempt: int) -> None:
-        with contextlib.suppress(EtcdFull):  # unmarked: the record, on the round's store then, still tells it
-            self.move_to(attempt, NodeState.WAITING)
-
-    def waiting(self, attempt: int, nodes: set[int]) -> bool:
-        return bool(nodes) and all(self.get(self.key(attempt, "waiting", n)) is not None for n in sorted(nodes))
-
-    def returned(self, attempt: int) -> dict[int, float]:
-        """One request (a count) while no node's ranks returned; their keys once some did."""
-        me, key = self.config.node_rank, self.key(attempt, "returned/")
-        if not self.count(key):
-            return {}
-        return {int(n): float(v) for n, v in self.under(key).items() if int(n) != me}
-
-    def never_arrived(self, attempt: int) -> NeverArrived | None:
-        return None  # a round starts with the nodes that joined it: none can be missing from it
 
     def gone_line(self) -> str:
         if self.client.full is not None:
             return str(self.client.full)
         return f"etcd at {self.client.endpoints} does not answer, so this node cannot learn what the others saw"
 
-    def gone_error(self, local: WorkerFailed) -> RendezvousError:
-        return RendezvousError(f"{self.gone_line()}; the failures below are what this node saw\n{local}")
-
-    def until_read(self, attempt: int) -> None:
-        return None  # etcd outlives every launcher: its record stays for the others to read
-
     def last_word(self, attempt: int) -> FailureRecord | None:
         return None  # no node hosts etcd: none has a store of its own to lose
-
-    def pause(self, attempt: int) -> None:
-        """A moment between two looks, longer the more nodes look (:func:`etcd_interval`). Not a
-        watch: etcd's HTTP gateway serves a few hundred streams at once (etcd_keys.py's await_decided)."""
-        time.sleep(etcd_interval(self.config.nnodes))
 
     def leave(self) -> None:
         """Done with the job: this launcher's lease goes, and the last launcher to leave removes the job's keys.
@@ -347,3 +305,37 @@ class EtcdRendezvous(EtcdKV):
         self.set_store(attempt, address, port)
         return RoundStore(address, port)
 
+
+
+class EtcdView:
+    """One look at a round in etcd (api.RoundView): each value read when first asked, and once; a count while
+    no key needs reading."""
+
+    def __init__(self, link: EtcdRendezvous, attempt: int) -> None:
+        self.link, self.attempt = link, attempt
+
+    @functools.cached_property
+    def record(self) -> FailureRecord | None:
+        return self.link.record(self.attempt)
+
+    @functools.cached_property
+    def busy(self) -> bool:
+        return self.link._short_of(self.attempt, "quiet")
+
+    @functools.cached_property
+    def pending(self) -> bool:
+        return self.link._short_of(self.attempt, "done")
+
+    @functools.cached_property
+    def returned(self) -> dict[int, float]:
+        """One request (a count) while no node's ranks returned; their keys once some did."""
+        link, me, key = self.link, self.link.config.node_rank, self.link.key(self.attempt, "returned/")
+        if not link.count(key):
+            return {}
+        return {int(n): float(v) for n, v in link.under(key).items() if int(n) != me}
+
+    never_arrived = None  # a round starts with the nodes that joined it: none can be missing from it
+
+    def waiting(self, nodes: set[int]) -> bool:
+        link = self.link
+        return bool(nodes) and all(link.get(link.key(self.attempt, "waiting", n)) is not None for n in sorted(nodes))

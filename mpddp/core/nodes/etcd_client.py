@@ -24,8 +24,16 @@ _REQUEST_TIMEOUT = 2.0  # seconds one request to one member may take before the 
 RESOURCE_EXHAUSTED = 8  # the gRPC status of a refused write: etcd is full (NOSPACE), or rate-limits this client
 
 
-class EtcdFull(RendezvousGone):
+class EtcdGone(RendezvousGone):
+    """No member of etcd answers."""
+
+    went = "etcd went away"
+
+
+class EtcdFull(EtcdGone):
     """etcd refuses every write: its NOSPACE alarm is raised (the database reached its quota)."""
+
+    went = "etcd took no more writes"
 
 
 def grpc_code(error: Exception) -> int | None:
@@ -96,7 +104,7 @@ class EtcdClient:
                         self._current = (index + 1) % len(self._members)
                 if time.monotonic() >= deadline:
                     self.unanswered = True
-                    raise RendezvousGone(f"etcd at {self.endpoints} does not answer (tried {tried} time(s), "
+                    raise EtcdGone(f"etcd at {self.endpoints} does not answer (tried {tried} time(s), "
                                          f"last {type(e).__name__})") from e
                 if tried % len(self._members) == 0:
                     time.sleep(0.2)  # every member refused: a moment before the next round of tries

@@ -141,7 +141,7 @@ class EtcdKeys:
         return bool(set(members) & set(self.arrivals(attempt)))
 
     def pause(self, attempt: int) -> None:
-        self.link.pause(attempt)
+        time.sleep(self.link.interval)
 
 
 class EtcdRoundWatch(BeatThread):

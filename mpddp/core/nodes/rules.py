@@ -15,7 +15,7 @@ import enum
 
 class NodeState(enum.Enum):
     """A node's life in a round: its record there, moved only by :func:`move`. LOST is no node's own word: its
-    lease ran out (etcd) or its beat stood still (c10d) before it ENDED."""
+    lease ran out (etcd), or another node found its beat standing still and wrote it (c10d), before it ENDED."""
 
     RUNNING = "running"  # joined the round: its ranks run
     WAITING = "waiting"  # its ranks stopped on a failure: it waits for the round's record of the cause
@@ -25,19 +25,23 @@ class NodeState(enum.Enum):
 
 
 # The counters a node in each state is entered in (a key a node under each, counted without being read): QUIET,
-# every node whose ranks no longer run; DONE, those whose ranks ended.
+# every node whose ranks no longer run; DONE, those whose ranks ended. A node is entered in each once, by the
+# move that first reaches a state that has it, so that a counter is a count of nodes.
 COUNTERS = {NodeState.RUNNING: (), NodeState.WAITING: ("waiting", "quiet"),
-            NodeState.RETURNED: ("returned", "quiet", "done"), NodeState.ENDED: ("ended", "quiet", "done")}
-_MOVES = {NodeState.RUNNING: {NodeState.WAITING, NodeState.RETURNED, NodeState.ENDED},
-          NodeState.WAITING: {NodeState.RETURNED, NodeState.ENDED},
-          NodeState.RETURNED: {NodeState.WAITING, NodeState.ENDED},  # its record came after its ranks returned
+            NodeState.RETURNED: ("returned", "quiet", "done"), NodeState.ENDED: ("ended", "quiet", "done"),
+            NodeState.LOST: ("lost", "quiet", "done")}
+_MOVES = {NodeState.RUNNING: {NodeState.WAITING, NodeState.RETURNED, NodeState.ENDED, NodeState.LOST},
+          NodeState.WAITING: {NodeState.ENDED, NodeState.LOST},  # its ranks stopped: they return no more
+          NodeState.RETURNED: {NodeState.ENDED, NodeState.LOST},  # a record after its return: it stays quiet
           NodeState.ENDED: set(), NodeState.LOST: set()}
 
 
 def move(current: NodeState, target: NodeState) -> tuple[str, ...] | None:
-    """The counters a node's move from ``current`` to ``target`` enters it in; None when it is no move (the same
-    state again, or out of ENDED or LOST): nothing is written then."""
-    return COUNTERS[target] if target in _MOVES[current] else None
+    """The counters a node's move from ``current`` to ``target`` newly enters it in; None when it is no move (the
+    same state again, or out of ENDED or LOST): nothing is written then. Only another node moves one to LOST."""
+    if target not in _MOVES[current]:
+        return None
+    return tuple(c for c in COUNTERS[target] if c not in COUNTERS[current])
 
 
 class Step(enum.Enum):

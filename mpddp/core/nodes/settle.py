@@ -36,8 +36,10 @@ from dataclasses import dataclass
 
 from ... import rank_math
 from ...errors import NeverArrived, Outcome, RendezvousError, StoreLost, WorkerFailed
+from ...log import logger
 from ..wire.protocol import ERROR_LINE, FailureRecord
-from .api import STALLED_AFTER, Rendezvous, RendezvousGone, names
+from .api import Lost, Rendezvous, RendezvousGone, names
+from .rules import NodeState
 
 _RECORD_WAIT = 10.0  # seconds a node whose ranks only saw a peer vanish waits for the record of the cause, at least
 
@@ -93,7 +95,16 @@ def settle(link: Rendezvous, attempt: int, local: WorkerFailed | None, cause: Ou
             local.args = (f"{local}\nmpddp: then {link.gone_line()}: the other nodes may not have heard of this "
                           "failure",)
             return local
-        return link.gone_error(local)
+        return gone_error(link, local)
+
+
+def gone_error(link: Rendezvous, local: WorkerFailed) -> RendezvousError:
+    """This node's report when the backend went away before it learned what the others saw: node 0's store
+    (which it reached: its loss, :class:`StoreLost`), or etcd (the failures are what this node saw)."""
+    if not link.hosts_round_store:
+        kind = StoreLost if link.reached else RendezvousError
+        return kind(f"{link.gone_line()}; the failures below are consequences\n{local}")
+    return RendezvousError(f"{link.gone_line()}; the failures below are what this node saw\n{local}")
 
 
 def _told(record: FailureRecord, remote_error: Callable[[FailureRecord], WorkerFailed]) -> WorkerFailed | RendezvousError:
@@ -142,14 +153,6 @@ def _by_itself(cause: Outcome | None, blame: Blame) -> bool:
     return cause not in (Outcome.COLLECTIVE, Outcome.STOPPED) and not blame.culprits
 
 
-@dataclass(frozen=True)
-class Lost:
-    """Nodes found lost while this one waited for the round's record: ``beat``, they had beaten in it."""
-
-    nodes: list[int]
-    beat: bool
-
-
 def _wait_for(link: Rendezvous, attempt: int, local: WorkerFailed, outcome: Outcome | None,
               blame: Blame) -> FailureRecord | Lost | Retold:
     """The round's record, once another node writes it; or the nodes found lost; or ours, once no other node
@@ -166,37 +169,58 @@ def _wait_for(link: Rendezvous, attempt: int, local: WorkerFailed, outcome: Outc
     record then won). So a victim waits while any other node still runs its round without waiting itself;
     after :data:`_RECORD_WAIT`, once every other node has ended its round or waits too, nobody has a better
     cause. It never waits past ``--timeout`` (when a node that never beat in the round is found lost, see
-    :meth:`Rendezvous.stalled`), or past :data:`_RECORD_WAIT` when --timeout is shorter: a hang's --timeout of
+    :meth:`Rendezvous.lost`), or past :data:`_RECORD_WAIT` when --timeout is shorter: a hang's --timeout of
     a few seconds is no time for another node's teardown on a loaded machine.
     """
     nprocs = link.nprocs
-    link.mark_waiting(attempt)
+    link.move(attempt, NodeState.WAITING)
     start = time.monotonic()
-    beats, since = link.heartbeats(attempt), start
     culprit_nodes = {rank_math.split_rank(r, nprocs)[0] for r in blame.culprits}
     while True:
-        if (record := link.record(attempt)) is not None:
+        view = link.view(attempt)  # each value read once, when first asked
+        if (record := view.record) is not None:
             return record
         if blame.early_exit is not None and outcome in (Outcome.COLLECTIVE, Outcome.HUNG) and (
-                returned := link.returned(attempt)):
+                returned := view.returned):
             node = min(returned, key=lambda n: (n not in culprit_nodes, returned[n]))  # a culprit's, else the first
             rank = min(blame.culprits & set(range(node * nprocs, (node + 1) * nprocs)), default=node * nprocs)
             return link.publish(attempt, FailureRecord(rank, node, rank - node * nprocs, Outcome.EARLY_EXIT, 1,
                                                        blame.early_exit(rank), time.time()))
-        if culprit_nodes and link.waiting(attempt, culprit_nodes) and (blame.again is None or not link.busy(attempt)):
+        if culprit_nodes and view.waiting(culprit_nodes) and (blame.again is None or not view.busy):
             return _ours(link, attempt, local, outcome, blame)  # their nodes see no better, and every node shared
-        now = time.monotonic()
-        if now - since >= STALLED_AFTER:  # a launcher whose beat stood still while others beat is gone
-            lost = link.stalled(attempt, beats)
-            if lost:
-                return Lost(lost, beat=True)
-            if lost is not None:  # every node beat: look again over a new window (else the same, longer)
-                beats, since = link.heartbeats(attempt), now
-        if now - start > link.config.timeout and (silent := link.silent(attempt)):
-            return Lost(silent, beat=False)
-        if now - start > _RECORD_WAIT and (now - start > link.config.timeout or not link.busy(attempt)):
+        if (lost := link.lost(attempt, start)) is not None:
+            return lost
+        waited = time.monotonic() - start
+        if waited > _RECORD_WAIT and (waited > link.config.timeout or not view.busy):
             return _ours(link, attempt, local, outcome, blame)
-        link.pause(attempt)
+        time.sleep(link.interval)
+
+
+def finish(link: Rendezvous, attempt: int) -> FailureRecord | None:
+    """This node's ranks all returned: say so, and wait until every other node's ranks returned too, or it
+    ended the round (or was found lost). The round's record if one is written meanwhile: a node whose ranks
+    still waited for ours in a collective names one of ours (they returned too early), or its own failure
+    is the round's. None: the round ended well on every node.
+
+    torchrun's agents wait so too (their exit barrier): a rank of node 0 that saves the checkpoint alone
+    after the others returned keeps them waiting, and its failure is still every node's.
+    """
+    try:
+        link.move(attempt, NodeState.RETURNED)
+        start = time.monotonic()  # after the move: a first connection to the store (torch's import) is no wait
+        while True:
+            view = link.view(attempt)
+            pending = view.pending
+            if (record := view.record) is not None:  # read after: a node writes it, then ends
+                return record
+            if not pending:
+                return None
+            link.lost(attempt, start)  # a node found lost is done from now on
+            time.sleep(link.interval)
+    except RendezvousGone as e:  # after our ranks returned: nothing more to learn, and nothing went wrong here
+        logger.warning("mpddp: %s before every node ended round %d; node %d's ranks had all returned", e.went,
+                       attempt, link.config.node)
+        return None
 
 
 def _ours(link: Rendezvous, attempt: int, local: WorkerFailed, outcome: Outcome | None, blame: Blame) -> Retold:

@@ -191,20 +191,18 @@ JOINED = "joined"  # a counter: the node launchers that joined this round (core/
 FAILURE = "failure"  # the round's first failure, a FailureRecord: the first node to write it wins
 PROGRESS = "progress"  # a counter every node's watchdog bumps while its ranks compute (core/launcher/watchdog.py)
 SCRIPT_PORT = "script_port"  # the round's own store for env:// scripts, from the second round on (core/launcher/job.py)
-RETURNED = "returned"  # a counter: the nodes whose ranks all returned, numbering their returned_entry
-QUIET = "quiet"  # a counter: the nodes that wait for the record, returned or ended (each counted once: quiet_key)
-DONE = "done"  # a counter: the nodes whose ranks returned or that ended the round (each once: done_key)
+STATE = "state"  # a node's record in the round, ``state/<node>``: its core/nodes/rules.py NodeState, by compare-and-set
+# The counters a node's moves enter it in (core/nodes/rules.py's COUNTERS), each once: ``<counter>/<node>`` flags
+# it, and ``<counter>#<n>`` is the n-th node counted, ``[node, wall time]``, so that a store lists them in two reads.
+WAITING = "waiting"  # the nodes that wait for the round's record (their ranks only saw a peer vanish)
+RETURNED = "returned"  # the nodes whose ranks all returned
+QUIET = "quiet"  # the nodes that wait for the record, returned, ended or were found lost
+DONE = "done"  # the nodes whose ranks returned, or that ended the round or were found lost
 ALL_JOINED = "all_joined"  # set by the last node launcher to join a restarted round: the others wait for it
 FAILED = 1 << 40  # added to PROGRESS by the writer of the round's record: every beat's one add also tells of it
 LEFT = "mpddp/job/left"  # a counter, job-wide: the launchers that are done with the store (node 0 waits for them)
-LOST = "lost"  # a counter: the nodes found lost in the round (each once: lost_key)
+LOST = "lost"  # a counter: the nodes found lost in the round (node 0 does not wait for them to leave)
 READ = "read"  # a counter: the launchers that read the round's record another node wrote (each once)
-
-
-def lost_key(node: int) -> str:
-    """Set once by the first launcher that found node ``node`` lost (LOST counts it): node 0 does not wait for
-    it to leave."""
-    return f"lost/{node}"
 
 
 def joined_key(node: int) -> str:
@@ -228,31 +226,6 @@ def sharer_entry(number: int) -> str:
 def calls_key(node: int) -> str:
     """A node's ranks' last collectives (core/launcher/board.py's snapshot): any node's hang report sees them all."""
     return f"calls/{node}"
-
-
-def waiting_key(node: int) -> str:
-    """Set by a node whose ranks only saw a peer vanish, while it waits for the record of the cause."""
-    return f"waiting/{node}"
-
-
-def returned_entry(number: int) -> str:
-    """The ``number``-th node whose ranks all returned (a counter numbers them): ``[node, wall time]``."""
-    return f"returned/entry/{number}"
-
-
-def quiet_key(node: int) -> str:
-    """Set once, the first time a node waits, returned or ended (QUIET counts it then)."""
-    return f"quiet/{node}"
-
-
-def done_key(node: int) -> str:
-    """Set once, the first time a node's ranks returned or it ended the round (DONE counts it then)."""
-    return f"done/{node}"
-
-
-def ended_key(node: int) -> str:
-    """Set by a node's launcher when its part of the round ended: its heartbeat stops then, by design."""
-    return f"ended/{node}"
 
 
 def full_key(attempt: int, key: str) -> str:
