@@ -1,11 +1,16 @@
-"""The rules of a round's membership (core/nodes/rules.py), one state in and one step out, with injected time:
-no process, no store, no sleep."""
+"""The rules of a round (core/nodes/rules.py), one state in and one step out, with injected time: no process, no
+store, no sleep."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import pytest
 
-from mpddp.core.nodes.rules import NodeState, Outside, Step, join_step, member_order, move, outside
+from mpddp.core.nodes import rules
+from mpddp.core.nodes.rules import Finish, Lost, NodeState, Outside, Step, Wait, finish_step, move, wait_step
+from mpddp.core.wire.protocol import FailureRecord
+from mpddp.errors import Outcome
 
 LOOK, LAST_CALL = 0.1, 3.0
 
@@ -27,7 +32,7 @@ LOOK, LAST_CALL = 0.1, 3.0
 ])
 def test_who_decides_the_member_list_and_when(came, seen, waited, low, high, step):
     now = 1000.0  # the caller's monotonic clock: only differences count
-    assert join_step(came=came, seen=seen, since=now - waited, now=now, look=LOOK, low=low, high=high,
+    assert rules.join_step(came=came, seen=seen, since=now - waited, now=now, look=LOOK, low=low, high=high,
                      last_call=LAST_CALL) is step
 
 
@@ -35,9 +40,9 @@ def test_the_last_call_is_timed_from_the_last_arrival_not_the_first():
     """A newcomer every 2 s keeps the round open (last_call 3 s); the step after the last one's 3 s decides."""
     arrivals = [0.0, 2.0, 4.0, 6.0]
     for t in (6.0, 7.0, 8.9):
-        assert join_step(came=4, seen=4, since=arrivals[-1], now=t, look=LOOK, low=2, high=8,
+        assert rules.join_step(came=4, seen=4, since=arrivals[-1], now=t, look=LOOK, low=2, high=8,
                          last_call=LAST_CALL) is Step.LOOK
-    assert join_step(came=4, seen=4, since=arrivals[-1], now=9.0, look=LOOK, low=2, high=8,
+    assert rules.join_step(came=4, seen=4, since=arrivals[-1], now=9.0, look=LOOK, low=2, high=8,
                      last_call=LAST_CALL) is Step.DECIDE
 
 
@@ -50,7 +55,7 @@ def test_the_member_order_keeps_the_old_nodes_then_the_given_ranks_then_arrival(
         "new-late": {"old": None, "rank": None, "since": 20.0},
         "garbled": {"old": "x", "rank": "y", "since": "z"},  # a value of another type sorts last, never raises
     }
-    assert sorted(arrivals, key=lambda m: member_order(arrivals[m])) == [
+    assert sorted(arrivals, key=lambda m: rules.member_order(arrivals[m])) == [
         "old-0", "old-2", "late-given-1", "garbled", "new-early", "new-late"]
 
 
@@ -58,7 +63,7 @@ def test_the_member_order_keeps_the_old_nodes_then_the_given_ranks_then_arrival(
     (1, 2, Outside.ADMIT), (3, 4, Outside.ADMIT), (4, 4, Outside.SPARE), (2, 2, Outside.SPARE),
 ])
 def test_a_launcher_outside_a_decided_round_is_admitted_below_max_else_a_spare(members, high, verdict):
-    assert outside(members, high) is verdict
+    assert rules.outside(members, high) is verdict
 
 
 @pytest.mark.parametrize("current, target, counters", [
@@ -98,3 +103,66 @@ def test_each_node_is_counted_once_in_each_counter_whatever_its_path():
         assert ("quiet" in entered) == (len(been) > 1)
         assert ("done" in entered) == bool(ends & set(been)), (been, entered)  # its ranks ended on the way
         assert {s.value for s in been[1:]} <= set(entered)
+
+
+@dataclass
+class View:
+    """A look at a round, in plain values (what a backend's view reads from its store)."""
+
+    record: FailureRecord | None = None
+    busy: bool = True
+    pending: bool = True
+    returned: dict[int, float] = field(default_factory=dict)
+    never_arrived: None = None
+    waits: frozenset[int] = frozenset()
+
+    def waiting(self, nodes: set[int]) -> bool:
+        return bool(nodes) and nodes <= self.waits
+
+
+RECORD = FailureRecord(2, 2, 0, Outcome.RAISED, 1, "mpddp: rank 2 failed first", 0.0)
+
+
+@pytest.mark.parametrize("view, lost, culprits, early_exit, retell, waited, step", [
+    (View(record=RECORD), Lost([1]), {1}, True, False, 99.0, Wait.RECORD),  # a record stands over all else
+    (View(returned={1: 5.0}), None, set(), True, False, 0.1, Wait.EARLY_EXIT),  # node 1 returned as ours waited
+    (View(returned={1: 5.0}), None, set(), False, False, 0.1, Wait.LOOK),  # ... not a cause of a rank that raised
+    (View(waits=frozenset({1})), None, {1}, False, False, 0.1, Wait.OURS),  # the culprit's node waits: no better
+    (View(waits=frozenset({1})), None, {1}, False, True, 0.1, Wait.LOOK),  # ... told again once nobody is busy
+    (View(waits=frozenset({1}), busy=False), None, {1}, False, True, 0.1, Wait.OURS),
+    (View(waits=frozenset({1})), None, {1, 2}, False, False, 0.1, Wait.LOOK),  # node 2, also blamed, still works
+    (View(), Lost([2]), set(), True, False, 0.1, Wait.LOST),  # found lost: named at once
+    (View(), None, set(), True, False, 9.9, Wait.LOOK),  # another node still tears down: its record may come
+    (View(busy=False), None, set(), True, False, 9.9, Wait.LOOK),  # nobody busy, but not _RECORD_WAIT yet
+    (View(busy=False), None, set(), True, False, 10.1, Wait.OURS),  # nobody else can tell better
+    (View(), None, set(), True, False, 10.1, Wait.LOOK),  # still busy, within --timeout
+    (View(), None, set(), True, False, 30.1, Wait.OURS),  # never past --timeout
+])
+def test_a_node_waiting_for_the_record_looks_until_one_step_says_otherwise(view, lost, culprits, early_exit, retell,
+                                                                          waited, step):
+    assert wait_step(view, lost, culprits=culprits, early_exit=early_exit, retell=retell, waited=waited,
+                     timeout=30.0, least=10.0) is step
+
+
+@pytest.mark.parametrize("view, step", [
+    (View(), Finish.LOOK),  # another node's ranks still run
+    (View(pending=False), Finish.DONE),  # all returned, ended or lost: the round went well
+    (View(record=RECORD), Finish.RECORD),  # a node wrote the round's record (then ended): it failed here too
+    (View(record=RECORD, pending=False), Finish.RECORD),
+])
+def test_a_node_whose_ranks_returned_waits_for_the_others_ends(view, step):
+    assert finish_step(view) is step
+
+
+def test_finish_reads_pending_before_the_record():
+    """A node writes its record, then ends: read the other way round, the end could be seen without the record."""
+    order: list[str] = []
+
+    class Watched(View):
+        def __getattribute__(self, name: str) -> object:
+            if name in ("record", "pending"):
+                order.append(name)
+            return object.__getattribute__(self, name)
+
+    finish_step(Watched(pending=False))
+    assert order == ["pending", "record"]

@@ -45,9 +45,9 @@ from typing import Protocol
 
 from ... import rank_math
 from ...config import LaunchConfig
-from ...errors import NeverArrived, Outcome, StoreLost
+from ...errors import Outcome, StoreLost
 from ..wire.protocol import FailureRecord
-from .rules import NodeState
+from .rules import Lost, NodeState, RoundView
 
 INTERVAL = 0.25  # seconds between two beats (and two looks for another node's failure)
 STALLED_AFTER = 6 * INTERVAL  # a beat that did not move for this long, while others moved: its launcher is gone
@@ -155,32 +155,6 @@ class BeatThread:
     def stop(self) -> None:
         self._stop.set()
         self._thread.join(1.0)
-
-
-@dataclass(frozen=True)
-class Lost:
-    """Nodes of a round found lost: ``beat``, they had beaten in it (their beat stood still, or their lease ran
-    out); else they never beat in it within --timeout, nor ended it."""
-
-    nodes: list[int]
-    beat: bool = True
-
-
-class RoundView(Protocol):
-    """One look at a round, as core/nodes/settle.py's rules read it. A backend reads each value when it is first
-    asked, and once: a rule that stops at the record costs one read, and a table test passes plain values."""
-
-    @property
-    def record(self) -> FailureRecord | None: ...  # the round's first failure, once written
-    @property
-    def busy(self) -> bool: ...  # another node still runs the round (neither waits, returned, ended nor is lost)
-    @property
-    def pending(self) -> bool: ...  # another node's ranks have not all returned, nor did it end or get lost
-    @property
-    def returned(self) -> dict[int, float]: ...  # the other nodes whose ranks all returned, and when (wall clock)
-    @property
-    def never_arrived(self) -> NeverArrived | None: ...  # the nodes whose ranks never came (round 0, node 0 asks)
-    def waiting(self, nodes: set[int]) -> bool: ...  # every one of ``nodes`` waits for the record itself
 
 
 class Rendezvous(Protocol):

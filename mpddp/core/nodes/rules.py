@@ -1,16 +1,24 @@
-"""The rules of a round's membership as pure functions: what a launcher does next, from what it has seen and now.
+"""The rules of a round as pure functions: what a launcher does next, from what it has seen and now.
 
 Owns: :class:`NodeState`, a node's life in a round, and :func:`move`, the one transition function (which moves
-are allowed, and which counters a move enters the node in); :func:`join_step` (decide the member list now, or look
-again), :func:`member_order` (the order of the list, which is the round's node ranks) and :func:`outside` (a
-launcher that came to a round decided without it: admitted by a restart, or a spare). Each takes plain values (counts, seconds from the caller's clock) and returns a value:
-no store, no sleep, so tests/test_rules.py checks them in milliseconds with injected time. core/nodes/membership.py
-carries them out over a backend's keys.
+are allowed, and which counters a move newly enters the node in); the membership's rules: :func:`join_step` (decide
+the member list now, or look again), :func:`member_order` (the order of the list, which is the round's node ranks)
+and :func:`outside` (a launcher that came to a round decided without it: admitted by a restart, or a spare); and
+the end's: :func:`wait_step` (a node whose ranks stopped on a failure, waiting for the round's record) and
+:func:`finish_step` (a node whose ranks returned, waiting for the others'), over a :class:`RoundView`, one look at
+the round. Each takes plain values (counts, a view, seconds from the caller's clock) and returns a value: no store,
+no sleep, so tests/test_rules.py checks them in milliseconds with injected time. core/nodes/membership.py and
+core/nodes/settle.py carry them out over a backend.
 """
 
 from __future__ import annotations
 
 import enum
+from dataclasses import dataclass
+from typing import Protocol
+
+from ...errors import NeverArrived
+from ..wire.protocol import FailureRecord
 
 
 class NodeState(enum.Enum):
@@ -84,3 +92,80 @@ def member_order(arrival: dict[str, object]) -> tuple[float, float, float]:
 def outside(members: int, high: int) -> Outside:
     """A round of ``members`` nodes decided without this launcher, under ``--nnodes MIN:high``."""
     return Outside.ADMIT if members < high else Outside.SPARE
+
+
+@dataclass(frozen=True)
+class Lost:
+    """Nodes of a round found lost: ``beat``, they had beaten in it (their beat stood still, or their lease ran
+    out); else they never beat in it within --timeout, nor ended it."""
+
+    nodes: list[int]
+    beat: bool = True
+
+
+class RoundView(Protocol):
+    """One look at a round, as the rules read it. A backend reads each value when it is first asked, and once: a
+    rule that stops at the record costs one read, and a table test passes plain values."""
+
+    @property
+    def record(self) -> FailureRecord | None: ...  # the round's first failure, once written
+    @property
+    def busy(self) -> bool: ...  # another node still runs the round (neither waits, returned, ended nor is lost)
+    @property
+    def pending(self) -> bool: ...  # another node's ranks have not all returned, nor did it end or get lost
+    @property
+    def returned(self) -> dict[int, float]: ...  # the other nodes whose ranks all returned, and when (wall clock)
+    @property
+    def never_arrived(self) -> NeverArrived | None: ...  # the nodes whose ranks never came (round 0, node 0 asks)
+    def waiting(self, nodes: set[int]) -> bool: ...  # every one of ``nodes`` waits for the record itself
+
+
+class Wait(enum.Enum):
+    """What a node whose ranks stopped on a failure does next, while it waits for the round's record."""
+
+    RECORD = "record"  # the round's record is written: it stands
+    EARLY_EXIT = "early exit"  # another node's ranks returned while ours waited for them: the record names one
+    OURS = "ours"  # no node can tell better now: this node's report is the record (told again first, if it can)
+    LOST = "lost"  # nodes were found lost: the record names them
+    LOOK = "look"  # look again after a pause
+
+
+def wait_step(view: RoundView, lost: Lost | None, *, culprits: set[int], early_exit: bool, retell: bool,
+              waited: float, timeout: float, least: float) -> Wait:
+    """The next step of a node whose ranks stopped on a failure, ``waited`` seconds into its wait.
+
+    ``culprits``: the other nodes whose ranks this node's report blames (a hang or a mismatch seen through the
+    collectives the nodes share): their own nodes tell them better, unless they wait too (then they see no
+    better; with ``retell``, this node tells its report again once no node is busy, since each shared its
+    collectives before it waited). ``early_exit``: this node's ranks waited in a collective for other nodes'
+    ranks, so a node whose ranks returned meanwhile is the cause. A node whose ranks failed by itself writes the
+    record after its teardown, which takes seconds on a loaded machine: so this node waits ``least`` seconds
+    while any node is busy, and never past ``timeout`` (and ``lost``, the nodes found lost, ends it at once).
+    """
+    if view.record is not None:
+        return Wait.RECORD
+    if early_exit and view.returned:
+        return Wait.EARLY_EXIT
+    if culprits and view.waiting(culprits) and not (retell and view.busy):
+        return Wait.OURS
+    if lost is not None:
+        return Wait.LOST
+    if waited > least and (waited > timeout or not view.busy):
+        return Wait.OURS
+    return Wait.LOOK
+
+
+class Finish(enum.Enum):
+    """What a node whose ranks all returned does next, while it waits for the other nodes' ends."""
+
+    RECORD = "record"  # a record is written meanwhile: the round failed, on this node too
+    DONE = "done"  # every other node's ranks returned, or it ended the round or was lost: the round went well
+    LOOK = "look"
+
+
+def finish_step(view: RoundView) -> Finish:
+    """torchrun's exit barrier: ``pending`` is read before the record, since a node writes its record, then ends."""
+    pending = view.pending
+    if view.record is not None:
+        return Finish.RECORD
+    return Finish.LOOK if pending else Finish.DONE

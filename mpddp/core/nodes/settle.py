@@ -38,8 +38,9 @@ from ... import rank_math
 from ...errors import NeverArrived, Outcome, RendezvousError, StoreLost, WorkerFailed
 from ...log import logger
 from ..wire.protocol import ERROR_LINE, FailureRecord
+from . import rules
 from .api import Lost, Rendezvous, RendezvousGone, names
-from .rules import NodeState
+from .rules import Finish, NodeState, Wait
 
 _RECORD_WAIT = 10.0  # seconds a node whose ranks only saw a peer vanish waits for the record of the cause, at least
 
@@ -156,43 +157,40 @@ def _by_itself(cause: Outcome | None, blame: Blame) -> bool:
 def _wait_for(link: Rendezvous, attempt: int, local: WorkerFailed, outcome: Outcome | None,
               blame: Blame) -> FailureRecord | Lost | Retold:
     """The round's record, once another node writes it; or the nodes found lost; or ours, once no other node
-    can still write a better one.
-
-    Two things end the wait at once: another node's ranks all returned while ours waited for them (then
-    the record names one of them, as ``blame.early_exit`` words it), and, when ``blame.culprits`` are other
-    nodes' ranks, their own nodes waiting too: their ranks only saw ours stop, so they see no better (when
-    ``blame.again`` can tell ours again, once no node is busy either: each shared its collectives before it
-    waited, and ours is told from them).
+    can still write a better one: core/nodes/rules.py's :func:`~mpddp.core.nodes.rules.wait_step` decides each
+    look, and this loop carries its steps out.
 
     The node whose rank failed by itself writes the record after its teardown, which takes seconds on a busy
     machine (measured: more than 10 s with 8 launchers and 16 ranks on 2 loaded cores, and a victim's own
-    record then won). So a victim waits while any other node still runs its round without waiting itself;
-    after :data:`_RECORD_WAIT`, once every other node has ended its round or waits too, nobody has a better
-    cause. It never waits past ``--timeout`` (when a node that never beat in the round is found lost, see
-    :meth:`Rendezvous.lost`), or past :data:`_RECORD_WAIT` when --timeout is shorter: a hang's --timeout of
-    a few seconds is no time for another node's teardown on a loaded machine.
+    record then won): so a victim waits :data:`_RECORD_WAIT` while another node is busy, whatever --timeout (a
+    hang's of a few seconds is no time for another node's teardown on a loaded machine).
     """
     nprocs = link.nprocs
     link.move(attempt, NodeState.WAITING)
     start = time.monotonic()
     culprit_nodes = {rank_math.split_rank(r, nprocs)[0] for r in blame.culprits}
+    early_exit = blame.early_exit is not None and outcome in (Outcome.COLLECTIVE, Outcome.HUNG)
     while True:
         view = link.view(attempt)  # each value read once, when first asked
-        if (record := view.record) is not None:
-            return record
-        if blame.early_exit is not None and outcome in (Outcome.COLLECTIVE, Outcome.HUNG) and (
-                returned := view.returned):
+        lost = link.lost(attempt, start)
+        step = rules.wait_step(view, lost, culprits=culprit_nodes, early_exit=early_exit,
+                               retell=blame.again is not None, waited=time.monotonic() - start,
+                               timeout=link.config.timeout, least=_RECORD_WAIT)
+        if step is Wait.RECORD:
+            assert view.record is not None
+            return view.record
+        if step is Wait.EARLY_EXIT:
+            assert blame.early_exit is not None
+            returned = view.returned
             node = min(returned, key=lambda n: (n not in culprit_nodes, returned[n]))  # a culprit's, else the first
             rank = min(blame.culprits & set(range(node * nprocs, (node + 1) * nprocs)), default=node * nprocs)
             return link.publish(attempt, FailureRecord(rank, node, rank - node * nprocs, Outcome.EARLY_EXIT, 1,
                                                        blame.early_exit(rank), time.time()))
-        if culprit_nodes and view.waiting(culprit_nodes) and (blame.again is None or not view.busy):
-            return _ours(link, attempt, local, outcome, blame)  # their nodes see no better, and every node shared
-        if (lost := link.lost(attempt, start)) is not None:
-            return lost
-        waited = time.monotonic() - start
-        if waited > _RECORD_WAIT and (waited > link.config.timeout or not view.busy):
+        if step is Wait.OURS:  # their nodes see no better, and every node shared; or nobody has a better cause
             return _ours(link, attempt, local, outcome, blame)
+        if step is Wait.LOST:
+            assert lost is not None
+            return lost
         time.sleep(link.interval)
 
 
@@ -208,15 +206,10 @@ def finish(link: Rendezvous, attempt: int) -> FailureRecord | None:
     try:
         link.move(attempt, NodeState.RETURNED)
         start = time.monotonic()  # after the move: a first connection to the store (torch's import) is no wait
-        while True:
-            view = link.view(attempt)
-            pending = view.pending
-            if (record := view.record) is not None:  # read after: a node writes it, then ends
-                return record
-            if not pending:
-                return None
+        while (step := rules.finish_step(view := link.view(attempt))) is Finish.LOOK:
             link.lost(attempt, start)  # a node found lost is done from now on
             time.sleep(link.interval)
+        return view.record if step is Finish.RECORD else None
     except RendezvousGone as e:  # after our ranks returned: nothing more to learn, and nothing went wrong here
         logger.warning("mpddp: %s before every node ended round %d; node %d's ranks had all returned", e.went,
                        attempt, link.config.node)
