@@ -21,7 +21,7 @@ from typing import Any
 from ...errors import ConfigError, Outcome, RestartsExhausted, StoreLost, WorkerFailed
 from ...log import logger
 from ..nodes import rendezvous
-from ..nodes.api import NotNeeded, Rendezvous, Round
+from ..nodes.api import NotNeeded, Rendezvous, Round, RoundLost
 from ..nodes.backends import open_rendezvous
 from . import stragglers
 from .attempt import run_group
@@ -122,23 +122,33 @@ def _attempts(job: Job) -> list[Any]:
     backend may start this node at a later one."""
     attempt = 0
     while True:
-        attempt = _begin(job, attempt)
+        try:
+            attempt = _begin(job, attempt)
+        except RoundLost as lost:  # its store's host lost before the ranks started: a failed round, as any
+            _go_on(job, lost)
+            attempt = lost.round_number + 1
+            continue
         try:
             return run_group(job, attempt)
         except KeyboardInterrupt:  # the teardown has already run, in run_group's finally
             raise KeyboardInterrupt("mpddp: interrupted; every worker was stopped") from None
         except (WorkerFailed, StoreLost) as error:
-            failed = _failed(job, error)
-            step = next_step(failed, job.restarts, job.config.max_restarts)
-            if step is Step.END:
-                job.close_last_word(wait=True)  # node 0, its store server lost: once the others have read why
-                final = _final(failed, job.config.max_restarts)
-                if final is error:
-                    raise  # as it is: its __cause__ is the failing rank's own exception
-                raise final from error
-            job.restarts += step is Step.RESTART
-            _restart(job, failed, step, job.restarts)
+            _go_on(job, error)
             attempt += 1
+
+
+def _go_on(job: Job, error: WorkerFailed | StoreLost) -> None:
+    """After a failed round: the restart :func:`next_step` allows, or the end, raised with the report."""
+    failed = _failed(job, error)
+    step = next_step(failed, job.restarts, job.config.max_restarts)
+    if step is Step.END:
+        job.close_last_word(wait=True)  # node 0, its store server lost: once the others have read why
+        final = _final(failed, job.config.max_restarts)
+        if final is error:
+            raise error  # as it is: its __cause__ is the failing rank's own exception
+        raise final from error
+    job.restarts += step is Step.RESTART
+    _restart(job, failed, step, job.restarts)
 
 
 def _failed(job: Job, error: WorkerFailed | StoreLost) -> Failed:

@@ -64,6 +64,18 @@ class RendezvousGone(StoreLost):
     went = "the rendezvous went away"  # what went, for a line: each backend's client raises its own kind
 
 
+class RoundLost(StoreLost):
+    """A round's store host was lost (its lease ran out) before its store listened: its ranks never started, and the
+    other nodes go on to the next round without it, as after any lost node."""
+
+    def __init__(self, message: str, round_number: int) -> None:
+        super().__init__(message)
+        self.round_number = round_number
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return type(self), (str(self), self.round_number)
+
+
 @dataclass(frozen=True)
 class Round:
     """Who is in one round: its number, its size, this node's rank in it, and each node's rank in the round

@@ -34,7 +34,7 @@ from ...errors import AddressError, RendezvousError
 from ...log import logger
 from ..wire.protocol import FailureRecord
 from . import etcd_probe, membership
-from .api import Lost, RendezvousGone, Round, RoundStore
+from .api import Lost, RendezvousGone, Round, RoundLost, RoundStore
 from .etcd_client import EtcdClient, EtcdFull, KeptLease
 from .etcd_keys import EtcdKeys, EtcdRoundWatch, etcd_interval
 from .etcd_kv import EtcdKV
@@ -150,11 +150,16 @@ class EtcdRendezvous(EtcdKV):
         self.put(self.key(attempt, "store"), f"{host}:{port}")
 
     def store(self, attempt: int) -> tuple[str, int]:
-        """Where the round's process-group store listens, once its first node has published it."""
+        """Where the round's process-group store listens, once its first node has published it; :class:`RoundLost`
+        when that node's lease ran out first (the others start the next round without it)."""
         deadline = time.monotonic() + self.config.timeout
         key = self.key(attempt, "store")
         while (found := self.get(key)) is None:
-            if time.monotonic() > deadline or 0 in self.stalled(attempt):
+            if 0 in self.stalled(attempt):
+                first = self._members_of.get(attempt, ["?"])[0]
+                raise RoundLost(f"round {attempt}'s first node ({first}), which hosts its store, was lost before "
+                                "the store listened (its lease ran out): the other nodes go on without it", attempt)
+            if time.monotonic() > deadline:
                 raise RendezvousError(f"round {attempt}'s first node did not publish its store within --timeout "
                                       f"{self.config.timeout:g} s: its launcher is gone or stopped")
             time.sleep(self.interval)

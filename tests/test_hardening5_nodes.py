@@ -1,0 +1,60 @@
+"""Machines lost at the wrong moment (hardening 5): real launchers as the nodes of one job on a real 3-member etcd,
+their machines lost by SIGKILLing every process of them at once, at the moment each case needs.
+
+Each case's bound is the issue's: one true story on every surviving node within --timeout + 15 s of the fault,
+no traceback of the launcher's own, nothing left behind.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+
+import pytest
+from test_elastic import _end, _lose, _nodes
+
+pytestmark = pytest.mark.timeout(240)
+
+TIMEOUT = 20.0  # the launchers' --timeout (test_elastic's _nodes)
+
+
+def _arrived(cluster, job_id: str, round_number: int, pid: int) -> bool:
+    """Whether the launcher of ``pid`` has put its arrival in round ``round_number`` of job ``job_id`` (its key
+    names its host, pid and a random tail)."""
+    client = cluster.client(0)
+    keys = [meta["key"] for _, meta in client.get_prefix(f"/mpddp/{job_id}/")]
+    keys = [k.decode() if isinstance(k, bytes) else k for k in keys]
+    return any(re.search(rf"/r/{round_number}/join/.*-{pid}-[0-9a-f]+$", key) for key in keys)
+
+
+def test_a_rounds_first_node_lost_before_its_store_listened_is_a_restart_not_the_end(tmp_path, etcd_cluster):
+    """Node 1 is lost mid-run; the three others start round 1, node 0 first (the old order). Node 0's machine is
+    lost as soon as it arrived in round 1, so round 1 is decided with it, and its store never listens. The two
+    others must go on in round 2 and finish; before, they gave up: "round 1's first node did not publish its
+    store within --timeout", though MIN nodes and restarts remained."""
+    job_id = "storelost"
+    runs = _nodes(tmp_path, etcd_cluster, 4, "2:4", 150, job_id,
+                  ["--max-restarts", "3", "--rdzv-conf", "ttl=4,last_call_timeout=3"])
+    try:
+        runs[0].wait_for(r"STEP 10 ", timeout=90)
+        for run in runs:
+            run.list_tree()
+        _lose(runs[1])
+        deadline = time.monotonic() + 60
+        while not _arrived(etcd_cluster, job_id, 1, runs[0].proc.pid):
+            assert time.monotonic() < deadline, runs[0].stderr
+            time.sleep(0.01)
+        _lose(runs[0])  # within the last call (3 s): round 1 is decided with it all the same
+        lost_at = time.monotonic()
+        codes = [run.finish(120) for run in runs[2:]]
+        took = time.monotonic() - lost_at
+        assert codes == [0, 0], [run.stderr for run in runs[2:]]
+        for run in runs[2:]:
+            assert "DONE world=2 restart=2" in run.stdout, run.stdout + run.stderr
+            said = [line for line in run.stderr.splitlines() if line.startswith("mpddp: round 1's first node")]
+            assert said and "was lost before the store listened" in said[0], run.stderr
+            assert not any(line.startswith("Traceback") for line in run.stderr.splitlines()), run.stderr
+            run.assert_nothing_left()
+        assert took < TIMEOUT + 15 + 150 * 0.05 + 10, took  # the story's bound, plus the job's rest and its start
+    finally:
+        _end(runs)
