@@ -27,6 +27,15 @@ def _arrived(cluster, job_id: str, round_number: int, pid: int) -> bool:
     return any(re.search(rf"/r/{round_number}/join/.*-{pid}-[0-9a-f]+$", key) for key in keys)
 
 
+def _said(run, pattern: str, timeout: float) -> str:
+    """The first line of ``run``'s stderr that matches ``pattern``, once it is there."""
+    deadline = time.monotonic() + timeout
+    while not (found := re.search(rf"^{pattern}.*$", run.stderr, re.MULTILINE)):
+        assert time.monotonic() < deadline, run.stderr
+        time.sleep(0.05)
+    return found.group(0)
+
+
 def test_a_rounds_first_node_lost_before_its_store_listened_is_a_restart_not_the_end(tmp_path, etcd_cluster):
     """Node 1 is lost mid-run; the three others start round 1, node 0 first (the old order). Node 0's machine is
     lost as soon as it arrived in round 1, so round 1 is decided with it, and its store never listens. The two
@@ -57,4 +66,40 @@ def test_a_rounds_first_node_lost_before_its_store_listened_is_a_restart_not_the
             run.assert_nothing_left()
         assert took < TIMEOUT + 15 + 150 * 0.05 + 10, took  # the story's bound, plus the job's rest and its start
     finally:
+        _end(runs)
+
+
+def test_a_frozen_machine_is_named_after_the_timeout_and_the_others_go_on(tmp_path, etcd_cluster):
+    """Every process of node 2's machine stopped (SIGSTOP: a hung kernel, a frozen VM) mid-run. Its lease runs out
+    after its TTL, but the others act after --timeout, when their ranks' collectives hang (docs/machines.rst says
+    why: a lease that runs out while the ranks still step is a starved launcher as often as a lost machine). Then
+    they name node 2 alone, and go on without it."""
+    import signal
+
+    import psutil
+
+    from runs import marked
+
+    runs = _nodes(tmp_path, etcd_cluster, 3, "2:3", 150, "frozen", ["--max-restarts", "1"])
+    try:
+        runs[0].wait_for(r"STEP 15 ", timeout=90)
+        for run in runs:
+            run.list_tree()
+        frozen = [psutil.Process(runs[2].proc.pid), *psutil.Process(runs[2].proc.pid).children(recursive=True),
+                  *marked(runs[2].marker)]
+        for proc in frozen:
+            proc.send_signal(signal.SIGSTOP)
+        stopped_at = time.monotonic()
+        told = [_said(run, r"mpddp: node\(s\) 2 went away", timeout=TIMEOUT + 30) for run in runs[:2]]
+        took = time.monotonic() - stopped_at
+        assert TIMEOUT <= took < TIMEOUT + 15.0, took  # after --timeout, within its bound
+        codes = [run.finish(120) for run in runs[:2]]
+        assert codes == [0, 0], [run.stderr for run in runs[:2]]
+        for run in runs[:2]:
+            assert "DONE world=2 restart=1" in run.stdout, run.stdout + run.stderr
+            assert not any(line.startswith("Traceback") for line in run.stderr.splitlines()), run.stderr
+            run.assert_nothing_left()
+        assert told
+    finally:
+        _lose(runs[2])  # a frozen machine's processes are killed with it (SIGKILL ends stopped processes too)
         _end(runs)
