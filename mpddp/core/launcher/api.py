@@ -97,8 +97,8 @@ def launch(
     if config.max_restarts:  # a job that may restart trains: a restarted rank must not import torch._dynamo again
         preload = (*preload, *(m for m in TRAINING_PRELOAD if m not in preload))
     payload = pack_call(fn, tuple(args), dict(kwargs or {}))
-    if config.hosts is not None:  # a launcher on every host, over ssh (core/nodes/hosts.py)
-        from ..nodes.hosts import launch_hosts
+    if config.hosts is not None:  # a launcher on every host, over ssh (core/launcher/hosts_head.py)
+        from .hosts_head import launch_hosts
 
         return launch_hosts(config, payload, init_process_group, tuple(preload))
     if config.nnodes > 1:

@@ -1,6 +1,6 @@
 """One node of a ``--hosts`` launch, on its machine: ``python -m mpddp.core.launcher.hosts_node``, started over ssh.
 
-Owns: the remote end of core/nodes/hosts.py's protocol. It reads one request on
+Owns: the remote end of core/launcher/hosts_head.py's protocol. It reads one request on
 stdin (the node's launch options, ``fn`` already shipped by value, a few
 variables), runs this node's ranks exactly as a local launch would
 (core/launcher/api.py's :func:`~mpddp.core.launcher.api.run_node`), and answers on stdout
@@ -11,7 +11,7 @@ then every node tells its ranks' values or its failure (a picklable
 under one lock, so a message never splits a rank's line. When stdin closes
 (the head stopped the job, or the head or its ssh died), the node stops its
 ranks as on SIGTERM and exits: nothing is left on this host. Leaves the
-head's side to core/nodes/hosts.py.
+head's side to core/launcher/hosts_head.py.
 """
 
 from __future__ import annotations

@@ -262,7 +262,7 @@ class FailureRecord:
         return cls(**{**fields, "outcome": Outcome(fields["outcome"])})
 
 
-# ---- between the head of a --hosts launch and each node's launcher (core/nodes/hosts.py, core/launcher/hosts_node.py) ----
+# ---- between the head of a --hosts launch and each node's launcher (core/launcher/hosts_head.py, core/launcher/hosts_node.py) ----
 # The head writes one NodeRequest on the node's stdin (length, then a pickle); the node answers on stdout
 # with lines that start with NODE_MARK (a NodeMessage, pickled, base64), between its ranks' lines. Both
 # ends decode with a type check, as the rank wire does.
