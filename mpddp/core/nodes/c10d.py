@@ -176,7 +176,8 @@ class C10dRendezvous:
             return
         with contextlib.suppress(RendezvousGone):
             self._move(attempt, me, state, connect_timeout=2.0)
-        if attempt in self.stopped_in:
+        if attempt in self.stopped_in:  # once: the attempt's end moves it again, to no effect
+            self.stopped_in.discard(attempt)
             last_word.until_read(self, attempt)
 
     def _move(self, attempt: int, node: int, target: NodeState, connect_timeout: float | None = None) -> bool:
@@ -323,7 +324,8 @@ class C10dRendezvous:
                                                          ABSENT)).decode()
         return NodeState.RUNNING if found == ABSENT else NodeState(found.partition("/")[0])
 
-    def _count(self, attempt: int, counter: str) -> int:
+    def count(self, attempt: int, counter: str) -> int:
+        """How many nodes ``counter`` counts in round ``attempt``: one operation."""
         return int(self.client.call(lambda s: s.add(full_key(attempt, counter), 0)))
 
     def leave(self) -> None:
@@ -359,11 +361,11 @@ class C10dView:
     @functools.cached_property
     def busy(self) -> bool:
         """One operation: QUIET counts the nodes that wait, returned, ended or were found lost."""
-        return self.link._count(self.attempt, protocol.QUIET) < self.link.config.nnodes
+        return self.link.count(self.attempt, protocol.QUIET) < self.link.config.nnodes
 
     @functools.cached_property
     def pending(self) -> bool:
-        return self.link._count(self.attempt, protocol.DONE) < self.link.config.nnodes
+        return self.link.count(self.attempt, protocol.DONE) < self.link.config.nnodes
 
     @functools.cached_property
     def returned(self) -> dict[int, float]:

@@ -257,7 +257,7 @@ class EtcdRendezvous(EtcdKV):
         self.gone.update(lost)
         return sorted(set(lost) | (known & self.gone))
 
-    def _short_of(self, attempt: int, mark: str) -> bool:
+    def short_of(self, attempt: int, mark: str) -> bool:
         """Fewer nodes have put ``mark`` (or are lost without it) than the round has: counted, not read."""
         lost = self.stalled(attempt)
         unmarked = sum(self.get(self.key(attempt, mark, n)) is None for n in lost)
@@ -325,11 +325,11 @@ class EtcdView:
 
     @functools.cached_property
     def busy(self) -> bool:
-        return self.link._short_of(self.attempt, "quiet")
+        return self.link.short_of(self.attempt, "quiet")
 
     @functools.cached_property
     def pending(self) -> bool:
-        return self.link._short_of(self.attempt, "done")
+        return self.link.short_of(self.attempt, "done")
 
     @functools.cached_property
     def returned(self) -> dict[int, float]:
