@@ -103,3 +103,36 @@ def test_a_frozen_machine_is_named_after_the_timeout_and_the_others_go_on(tmp_pa
     finally:
         _lose(runs[2])  # a frozen machine's processes are killed with it (SIGKILL ends stopped processes too)
         _end(runs)
+
+
+def test_a_node_that_comes_after_the_others_gave_up_is_named_by_them_and_told_why(tmp_path):
+    """c10d, --nnodes 3: nodes 0 and 1 wait --timeout for node 2 and end, naming it; node 2 then comes. Every
+    node's story is true: the two name node 2 as never arrived, and node 2 hears that node 0's launcher does not
+    run there, maybe because the job already ended without it (before: "start node 0's launcher there")."""
+    import subprocess
+    import sys
+
+    from multinode import free_port
+
+    (tmp_path / "job.py").write_text("import torch.distributed as dist\ndist.init_process_group('gloo')\n"
+                                     "dist.barrier()\ndist.destroy_process_group()\n")
+    port = free_port()
+
+    def node(rank: int) -> subprocess.Popen[str]:
+        return subprocess.Popen([sys.executable, "-m", "mpddp", "run", "--nnodes", "3", "--node-rank", str(rank),
+                                 "--master-addr", "127.0.0.1", "--master-port", str(port), "--nprocs", "1",
+                                 "--timeout", "5", str(tmp_path / "job.py")], cwd=tmp_path, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+    first = [node(0), node(1)]
+    said = [p.communicate(timeout=120) for p in first]
+    assert [p.returncode for p in first] == [1, 1], said
+    for _, err in said:
+        assert err.startswith("mpddp: error: node(s) 2 never arrived (rank(s) 2 missing from the rendezvous"), err
+    late = node(2)
+    _, err = late.communicate(timeout=120)
+    assert late.returncode == 1, err
+    own = [line for line in err.splitlines() if not line.startswith("[rank")]  # the launcher's, not its rank's
+    assert own[0].startswith("mpddp: error: node 0's rendezvous store at 127.0.0.1:"), err
+    assert "not started yet or the job already ended" in own[0], err
+    # (its rank's traceback follows, as the report's: a launcher that crashed would start with its own)

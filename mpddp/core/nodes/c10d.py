@@ -228,8 +228,10 @@ class C10dRendezvous:
         config = self.config
         if not self.client.reached:
             return (f"node 0's rendezvous store at {config.master_addr}:{self.port} did not answer within --timeout "
-                    f"{config.timeout:g} s: start node 0's launcher (--node-rank 0) there, or check --master-addr and "
-                    "--master-port")
+                    f"{config.timeout:g} s: node 0's launcher does not run there, not started yet or the job already "
+                    "ended (its nodes give up on a node that does not come within --timeout); start every node within "
+                    "--timeout of the others, with node 0's launcher (--node-rank 0) there, or check --master-addr "
+                    "and --master-port")
         return (f"node 0, which hosts the rendezvous at {config.master_addr}:{self.port}, is gone (its launcher was "
                 "killed, or its machine lost)")
 
