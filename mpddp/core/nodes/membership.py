@@ -98,8 +98,10 @@ def _members(keys: Keys, attempt: int, number: int, low: int, high: int, last_ca
             counted = time.monotonic()
             if (count := keys.count(attempt)) != seen:
                 seen, since = count, counted
-        if time.monotonic() > deadline:
-            raise _too_few(attempt, seen, f"joined within --timeout {timeout:g} s", low, high, start_them)
+        if time.monotonic() > deadline:  # counted once more: a count that is seldom read is stale, and every
+            # node must tell the same number
+            raise _too_few(attempt, keys.count(attempt), f"joined within --timeout {timeout:g} s", low, high,
+                           start_them)
 
 
 def _too_few(attempt: int, nodes: int, how: str, low: int, high: int, start_them: str) -> TooFewNodes:
