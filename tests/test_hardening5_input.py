@@ -327,11 +327,12 @@ def test_a_round_decided_below_min_is_the_min_story_not_a_config_error(tmp_path,
     try:
         client = etcd_cluster.client(0)
         deadline = time.monotonic() + 60
-        while not (joined := client.get_prefix(f"/mpddp/{job}/r/0/join/")):
+        while not (joined := [m["key"].decode() for _, m in client.get_prefix(f"/mpddp/{job}/i/")
+                              if "/r/0/join/" in m["key"].decode()]):  # under the launch's incarnation
             assert time.monotonic() < deadline and run.proc.poll() is None, run.stderr
             time.sleep(0.05)
-        me = joined[0][1]["key"].decode().rsplit("/", 1)[1]
-        assert client.create(f"/mpddp/{job}/r/0/members", json.dumps([me]))
+        round_0, _, me = joined[0].rpartition("/join/")
+        assert client.create(f"{round_0}/members", json.dumps([me]))
         assert run.finish(30) == 1, run.stderr
         assert "round 0: 1 node(s)" in _the_min_story(run), run.stderr
         assert "ran" not in run.stdout

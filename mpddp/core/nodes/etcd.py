@@ -3,8 +3,9 @@ is special.
 
 Owns: :class:`EtcdRendezvous`, core/nodes/api.py's interface on etcd's own means (its round watch,
 :class:`~mpddp.core.nodes.etcd_keys.EtcdRoundWatch`, beats on the round's own store: no write to etcd a beat,
-so a job that trains leaves etcd's Raft log and database still). Every key lies under ``/mpddp/<rdzv-id>/``;
-a round's keys under ``r/<round>/``. Membership is decided per round: each launcher puts ``join/<its id>``;
+so a job that trains leaves etcd's Raft log and database still). Every key of a launch lies under
+``/mpddp/<rdzv-id>/i/<incarnation>/`` (core/nodes/etcd_identity.py: a crashed launch's keys are never the next
+one's); a round's keys under ``r/<round>/``. Membership is decided per round: each launcher puts ``join/<its id>``;
 once ``MAX`` have joined, or ``MIN`` and no newcomer came for ``last_call_timeout``, the first launcher to
 see it writes ``members`` (a create-if-absent transaction: the first writer wins) and the order of that list
 is the round's node ranks: the last round's nodes first, in their old order, then ``--node-rank``, then
@@ -36,6 +37,7 @@ from ..wire.protocol import FailureRecord
 from . import etcd_probe, membership
 from .api import Lost, RendezvousGone, Round, RoundLost, RoundStore
 from .etcd_client import EtcdClient, EtcdFull, KeptLease
+from .etcd_identity import Identity
 from .etcd_keys import EtcdKeys, EtcdRoundWatch, etcd_interval
 from .etcd_kv import EtcdKV
 from .rules import NodeState
@@ -61,7 +63,8 @@ class EtcdRendezvous(EtcdKV):
                                  start=config.node_rank or None)  # 0 or not given: arrival numbers it; any member
         self.ttl, self.last_call = settings.ttl, settings.last_call_timeout
         self.me = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
-        self.prefix = f"/mpddp/{config.rdzv_id}/"
+        self.prefix = f"/mpddp/{config.rdzv_id}/"  # the job's; its launch's incarnation's from the first join on
+        self.identity: Identity | None = None  # which launch of the job this launcher is part of (from first contact)
         self.gone: set[int] = set()
         self.reached = False
         self.rounds: dict[int, Round] = {}
@@ -87,7 +90,8 @@ class EtcdRendezvous(EtcdKV):
                 node_rank=self.launched.node_rank, last_call=self.last_call, timeout=self.config.timeout,
                 previous=max(self.rounds.values(), key=lambda r: r.number, default=None),
                 start_them=f"start the missing launchers with --rdzv-backend etcd --rdzv-endpoint "
-                           f"{self.client.endpoints} --rdzv-id {self.launched.rdzv_id}")
+                           f"{self.client.endpoints} --rdzv-id {self.launched.rdzv_id}",
+                job=f"the job --rdzv-id {self.launched.rdzv_id}", apart="a second job needs a --rdzv-id of its own")
         except EtcdFull as e:
             raise RendezvousError(f"{e}; round {attempt} cannot start") from None
         except RendezvousGone as e:
@@ -117,6 +121,8 @@ class EtcdRendezvous(EtcdKV):
 
         with contextlib.suppress(RendezvousGone, exceptions.Etcd3Exception):
             self.client.call(tidy, timeout=2.0)
+            if every and self.identity is not None:
+                self.identity.forget()  # the job's token, and earlier launches' keys no lease holds any more
 
     def _first_contact(self) -> None:
         """Bad input, before any rank starts, when no member of --rdzv-endpoint answers within a few seconds, or
@@ -127,6 +133,9 @@ class EtcdRendezvous(EtcdKV):
             etcd_probe.check(self.client.endpoints, self.client.tls, self.prefix, wait)  # not etcd, or auth on
             if self._lease is None:
                 self._lease = KeptLease(self.client, self.ttl, timeout=wait)
+            if self.identity is None:
+                self.identity = Identity(self.client, self.launched.rdzv_id or "", self.me, self._address(),
+                                         lambda: int(self.lease().id), self.ttl, self.launched.nnodes)
         except EtcdFull as e:
             raise RendezvousError(f"{e}; the job cannot start") from None
         except RendezvousGone:
@@ -135,15 +144,20 @@ class EtcdRendezvous(EtcdKV):
         self.reached = True
 
     def _clear_stale(self, keys: EtcdKeys) -> int:
-        """The round the job is in (0: a new job; one request then), once the keys an earlier job with this
-        --rdzv-id left, all of whose launchers are gone, are removed: they are not this job's."""
-        latest = self.get(self.prefix + "round")
-        if latest is None:
-            return 0
-        if self.get(self.key(int(latest), "members")) is not None and not self.count(self.key(int(latest), "join/")):
-            logger.info("mpddp: etcd holds an ended job's keys under %s: removed", self.prefix)
-            self.client.call(lambda c: c.delete_prefix(self.prefix))
+        """The round the job is in (0: a new launch), in this launch's incarnation (core/nodes/etcd_identity.py):
+        the keys of a launch of the same --rdzv-id that crashed or ended, leases still alive or not, are another
+        incarnation's, never read as this one's."""
+        if self.identity is not None and self.identity.token is None:
+            self.prefix = self.identity.take()
         return keys.latest()
+
+    def _address(self) -> str:
+        """Where the others reach this launcher: --local-addr, else its address toward etcd's first member."""
+        from ...machine.netif import resolve, source_address
+        from ...rendezvous_options import parse_endpoints
+
+        member, member_port = parse_endpoints(self.launched.rdzv_endpoint or "")[0]
+        return self.config.local_addr or source_address(resolve(member), member_port)
 
     def set_store(self, attempt: int, host: str, port: int) -> None:
         """The round's first node: where its process-group store listens, for the others."""
@@ -274,6 +288,8 @@ class EtcdRendezvous(EtcdKV):
     def leave(self) -> None:
         """Done with the job: this launcher's lease goes, and the last launcher to leave removes the job's keys.
         etcd full, the last round's store host first waits for the others to read a record on its store."""
+        if self.identity is not None:
+            self.identity.close()  # this launcher answers no probe from now on: it is done with the job
         if not self.reached:  # no first contact: a lease taken by a put all the same stops refreshing
             if self._lease is not None:
                 self._lease.stop()
@@ -287,8 +303,9 @@ class EtcdRendezvous(EtcdKV):
                 watch := self._watches.get(last)) is not None:
             watch.until_read(self.rounds[last].nnodes - 1 - len(self.gone), min(self.config.timeout, _LEAVE_WAIT))
         try:
-            self.client.call(lambda c: c.put(self.prefix + "left/" + self.me, "1"), timeout=2.0)
             last = max(self.rounds, default=None)
+            if last is not None:  # a launcher refused, or a spare never needed, was never one of the round's
+                self.client.call(lambda c: c.put(self.prefix + "left/" + self.me, "1"), timeout=2.0)
             if last is not None and self.count(self.prefix + "left/") >= self.rounds[last].nnodes:
                 self._tidy(last, every=True)
         except RendezvousGone:
@@ -299,13 +316,9 @@ class EtcdRendezvous(EtcdKV):
     def round_store(self, attempt: int, host: Callable[[str], int]) -> RoundStore:
         """A fresh store each round (a restarted env:// script finds no dead rank's keys): the round's first node
         hosts it, at --local-addr or its address toward etcd's first member (the interface the others reach too)."""
-        from ...machine.netif import resolve, source_address
-        from ...rendezvous_options import parse_endpoints
-
         if self.config.node_rank != 0:
             return RoundStore(*self.store(attempt))
-        member, member_port = parse_endpoints(self.launched.rdzv_endpoint or "")[0]
-        address = self.config.local_addr or source_address(resolve(member), member_port)
+        address = self._address()
         port = host(address)
         self.set_store(attempt, address, port)
         return RoundStore(address, port)

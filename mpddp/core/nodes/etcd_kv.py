@@ -2,10 +2,11 @@
 moved from state to state.
 
 Owns: :class:`EtcdKV`, the storage half of core/nodes/etcd.py's :class:`~mpddp.core.nodes.etcd.EtcdRendezvous`
-(which is one): every key of a job under ``/mpddp/<rdzv-id>/``, a round's under ``r/<round>/``; its node's record
-in a round (``state/<node>``) moved only by :meth:`EtcdKV.move_to`, which core/nodes/rules.py's :func:`move`
-allows, in one compare-and-set transaction with the counters the state enters it in. Leaves what the keys mean
-to core/nodes/etcd.py and core/nodes/etcd_keys.py.
+(which is one): every key of a launch under its ``prefix`` (``/mpddp/<rdzv-id>/i/<incarnation>/``), a round's
+under ``r/<round>/``; its node's record in a round (``state/<node>``) moved only by :meth:`EtcdKV.move_to`, which
+core/nodes/rules.py's :func:`move` allows, in one compare-and-set transaction with the counters the state enters
+it in. Leaves what the keys mean to core/nodes/etcd.py and core/nodes/etcd_keys.py, and which incarnation is this
+launch's to core/nodes/etcd_identity.py.
 """
 
 from __future__ import annotations

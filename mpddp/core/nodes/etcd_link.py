@@ -8,6 +8,7 @@ from typing import Any, Protocol
 from ...config import LaunchConfig
 from ..wire.protocol import FailureRecord
 from .etcd_client import EtcdClient
+from .etcd_identity import Identity
 
 
 class EtcdLink(Protocol):
@@ -17,6 +18,7 @@ class EtcdLink(Protocol):
     config: LaunchConfig  # this round's
     prefix: str  # every key of the job lies under it
     ttl: int  # the lease's seconds: how long a frozen launcher may hold a round's store
+    identity: Identity | None  # which launch of the job this launcher is part of (once it reached etcd)
 
     @property
     def interval(self) -> float: ...  # seconds between two looks

@@ -43,11 +43,13 @@ class Keys(Protocol):
 
 
 def join_round(keys: Keys, attempt: int, me: str, *, low: int, high: int, node_rank: int | None, last_call: float,
-               timeout: float, previous: Round | None, start_them: str) -> tuple[Round, list[str]]:
+               timeout: float, previous: Round | None, start_them: str, job: str = "the job",
+               apart: str = "") -> tuple[Round, list[str]]:
     """This launcher's round from ``attempt`` on (later, if it comes to a job that runs without it) and the
     round's launchers by node rank. ``node_rank``: the launcher's --node-rank, claimed (c10d: node 0's, the
     store's host); None: numbered as it comes. ``start_them`` ends the line that names missing nodes: how to
-    start them."""
+    start them. ``job`` names the job in a spare's lines, ``apart`` how a second job keeps apart from it (two
+    launches of one job are one job with spares to the backend: a spare's line says so)."""
     while True:
         arrival = {"old": previous.node_rank if previous is not None and previous.number == attempt - 1 else None,
                    "rank": node_rank, "since": time.time(), "host": socket.gethostname()}
@@ -57,7 +59,7 @@ def join_round(keys: Keys, attempt: int, me: str, *, low: int, high: int, node_r
         members = _members(keys, attempt, number, low, high, last_call, timeout, start_them)
         if me in members:
             break
-        _wait_outside(keys, attempt, members, high, _size(low, high))
+        _wait_outside(keys, attempt, members, high, _size(low, high), job, apart)
         attempt += 1
     if len(members) < low:  # decided from the arrivals still there: one lost since it was counted is not
         raise _too_few(attempt, len(members), "remained in it", low, high, start_them)
@@ -116,18 +118,20 @@ def poll_interval(nodes: int) -> float:
     return min(1.0, max(0.1, nodes / 1000))
 
 
-def _wait_outside(keys: Keys, attempt: int, members: list[str], high: int, size: str) -> None:
+def _wait_outside(keys: Keys, attempt: int, members: list[str], high: int, size: str, job: str, apart: str) -> None:
     """Round ``attempt`` runs without this launcher: have it restart to admit this one (below MAX), or wait as a
     spare; return once the round has ended (its record is written, or none of its members is left)."""
     if outside(len(members), high) is Outside.ADMIT:
         keys.admit(attempt, resized_record(socket.gethostname(), len(members)))
     else:
-        logger.warning("mpddp: the job runs on %d node(s), its --nnodes %s allows no more: this node waits as a "
-                       "spare, and takes a lost node's place at the next round", len(members), size)
+        named = ", ".join(members[:4]) + (f" and {len(members) - 4} more" if len(members) > 4 else "")
+        logger.warning("mpddp: %s runs on %d node(s) (launchers %s), and its --nnodes %s allows no more: this node "
+                       "waits as a spare, and takes a lost node's place at the next round%s", job, len(members),
+                       named, size, f"; {apart}" if apart else "")
     while keys.record(attempt) is None:
         if keys.over(attempt, members):
-            raise NotNeeded(f"mpddp: the job ended while this node waited as a spare (--nnodes {size} was full): "
-                            "it was not needed")
+            raise NotNeeded(f"mpddp: {job} ended while this node waited as a spare (--nnodes {size} was full): "
+                            "this node ran nothing, it was not needed")
         if not keys.alive(attempt, members):
             return
         keys.pause(attempt)

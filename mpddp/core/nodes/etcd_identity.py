@@ -1,0 +1,271 @@
+"""Which launch of a ``--rdzv-id`` a launcher belongs to under the etcd backend, and whose its ``--node-rank`` is.
+
+Owns: the job's incarnations. Each launch of a job takes one: a fencing token, written create-if-absent as
+``/mpddp/<rdzv-id>/incarnation`` (a transaction), and every key of that launch lies under ``i/<token>/``, so a
+crashed launch's keys, and its leases still alive, are never read as the new one's. A launcher joins the standing
+incarnation while one of its launchers is alive, and replaces it (a compare-and-set on the token) once every one
+of them is gone. Alive is asked of the launchers themselves: each one listens on a port of its own
+(:class:`Probe`) and puts where, with its lease, under ``launcher/``. A refused connection says its process is
+gone; an answer (a frozen process's kernel answers too) or no answer at all (a machine lost, or out of reach)
+never does: then the lease decides, within its TTL. So a live job is never taken over, and a crashed one is
+replaced at once. The same reading decides a ``--node-rank`` held by another launcher (``claim/<rank>``): refused
+in one line while it lives, taken over once it is gone. Two launches started together, without node ranks, are
+one job with spares to etcd: nothing tells them apart (core/nodes/membership.py's spare says so).
+
+Leaves the rounds under an incarnation to core/nodes/etcd.py and core/nodes/membership.py.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import functools
+import ipaddress
+import json
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from ...errors import ConfigError
+from ...log import logger
+from .etcd_client import EtcdClient
+
+_PROBE_WAIT = 1.0  # seconds a probe's connection may take: no answer by then is not a proof of death
+_SAMPLE = 8  # launchers probed first: in a live job the first answers; all are probed only when these refused
+_LOOK = 0.5  # seconds between two looks while the lease of a launcher that does not answer decides
+
+
+class Liveness(enum.Enum):
+    """What a launcher's probe says of it."""
+
+    LIVE = "live"  # its port answered: the process lives (perhaps frozen: its kernel answers for it)
+    GONE = "gone"  # refused: nothing listens there any more, its process is gone
+    UNKNOWN = "unknown"  # no answer (a machine lost, or out of this one's reach): its lease decides
+
+
+def standing(answers: Iterable[Liveness]) -> Liveness:
+    """An incarnation from its launchers' answers: LIVE if one lives, GONE if every one is gone (or none is
+    left: their leases ran out), else UNKNOWN."""
+    seen = set(answers)
+    if Liveness.LIVE in seen:
+        return Liveness.LIVE
+    return Liveness.UNKNOWN if Liveness.UNKNOWN in seen else Liveness.GONE
+
+
+def reach(probe: str, host: str, here: str = "", wait: float = _PROBE_WAIT) -> Liveness:
+    """A launcher on ``host`` that listens at ``probe`` (host:port), asked from the machine ``here``."""
+    address, _, port = probe.rpartition(":")
+    with contextlib.suppress(ValueError):
+        if ipaddress.ip_address(address.strip("[]")).is_loopback and host != (here or socket.gethostname()):
+            return Liveness.UNKNOWN  # another machine's loopback: a refusal here says nothing of it
+    try:
+        socket.create_connection((address.strip("[]"), int(port)), timeout=wait).close()
+        return Liveness.LIVE
+    except ConnectionRefusedError:
+        return Liveness.GONE
+    except (OSError, ValueError):
+        return Liveness.UNKNOWN
+
+
+class Probe:
+    """A port this launcher listens on while it lives: its kernel refuses a connection there once it is gone."""
+
+    def __init__(self, address: str) -> None:
+        family = socket.AF_INET6 if ":" in address else socket.AF_INET
+        self._sock = socket.socket(family, socket.SOCK_STREAM)
+        self._sock.bind((address, 0))
+        self._sock.listen(128)
+        self.where = f"{address}:{self._sock.getsockname()[1]}"
+        threading.Thread(target=self._serve, name="mpddp-etcd-probe", daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:  # a connection is answered by being accepted: nothing is read or written
+            try:
+                conn, _ = self._sock.accept()
+            except OSError:
+                return  # closed
+            conn.close()
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self._sock.shutdown(socket.SHUT_RDWR)  # wakes the accept
+        self._sock.close()
+
+
+def _txn(client: Any, txn: dict[str, Any]) -> Any:
+    return client.transaction(txn)
+
+
+def _delete(client: Any, prefix: str, key: str) -> None:
+    client.delete_prefix(prefix)
+    client.delete(key)
+
+
+def _enc(value: str | bytes) -> str:
+    from etcd3gw.utils import _encode
+
+    return str(_encode(value))
+
+
+def _absent(key: str) -> dict[str, Any]:
+    return {"key": _enc(key), "target": "VERSION", "result": "EQUAL", "version": 0}
+
+
+def _equal(key: str, value: str | bytes) -> dict[str, Any]:
+    return {"key": _enc(key), "target": "VALUE", "result": "EQUAL", "value": _enc(value)}
+
+
+def _put(key: str, value: str | bytes, lease: int | None = None) -> dict[str, Any]:
+    return {"request_put": {"key": _enc(key), "value": _enc(value), **({"lease": lease} if lease else {})}}
+
+
+class Identity:
+    """This launcher's incarnation of job ``rdzv_id`` and its claim on a ``--node-rank`` (of ``high``: MAX),
+    through ``client``, its keys put with ``lease()`` (the launcher's lease id, of ``ttl`` seconds); it listens
+    at ``address``."""
+
+    def __init__(self, client: EtcdClient, rdzv_id: str, me: str, address: str, lease: Callable[[], int],
+                 ttl: int, high: int) -> None:
+        self.client, self.rdzv_id, self.me, self.lease, self.ttl, self.high = client, rdzv_id, me, lease, ttl, high
+        self.base = f"/mpddp/{rdzv_id}/"
+        self.probe = Probe(address)
+        self.host = socket.gethostname()
+        self.token: str | None = None
+        self._card = json.dumps({"me": me, "host": self.host, "probe": self.probe.where})  # who and where
+
+    def prefix(self, token: str) -> str:
+        return f"{self.base}i/{token}/"
+
+    # ---- the incarnation ----------------------------------------------------------------------------------------
+
+    def take(self) -> str:
+        """The prefix of the incarnation this launcher joins (the standing one while a launcher of it lives),
+        once its ``launcher/<me>`` is put there, in the transaction that checks the token still stands."""
+        pointer, deadline = self.base + "incarnation", time.monotonic() + self.ttl + 2 * _PROBE_WAIT
+        told = False
+        while True:
+            found = self._get(pointer)
+            current = found.decode() if found is not None else None
+            state = Liveness.GONE if current is None else self._standing(current)
+            if state is Liveness.UNKNOWN and time.monotonic() < deadline:
+                if not told:
+                    told = True
+                    logger.warning("mpddp: --rdzv-id %s: no launcher of its running launch answers this machine, and "
+                                   "their leases hold: waiting up to %d s (the lease's TTL) to learn whether it "
+                                   "lives", self.rdzv_id, self.ttl)
+                time.sleep(_LOOK)  # its lease runs out (a machine lost), or it lives on (out of this one's reach)
+                continue
+            token = current if current is not None and state is not Liveness.GONE else uuid.uuid4().hex[:12]
+            puts = [_put(self.prefix(token) + "launcher/" + self.me, self._card, self.lease())]
+            if token != current:
+                puts.append(_put(pointer, token))
+                if current is not None:
+                    puts.append(_put(self.base + "old/" + current, ""))  # swept once its last lease is gone
+            if self._commit([_absent(pointer) if current is None else _equal(pointer, current)], puts):
+                if current is not None and token != current:
+                    logger.info("mpddp: --rdzv-id %s: the launchers of its last launch are gone (incarnation %s): "
+                                "this launch is incarnation %s", self.rdzv_id, current, token)
+                self.token = token
+                self.sweep()
+                return self.prefix(token)
+
+    def _standing(self, token: str) -> Liveness:
+        """Whether a launcher of incarnation ``token`` lives: the first few asked, all of them only when those
+        are gone (one read, and one connection, for a live job)."""
+        under = self.prefix(token) + "launcher/"
+        seen = []
+        for limit in (_SAMPLE, 0):
+            cards = self._cards(under, limit)
+            seen = [reach(c.get("probe", ""), str(c.get("host")), self.host) for c in cards]
+            if Liveness.LIVE in seen or len(cards) < _SAMPLE:
+                break
+        return standing(seen)
+
+    def sweep(self) -> None:
+        """The keys of earlier incarnations none of whose launchers holds a lease any more: removed."""
+        for token in self._under_keys(self.base + "old/"):
+            if not self._cards(self.prefix(token) + "launcher/", 1):
+                self.client.call(functools.partial(_delete, prefix=self.prefix(token), key=self.base + "old/" + token))
+
+    def forget(self) -> None:
+        """The last launcher of this incarnation leaves: the job's token goes too, unless another replaced it."""
+        if self.token is None:
+            return
+        pointer = self.base + "incarnation"
+        self._commit([_equal(pointer, self.token)], [{"request_delete_range": {"key": _enc(pointer)}}])
+        self.sweep()
+
+    # ---- a node rank --------------------------------------------------------------------------------------------
+
+    def claim(self, node_rank: int) -> None:
+        """``--node-rank node_rank`` for this launcher, in this incarnation, for as long as it lives (not one
+        round: a twin that comes after a restart is refused too); bad input when a live launcher holds it."""
+        assert self.token is not None, "claim() before take()"
+        key, deadline = self.prefix(self.token) + f"claim/{node_rank}", time.monotonic() + self.ttl + 2 * _PROBE_WAIT
+        while True:
+            ok, held = self._commit([_absent(key)], [_put(key, self._card, self.lease())], read=key)
+            if ok:
+                return
+            if held is None:
+                continue  # its holder left meanwhile
+            holder = json.loads(held)
+            state = reach(holder.get("probe", ""), str(holder.get("host")), self.host)
+            if state is Liveness.GONE:
+                if self._commit([_equal(key, held)], [_put(key, self._card, self.lease())])[0]:
+                    logger.info("mpddp: --node-rank %d: its launcher %s is gone; this one takes it", node_rank,
+                                holder.get("me"))
+                    return
+            elif state is Liveness.UNKNOWN and time.monotonic() < deadline:
+                time.sleep(_LOOK)  # its lease decides
+            else:
+                raise ConfigError(taken(self.rdzv_id, node_rank, holder, state, self.high, self.host))
+
+    # ---- etcd ---------------------------------------------------------------------------------------------------
+
+    def _get(self, key: str) -> bytes | None:
+        found = self.client.call(lambda c: c.get(key))
+        return found[0] if found else None
+
+    def _range(self, prefix: str, limit: int = 0, keys_only: bool = False) -> list[tuple[bytes, dict[str, Any]]]:
+        from etcd3gw.utils import _increment_last_byte
+
+        return list(self.client.call(lambda c: c.get(prefix, metadata=True, range_end=_increment_last_byte(prefix),
+                                                     limit=limit or None, keys_only=keys_only or None)))
+
+    def _cards(self, prefix: str, limit: int) -> list[dict[str, Any]]:
+        cards = []
+        for value, _ in self._range(prefix, limit):
+            with contextlib.suppress(ValueError):
+                cards.append(json.loads(value))
+        return cards
+
+    def _under_keys(self, prefix: str) -> list[str]:
+        return [meta["key"].decode()[len(prefix):] for _, meta in self._range(prefix, keys_only=True)]
+
+    def _commit(self, compare: list[dict[str, Any]], puts: list[dict[str, Any]],
+                read: str | None = None) -> tuple[bool, bytes | None]:
+        """One transaction: ``puts`` if every ``compare`` holds; whether they did, and ``read``'s value if not."""
+        from etcd3gw.utils import _decode
+
+        failure = [{"request_range": {"key": _enc(read)}}] if read is not None else []
+        answer = self.client.call(functools.partial(_txn, txn={"compare": compare, "success": puts,
+                                                               "failure": failure}))
+        if answer.get("succeeded"):
+            return True, None
+        found = answer.get("responses", [{}])[0].get("response_range", {}).get("kvs") if read else None
+        return False, (_decode(found[0]["value"]) if found else None)
+
+    def close(self) -> None:
+        self.probe.close()
+
+
+def taken(rdzv_id: str, node_rank: int, holder: dict[str, Any], state: Liveness, high: int, here: str) -> str:
+    """The one line of a ``--node-rank`` that a live launcher of the job holds."""
+    how = ("holds it and runs" if state is Liveness.LIVE else
+           f"holds it and keeps its lease, though this machine cannot reach it at {holder.get('probe')}")
+    return (f"--node-rank {node_rank} of --rdzv-id {rdzv_id} is taken: the launcher {holder.get('me')} on "
+            f"{holder.get('host')} {how}; pass another --node-rank (0 to {high - 1}) on this machine ({here}), or "
+            "give a second job a --rdzv-id of its own")
