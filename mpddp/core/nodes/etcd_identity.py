@@ -29,7 +29,7 @@ import uuid
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from ...errors import ConfigError
+from ...errors import AddressError, ConfigError
 from ...log import logger
 from .etcd_client import EtcdClient
 
@@ -74,9 +74,13 @@ class Probe:
     """A port this launcher listens on while it lives: its kernel refuses a connection there once it is gone."""
 
     def __init__(self, address: str) -> None:
-        family = socket.AF_INET6 if ":" in address else socket.AF_INET
-        self._sock = socket.socket(family, socket.SOCK_STREAM)
-        self._sock.bind((address, 0))
+        self._sock = socket.socket(socket.AF_INET6 if ":" in address else socket.AF_INET, socket.SOCK_STREAM)
+        try:
+            self._sock.bind((address, 0))
+        except OSError as e:
+            self._sock.close()
+            raise AddressError(f"--local-addr {address} is not an address of this machine ({e.strerror}): the "
+                               "other launchers reach this one there; pass one of its own addresses") from None
         self._sock.listen(128)
         self.where = f"{address}:{self._sock.getsockname()[1]}"
         threading.Thread(target=self._serve, name="mpddp-etcd-probe", daemon=True).start()
