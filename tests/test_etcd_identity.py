@@ -286,3 +286,24 @@ def test_a_launch_joins_a_live_incarnation_and_replaces_a_gone_one_at_once(etcd_
         for identity, lease in made:
             identity.close()
             lease.revoke()
+
+
+@pytest.mark.timeout(60)
+def test_launchers_that_come_together_take_one_incarnation(etcd_cluster):
+    """Eight launchers of a new job at once: one creates the incarnation, the seven others find it live and join
+    it (a create that lost the race once counted as won: each took an incarnation of its own)."""
+    import threading
+
+    made = [_identity(etcd_cluster, "together-in-process", f"launcher{n}", high=8) for n in range(8)]
+    taken: list[str] = []
+    try:
+        threads = [threading.Thread(target=lambda i=i: taken.append(i.take())) for i, _ in made]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        assert len(taken) == 8 and len(set(taken)) == 1, taken
+    finally:
+        for identity, lease in made:
+            identity.close()
+            lease.revoke()

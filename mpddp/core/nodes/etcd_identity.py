@@ -210,15 +210,15 @@ class Identity:
         assert self.token is not None, "claim() before take()"
         key, deadline = self.prefix(self.token) + f"claim/{node_rank}", time.monotonic() + self.ttl + 2 * _PROBE_WAIT
         while True:
-            ok, held = self._commit([_absent(key)], [_put(key, self._card, self.lease())], read=key)
-            if ok:
-                return
+            held = self._create(key, self._card)
             if held is None:
+                return
+            if not held:
                 continue  # its holder left meanwhile
             holder = json.loads(held)
             state = reach(holder.get("probe", ""), str(holder.get("host")), self.host)
             if state is Liveness.GONE:
-                if self._commit([_equal(key, held)], [_put(key, self._card, self.lease())])[0]:
+                if self._commit([_equal(key, held)], [_put(key, self._card, self.lease())]):
                     logger.info("mpddp: --node-rank %d: its launcher %s is gone; this one takes it", node_rank,
                                 holder.get("me"))
                     return
@@ -249,18 +249,23 @@ class Identity:
     def _under_keys(self, prefix: str) -> list[str]:
         return [meta["key"].decode()[len(prefix):] for _, meta in self._range(prefix, keys_only=True)]
 
-    def _commit(self, compare: list[dict[str, Any]], puts: list[dict[str, Any]],
-                read: str | None = None) -> tuple[bool, bytes | None]:
-        """One transaction: ``puts`` if every ``compare`` holds; whether they did, and ``read``'s value if not."""
+    def _commit(self, compare: list[dict[str, Any]], puts: list[dict[str, Any]]) -> bool:
+        """One transaction: ``puts`` if every ``compare`` holds; whether they did."""
+        answer = self.client.call(functools.partial(_txn, txn={"compare": compare, "success": puts, "failure": []}))
+        return bool(answer.get("succeeded"))
+
+    def _create(self, key: str, value: str) -> bytes | None:
+        """``key`` put with this launcher's lease unless it exists, in one transaction: None once put, else the
+        value it holds (empty: it went meanwhile)."""
         from etcd3gw.utils import _decode
 
-        failure = [{"request_range": {"key": _enc(read)}}] if read is not None else []
-        answer = self.client.call(functools.partial(_txn, txn={"compare": compare, "success": puts,
-                                                               "failure": failure}))
+        txn = {"compare": [_absent(key)], "success": [_put(key, value, self.lease())],
+               "failure": [{"request_range": {"key": _enc(key)}}]}
+        answer = self.client.call(functools.partial(_txn, txn=txn))
         if answer.get("succeeded"):
-            return True, None
-        found = answer.get("responses", [{}])[0].get("response_range", {}).get("kvs") if read else None
-        return False, (_decode(found[0]["value"]) if found else None)
+            return None
+        found = answer.get("responses", [{}])[0].get("response_range", {}).get("kvs")
+        return bytes(_decode(found[0]["value"])) if found else b""
 
     def close(self) -> None:
         self.probe.close()
