@@ -216,6 +216,8 @@ class Identity:
             if not held:
                 continue  # its holder left meanwhile
             holder = json.loads(held)
+            if holder.get("me") == self.me:
+                return  # its own, from an earlier round (a spare claims again at each round it comes to)
             state = reach(holder.get("probe", ""), str(holder.get("host")), self.host)
             if state is Liveness.GONE:
                 if self._commit([_equal(key, held)], [_put(key, self._card, self.lease())]):
