@@ -32,7 +32,6 @@ from typing import Any
 
 from ...config import LaunchConfig
 from ...errors import AddressError, RendezvousError
-from ...log import logger
 from ..wire.protocol import FailureRecord
 from . import etcd_probe, membership
 from .api import Lost, RendezvousGone, Round, RoundLost, RoundStore
