@@ -43,7 +43,7 @@ def test_a_rounds_first_node_lost_before_its_store_listened_is_a_restart_not_the
     store within --timeout", though MIN nodes and restarts remained."""
     job_id = "storelost"
     runs = _nodes(tmp_path, etcd_cluster, 4, "2:4", 150, job_id,
-                  ["--max-restarts", "3", "--rdzv-conf", "ttl=4,last_call_timeout=3"])
+                  ["--max-restarts", "3", "--rdzv-conf", "ttl=12,last_call_timeout=3"])
     try:
         runs[0].wait_for(r"STEP 10 ", timeout=90)
         for run in runs:
@@ -53,7 +53,7 @@ def test_a_rounds_first_node_lost_before_its_store_listened_is_a_restart_not_the
         while not _arrived(etcd_cluster, job_id, 1, runs[0].proc.pid):
             assert time.monotonic() < deadline, runs[0].stderr
             time.sleep(0.01)
-        _lose(runs[0])  # within the last call (3 s): round 1 is decided with it all the same
+        _lose(runs[0])  # in the last call (3 s), its lease (12 s) alive: round 1 is decided with it all the same
         lost_at = time.monotonic()
         codes = [run.finish(120) for run in runs[2:]]
         took = time.monotonic() - lost_at
