@@ -145,7 +145,7 @@ def failure_error(states: list[RankState], verdict: Verdict) -> WorkerFailed:
         lines += _tail_block(stuck[0])
         ordered = [*stuck, *[s for s in states if s not in stuck]]
         return HangError("\n".join(lines), stuck[0].slot.rank, [s.record(verdict[s.slot.rank]) for s in ordered])
-    lines = [f"mpddp: {_where(root)} failed first: it {_how(root)}"]
+    lines = [f"mpddp: {_where(root)} {_first(verdict[root.slot.rank])}: it {_how(root)}"]
     if root.failure is not None and root.failure.hint:
         lines.append(f"mpddp: {root.failure.hint}")
     lines += _tail_block(root)
@@ -161,6 +161,13 @@ def failure_error(states: list[RankState], verdict: Verdict) -> WorkerFailed:
                          exit_code=exit_code(root))
     error.exception = error.__cause__ = _exception(root)
     return error
+
+
+def _first(outcome: Outcome) -> str:
+    """How the root of this node's report failed, in its line: a rank whose collective failed only because a peer
+    went away failed first nowhere (several nodes: every survivor of a lost node would name its own rank first)."""
+    return "failed when a peer went away (no rank here failed by itself)" if outcome is Outcome.COLLECTIVE \
+        else "failed first"
 
 
 def _exception(s: RankState) -> BaseException | None:
