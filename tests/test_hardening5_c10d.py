@@ -1,0 +1,71 @@
+"""Machines lost at the wrong moment under ``--rdzv-backend c10d`` (hardening 5): real launchers of ``mpddp run``
+on 127.0.0.1 as the nodes of one job on node 0's store, each in its own session, a whole machine (every process of
+it) SIGKILLed at the moment each case needs.
+
+Each case's bound is the issue's: one true story on every surviving node within --timeout + 15 s of the fault, no
+traceback of the launcher's own, nothing left behind.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from pathlib import Path
+
+import pytest
+from multinode import free_port
+from test_elastic import JOB, _end, _lose_at
+
+from runs import Run
+
+pytestmark = pytest.mark.timeout(240)
+
+TIMEOUT = 20.0  # the launchers' --timeout (test_elastic's _c10d_node)
+OWN_FIRST = re.compile(r"^mpddp: rank \d+ \(node \d+, local rank \d+\) failed first", re.M)
+
+
+def _fixed(tmp_path: Path, nnodes: int, steps: int) -> list[Run]:
+    """``nnodes`` launchers of a fixed-size job (``--nnodes N --node-rank n``), one rank each."""
+    (tmp_path / "job.py").write_text(JOB)
+    (tmp_path / "ckpt").mkdir()
+    port, runs = free_port(), []
+    for node in range(nnodes):
+        where = tmp_path / f"node{node}"
+        where.mkdir()
+        runs.append(Run(["-m", "mpddp", "run", "--nnodes", str(nnodes), "--node-rank", str(node), "--nprocs", "1",
+                         "--master-addr", "127.0.0.1", "--master-port", str(port), "--timeout", f"{TIMEOUT:g}",
+                         str(tmp_path / "job.py")], where, env={"CKPT": str(tmp_path / "ckpt"), "STEPS": str(steps)}))
+    return runs
+
+
+def _said(run: Run) -> list[str]:
+    """mpddp's own lines (on a loaded machine torch's store client may print its retries before them)."""
+    return [line for line in run.stderr.splitlines() if line.startswith("mpddp:")]
+
+
+def _no_launcher_traceback(run: Run) -> None:
+    """No frame of mpddp's own on the launcher's terminal (a rank's traceback in the report shows the script's)."""
+    assert not re.search(r'File "[^"]*/mpddp/', run.stderr), run.stderr
+
+
+def test_node_0_lost_is_one_story_on_every_survivor_none_naming_its_own_rank_first(tmp_path: Path) -> None:
+    """Node 0's machine is lost mid-run: the job's store goes with it. Every survivor said "node 0 ... is gone;
+    the failures below are consequences", then "rank N (node N, ...) failed first" of its own rank, so that each
+    named another rank first. A rank that failed only because a peer went away failed first nowhere."""
+    runs = _fixed(tmp_path, 3, 10**6)
+    try:
+        _lose_at(runs, 15, victim=runs[0], watched=runs[1])
+        lost = time.monotonic()
+        codes = [run.finish(TIMEOUT + 60) for run in runs[1:]]
+        took = time.monotonic() - lost
+        firsts = [_said(run)[0] for run in runs[1:]]
+        assert codes[0] == codes[1] == 1, [run.stderr for run in runs[1:]]
+        assert firsts[0] == firsts[1], firsts
+        assert firsts[0].startswith("mpddp: error: node 0, which hosts the rendezvous at 127.0.0.1:"), firsts[0]
+        for run in runs[1:]:
+            assert not OWN_FIRST.search(run.stderr), run.stderr
+            _no_launcher_traceback(run)
+            run.assert_nothing_left()
+        assert took < TIMEOUT + 15, took
+    finally:
+        _end(runs)
