@@ -41,14 +41,25 @@ def assert_all_differ(found: list[dict]) -> None:
         assert len(set(values)) == len(values), f"{key} is the same on several ranks: {values}"
 
 
+LAUNCH = """
+import json, sys, numpy, torch, mpddp
+from test_random_state import draws
+torch.manual_seed(0)  # the launcher's own state: no rank may inherit it
+numpy.random.seed(0)
+print(json.dumps(mpddp.launch(draws, nprocs=2, start_method=sys.argv[1])))
+"""
+
+
 @pytest.mark.parametrize("start_method", ["forkserver", "fork", "spawn"])
 def test_launch_gives_every_rank_its_own_random_state(start_method):
-    import numpy
-    import torch
-
-    torch.manual_seed(0)  # the launcher's own state: no rank may inherit it
-    numpy.random.seed(0)
-    found = mpddp.launch(draws, nprocs=2, start_method=start_method)
+    """In a fresh interpreter, as a user's script runs it: ``fork`` is refused where the process runs threads,
+    and a thread another test of this worker left behind is none of this test's business."""
+    tests = str(Path(__file__).parent)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([tests, str(Path(mpddp.__file__).parent.parent)])}
+    done = subprocess.run([sys.executable, "-c", LAUNCH, start_method], capture_output=True, text=True, env=env,
+                          timeout=150)
+    assert done.returncode == 0, done.stderr
+    found = json.loads(done.stdout.strip().splitlines()[-1])
     assert [d["rank"] for d in found] == [0, 1]
     assert_all_differ(found)
     assert all(d["seed"] != 0 for d in found)
