@@ -240,7 +240,8 @@ class C10dRendezvous:
         return last_word.hear(self.config.master_addr, self.port, attempt)
 
     def record(self, attempt: int) -> FailureRecord | None:
-        """The round's record, once written; read once as another node's, it is counted for :meth:`until_read`."""
+        """The round's record, once written; read once as another node's, it is counted for node 0's wait until the
+        others read why (core/nodes/last_word.py's ``until_read``)."""
         key = full_key(attempt, protocol.FAILURE)
         data = self.client.call(lambda s: s.compare_set(key, ABSENT, ABSENT))  # one operation: the value, or ABSENT
         if not data or data == ABSENT.encode():
