@@ -249,6 +249,8 @@ class EtcdRendezvous(EtcdKV):
     def lost(self, attempt: int, since: float) -> Lost | None:
         """The nodes whose lease ran out before they ended the round (:meth:`stalled`): known as soon as etcd
         knows, whatever the wait."""
+        if self.client.full is not None:  # a node that ended could not say so, and a lease may not be renewed:
+            return None  # a key gone tells nothing; the record, on the round's store, and --timeout still do
         return Lost(lost) if (lost := self.stalled(attempt)) else None
 
     def stalled(self, attempt: int) -> list[int]:
