@@ -1,7 +1,7 @@
 """The ``mpddp`` command: its group, and every error and signal turned into one line and an exit code.
 
 Owns: the ``mpddp`` group, registering each command (one module each:
-cli/ranks.py, cli/info.py, cli/run.py, cli/train.py, cli/plot.py, all plain
+cli/ranks.py, cli/info.py, cli/run.py, cli/train.py, cli/plot.py, cli/top.py, all plain
 click commands that import nothing back from here), :func:`run_cli` (the
 signal handlers a launcher's own process gets: SIGTERM and SIGHUP raised as
 :class:`Terminated` for the teardown, SIGUSR1 for every rank's stack; each
@@ -24,7 +24,7 @@ from .. import __version__
 from ..core.launcher.startup import exits_after_launch
 from ..core.wire import signals, stacks
 from ..errors import ConfigError, MpddpError, WorkerFailed
-from . import info, plot, ranks, run, train
+from . import info, plot, ranks, run, top, train
 from .options import EXIT_BAD_INPUT, EXIT_SIGINT
 
 
@@ -145,5 +145,5 @@ def _say(line: str) -> None:
         pass
 
 
-for _command in (train.train, plot.plot, run.run, ranks.ranks, info.info):  # each module's one click command
+for _command in (train.train, plot.plot, run.run, ranks.ranks, info.info, top.top):  # each module's one click command
     main.add_command(_command)

@@ -81,12 +81,15 @@ class Attempt:
         self.mismatch: Mismatch | None = None
         self.watchdog: Watchdog | None = None
         self.failed_here = False  # a local rank failed or hung (else another node's failure stopped ours)
+        if job.live is not None:
+            job.live.show(self)  # a watcher sees this round's ranks from now on
 
     def start(self) -> None:
         start_ranks(self.job, self.number, self.relay, self.states, self.error_dir.name)
         self.relay.start()
         if self.job.link is not None:
-            self.round_watch = self.job.link.watch(self.number, self.board.snapshot)
+            live = self.job.live  # the board's snapshot, and this node's live rows while someone watches
+            self.round_watch = self.job.link.watch(self.number, live.share(self.board) if live else self.board.snapshot)
 
     def watch(self) -> None:
         store = self.job.store

@@ -30,6 +30,7 @@ _DTYPES = {"Float": "float32", "Double": "float64", "Half": "float16", "BFloat16
 _WINDOW = 512  # collectives per lane (group and backend) the board keeps to line ranks up
 ARRIVALS = 32  # the default group's newest collectives whose last arrival on this node a snapshot carries
 ARRIVALS_KEY = "~arrivals"  # their place in a snapshot, beside the ranks' numbers
+LIVE_KEY = "~live"  # the node's live rows, while someone watches the job (core/launcher/live.py)
 _GRACE = 1.0  # seconds a differing row waits for its other members before the mismatch is told
 _GRACE_MAX = 5.0  # ... when those it has cannot name the odd one and a missing member said nothing since
 
@@ -176,9 +177,9 @@ class Board:
             return True
         return members - row.keys() <= elsewhere
 
-    def snapshot(self, whole: bool = False) -> bytes | None:
+    def snapshot(self, whole: bool = False, live: Any = None) -> bytes | None:
         """This node's ranks' last collective per lane and how far each completed, for the other nodes (JSON);
-        None when nothing moved since the last snapshot, unless ``whole``."""
+        None when nothing moved since the last snapshot, unless ``whole``. ``live``: the node's live rows, beside."""
         with self._lock:
             if self._version == self._shared and not whole:
                 return None
@@ -188,7 +189,15 @@ class Board:
                          "completed": [[*lane, n] for lane, n in s.completed.items()]}
                 for r, s in self.seen.items()}
             ranks[ARRIVALS_KEY] = [[*lane, seq, entered, rank] for lane, seq, entered, rank in self.arrivals]
+            if live is not None:
+                ranks[LIVE_KEY] = live
             return json.dumps(ranks, separators=(",", ":")).encode()
+
+    def lasts(self, rank: int) -> tuple[list[Call], bool]:
+        """Rank ``rank``'s last collective per lane, and whether one it entered is still open (from any thread)."""
+        with self._lock:
+            seen = self.seen.get(rank)
+            return ([*seen.last.values()], seen.pending) if seen is not None else ([], False)
 
     def joined(self, snapshots: Iterable[bytes], ranks: Iterable[int]) -> Board:
         """A board of every node's ranks (``ranks``: the whole world): this node's, and the other nodes'
@@ -199,6 +208,7 @@ class Board:
             try:
                 ranks_seen = json.loads(snapshot)
                 ranks_seen.pop(ARRIVALS_KEY, None)
+                ranks_seen.pop(LIVE_KEY, None)
                 for rank, data in ranks_seen.items():
                     seen = Seen(completed={(g, b, int(n)): int(c) for g, b, n, c in data["completed"]})
                     for g, b, gen, seq, op, sizes, dtypes, entered, op_id in data["last"]:

@@ -8,7 +8,8 @@ restart loop: a failed round is a :class:`Failed`, and :func:`next_step` decides
 ``max_restarts`` allows (one that admits a node is free), else the end, with the report. A store server lost
 is replaced for the next round on one node, and by the next round's own where each round has one; where one
 store serves every round of several nodes, the others could not find a new one, so the job ends there.
-This module never asks which backend runs: only the rendezvous' answers.
+While the job runs, its entry in this user's runtime folder lets ``mpddp top`` find it (core/launcher/runtime_dir.py,
+core/launcher/live.py). This module never asks which backend runs: only the rendezvous' answers.
 """
 
 from __future__ import annotations
@@ -23,9 +24,10 @@ from ...log import logger
 from ..nodes import rendezvous
 from ..nodes.api import NotNeeded, Rendezvous, Round, RoundLost
 from ..nodes.backends import open_rendezvous
-from . import stragglers
+from . import runtime_dir, stragglers
 from .attempt import run_group
 from .job_state import Job, start_store, stop_store
+from .live import LiveView
 from .plan import Plan, for_round
 from .startup import launch_ended
 
@@ -38,12 +40,19 @@ def run_job(plan: Plan, mp_context: Any, payload: bytes, init_group: bool, liste
     config = plan.config
     port = listening.getsockname()[1] if listening is not None else config.master_port
     job = Job(plan, mp_context, payload, init_group, port)
+    live = job.live = LiveView(job)
+    with runtime_dir.serving(live.job_id, config.node_rank, lambda: live.snapshot().to_json()):  # mpddp top
+        return _run(job, listening)
+
+
+def _run(job: Job, listening: socket.socket | None) -> list[Any]:
+    config, plan, port = job.config, job.plan, job.port
     if config.nnodes > 1 or listening is None:
         job.link = open_rendezvous(config, port, plan.nprocs)  # it may connect only once the ranks run (its watch)
     values = None
     try:
         if listening is not None:
-            job.store = start_store(mp_context, listening, config)
+            job.store = start_store(job.mp_context, listening, config)
         try:
             values = _attempts(job)
         except NotNeeded as spare:
@@ -140,6 +149,8 @@ def _attempts(job: Job) -> list[Any]:
 def _go_on(job: Job, error: WorkerFailed | StoreLost) -> None:
     """After a failed round: the restart :func:`next_step` allows, or the end, raised with the report."""
     failed = _failed(job, error)
+    if job.live is not None:
+        job.live.failed(("mpddp: " if isinstance(error, StoreLost) else "") + str(error).splitlines()[0])
     step = next_step(failed, job.restarts, job.config.max_restarts)
     if step is Step.END:
         job.close_last_word(wait=True)  # node 0, its store server lost: once the others have read why

@@ -22,6 +22,7 @@ from ..nodes.store_server import StoreServer
 from ..wire import protocol
 from ..wire.protocol import FailureRecord
 from . import stragglers
+from .live import LiveView
 from .plan import Plan
 from .stop import LIVE, LIVE_LOCK
 
@@ -48,6 +49,7 @@ class Job:
     # The job's restarts after a failure so far: --max-restarts' count and TORCHELASTIC_RESTART_COUNT. A round that
     # admits a node is none (torchrun's agent counts no membership change); the same number on every node.
     restarts: int = 0
+    live: LiveView | None = None  # what a watcher sees (mpddp top, core/launcher/live.py), set by run_job
 
     def open_last_word(self, attempt: int, loss: str) -> None:
         """Node 0 of several, whose store serves every round, its store server just lost (``loss`` says how): a

@@ -48,9 +48,11 @@ from ...config import LaunchConfig
 from ...errors import Outcome, StoreLost
 from ..wire.protocol import FailureRecord
 from .rules import Lost, NodeState, RoundView
+from .store_beat import StoreBeat
 
 INTERVAL = 0.25  # seconds between two beats (and two looks for another node's failure)
 STALLED_AFTER = 6 * INTERVAL  # a beat that did not move for this long, while others moved: its launcher is gone
+WATCHED_FOR = 5.0  # seconds a node shares its live rows after the watchers' counter last moved (mpddp top)
 POLL = 0.05  # seconds between two looks of a launcher that waits for the other nodes
 
 
@@ -130,11 +132,15 @@ class RoundWatch(Protocol):
     def others_calls(self) -> list[bytes]: ...
     def share_now(self) -> None: ...
     def stop(self) -> None: ...
+    def look(self) -> None: ...  # this node is watched (mpddp top): every node hears it within a second
+    def watched(self) -> bool: ...  # some node was watched in the last WATCHED_FOR seconds
 
 
 class BeatThread:
     """What every backend's round watch shares: the two values the attempt reads, the flag the watchdog sets,
     and the daemon thread that runs the backend's ``_run`` until :meth:`stop`."""
+
+    beat: StoreBeat  # the round's keys on its store, set by each backend's watch
 
     def __init__(self, attempt: int, share: Callable[[bool], bytes | None] | None) -> None:
         self.attempt = attempt
@@ -147,6 +153,12 @@ class BeatThread:
 
     def progressed(self) -> None:
         self._progress.set()
+
+    def look(self) -> None:
+        self.beat.asked = True
+
+    def watched(self) -> bool:
+        return time.monotonic() - self.beat.watched_at < WATCHED_FOR
 
     def share_now(self) -> None:
         """This node's ranks' collectives into the store now, whole, from the caller's thread: before a node

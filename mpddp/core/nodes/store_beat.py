@@ -5,13 +5,15 @@ Owns: :class:`StoreBeat`, one node's keys in a round's store and the operations 
 progress added, and every node's read back by the same add, :data:`~mpddp.core.wire.protocol.FAILED` on it once
 the round's record is written; this node's ranks' collectives set when they moved), listing this node among
 those that shared their collectives, and reading the other nodes' (once a hang is suspected); where etcd takes no
-write (its quota full), the round's record, first writer wins. Two operations a beat, however many nodes.
+write (its quota full), the round's record, first writer wins. Two operations a beat, however many nodes; a
+third once a second: the watchers' counter (``mpddp top``, core/launcher/live.py), bumped by a node watched.
 Leaves which store, its client's lock and what to do when it is gone to the watches (core/nodes/c10d_watch.py,
 core/nodes/etcd_keys.py).
 """
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from ..wire import protocol
@@ -25,6 +27,9 @@ def read_all(s: Any, keys: list[str]) -> list[bytes]:
     return list(s.multi_get(keys)) if hasattr(s, "multi_get") else [s.get(k) for k in keys]
 
 
+WATCH_EVERY = 4  # beats between two reads of the watchers' counter: a second, at api.py's INTERVAL
+
+
 class StoreBeat:
     """Node ``node``'s beat in round ``attempt``'s store."""
 
@@ -36,6 +41,10 @@ class StoreBeat:
         self.record_key = full_key(attempt, protocol.FAILURE)  # the round's record (etcd: only once it is full)
         self.read_key = full_key(attempt, protocol.READ)  # how many other nodes read it here
         self._listed = False  # this node's collectives are in the store, and it is among the SHARERS
+        self.watchers_key = full_key(attempt, protocol.WATCHERS)
+        self.asked = False  # this node is watched (mpddp top): its next beat bumps the watchers' counter
+        self.watched_at = float("-inf")  # time.monotonic() when the watchers' counter last moved
+        self._watchers = self._turns = 0
 
     def turn(self, s: Any, step: int, snapshot: bytes | None, beats: int | None) -> int:
         """This node's ``step`` (0 or 1) added; every node's total back (with FAILED once a record is written).
@@ -53,7 +62,17 @@ class StoreBeat:
                 s.set(key, value)
         if snapshot is not None:
             self._list(s)
+        self._turns += 1
+        if self.asked or self._turns % WATCH_EVERY == 0:
+            self._look(s)
         return total
+
+    def _look(self, s: Any) -> None:
+        """The watchers' counter, bumped when this node is watched: it moved, someone watches the job."""
+        asked, self.asked = self.asked, False
+        count = int(s.add(self.watchers_key, int(asked)))
+        if count != self._watchers:
+            self._watchers, self.watched_at = count, time.monotonic()
 
     def put_calls(self, s: Any, snapshot: bytes) -> None:
         s.set(self.calls, snapshot)

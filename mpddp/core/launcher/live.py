@@ -1,0 +1,327 @@
+"""A live look at a running job, from any node: one row a rank, and a header, as plain typed values.
+
+Owns: :class:`Snapshot` (a :class:`Header` and a :class:`RankRow` a rank, with ``to_json`` / ``from_json``, for
+``mpddp top``, a notebook cell, a later web page), and :class:`LiveView`, one a launcher, which builds it from what
+the launcher already keeps: the attempt's rank states (core/launcher/classify.py), its board of collectives
+(core/launcher/board.py), the job's lags (core/launcher/stragglers.py) and the relay's last lines
+(core/launcher/output.py); CPU and memory from psutil, GPUs from NVML or nvidia-smi (machine/gpus.py), never CUDA.
+
+Across nodes, a node's rows ride its board's snapshot, which the round's beat already puts on the round's store
+(node 0's under c10d, the round's own under etcd: no etcd write). They are computed only while someone watches: the
+watched launcher bumps a counter on that store, every node reads it once a second (core/nodes/store_beat.py), and
+for :data:`~mpddp.core.nodes.api.WATCHED_FOR` seconds after it moved each adds its rows, at most once a second.
+Nobody watching, nothing here runs. Leaves the runtime folder and its socket to core/launcher/runtime_dir.py and
+the words of the table to core/launcher/live_table.py.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import statistics
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any, Protocol
+
+import psutil
+
+from ...config import LaunchConfig
+from ...log import logger
+from ..nodes.api import RoundWatch
+from .board import LIVE_KEY, Board
+from .classify import RankState
+from .output import Relay
+from .plan import Plan
+from .stragglers import Stragglers
+
+EVERY = 1.0  # seconds: a node's rows are computed at most this often
+
+
+@dataclass(frozen=True)
+class RankRow:
+    """One rank, as a watcher sees it now."""
+
+    rank: int
+    node: int
+    local_rank: int
+    pid: int | None
+    state: str  # starting, running, waiting (in a collective), done, failed, exited
+    collectives: int  # collectives entered so far, every group
+    per_second: float | None  # collectives a second since the last look
+    last: str | None  # the last collective entered: ``#57 all_reduce``
+    lag_ms: float | None  # the median of its arrival lags behind the first rank, at this node's last collectives
+    straggler: bool
+    cpu: float | None  # percent of one core
+    rss: int | None  # bytes
+    gpu: int | None = None  # physical id
+    gpu_util: int | None = None  # percent
+    gpu_mib: int | None = None  # memory used by its process (else the whole GPU's)
+    line: str = ""  # the last line it wrote
+
+
+@dataclass(frozen=True)
+class Header:
+    """The job, as the launcher that answered sees it."""
+
+    job: str
+    round: int
+    world_size: int
+    nnodes: int
+    max_nnodes: int  # an elastic job's MAX; the same as nnodes for a fixed one
+    restarts: int
+    elapsed: float  # seconds since this launcher started the job
+    failure: str | None  # the job's first failure, once there is one
+    node: int | None  # the node that answered (None: not placed yet)
+    host: str
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """One look at the job: every rank heard from, and the nodes not heard from yet (their rows come a second or
+    two after the first look, with the next beats)."""
+
+    header: Header
+    ranks: tuple[RankRow, ...]
+    missing: tuple[int, ...] = ()  # nodes of the round whose rows have not come
+    taken: float = field(default_factory=time.time)
+
+    @property
+    def whole(self) -> bool:
+        """Every node's rows are in, and every running rank's rates (a rate needs two looks a second apart)."""
+        return not self.missing and all(r.per_second is not None and r.cpu is not None for r in self.ranks
+                                        if r.state in ("running", "waiting"))
+
+    def to_json(self) -> str:
+        return json.dumps({"header": asdict(self.header), "ranks": [asdict(r) for r in self.ranks],
+                           "missing": list(self.missing), "taken": self.taken})
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> Snapshot:
+        data = json.loads(text)
+        return cls(Header(**data["header"]), tuple(_row(r) for r in data["ranks"]), tuple(data["missing"]),
+                   data["taken"])
+
+
+def _row(data: dict[str, Any]) -> RankRow:
+    """A row from JSON, keeping only the fields this version knows (another node may run a newer mpddp)."""
+    known = {f.name for f in fields(RankRow)}
+    return RankRow(**{k: v for k, v in data.items() if k in known})
+
+
+class JobFacts(Protocol):
+    """What the live view reads of the job (core/launcher/job_state.py's Job), as it changes round to round."""
+
+    plan: Plan
+    port: int
+    restarts: int
+    lags: Stragglers
+
+    @property
+    def config(self) -> LaunchConfig: ...
+
+
+class Shown(Protocol):
+    """What the live view reads of the attempt that runs now (core/launcher/attempt.py's Attempt)."""
+
+    number: int
+    states: list[RankState]
+    board: Board
+    relay: Relay
+    round_watch: RoundWatch | None
+
+
+class LiveView:
+    """One launcher's live view of its job: its own rows on demand, the other nodes' from their snapshots."""
+
+    def __init__(self, job: JobFacts) -> None:
+        self.job = job
+        self.shown: Shown | None = None  # the attempt that runs now
+        self.started = time.monotonic()
+        self.failure: str | None = None
+        self.max_nnodes = job.config.nnodes  # as launched: an elastic job's MAX (each round's plan has its size)
+        self.job_id = job_id(job)
+        self._lock = threading.Lock()
+        self._procs: dict[int, psutil.Process] = {}
+        self._counts: dict[int, tuple[float, int]] = {}  # rank -> (when, collectives) at the last look
+        self._rows: tuple[float, list[RankRow]] = (float("-inf"), [])
+        self._others: tuple[float, list[RankRow]] = (float("-inf"), [])
+
+    def show(self, shown: Shown | None) -> None:
+        self.shown = shown
+
+    def failed(self, line: str) -> None:
+        """The job's first failure (a round that failed, restarted or not): kept for the header."""
+        self.failure = self.failure or line
+
+    def share(self, board: Board) -> Callable[[bool], bytes | None]:
+        """The round watch's ``share``: the board's snapshot, and while someone watches the job this node's rows
+        beside it, in every snapshot (a snapshot without them would hide them until the next), computed at most
+        once a second; whole then, so that a node whose ranks wait in a collective still tells its rows."""
+        last = [float("-inf")]
+
+        def share(whole: bool) -> bytes | None:
+            shown, now = self.shown, time.monotonic()
+            watch = shown.round_watch if shown is not None else None
+            if watch is None or not watch.watched():
+                return board.snapshot(whole)
+            due = now - last[0] >= EVERY
+            last[0] = now if due else last[0]
+            try:
+                rows = [asdict(r) for r in self.rows()]
+            except Exception as e:  # noqa: BLE001 - the beat's thread must go on, whatever a watcher's rows meet
+                logger.warning("mpddp: this node's rows for `mpddp top` failed (%s: %s)", type(e).__name__, e)
+                return board.snapshot(whole)
+            return board.snapshot(whole or due, rows)
+
+        return share
+
+    def snapshot(self) -> Snapshot:
+        """The job now: this node's rows, and the other nodes' as they last shared them (asking them to)."""
+        shown = self.shown
+        watch = shown.round_watch if shown is not None else None
+        rows = list(self.rows())
+        if watch is not None:
+            watch.look()
+            rows += self._other_rows(watch)
+        here = {r.node for r in rows}
+        missing = tuple(n for n in range(self.job.config.nnodes) if n not in here) if shown is not None else ()
+        return Snapshot(self._header(), tuple(sorted(rows, key=lambda r: r.rank)), missing)
+
+    def _other_rows(self, watch: RoundWatch) -> list[RankRow]:
+        """The other nodes' rows from their last snapshots on the round's store, read at most once a second."""
+        with self._lock:
+            at, rows = self._others
+            if time.monotonic() - at < EVERY:
+                return rows
+        rows = []
+        for snapshot in watch.others_calls():
+            try:
+                rows += [_row(r) for r in json.loads(snapshot).get(LIVE_KEY, [])]
+            except (ValueError, TypeError, AttributeError):
+                continue  # a node of another mpddp version: left out
+        mine = {s.slot.rank for s in self.shown.states} if self.shown is not None else set()
+        rows = [r for r in rows if r.rank not in mine]
+        with self._lock:
+            self._others = (time.monotonic(), rows)
+        return rows
+
+    def _header(self) -> Header:
+        job, shown = self.job, self.shown
+        config, plan = job.config, job.plan  # this round's
+        failure = self.failure
+        if failure is None and shown is not None:
+            failure = _failure_now(shown)
+        return Header(job=self.job_id, round=shown.number if shown is not None else 0,
+                      world_size=plan.slots[0].world_size if plan.slots else 0,
+                      nnodes=config.nnodes, max_nnodes=self.max_nnodes, restarts=job.restarts,
+                      elapsed=time.monotonic() - self.started, failure=failure,
+                      node=plan.config.node_rank, host=socket.gethostname())
+
+    def rows(self) -> list[RankRow]:
+        """This node's rows, computed at most once a second (the beat and a watcher may both ask)."""
+        with self._lock:
+            at, rows = self._rows
+            now = time.monotonic()
+            if now - at >= EVERY or not rows:
+                rows = self._compute(now)
+                self._rows = (now, rows)
+            return rows
+
+    def _compute(self, now: float) -> list[RankRow]:
+        shown = self.shown
+        if shown is None:
+            return []
+        states = list(shown.states)
+        lags = _lags(self.job)
+        gpus = _gpus([s.slot.gpu for s in states])
+        rows = []
+        for s in states:
+            calls, pending = shown.board.lasts(s.slot.rank)
+            count = sum(c.seq for c in calls)
+            last = max(calls, key=lambda c: c.entered, default=None)
+            before = self._counts.get(s.slot.rank)
+            rate = (count - before[1]) / (now - before[0]) if before is not None and now > before[0] else None
+            self._counts[s.slot.rank] = (now, count)
+            cpu, rss = self._usage(s)
+            lag, straggler = lags.get(s.slot.rank, (None, False))
+            tail = shown.relay.tail(s.slot.rank)
+            gpu = gpus.get(s.slot.gpu) if s.slot.gpu is not None else None
+            used = next((p.used_mib for p in gpu.processes if p.pid == s.pid), None) if gpu is not None else None
+            rows.append(RankRow(
+                s.slot.rank, s.slot.node_rank, s.slot.local_rank, s.pid, _state(s, pending),
+                count, rate, f"#{last.seq} {last.op}" if last is not None else None, lag, straggler, cpu, rss,
+                s.slot.gpu, gpu.utilization if gpu is not None else None,
+                used if used is not None else gpu.memory_used_mib if gpu is not None else None,
+                tail[-1] if tail else ""))
+        return rows
+
+    def _usage(self, state: RankState) -> tuple[float | None, int | None]:
+        """CPU (percent of a core, since the last look: None at the first) and resident memory of a rank."""
+        if state.pid is None or state.exitcode is not None:
+            return None, None
+        try:
+            proc = self._procs.get(state.pid)
+            first = proc is None
+            if proc is None:
+                proc = self._procs[state.pid] = psutil.Process(state.pid)
+            with proc.oneshot():
+                cpu = proc.cpu_percent(None)
+                rss = proc.memory_info().rss
+            return (None if first else cpu), rss
+        except psutil.Error:
+            return None, None
+
+
+def job_id(job: JobFacts) -> str:
+    """The job's name for a watcher: --rdzv-id, else node 0's address (every node of a c10d job knows it), else
+    the single node's run id."""
+    config = job.config
+    if config.rdzv_id:
+        return config.rdzv_id
+    if config.nnodes > 1:
+        return f"{config.master_addr}:{config.master_port or job.port}"
+    return job.plan.run_id[:8]
+
+
+def _state(state: RankState, pending: bool) -> str:
+    if state.exitcode is not None:
+        return "done" if state.succeeded else "failed" if state.failed else f"exited {state.exitcode}"
+    if not state.started:
+        return "starting"
+    return "waiting" if pending else "running"
+
+
+def _failure_now(shown: Shown) -> str | None:
+    """The round's first failure as this node knows it while it runs: another node's record, or a rank of ours."""
+    if shown.round_watch is not None and (record := shown.round_watch.remote_failure) is not None:
+        return record.line.splitlines()[0] if record.line else f"rank {record.rank} failed"
+    failed = sorted((s for s in shown.states if s.failed_at is not None), key=lambda s: s.failed_at or 0.0)
+    if not failed:
+        return None
+    s = failed[0]
+    how = s.failure.error_type if s.failure is not None else f"exit code {s.exitcode}"
+    return f"rank {s.slot.rank} (node {s.slot.node_rank}) failed: {how}"
+
+
+def _lags(job: JobFacts) -> dict[int, tuple[float | None, bool]]:
+    """Each rank's median arrival lag behind the first rank at this node's last collectives (ms), and whether the
+    straggler rule names it (core/launcher/stragglers.py). Read from another thread than the watch's: a window that
+    moves while it is copied is left for the next look."""
+    lags = job.lags
+    try:
+        medians = {rank: statistics.median(list(window)) for rank, window in list(lags.window.items()) if window}
+        named = lags.told if lags.told is not None else lags.suspect()
+    except RuntimeError:
+        return {}
+    return {rank: (lag * 1e3, rank == named) for rank, lag in medians.items()}
+
+
+def _gpus(ids: list[int | None]) -> dict[int, Any]:
+    """The GPUs the ranks drive, as NVML or nvidia-smi reports them now; none on a CPU job (nothing is asked)."""
+    if not any(i is not None for i in ids):
+        return {}
+    from ...machine.gpus import query_gpus
+
+    return {g.index: g for g in query_gpus().gpus}

@@ -1,0 +1,59 @@
+"""The words of a live look at a job: a header and a table, a row a rank (``mpddp top``, a notebook cell).
+
+Owns: :func:`table`, which only renders a core/launcher/live.py :class:`~mpddp.core.launcher.live.Snapshot`
+(deciding what a row says is live.py's), fitted to a width. Plain text: a terminal redraws it whole, a notebook
+shows it in a ``<pre>``.
+"""
+
+from __future__ import annotations
+
+from .live import RankRow, Snapshot
+
+_COLUMNS = ("RANK", "NODE", "LOCAL", "STATE", "COLL/S", "LAST COLLECTIVE", "LAG", "CPU", "RSS", "GPU", "LAST LINE")
+
+
+def table(snapshot: Snapshot, width: int = 120) -> str:
+    """The header, the first failure once there is one, a row a rank, and the nodes not heard from yet."""
+    h = snapshot.header
+    nodes = f"{h.nnodes} node(s)" + (f" of {h.max_nnodes}" if h.max_nnodes != h.nnodes else "")
+    where = f"node {h.node} ({h.host})" if h.node is not None else h.host
+    lines = [f"mpddp top  job {h.job}  round {h.round}  {h.world_size} rank(s) on {nodes}  restarts {h.restarts}  "
+             f"up {_clock(h.elapsed)}  seen from {where}"]
+    if h.failure:
+        lines.append(f"first failure: {h.failure}")
+    rows = [_COLUMNS] + [_cells(r) for r in snapshot.ranks]
+    gpu = any(r.gpu is not None for r in snapshot.ranks)
+    keep = [i for i, name in enumerate(_COLUMNS) if gpu or name != "GPU"]
+    widths = {i: max(len(row[i]) for row in rows) for i in keep[:-1]}
+    for row in rows:
+        text = "  ".join(row[i].rjust(widths[i]) if i in _RIGHT else row[i].ljust(widths[i]) for i in keep[:-1])
+        lines.append(f"{text}  {row[keep[-1]]}"[:width].rstrip())
+    if not snapshot.ranks:
+        lines.append("(no rank running: the launcher waits for its round, or its ranks have not started)")
+    if snapshot.missing:
+        lines.append(f"not heard from yet: node(s) {', '.join(map(str, snapshot.missing))} (their rows come with "
+                     "their next beat)")
+    if any(r.straggler for r in snapshot.ranks):
+        lines.append("* the straggler: the rank the others wait for at collectives")
+    return "\n".join(lines)
+
+
+_RIGHT = {0, 1, 2, 4, 6, 7, 8}
+
+
+def _cells(r: RankRow) -> tuple[str, ...]:
+    lag = "" if r.lag_ms is None else f"{r.lag_ms:+.1f} ms" + (" *" if r.straggler else "")
+    gpu = "" if r.gpu is None else f"{r.gpu}: " + " ".join(
+        x for x in ("" if r.gpu_util is None else f"{r.gpu_util}%", "" if r.gpu_mib is None else f"{r.gpu_mib} MiB") if x)
+    return (str(r.rank), str(r.node), str(r.local_rank), r.state,
+            "" if r.per_second is None else f"{r.per_second:.1f}", r.last or "", lag,
+            "" if r.cpu is None else f"{r.cpu:.0f}%", "" if r.rss is None else _size(r.rss), gpu, r.line.strip())
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"
+
+
+def _clock(seconds: float) -> str:
+    s = int(seconds)
+    return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}"

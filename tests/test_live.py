@@ -1,0 +1,223 @@
+"""``mpddp top``: a live look at a running job, from any of its nodes (core/launcher/live.py, runtime_dir.py).
+
+Real launchers in subprocesses (tests/scripts/live_job.py: 2 ranks a node, gloo, until a STOP file appears), each
+with its own XDG_RUNTIME_DIR (the runtime folder of this test alone, never the user's), and ``mpddp top`` run as a
+command, as a user runs it from another terminal.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import stat
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from multinode import Cluster, free_port
+
+from mpddp.core.launcher import live_table, runtime_dir
+from mpddp.core.launcher.live import Header, RankRow, Snapshot
+from mpddp.errors import ConfigError
+
+JOB = Path(__file__).parent / "scripts" / "live_job.py"
+
+
+@pytest.fixture
+def cluster(tmp_path: Path):
+    c = Cluster(tmp_path)
+    yield c
+    c.kill_all()
+
+
+def _top(xdg: Path, *args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "mpddp", "top", *args], capture_output=True, text=True,
+                          env={**os.environ, "XDG_RUNTIME_DIR": str(xdg)}, timeout=timeout)
+
+
+def _start(cluster: Cluster, xdg: Path, nnodes: int, node: int, port: int, *rdzv: str, env: dict | None = None):
+    return cluster.start([], command=[sys.executable, str(JOB), str(nnodes), str(node), str(port),
+                                      str(cluster.tmp / "STOP"), *rdzv],
+                         env={"XDG_RUNTIME_DIR": str(xdg), **(env or {})})
+
+
+def _entries(xdg: Path, count: int, timeout: float = 60) -> list[Path]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        found = sorted((xdg / "mpddp").glob("*.json")) if (xdg / "mpddp").is_dir() else []
+        if len(found) >= count:
+            return found
+        time.sleep(0.1)
+    raise AssertionError(f"{count} launcher entries did not appear in {xdg}")
+
+
+def _wait_for(node, text: str, timeout: float = 90) -> None:
+    deadline = time.monotonic() + timeout
+    while text not in node.stdout:
+        assert time.monotonic() < deadline and node.proc.poll() is None, f"no {text!r}:\n{node.stdout}\n{node.stderr}"
+        time.sleep(0.1)
+
+
+def _xdg(tmp_path: Path) -> Path:
+    xdg = tmp_path / "xdg"
+    xdg.mkdir(mode=0o700)
+    return xdg
+
+
+# ---- pure: the choice of a launcher, the table, the JSON -------------------------------------------------------
+
+def _entry(pid: int, job: str, node: int | None) -> runtime_dir.Entry:
+    return runtime_dir.Entry(pid, float(pid), job, node, "h", [], f"/x/{pid}.sock")
+
+
+@pytest.mark.parametrize("found, job, picked", [
+    ([_entry(10, "a", 1), _entry(11, "a", 0)], None, 11),  # one job, two nodes here: the lowest node
+    ([_entry(10, "a", 0), _entry(11, "b", 0)], "b", 11),  # by id
+    ([_entry(10, "a", 0), _entry(11, "a", 1)], "11", 11),  # by a launcher's pid
+])
+def test_pick(found, job, picked):
+    assert runtime_dir.pick(found, job).pid == picked
+
+
+def test_pick_refuses_what_it_cannot_choose(monkeypatch, tmp_path):
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    with pytest.raises(ConfigError, match=r"2 jobs run here: a \(pid 10\); b \(pid 11\); pick one with --job"):
+        runtime_dir.pick([_entry(10, "a", 0), _entry(11, "b", 0)], None)
+    with pytest.raises(ConfigError, match="--job c: no launcher of that job"):
+        runtime_dir.pick([_entry(10, "a", 0)], "c")
+    with pytest.raises(runtime_dir.NoJob, match="no mpddp job of yours runs on this machine"):
+        runtime_dir.pick([], None)
+
+
+def _snapshot(**header) -> Snapshot:
+    rows = (RankRow(0, 0, 0, 100, "running", 57, 20.0, "#57 all_reduce", 0.0, False, 99.0, 300 << 20, line="step 5"),
+            RankRow(1, 0, 1, 101, "waiting", 56, 20.0, "#56 all_reduce", 52.0, True, 3.0, 310 << 20, line="step 5"))
+    h = {"job": "j", "round": 1, "world_size": 4, "nnodes": 2, "max_nnodes": 2, "restarts": 1, "elapsed": 75.0,
+         "failure": "rank 3 failed", "node": 0, "host": "h"} | header
+    return Snapshot(Header(**h), rows, missing=(1,))
+
+
+def test_snapshot_round_trips_through_json():
+    snapshot = _snapshot()
+    assert Snapshot.from_json(snapshot.to_json()) == snapshot
+    newer = json.loads(snapshot.to_json())
+    newer["ranks"][0]["a_newer_field"] = 1  # another node's newer mpddp: what this one knows is kept
+    assert Snapshot.from_json(json.dumps(newer)).ranks == snapshot.ranks
+
+
+def test_table_says_every_column():
+    text = live_table.table(_snapshot())
+    lines = text.splitlines()
+    assert lines[0] == ("mpddp top  job j  round 1  4 rank(s) on 2 node(s)  restarts 1  up 0:01:15  seen from node 0 (h)")
+    assert lines[1] == "first failure: rank 3 failed"
+    assert lines[2].split() == ["RANK", "NODE", "LOCAL", "STATE", "COLL/S", "LAST", "COLLECTIVE", "LAG", "CPU", "RSS",
+                                "LAST", "LINE"]  # no GPU column on a CPU job
+    assert lines[3].split() == ["0", "0", "0", "running", "20.0", "#57", "all_reduce", "+0.0", "ms", "99%", "300",
+                                "MiB", "step", "5"]
+    assert "+52.0 ms *" in lines[4]
+    assert lines[5].startswith("not heard from yet: node(s) 1")
+    assert lines[6].startswith("* the straggler")
+    assert all(len(line) <= 40 for line in live_table.table(_snapshot(), width=40).splitlines()[2:5])
+
+
+# ---- the runtime folder ----------------------------------------------------------------------------------------
+
+def test_folder_is_refused_unless_ours_alone(monkeypatch, tmp_path):
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    made = runtime_dir.folder()
+    assert made == tmp_path / "mpddp" and stat.S_IMODE(made.stat().st_mode) == 0o700
+    made.chmod(0o755)
+    with pytest.raises(runtime_dir.RuntimeDirRefused, match=r"is not yours alone .* mode drwxr-xr-x"):
+        runtime_dir.folder()
+    if os.getuid() == 0:  # root can give it away: another user's folder
+        made.chmod(0o700)
+        os.chown(made, 12345, -1)
+        with pytest.raises(runtime_dir.RuntimeDirRefused, match="owner uid 12345"):
+            runtime_dir.folder()
+
+
+def test_top_without_a_job_says_so(tmp_path):
+    xdg = _xdg(tmp_path)
+    done = _top(xdg, "--once")
+    assert done.returncode == 1
+    assert done.stderr.strip().startswith("mpddp: error: no mpddp job of yours runs on this machine")
+    bad = _top(xdg, "--interval", "0")
+    assert bad.returncode == 2 and "--interval" in bad.stderr and "Traceback" not in bad.stderr
+
+
+@pytest.mark.timeout(180)
+def test_one_node_top_once_and_the_entry_removed_at_exit(no_leftovers, cluster, tmp_path):
+    xdg = _xdg(tmp_path)
+    node = _start(cluster, xdg, 1, 0, 0, env={"SLOW_RANK": "1"})
+    info = _entries(xdg, 1)[0]
+    assert stat.S_IMODE((xdg / "mpddp").stat().st_mode) == 0o700
+    entry = json.loads(info.read_text())
+    assert entry["pid"] == node.proc.pid and Path(entry["socket"]).exists()
+    cluster.wait_for("step 3", 2, timeout=90)
+    done = _top(xdg, "--once")
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0].startswith(f"mpddp top  job {entry['job']}  round 0  2 rank(s) on 1 node(s)")
+    rows = [line.split() for line in lines if line.split()[:1] in (["0"], ["1"])]
+    assert [r[:3] for r in rows] == [["0", "0", "0"], ["1", "0", "1"]]
+    assert all(r[3] in ("running", "waiting") and "all_reduce" in r for r in rows), done.stdout
+    assert all(r[-2] == "step" for r in rows), done.stdout  # the last line each rank wrote
+    (tmp_path / "STOP").write_text("")
+    assert node.wait(60) == 0, node.stderr
+    assert not list((xdg / "mpddp").iterdir())  # its entry and its socket are gone
+    assert _top(xdg, "--once").returncode == 1
+
+
+@pytest.mark.timeout(180)
+def test_entry_removed_after_ctrl_c_and_a_killed_launchers_cleaned_by_top(no_leftovers, cluster, tmp_path):
+    xdg = _xdg(tmp_path)
+    node = _start(cluster, xdg, 1, 0, 0)
+    _entries(xdg, 1)
+    cluster.wait_for("step 3", 2, timeout=90)
+    node.proc.send_signal(signal.SIGINT)
+    assert node.wait(60) != 0
+    assert not list((xdg / "mpddp").iterdir())
+    killed = _start(cluster, xdg, 1, 0, 0)
+    _entries(xdg, 1)
+    _wait_for(killed, "step 3")
+    killed.proc.kill()  # SIGKILL: nothing of the launcher's runs; its entry stays until a watcher finds it dead
+    killed.wait(30)
+    assert list((xdg / "mpddp").glob("*.json"))
+    done = _top(xdg, "--once")
+    assert done.returncode == 1 and "no mpddp job of yours" in done.stderr
+    assert not list((xdg / "mpddp").iterdir())
+    cluster.kill_all()  # the ranks of the launcher killed
+
+
+def _ranks_seen(xdg: Path, pid: int) -> dict[int, dict]:
+    done = _top(xdg, "--once", "--json", "--job", str(pid), "--wait", "60")  # whole within a second or two
+    assert done.returncode == 0, done.stderr
+    return {r["rank"]: r for r in json.loads(done.stdout)["ranks"]}
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("rdzv", ["c10d", "etcd"])
+def test_two_nodes_top_on_each_lists_every_rank(cluster, tmp_path, rdzv, request):
+    xdg = _xdg(tmp_path)
+    port = free_port()
+    args: tuple[str, ...] = ()
+    if rdzv == "etcd":
+        etcd = request.getfixturevalue("etcd_cluster")
+        args = ("etcd", etcd.endpoints, f"live-{port}")
+    nodes = [_start(cluster, xdg, 2, n, port, *args) for n in (0, 1)]
+    _entries(xdg, 2)
+    cluster.wait_for("step 3", 4, timeout=120)
+    for node in nodes:
+        seen = _ranks_seen(xdg, node.proc.pid)
+        assert sorted(seen) == [0, 1, 2, 3], seen
+        assert [seen[r]["node"] for r in range(4)] == [0, 0, 1, 1]
+        assert all(seen[r]["last"] is not None and seen[r]["last"].endswith("all_reduce") for r in range(4)), seen
+        assert all(seen[r]["pid"] for r in range(4))
+    (tmp_path / "STOP").write_text("")
+    for node in nodes:
+        assert node.wait(90) == 0, node.stderr
+    assert not list((xdg / "mpddp").iterdir())
+    assert cluster.leftovers(wait=10) == []  # the launchers' own processes (etcd's members are the module's)
