@@ -48,11 +48,10 @@ from ...config import LaunchConfig
 from ...errors import Outcome, StoreLost
 from ..wire.protocol import FailureRecord
 from .rules import Lost, NodeState, RoundView
-from .store_beat import StoreBeat
+from .store_beat import WATCHED_FOR, StoreBeat
 
 INTERVAL = 0.25  # seconds between two beats (and two looks for another node's failure)
 STALLED_AFTER = 6 * INTERVAL  # a beat that did not move for this long, while others moved: its launcher is gone
-WATCHED_FOR = 5.0  # seconds a node shares its live rows after the watchers' counter last moved (mpddp top)
 POLL = 0.05  # seconds between two looks of a launcher that waits for the other nodes
 
 

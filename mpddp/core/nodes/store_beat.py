@@ -6,7 +6,8 @@ progress added, and every node's read back by the same add, :data:`~mpddp.core.w
 the round's record is written; this node's ranks' collectives set when they moved), listing this node among
 those that shared their collectives, and reading the other nodes' (once a hang is suspected); where etcd takes no
 write (its quota full), the round's record, first writer wins. Two operations a beat, however many nodes; a
-third once a second: the watchers' counter (``mpddp top``, core/launcher/live.py), bumped by a node watched.
+node watched (``mpddp top``, core/launcher/live.py) adds :data:`~mpddp.core.wire.protocol.WATCHED` to the same
+counter, and takes it back once nobody asked for :data:`WATCHED_FOR` s: every node hears it with no operation more.
 Leaves which store, its client's lock and what to do when it is gone to the watches (core/nodes/c10d_watch.py,
 core/nodes/etcd_keys.py).
 """
@@ -27,7 +28,7 @@ def read_all(s: Any, keys: list[str]) -> list[bytes]:
     return list(s.multi_get(keys)) if hasattr(s, "multi_get") else [s.get(k) for k in keys]
 
 
-WATCH_EVERY = 4  # beats between two reads of the watchers' counter: a second, at api.py's INTERVAL
+WATCHED_FOR = 5.0  # seconds a node shares its live rows after a watcher last asked (mpddp top)
 
 
 class StoreBeat:
@@ -41,16 +42,18 @@ class StoreBeat:
         self.record_key = full_key(attempt, protocol.FAILURE)  # the round's record (etcd: only once it is full)
         self.read_key = full_key(attempt, protocol.READ)  # how many other nodes read it here
         self._listed = False  # this node's collectives are in the store, and it is among the SHARERS
-        self.watchers_key = full_key(attempt, protocol.WATCHERS)
-        self.asked = False  # this node is watched (mpddp top): its next beat bumps the watchers' counter
-        self.watched_at = float("-inf")  # time.monotonic() when the watchers' counter last moved
-        self._watchers = self._turns = 0
+        self.asked = False  # a watcher asked this node (mpddp top): its next beat says so
+        self.watched_at = float("-inf")  # time.monotonic() when a beat last read that some node is watched
+        self._asked_at = float("-inf")  # ... when a watcher last asked this node
+        self._adds_watched = False  # this node's WATCHED is in the progress counter
 
     def turn(self, s: Any, step: int, snapshot: bytes | None, beats: int | None) -> int:
         """This node's ``step`` (0 or 1) added; every node's total back (with FAILED once a record is written).
         ``snapshot``: this node's collectives, when they moved; ``beats``: its beat count (c10d reads beats for
         liveness; etcd has leases, and sets none)."""
-        total = int(s.add(self.progress, step))
+        watched, total = divmod(int(s.add(self.progress, step + self._watched())), protocol.WATCHED)
+        if watched:
+            self.watched_at = time.monotonic()
         keys: list[str] = [self.beat] if beats is not None else []
         values: list[str | bytes] = [str(beats)] if beats is not None else []
         if snapshot is not None:
@@ -62,17 +65,21 @@ class StoreBeat:
                 s.set(key, value)
         if snapshot is not None:
             self._list(s)
-        self._turns += 1
-        if self.asked or self._turns % WATCH_EVERY == 0:
-            self._look(s)
         return total
 
-    def _look(self, s: Any) -> None:
-        """The watchers' counter, bumped when this node is watched: it moved, someone watches the job."""
-        asked, self.asked = self.asked, False
-        count = int(s.add(self.watchers_key, int(asked)))
-        if count != self._watchers:
-            self._watchers, self.watched_at = count, time.monotonic()
+    def _watched(self) -> int:
+        """What this beat adds to say this node is watched: WATCHED when a watcher first asks, its negative once
+        none asked for WATCHED_FOR s, else 0. The counter's part above WATCHED counts the nodes watched now."""
+        now = time.monotonic()
+        if self.asked:
+            self.asked, self._asked_at = False, now
+            if not self._adds_watched:
+                self._adds_watched = True
+                return protocol.WATCHED
+        elif self._adds_watched and now - self._asked_at > WATCHED_FOR:
+            self._adds_watched = False
+            return -protocol.WATCHED
+        return 0
 
     def put_calls(self, s: Any, snapshot: bytes) -> None:
         s.set(self.calls, snapshot)

@@ -203,7 +203,8 @@ FAILED = 1 << 40  # added to PROGRESS by the writer of the round's record: every
 LEFT = "mpddp/job/left"  # a counter, job-wide: the launchers that are done with the store (node 0 waits for them)
 LOST = "lost"  # a counter: the nodes found lost in the round (node 0 does not wait for them to leave)
 READ = "read"  # a counter: the launchers that read the round's record another node wrote (each once)
-WATCHERS = "watchers"  # a counter: bumped by a node watched (``mpddp top``); a move asks every node for its live rows
+WATCHED = 1 << 44  # added to PROGRESS by a node while it is watched (``mpddp top``), taken back after: every beat's
+# one add also tells whether any node is watched (above FAILED, which a round's few writers add once each)
 
 
 def joined_key(node: int) -> str:
