@@ -122,10 +122,7 @@ def _settle_local(link: Rendezvous, attempt: int, local: WorkerFailed, cause: Ou
                   missing: Callable[[], NeverArrived | None], blame: Blame) -> WorkerFailed | RendezvousError:
     config = link.config
     if attempt == 0 and (never := missing()) is not None:  # ranks that waited for them timed out, or hung
-        line, (node, local_rank) = f"{ERROR_LINE}{never}", rank_math.split_rank(never.ranks[0], link.nprocs)
-        winner = link.publish(attempt, FailureRecord(never.ranks[0], node, local_rank, Outcome.ABSENT, 1, line,
-                                                     time.time()))  # every node tells it, one that comes late too
-        return never if winner.line == line else _told(winner, remote_error)
+        return _absent(link, attempt, never, remote_error)
     if _by_itself(cause, blame):
         winner = link.publish(attempt, _record_of(local, cause, link))
         return local if winner.writer == config.node_rank else _told(winner, remote_error)  # another node was first
@@ -135,6 +132,9 @@ def _settle_local(link: Rendezvous, attempt: int, local: WorkerFailed, cause: Ou
     if isinstance(found, FailureRecord):  # ours stands, unless it names another node's rank that returned early
         mine = found.writer == config.node_rank and found.outcome is not Outcome.EARLY_EXIT
         return local if mine else _told(found, remote_error)
+    if not found.beat and attempt == 0 and (never := link.view(attempt).never_arrived) is not None and \
+            set(found.nodes) <= {rank_math.split_rank(r, link.nprocs)[0] for r in never.ranks}:
+        return _absent(link, attempt, never, remote_error)  # they never came: node 0's story, told by whoever is first
     lost_ranks = [s.rank for s in rank_math.layout(config.nnodes, link.nprocs) if s.node_rank in found.nodes]
     how = ("stopped beating without ending its round" if found.beat else
            f"never beat in this round within --timeout {config.timeout:g} s, nor ended it")
@@ -147,6 +147,15 @@ def _settle_local(link: Rendezvous, attempt: int, local: WorkerFailed, cause: Ou
     local.args = (f"{line}; the failures below are consequences\n{local}",)
     local.exit_code = 1
     return local
+
+
+def _absent(link: Rendezvous, attempt: int, never: NeverArrived,
+            remote_error: Callable[[FailureRecord], WorkerFailed]) -> WorkerFailed | RendezvousError:
+    """The nodes whose ranks never arrived, as the round's record: every node tells it, one that comes late too."""
+    line, (node, local_rank) = f"{ERROR_LINE}{never}", rank_math.split_rank(never.ranks[0], link.nprocs)
+    winner = link.publish(attempt, FailureRecord(never.ranks[0], node, local_rank, Outcome.ABSENT, 1, line,
+                                                 time.time()))
+    return never if winner.line == line else _told(winner, remote_error)
 
 
 def _by_itself(cause: Outcome | None, blame: Blame) -> bool:
