@@ -22,6 +22,8 @@ from ..wire.protocol import FailureRecord
 from .api import NotNeeded, Round, resized_record
 from .rules import Outside, Step, join_step, member_order, outside
 
+GAVE_UP = "gave_up"  # a round's "member list" written by the first launcher that waited --timeout: how many came
+
 
 class Keys(Protocol):
     """What the rule needs of a backend's keys (etcd's, or node 0's store's)."""
@@ -95,15 +97,24 @@ def _members(keys: Keys, attempt: int, number: int, low: int, high: int, last_ca
             arrivals = {m: json.loads(a) for m, a in keys.arrivals(attempt).items()}
             keys.decide(attempt, json.dumps(sorted(arrivals, key=lambda m: member_order(arrivals[m]))[:high]))
         if (decided := keys.await_decided(attempt, look)) is not None:
-            return list(json.loads(decided))
+            return _decided(decided, attempt, timeout, low, high, start_them)
         if time.monotonic() - counted >= (look if latest else 4 * look):  # the others count seldom
             counted = time.monotonic()
             if (count := keys.count(attempt)) != seen:
                 seen, since = count, counted
-        if time.monotonic() > deadline:  # counted once more: a count that is seldom read is stale, and every
-            # node must tell the same number
-            raise _too_few(attempt, keys.count(attempt), f"joined within --timeout {timeout:g} s", low, high,
-                           start_them)
+        if time.monotonic() > deadline:  # counted once more (a count seldom read is stale), and written in the
+            # member list's place unless one is there: every node tells the first count, or runs the round decided
+            keys.decide(attempt, json.dumps({GAVE_UP: keys.count(attempt)}))
+            return _decided(keys.decided(attempt) or "[]", attempt, timeout, low, high, start_them)
+
+
+def _decided(decided: str, attempt: int, timeout: float, low: int, high: int, start_them: str) -> list[str]:
+    """The round's member list as written; :class:`TooFewNodes` where the first launcher to give up wrote its
+    count instead (each launcher's own deadline would have it tell what it alone saw)."""
+    members = json.loads(decided)
+    if isinstance(members, dict):
+        raise _too_few(attempt, members[GAVE_UP], f"joined within --timeout {timeout:g} s", low, high, start_them)
+    return list(members)
 
 
 def _too_few(attempt: int, nodes: int, how: str, low: int, high: int, start_them: str) -> TooFewNodes:

@@ -1,0 +1,125 @@
+"""core/nodes/membership.py's join over an in-memory store of keys: the rule itself, with no backend and no process.
+
+The backends' own keys are tested with real launchers (test_elastic.py, test_hardening5_input.py); here the
+launchers are threads and the keys a dict, so that the order of events is the test's, not the machine's load.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import pytest
+
+from mpddp.core.nodes import membership
+from mpddp.errors import TooFewNodes
+
+
+class MemoryKeys:
+    """membership.Keys over a dict, with a lock: what node 0's store or etcd would keep."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.joined: dict[int, dict[str, str]] = {}
+        self.members: dict[int, str] = {}
+        self.records: dict[int, object] = {}
+
+    def arrive(self, attempt, me, arrival):
+        with self.lock:
+            self.joined.setdefault(attempt, {})[me] = arrival
+            return len(self.joined[attempt])
+
+    def count(self, attempt):
+        with self.lock:
+            return len(self.joined.get(attempt, {}))
+
+    def arrivals(self, attempt):
+        with self.lock:
+            return dict(self.joined.get(attempt, {}))
+
+    def claim(self, attempt, node_rank, me):
+        return None
+
+    def decided(self, attempt):
+        with self.lock:
+            return self.members.get(attempt)
+
+    def await_decided(self, attempt, timeout):
+        time.sleep(timeout)
+        return self.decided(attempt)
+
+    def look(self, nodes):
+        return 0.01
+
+    def decide(self, attempt, members):
+        with self.lock:
+            return self.members.setdefault(attempt, members) == members
+
+    def latest(self):
+        return max(self.members, default=0)
+
+    def admit(self, attempt, record):
+        self.records.setdefault(attempt, record)
+
+    def record(self, attempt):
+        return self.records.get(attempt)
+
+    def over(self, attempt, members):
+        return False
+
+    def alive(self, attempt, members):
+        return True
+
+    def pause(self, attempt):
+        time.sleep(0.01)
+
+
+def _join(keys: MemoryKeys, me: str, *, low: int = 3, high: int = 3, timeout: float = 0.3):
+    return membership.join_round(keys, 0, me, low=low, high=high, node_rank=None, last_call=0.05, timeout=timeout,
+                                 previous=None, start_them="start them")
+
+
+@pytest.mark.timeout(30)
+def test_launchers_that_give_up_at_different_moments_tell_the_same_count() -> None:
+    """--nnodes 3: one launcher gives up alone; another comes after that and gives up too. Before, each told
+    what it counted at its own deadline (1, then 2); now both tell the first count written."""
+    keys = MemoryKeys()
+    with pytest.raises(TooFewNodes) as first:
+        _join(keys, "a")
+    with pytest.raises(TooFewNodes) as second:
+        _join(keys, "b")
+    assert (first.value.nodes, second.value.nodes) == (1, 1)
+    assert str(first.value) == str(second.value)
+    assert keys.count(0) == 2  # the second did come: the story is the round's, as first given up
+
+
+@pytest.mark.timeout(30)
+def test_a_member_list_written_before_a_launcher_gives_up_is_the_round() -> None:
+    """A launcher whose deadline passes while another decides the round runs in it, never tells too few."""
+    keys = MemoryKeys()
+    keys.arrive(0, "b", json.dumps({"old": None, "rank": None, "since": 0.0, "host": "h"}))
+    keys.decide(0, json.dumps(["b", "a"]))
+    here, members = _join(keys, "a", low=2, high=2, timeout=0.0)
+    assert members == ["b", "a"] and here.node_rank == 1
+
+
+@pytest.mark.timeout(30)
+def test_launchers_that_give_up_together_all_tell_one_count() -> None:
+    """Two launchers of --nnodes 3 wait at once and give up: both name 2 nodes, the same line."""
+    keys = MemoryKeys()
+    told: dict[str, TooFewNodes] = {}
+
+    def node(me: str) -> None:
+        try:
+            _join(keys, me)
+        except TooFewNodes as e:
+            told[me] = e
+
+    threads = [threading.Thread(target=node, args=(me,)) for me in "ab"]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(20)
+    assert sorted(told) == ["a", "b"]
+    assert {e.nodes for e in told.values()} == {2} and len({str(e) for e in told.values()}) == 1
