@@ -13,6 +13,10 @@ GPU mode (``--gpu``): one GPU, one rank, bf16 autocast, an MLP
 without DDP, and for context the same loop wrapped in DDP with defaults and
 with ``gradient_as_bucket_view=True, static_graph=True``.
 
+Being watched (both modes): the Trainer runs once more while a thread of this process asks its launcher for a
+snapshot every second, as ``mpddp top`` does (core/launcher/runtime_dir.py), and the line ``watched / not
+watched`` is its samples/s against the plain Trainer's, paired within each repetition (goal: at most 1 %).
+
 The flight recorder's cost (both modes): mpddp turns torch's flight recorder
 on in every rank (``TORCH_FR_BUFFER_SIZE``, 64 entries, and a thread in the
 rank that reads it); the Trainer runs once more with ``TORCH_FR_BUFFER_SIZE=0``
@@ -32,10 +36,13 @@ ratio is samples/s against the reference loop of the same repetition.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import tempfile
+import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -45,6 +52,7 @@ from benchlib import machine, summary, table, torch_version, write_json  # noqa:
 
 FR_SIZE = ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")  # the recorder's size; the second, its older name
 FR_OFF = (("TORCH_FR_BUFFER_SIZE", "0"),)  # a rank's env with the flight recorder (and mpddp's reader) off
+WATCHED = "trainer_watched"  # the variant whose launcher is asked for a snapshot every second (mpddp top)
 
 
 @dataclass(frozen=True)
@@ -181,6 +189,7 @@ def variants(spec: Spec) -> dict[str, tuple[str, Any, tuple, tuple]]:
     trainer = {
         "trainer": ("mpddp Trainer", run_trainer, (), ()),
         "trainer_fr_off": ("mpddp Trainer, flight recorder off", run_trainer, (), FR_OFF),
+        WATCHED: ("mpddp Trainer, watched by mpddp top", run_trainer, (), ()),
     }
     if spec.gpu:
         return {
@@ -202,11 +211,15 @@ def bench(spec: Spec, reps: int) -> dict[str, Any]:
     names = list(table_of)
     rates: dict[str, list[float]] = {name: [] for name in names}
     shares: list[float] = []  # the reader thread's share of rank 0's time, from the rank's own clock
+    answers: list[int] = []  # snapshots the watched launcher gave, a repetition
     for rep in range(reps):
         order = names if rep % 2 == 0 else names[::-1]
         for name in order:
             _, fn, extra, env = table_of[name]
-            out = mpddp.launch(fn, nprocs=spec.ranks, args=(spec, *extra), env=env)[0]
+            with watcher(name == WATCHED) as asked:
+                out = mpddp.launch(fn, nprocs=spec.ranks, args=(spec, *extra), env=env)[0]
+            if name == WATCHED:
+                answers.append(asked[0])
             epochs, share = out if isinstance(out, tuple) else (out, None)
             if share is not None:
                 shares.append(share)
@@ -215,7 +228,43 @@ def bench(spec: Spec, reps: int) -> dict[str, Any]:
     reference = rates[names[0]]
     results = {name: {"label": table_of[name][0], **summary(rates[name], reference)} for name in names}
     results["trainer"]["reader_share"] = max(shares) if shares else None
+    results[WATCHED]["answers"] = answers
     return results
+
+
+@contextlib.contextmanager
+def watcher(on: bool) -> Iterator[list[int]]:
+    """``mpddp top`` as a thread of this process while the block runs (``on``): this process's launcher asked for
+    a snapshot every second; yields the count of its answers."""
+    asked = [0]
+    if not on:
+        yield asked
+        return
+    from mpddp.core.launcher import runtime_dir
+
+    stop = threading.Event()
+
+    def watch() -> None:
+        while not stop.wait(1.0):
+            for entry in (e for e in runtime_dir.entries() if e.pid == os.getpid()):
+                with contextlib.suppress(OSError):
+                    runtime_dir.ask(entry)
+                    asked[0] += 1
+
+    thread = threading.Thread(target=watch, daemon=True)
+    thread.start()
+    try:
+        yield asked
+    finally:
+        stop.set()
+        thread.join()
+
+
+def watched(results: dict[str, Any]) -> dict[str, Any]:
+    """The Trainer's samples/s watched against not, paired by repetition, as :func:`flight_recorder` pairs."""
+    paired = summary(results[WATCHED]["values"], results["trainer"]["values"])
+    return {**{k: paired[k] for k in ("ratio", "ratio_min", "ratio_max", "ratios")},
+            "cost_percent": (1 - paired["ratio"]) * 100, "answers": results[WATCHED]["answers"]}
 
 
 def flight_recorder(results: dict[str, Any], buffer: str) -> dict[str, Any]:
@@ -240,7 +289,7 @@ def fr_buffer() -> str:
     return f"{BUFFER} entries, mpddp's default"
 
 
-def report(spec: Spec, results: dict[str, Any], fr: dict[str, Any]) -> str:
+def report(spec: Spec, results: dict[str, Any], fr: dict[str, Any], seen: dict[str, Any]) -> str:
     rows = [[r["label"], f"{r['median']:,.0f}", f"{r['ratio']:.3f}", f"{r['ratio_min']:.3f}-{r['ratio_max']:.3f}"]
             for r in results.values()]
     mode = "GPU, 1 rank, bf16" if spec.gpu else f"CPU, {spec.ranks} ranks, fp32"
@@ -250,8 +299,11 @@ def report(spec: Spec, results: dict[str, Any], fr: dict[str, Any]) -> str:
     if fr["reader_percent"] is not None:
         fr_line += (f"\nflight recorder reader: {fr['reader_percent']:.2f} % of a rank's time (its own clock, the "
                     "largest of the repetitions; the ratio above is the whole cost, within the machine's noise)")
+    seen_line = (f"watched by mpddp top / not watched: {seen['ratio']:.3f} (cost {seen['cost_percent']:.1f} %; range "
+                 f"{seen['ratio_min']:.3f}-{seen['ratio_max']:.3f}; goal: at most 1 %); snapshots given a repetition: "
+                 f"{', '.join(map(str, seen['answers']))}")
     return (f"{mode}, batch {spec.batch} per rank\n" + table(["variant", "samples/s", "x ref", "range"], rows)
-            + "\n\n" + fr_line)
+            + "\n\n" + fr_line + "\n" + seen_line)
 
 
 def main() -> None:
@@ -287,11 +339,11 @@ def main() -> None:
               f"{' and '.join(FR_SIZE)} to measure its cost", flush=True)
     with tempfile.TemporaryDirectory(prefix="mpddp-bench-train-") as tmp:
         results = bench(replace(spec, run_dir=tmp), reps)
-    fr = flight_recorder(results, fr_buffer())
+    fr, seen = flight_recorder(results, fr_buffer()), watched(results)
     print()
-    print(report(spec, results, fr))
+    print(report(spec, results, fr, seen))
     write_json(args.json, {"benchmark": "train", "torch": torch_version(), "spec": spec.__dict__, "reps": reps,
-                           "results": results, "flight_recorder": fr})
+                           "results": results, "flight_recorder": fr, "watched": seen})
 
 
 if __name__ == "__main__":
