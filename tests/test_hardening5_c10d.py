@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 from multinode import free_port
-from test_elastic import JOB, _end, _lose_at
+from test_elastic import JOB, _c10d_nodes, _end, _lose_at
 
 from runs import Run
 
@@ -48,6 +48,10 @@ def _no_launcher_traceback(run: Run) -> None:
     assert not re.search(r'File "[^"]*/mpddp/', run.stderr), run.stderr
 
 
+def _port(run: Run) -> int:
+    return int(run.proc.args[run.proc.args.index("--master-port") + 1])  # type: ignore[union-attr]
+
+
 def test_node_0_lost_is_one_story_on_every_survivor_none_naming_its_own_rank_first(tmp_path: Path) -> None:
     """Node 0's machine is lost mid-run: the job's store goes with it. Every survivor said "node 0 ... is gone;
     the failures below are consequences", then "rank N (node N, ...) failed first" of its own rank, so that each
@@ -67,5 +71,36 @@ def test_node_0_lost_is_one_story_on_every_survivor_none_naming_its_own_rank_fir
             _no_launcher_traceback(run)
             run.assert_nothing_left()
         assert took < TIMEOUT + 15, took
+    finally:
+        _end(runs)
+
+
+def test_a_node_rank_given_again_after_a_restart_is_refused_in_one_line(tmp_path: Path) -> None:
+    """c10d, 2:3: node 2's machine is lost, the two others restart; then a second launcher with --node-rank 1
+    comes. Before, --node-rank was checked only in the round a launcher first came to, against that round's
+    claims: after a restart nobody had claimed 1 there, and the twin was admitted by a restart, silently."""
+    runs = _c10d_nodes(tmp_path, 3, 10**6, ["--max-restarts", "1", "--rdzv-conf", "last_call_timeout=10"])
+    try:
+        _lose_at(runs, 15, victim=runs[2], watched=runs[0])  # a late third admitted first is a restart not counted
+        runs[0].wait_for(r"RESUMED step=\d+ world=2 restart=1", timeout=120)
+        runs[0].wait_for(r"STEP \d+ ", count=2, timeout=60)
+        where = tmp_path / "twin"
+        where.mkdir()
+        twin = Run(["-m", "mpddp", "run", "--nnodes", "2:3", "--node-rank", "1", "--nprocs", "1", "--master-addr",
+                    "127.0.0.1", "--master-port", str(_port(runs[0])), "--timeout", f"{TIMEOUT:g}",
+                    str(tmp_path / "job.py")], where, env={"CKPT": str(tmp_path / "ckpt"), "STEPS": "10"})
+        runs.append(twin)
+        started = time.monotonic()
+        assert twin.finish(TIMEOUT + 60) == 2, twin.stderr
+        assert time.monotonic() - started < TIMEOUT + 15
+        said = _said(twin)
+        assert len(said) == 1 and said[0].startswith("mpddp: error: --node-rank 1 is taken: the launcher "), said
+        _no_launcher_traceback(twin)
+        assert "STEP" not in twin.stdout
+        steps = [run.stdout.count("STEP ") for run in runs[:2]]
+        time.sleep(1.0)
+        assert all(run.proc.poll() is None for run in runs[:2]), [run.stderr for run in runs[:2]]
+        assert all(run.stdout.count("STEP ") > n for run, n in zip(runs[:2], steps))  # the job goes on, unchanged
+        assert not any("arrived" in run.stderr for run in runs[:2]), [run.stderr for run in runs[:2]]
     finally:
         _end(runs)

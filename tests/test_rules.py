@@ -59,6 +59,18 @@ def test_the_member_order_keeps_the_old_nodes_then_the_given_ranks_then_arrival(
         "old-0", "old-2", "late-given-1", "garbled", "new-early", "new-late"]
 
 
+@pytest.mark.parametrize("members, arrivals, node_rank, place", [
+    (["a", "b"], {"a": {"rank": 0}, "b": {"rank": 1}}, 1, 1),
+    (["b", "a"], {"a": {"rank": 0}, "b": {"rank": 1}}, 1, 0),  # compacted after a loss: its place is not its rank
+    (["a", "b"], {"a": {"rank": 0}, "b": {"rank": None}}, 1, None),  # numbered as it came: it holds no --node-rank
+    (["a", "b"], {"a": {"rank": 0}, "b": {"rank": 1}, "c": {"rank": 2}}, 2, None),  # arrived, not a member: a spare
+    (["a", "b"], {"a": {"rank": 0}}, 1, None),  # an arrival not read (gone with its lease): no holder
+    ([], {}, 0, None),
+])
+def test_the_holder_of_a_node_rank_is_the_member_that_came_with_it(members, arrivals, node_rank, place):
+    assert rules.holder(members, arrivals, node_rank) == place
+
+
 @pytest.mark.parametrize("members, high, verdict", [
     (1, 2, Outside.ADMIT), (3, 4, Outside.ADMIT), (4, 4, Outside.SPARE), (2, 2, Outside.SPARE),
 ])

@@ -14,6 +14,7 @@ from ..wire import protocol
 from ..wire.protocol import FailureRecord, full_key
 from .c10d_client import C10dClient
 from .membership import poll_interval
+from .rules import NodeState, holder
 from .store_beat import read_all
 
 _ARRIVALS, _MEMBERS, _CLAIMS = "arrivals", "members", "claims"  # an elastic job's round
@@ -84,9 +85,29 @@ class C10dKeys:
         return int(self.link.client.call(lambda s: s.add(full_key(attempt, _ARRIVALS), 0)))
 
     def claim(self, attempt: int, node_rank: int, me: str) -> str | None:
+        """A launcher's first round: its --node-rank is taken by a member of the job's last decided round that came
+        with it (:func:`~mpddp.core.nodes.rules.holder`) and was not found lost there, or by another newcomer to
+        this round; None: this launcher holds it now."""
+        if (held := self._held(attempt, node_rank)) is not None:
+            return held
         key = full_key(attempt, f"{_CLAIMS}/{node_rank}")
         standing = self.link.client.call(lambda s: s.compare_set(key, "", me)).decode()
         return None if standing == me else standing
+
+    def _held(self, attempt: int, node_rank: int) -> str | None:
+        """The member of round ``attempt`` (the job's latest, as a newcomer reads it) that holds ``node_rank``, as
+        "launcher on host"; None when the round is not decided yet, nobody came with it, or its holder was lost."""
+        if (decided := self.decided(attempt)) is None:
+            return None
+        arrivals = {m: json.loads(a) for m, a in self.arrivals(attempt).items()}
+        members = list(json.loads(decided))
+        if (node := holder(members, arrivals, node_rank)) is None:
+            return None
+        key = full_key(attempt, f"{protocol.STATE}/{node}")
+        state = self.link.client.call(lambda s: s.compare_set(key, ABSENT, ABSENT)).decode()  # one operation
+        if state.startswith(f"{NodeState.LOST.value}/"):
+            return None  # found lost: its replacement takes its rank
+        return f"{members[node]} on {arrivals[members[node]].get('host')}"
 
     def arrivals(self, attempt: int) -> dict[str, str]:
         def read(s: Any) -> dict[str, str]:  # two operations, however many came (torch 2.1, 2.2: one a key)

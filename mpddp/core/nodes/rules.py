@@ -2,8 +2,9 @@
 
 Owns: :class:`NodeState`, a node's life in a round, and :func:`move`, the one transition function (which moves
 are allowed, and which counters a move newly enters the node in); the membership's rules: :func:`join_step` (decide
-the member list now, or look again), :func:`member_order` (the order of the list, which is the round's node ranks)
-and :func:`outside` (a launcher that came to a round decided without it: admitted by a restart, or a spare); and
+the member list now, or look again), :func:`member_order` (the order of the list, which is the round's node ranks),
+:func:`holder` (the member that holds a --node-rank) and :func:`outside` (a launcher that came to a round decided
+without it: admitted by a restart, or a spare); and
 the end's: :func:`wait_step` (a node whose ranks stopped on a failure, waiting for the round's record) and
 :func:`finish_step` (a node whose ranks returned, waiting for the others'), over a :class:`RoundView`, one look at
 the round. Each takes plain values (counts, a view, seconds from the caller's clock) and returns a value: no store,
@@ -87,6 +88,14 @@ def member_order(arrival: dict[str, object]) -> tuple[float, float, float]:
     old, rank, since = arrival.get("old"), arrival.get("rank"), arrival.get("since")
     return (float(old) if isinstance(old, int) else float("inf"), float(rank) if isinstance(rank, int) else float("inf"),
             float(since) if isinstance(since, (int, float)) else 0.0)
+
+
+def holder(members: list[str], arrivals: dict[str, dict[str, object]], node_rank: int) -> int | None:
+    """The place in a decided round (its node rank there) of the member that came to the job with ``--node-rank
+    node_rank``, if one did: it holds that rank in every round after, until it is found lost. A round's claims are
+    only its newcomers' (a member goes on to the next round without claiming again), so a twin that comes after a
+    restart is told by the members' arrivals, each of which carries the --node-rank it was started with."""
+    return next((n for n, m in enumerate(members) if arrivals.get(m, {}).get("rank") == node_rank), None)
 
 
 def outside(members: int, high: int) -> Outside:
