@@ -178,3 +178,19 @@ def test_finish_reads_pending_before_the_record():
 
     finish_step(Watched(pending=False))
     assert order == ["pending", "record"]
+
+
+@pytest.mark.parametrize("others, knew, read, by_itself, step", [
+    # another live node may not have heard the record: the store's loss first, whatever this node knows
+    (True, True, True, False, rules.Unheard.GONE),
+    (True, False, False, True, rules.Unheard.GONE),  # node 1's rank raised, node 0 killed before its record went
+    (True, False, True, False, rules.Unheard.GONE),
+    # alone (the store's host gone, the others found lost): what this node knows
+    (False, True, False, True, rules.Unheard.KNOWN),  # settled before the store went, as it waited for readers
+    (False, False, True, False, rules.Unheard.RECORD),  # its beat read the record
+    (False, False, True, True, rules.Unheard.OURS),  # its own rank failed by itself: first, before another's word
+    (False, False, False, True, rules.Unheard.OURS),
+    (False, False, False, False, rules.Unheard.GONE),  # nothing known: its ranks' failures are consequences
+])
+def test_a_node_whose_store_went_before_every_node_heard_tells_one_story(others, knew, read, by_itself, step):
+    assert rules.unheard(others=others, knew=knew, read=read, by_itself=by_itself) is step

@@ -239,8 +239,17 @@ class C10dRendezvous:
         also adds :data:`~mpddp.core.wire.protocol.FAILED` to the progress counter: every node's next beat sees it."""
         if record.outcome is Outcome.STOPPED and record.node_rank == self.config.node:
             self.stopped_in.add(attempt)
-        return FailureRecord.decode(self.client.call(lambda s: first_record(s, attempt, replace(
-            record, writer=self.config.node).encode())))
+        return last_word.read(self, attempt, FailureRecord.decode(self.client.call(lambda s: first_record(
+            s, attempt, replace(record, writer=self.config.node).encode()))))  # another's that stands: read
+
+    def until_heard(self, attempt: int) -> None:
+        """Until every other node that beat in round ``attempt`` and was not found lost has read its record, or a
+        short while (core/nodes/last_word.py's ``until_heard``); RendezvousGone when node 0's store went first."""
+        if (record := self.record(attempt)) is None:
+            return
+        beaten = [n for n, beat in self.heartbeats(attempt).items() if beat > 0 and n != record.writer]
+        last_word.until_heard(self, attempt, len(beaten) - self.count(attempt, protocol.LOST),
+                              max(0.01, membership.poll_interval(self.config.nnodes) / 10))
 
     def view(self, attempt: int) -> C10dView:
         return C10dView(self, attempt)
