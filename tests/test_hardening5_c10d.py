@@ -1,6 +1,6 @@
-"""Machines lost at the wrong moment under ``--rdzv-backend c10d`` (hardening 5): real launchers of ``mpddp run``
-on 127.0.0.1 as the nodes of one job on node 0's store, each in its own session, a whole machine (every process of
-it) SIGKILLed at the moment each case needs.
+"""Machines lost at the wrong moment, and endings, under ``--rdzv-backend c10d`` (hardening 5): real launchers of
+``mpddp run`` on 127.0.0.1 as the nodes of one job on node 0's store, each in its own session, a whole machine
+(every process of it) SIGKILLed at the moment each case needs, or a launcher that comes when it should not.
 
 Each case's bound is the issue's: one true story on every surviving node within --timeout + 15 s of the fault, no
 traceback of the launcher's own, nothing left behind.
@@ -8,13 +8,16 @@ traceback of the launcher's own, nothing left behind.
 
 from __future__ import annotations
 
+import contextlib
 import re
+import textwrap
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 from multinode import free_port
-from test_elastic import JOB, _end, _lose_at
+from test_elastic import JOB, _c10d_node, _c10d_nodes, _end, _lose_at
 
 from runs import Run
 
@@ -48,6 +51,10 @@ def _no_launcher_traceback(run: Run) -> None:
     assert not re.search(r'File "[^"]*/mpddp/', run.stderr), run.stderr
 
 
+def _port(run: Run) -> int:
+    return int(run.proc.args[run.proc.args.index("--master-port") + 1])  # type: ignore[union-attr]
+
+
 def test_node_0_lost_is_one_story_on_every_survivor_none_naming_its_own_rank_first(tmp_path: Path) -> None:
     """Node 0's machine is lost mid-run: the job's store goes with it. Every survivor said "node 0 ... is gone;
     the failures below are consequences", then "rank N (node N, ...) failed first" of its own rank, so that each
@@ -68,4 +75,134 @@ def test_node_0_lost_is_one_story_on_every_survivor_none_naming_its_own_rank_fir
             run.assert_nothing_left()
         assert took < TIMEOUT + 15, took
     finally:
+        _end(runs)
+
+
+def test_a_node_rank_given_again_after_a_restart_is_refused_in_one_line(tmp_path: Path) -> None:
+    """c10d, 2:3: node 2's machine is lost, the two others restart; then a second launcher with --node-rank 1
+    comes. Before, --node-rank was checked only in the round a launcher first came to, against that round's
+    claims: after a restart nobody had claimed 1 there, and the twin was admitted by a restart, silently."""
+    runs = _c10d_nodes(tmp_path, 3, 10**6, ["--max-restarts", "1", "--rdzv-conf", "last_call_timeout=10"])
+    try:
+        _lose_at(runs, 15, victim=runs[2], watched=runs[0])  # a late third admitted first is a restart not counted
+        runs[0].wait_for(r"RESUMED step=\d+ world=2 restart=1", timeout=120)
+        runs[0].wait_for(r"STEP \d+ ", count=2, timeout=60)
+        where = tmp_path / "twin"
+        where.mkdir()
+        twin = Run(["-m", "mpddp", "run", "--nnodes", "2:3", "--node-rank", "1", "--nprocs", "1", "--master-addr",
+                    "127.0.0.1", "--master-port", str(_port(runs[0])), "--timeout", f"{TIMEOUT:g}",
+                    str(tmp_path / "job.py")], where, env={"CKPT": str(tmp_path / "ckpt"), "STEPS": "10"})
+        runs.append(twin)
+        started = time.monotonic()
+        assert twin.finish(TIMEOUT + 60) == 2, twin.stderr
+        assert time.monotonic() - started < TIMEOUT + 15
+        said = _said(twin)
+        assert len(said) == 1 and said[0].startswith("mpddp: error: --node-rank 1 is taken: the launcher "), said
+        _no_launcher_traceback(twin)
+        assert "STEP" not in twin.stdout
+        steps = [run.stdout.count("STEP ") for run in runs[:2]]
+        time.sleep(1.0)
+        assert all(run.proc.poll() is None for run in runs[:2]), [run.stderr for run in runs[:2]]
+        assert all(run.stdout.count("STEP ") > n for run, n in zip(runs[:2], steps))  # the job goes on, unchanged
+        assert not any("arrived" in run.stderr for run in runs[:2]), [run.stderr for run in runs[:2]]
+    finally:
+        _end(runs)
+
+
+def test_a_spare_that_waits_as_the_job_ends_is_told_it_was_not_needed(tmp_path: Path) -> None:
+    """c10d, 2:3: three nodes run, a fourth launcher without --node-rank waits as a spare; the job ends well.
+    Before, node 0 kept its store only until the members had left: the spare, looking every 0.1 s, mostly found it
+    gone first and said "node 0's launcher was killed, or its machine lost". Node 0 had finished."""
+    runs = _c10d_nodes(tmp_path, 3, 400, ["--rdzv-conf", "last_call_timeout=60"])
+    try:
+        runs[0].wait_for(r"STEP 5 ", timeout=120)
+        spare = _c10d_node(tmp_path, None, _port(runs[0]), 400)  # 20 s of steps left: it comes before the end
+        runs.append(spare)
+        deadline = time.monotonic() + 60
+        while "waits as a spare" not in spare.stderr:  # it came before the end (else it is not this case)
+            assert time.monotonic() < deadline and spare.proc.poll() is None, spare.stderr
+            time.sleep(0.1)
+        spare.list_tree()
+        assert [run.finish(120) for run in runs[:3]] == [0, 0, 0], [run.stderr for run in runs[:3]]
+        ended = time.monotonic()
+        code = spare.finish(TIMEOUT + 60)
+        said = _said(spare)
+        assert code == 0 and "killed" not in spare.stderr, spare.stderr
+        assert said[-1].startswith("mpddp: the job ended while this node waited as a spare"), said
+        assert time.monotonic() - ended < TIMEOUT + 15
+        assert "STEP" not in spare.stdout
+        _no_launcher_traceback(spare)
+        spare.assert_nothing_left()
+    finally:
+        _end(runs)
+
+
+LINGER = textwrap.dedent("""
+    import os, torch, torch.distributed as dist
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    for step in range(1, 11):
+        dist.all_reduce(torch.ones(1))
+        print(f"STEP {step}", flush=True)
+    dist.destroy_process_group()
+    print(f"DONE rank={rank} world={world}", flush=True)
+    while rank and not os.path.exists(os.environ["FAIL_GO"]):  # node 1's rank computes on until the test says go
+        sum(i * i for i in range(20000))  # (a rank that sleeps makes no progress: its watchdog would call it hung)
+""")
+
+
+def _returned(port: int, attempt: int, timeout: float) -> None:
+    """Until a node's launcher is counted as returned in round ``attempt`` (its exit barrier), in node 0's store."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from mpddp.core.wire import protocol
+
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=timeout))
+    deadline = time.monotonic() + timeout
+    while store.add(protocol.full_key(attempt, protocol.RETURNED), 0) < 1:
+        assert time.monotonic() < deadline, f"no node returned in round {attempt} within {timeout} s"
+        time.sleep(0.05)
+    del store
+
+
+def test_a_newcomer_during_the_exit_barrier_is_not_needed_and_the_job_ends_once(tmp_path: Path) -> None:
+    """c10d, 2:3 on two nodes: node 0's ranks returned, node 1's still run (the exit barrier); a third launcher
+    comes. Before, it was admitted: its record restarted the group, and a job that had finished ran again."""
+    (tmp_path / "job.py").write_text(LINGER)
+    port, runs = free_port(), []
+    job = ["--nnodes", "2:3", "--nprocs", "1", "--master-addr", "127.0.0.1", "--master-port", str(port), "--timeout",
+           f"{TIMEOUT:g}", "--rdzv-conf", "last_call_timeout=2", str(tmp_path / "job.py")]
+    try:
+        for node in ("0", "1", None):
+            where = tmp_path / f"node{node or '-new'}"
+            where.mkdir()
+            runs.append(Run(["-m", "mpddp", "run", *(["--node-rank", node] if node else []), *job], where,
+                            env={"FAIL_GO": str(tmp_path / "go")}))
+            if node == "1":
+                runs[0].wait_for(r"DONE rank=0 world=2", timeout=120)
+                _returned(port, 0, 60)  # node 0's launcher is in its exit barrier: node 1's rank lingers on
+        newcomer = runs[2]
+        deadline = time.monotonic() + TIMEOUT + 15
+        while newcomer.proc.poll() is None and time.monotonic() < deadline:
+            for run in runs:
+                with contextlib.suppress(psutil.NoSuchProcess):  # the newcomer may end meanwhile
+                    run.list_tree()
+            time.sleep(0.1)
+        (tmp_path / "go").write_text("go")
+        code = newcomer.finish(60)
+        said = _said(newcomer)
+        assert code == 0 and len(said) == 1, newcomer.stderr
+        assert said[0].startswith(f"mpddp: the job at 127.0.0.1:{port} was ending as this node came"), said
+        assert "STEP" not in newcomer.stdout
+        assert [run.finish(60) for run in runs[:2]] == [0, 0], [run.stderr for run in runs[:2]]
+        for node, run in enumerate(runs[:2]):
+            assert run.stdout.count("DONE") == 1 and f"DONE rank={node} world=2" in run.stdout, run.stdout
+            assert "arrived" not in run.stderr, run.stderr
+        for run in runs:
+            _no_launcher_traceback(run)
+            run.assert_nothing_left()
+    finally:
+        (tmp_path / "go").write_text("go")
         _end(runs)

@@ -334,6 +334,14 @@ def _mark_returned(beats: _Beats, node: int) -> None:
     _move(beats, node, "RETURNED")
 
 
+def _heard(beats: _Beats, readers: int) -> None:
+    """The other nodes' reads of round 0's record, as each counts its first (core/nodes/last_word.py's ``read``):
+    here before it is written, where a node that waits for it reads it at its next look (0.05 s)."""
+    from mpddp.core.wire import protocol
+
+    beats.add(protocol.full_key(0, protocol.READ), readers)
+
+
 def _link(node: int, beats: _Beats, timeout: float = 180.0) -> object:
     import mpddp
     from mpddp.core.nodes.c10d import C10dRendezvous
@@ -483,6 +491,7 @@ def test_a_hang_blamed_on_a_node_that_itself_only_waits_is_told_at_once() -> Non
 
     beats = _Beats({0: 12, 1: 12, 2: 12}, ended={2})
     _move(beats, 1, "WAITING")
+    _heard(beats, 2)
     link = _link(0, beats, timeout=30.0)
     seen_here = mpddp.WorkerFailed("mpddp: ranks 0, 2 called all_reduce #41 while rank 1 called broadcast #41", rank=1)
     started = time.monotonic()
@@ -503,6 +512,7 @@ def test_a_hang_that_names_ranks_here_and_elsewhere_is_told_again_once_the_other
     beats = _Beats({0: 12, 1: 12, 2: 12})
     for node in (0, 2):  # node 0's rank saw the group stop too: both wait, their collectives shared first
         _move(beats, node, "WAITING")
+    _heard(beats, 2)
     link = _link(1, beats, timeout=30.0)
     stale = mpddp.WorkerFailed("mpddp: ranks 1, 2 made no progress for 4 s while rank 0 waited", rank=1)
     fresh = mpddp.WorkerFailed("mpddp: rank 1 made no progress for 4 s while ranks 0, 2 waited", rank=1)
@@ -547,6 +557,7 @@ def test_a_node_whose_ranks_returned_while_ours_waited_is_named_at_once() -> Non
 
     beats = _Beats({0: 12, 1: 12, 2: 12})
     _mark_returned(beats, 2)
+    _heard(beats, 2)
     link = _link(0, beats, timeout=30.0)
     victim = mpddp.WorkerFailed("mpddp: rank 0 failed in all_reduce: Connection closed by peer", rank=0)
     started = time.monotonic()
@@ -555,6 +566,43 @@ def test_a_node_whose_ranks_returned_while_ours_waited_is_named_at_once() -> Non
     assert time.monotonic() - started < 1.0
     assert (said.rank, said.node_rank, said.outcome, said.exit_code, said.line, said.writer) == (
         2, 2, mpddp.Outcome.EARLY_EXIT, 1, "mpddp: rank 2 exited (code 0) while ...", 0)
+
+
+def test_a_record_is_told_once_every_other_node_read_it_and_the_stores_loss_if_it_went_first() -> None:
+    """Node 1's rank raised; nodes 0 and 2 read its record 0.5 s later: node 1 tells its rank then. Node 0's store
+    gone before they read it: nodes 1 and 2 both lead with node 0's loss (node 2 could not hear of the raise), node
+    1 says what it knew after it (before, node 1 named its rank and node 2 node 0's loss)."""
+    import threading
+
+    import mpddp
+    from mpddp.core.nodes import settle
+    from mpddp.core.nodes.api import RendezvousGone
+
+    beats = _Beats({0: 12, 1: 12, 2: 12})
+    raised = mpddp.WorkerFailed("mpddp: rank 1 (node 1, local rank 0) failed first: it raised RuntimeError", rank=1)
+    later = threading.Timer(0.5, lambda: [_link(n, beats).record(0) for n in (0, 2)])
+    started = time.monotonic()
+    later.start()
+    try:
+        said = settle.settle(_link(1, beats), 0, raised, mpddp.Outcome.RAISED, None, lambda r: r, lambda: None)
+    finally:
+        later.join()
+    assert said is raised and 0.5 <= time.monotonic() - started < 2.0
+
+    class Gone:  # node 0's store, gone once the record is written
+        def __getattr__(self, name: str) -> object:
+            raise RendezvousGone("node 0's store went away")
+
+    beats = _Beats({0: 12, 1: 12, 2: 12})
+    writer = _link(1, beats)
+    writer.reached = True  # its ranks met in node 0's store
+    writer.client.call = lambda op, connect_timeout=None: (  # type: ignore[method-assign]
+        op(beats) if not any(k.endswith("/failure") for k in beats.values) else op(Gone()))
+    writer.last_word = lambda attempt: None  # type: ignore[method-assign]  # nobody listens at node 0's port
+    said = settle.settle(writer, 0, raised, mpddp.Outcome.RAISED, None, lambda r: r, lambda: None)
+    assert str(said).startswith("node 0, which hosts the rendezvous at 127.0.0.1:29500, is gone (its launcher was "
+                                "killed, or its machine lost); before it went, rank 1 of this node failed by itself")
+    assert said.__cause__ is raised
 
 
 @pytest.mark.parametrize("then", ["returned", "ended", "failed"])

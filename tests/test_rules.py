@@ -59,6 +59,18 @@ def test_the_member_order_keeps_the_old_nodes_then_the_given_ranks_then_arrival(
         "old-0", "old-2", "late-given-1", "garbled", "new-early", "new-late"]
 
 
+@pytest.mark.parametrize("members, arrivals, node_rank, place", [
+    (["a", "b"], {"a": {"rank": 0}, "b": {"rank": 1}}, 1, 1),
+    (["b", "a"], {"a": {"rank": 0}, "b": {"rank": 1}}, 1, 0),  # compacted after a loss: its place is not its rank
+    (["a", "b"], {"a": {"rank": 0}, "b": {"rank": None}}, 1, None),  # numbered as it came: it holds no --node-rank
+    (["a", "b"], {"a": {"rank": 0}, "b": {"rank": 1}, "c": {"rank": 2}}, 2, None),  # arrived, not a member: a spare
+    (["a", "b"], {"a": {"rank": 0}}, 1, None),  # an arrival not read (gone with its lease): no holder
+    ([], {}, 0, None),
+])
+def test_the_holder_of_a_node_rank_is_the_member_that_came_with_it(members, arrivals, node_rank, place):
+    assert rules.holder(members, arrivals, node_rank) == place
+
+
 @pytest.mark.parametrize("members, high, verdict", [
     (1, 2, Outside.ADMIT), (3, 4, Outside.ADMIT), (4, 4, Outside.SPARE), (2, 2, Outside.SPARE),
 ])
@@ -166,3 +178,19 @@ def test_finish_reads_pending_before_the_record():
 
     finish_step(Watched(pending=False))
     assert order == ["pending", "record"]
+
+
+@pytest.mark.parametrize("others, knew, read, by_itself, step", [
+    # another live node may not have heard the record: the store's loss first, whatever this node knows
+    (True, True, True, False, rules.Unheard.GONE),
+    (True, False, False, True, rules.Unheard.GONE),  # node 1's rank raised, node 0 killed before its record went
+    (True, False, True, False, rules.Unheard.GONE),
+    # alone (the store's host gone, the others found lost): what this node knows
+    (False, True, False, True, rules.Unheard.KNOWN),  # settled before the store went, as it waited for readers
+    (False, False, True, False, rules.Unheard.RECORD),  # its beat read the record
+    (False, False, True, True, rules.Unheard.OURS),  # its own rank failed by itself: first, before another's word
+    (False, False, False, True, rules.Unheard.OURS),
+    (False, False, False, False, rules.Unheard.GONE),  # nothing known: its ranks' failures are consequences
+])
+def test_a_node_whose_store_went_before_every_node_heard_tells_one_story(others, knew, read, by_itself, step):
+    assert rules.unheard(others=others, knew=knew, read=read, by_itself=by_itself) is step

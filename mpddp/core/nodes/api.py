@@ -12,7 +12,7 @@ core/nodes/rules.py's :class:`~mpddp.core.nodes.rules.NodeState` and
 names a backend: the launcher and the settlement (core/nodes/settle.py) use
 this module only, and a test keeps it so.
 
-A backend is storage, liveness and a watch, in eleven methods:
+A backend is storage, liveness and a watch, in twelve methods:
 
 * a round: :meth:`~Rendezvous.join` it (its :class:`Round` says who), where
   its store listens (:meth:`~Rendezvous.round_store`, a :class:`RoundStore`:
@@ -20,7 +20,9 @@ A backend is storage, liveness and a watch, in eleven methods:
   the port of a restarted env:// script's store (:meth:`~Rendezvous.script_port`),
   :meth:`~Rendezvous.watch` it (the beat), and :meth:`~Rendezvous.move` this
   node's record in it (waiting, returned, ended: the one transition function);
-* its first failure: :meth:`~Rendezvous.publish` (the first writer wins);
+* its first failure: :meth:`~Rendezvous.publish` (the first writer wins), and
+  :meth:`~Rendezvous.until_heard` (told once every node can tell it: a store
+  that can go with a node waits for the others to read it);
 * one look at it: :meth:`~Rendezvous.view` (the record, who is busy, whose
   ranks returned, who waits, who never arrived), and who is
   :meth:`~Rendezvous.lost` (by the backend's own means: beats, or leases);
@@ -201,6 +203,7 @@ class Rendezvous(Protocol):
     def watch(self, attempt: int, share: Callable[[bool], bytes | None] | None = None) -> RoundWatch: ...
     def move(self, attempt: int, state: NodeState) -> None: ...  # this node's record (rules.move says if it may)
     def publish(self, attempt: int, record: FailureRecord) -> FailureRecord: ...  # the record that stands
+    def until_heard(self, attempt: int) -> None: ...  # the others have the record (RendezvousGone: gone before)
     def view(self, attempt: int) -> RoundView: ...
     def lost(self, attempt: int, since: float) -> Lost | None: ...  # ``since``: when this node began to wait
     def last_word(self, attempt: int) -> FailureRecord | None: ...  # node 0's, its store lost

@@ -19,7 +19,6 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import replace
-from datetime import timedelta
 from typing import Any
 
 from ... import rank_math
@@ -30,7 +29,7 @@ from ..wire.protocol import FailureRecord, full_key
 from . import last_word, membership, rules
 from .api import POLL, STALLED_AFTER, Lost, RendezvousGone, Round, RoundStore, names
 from .c10d_client import C10dClient
-from .c10d_keys import ABSENT, C10dKeys, first_record, missing_ranks, take_number
+from .c10d_keys import ABSENT, C10dKeys, arrived, close_door, first_record, join_barrier, missing_ranks, take_number
 from .c10d_watch import C10dRoundWatch
 from .rules import NodeState
 from .store_beat import read_all
@@ -118,6 +117,8 @@ class C10dRendezvous:
                 start_them=f"start the missing launchers with --nnodes {launched.min_nnodes}:{launched.nnodes} "
                            f"--master-addr {launched.master_addr} --master-port {self.port}")
         except RendezvousGone:
+            if not self.client.reached:  # nobody answered: no job there (not started, or ended), not a loss
+                raise RendezvousError(self.gone_line()) from None
             raise self._no_round(attempt) from None
         self.rounds[here.number] = here
         self.config = replace(launched, nnodes=here.nnodes, node_rank=here.node_rank)
@@ -125,28 +126,11 @@ class C10dRendezvous:
         return here
 
     def _join(self, attempt: int, node: int, nnodes: int, timeout: float) -> None:
-        """The last launcher to arrive says so; the others wait for that key in the store (no poll)."""
-        everyone = full_key(attempt, protocol.ALL_JOINED)
-
-        def arrive(s: Any) -> bool:
-            s.set(full_key(attempt, protocol.joined_key(node)), "1")
-            if s.add(full_key(attempt, protocol.JOINED), 1) >= nnodes:
-                s.set(everyone, "1")
-                return True
-            try:
-                s.wait([everyone], timedelta(seconds=timeout))
-                return True
-            except Exception:  # noqa: BLE001 - torch's timeout; a store that is gone fails the next operation
-                return False
-
-        if self.client.call(arrive):
-            return
-        joined = self.client.call(lambda s: [s.check([full_key(attempt, protocol.joined_key(n))]) for n in range(nnodes)])
-        missing = [n for n in range(nnodes) if not joined[n]]
-        raise RendezvousError(
-            f"node(s) {names(missing)} did not join round {attempt} (restart {attempt} of "
-            f"{self.config.max_restarts}) within --timeout {timeout:g} s: their launchers are gone or stopped "
-            "(killed, preempted, machine lost); every node must be running to restart the group")
+        if missing := self.client.call(lambda s: join_barrier(s, attempt, node, nnodes, timeout)):
+            raise RendezvousError(
+                f"node(s) {names(missing)} did not join round {attempt} (restart {attempt} of "
+                f"{self.config.max_restarts}) within --timeout {timeout:g} s: their launchers are gone or stopped "
+                "(killed, preempted, machine lost); every node must be running to restart the group")
 
     def round_store(self, attempt: int, host: Callable[[str], int]) -> RoundStore:
         """Node 0's, at --master-addr and --master-port, for every round: no other node can take its place."""
@@ -171,6 +155,8 @@ class C10dRendezvous:
         gone meanwhile is none of its business, and node 0 stopped itself (Ctrl-C, a signal) keeps its store
         until the others read why (core/nodes/last_word.py's ``until_read``; called shielded from a second one)."""
         me = self.config.node
+        if state is NodeState.RETURNED and self.launched.min_nnodes < self.launched.nnodes:
+            self.client.call(lambda s: close_door(s, attempt))  # first: no newcomer restarts a job that is ending
         if state is not NodeState.ENDED:
             self._move(attempt, me, state)
             return
@@ -253,8 +239,17 @@ class C10dRendezvous:
         also adds :data:`~mpddp.core.wire.protocol.FAILED` to the progress counter: every node's next beat sees it."""
         if record.outcome is Outcome.STOPPED and record.node_rank == self.config.node:
             self.stopped_in.add(attempt)
-        return FailureRecord.decode(self.client.call(lambda s: first_record(s, attempt, replace(
-            record, writer=self.config.node).encode())))
+        return last_word.read(self, attempt, FailureRecord.decode(self.client.call(lambda s: first_record(
+            s, attempt, replace(record, writer=self.config.node).encode()))))  # another's that stands: read
+
+    def until_heard(self, attempt: int) -> None:
+        """Until every other node that beat in round ``attempt`` and was not found lost has read its record, or a
+        short while (core/nodes/last_word.py's ``until_heard``); RendezvousGone when node 0's store went first."""
+        if (record := self.record(attempt)) is None:
+            return
+        beaten = [n for n, beat in self.heartbeats(attempt).items() if beat > 0 and n != record.writer]
+        last_word.until_heard(self, attempt, len(beaten) - self.count(attempt, protocol.LOST),
+                              max(0.01, membership.poll_interval(self.config.nnodes) / 10))
 
     def view(self, attempt: int) -> C10dView:
         return C10dView(self, attempt)
@@ -332,13 +327,14 @@ class C10dRendezvous:
         return int(self.client.call(lambda s: s.add(full_key(attempt, counter), 0)))
 
     def leave(self) -> None:
-        """Done with the store. Node 0 keeps it until every other launcher has left too (or a short while),
-        but for the launchers that any node found lost: they will not come to leave."""
+        """Done with the store. Node 0 keeps it until every other launcher has left too (or a short while), a spare
+        of an elastic job too (it reads the end there), but for the launchers any node found lost: they will not
+        come to leave."""
         nnodes = self.config.nnodes
 
-        def waited_for(s: Any) -> int:  # the nodes of the last round, but for those any node found lost
-            return nnodes - len(self.absent) - max(len(self.gone - self.absent),
-                                                   s.add(full_key(self._last, protocol.LOST), 0))
+        def waited_for(s: Any) -> int:  # the last round's nodes and spares (its arrivals), but for the lost
+            came = max(nnodes, arrived(s, self._last))  # a spare that found the store gone said node 0 was lost
+            return came - len(self.absent) - max(len(self.gone - self.absent), s.add(full_key(self._last, protocol.LOST), 0))
 
         try:
             self.client.call(lambda s: s.add(protocol.LEFT, 1), connect_timeout=2.0)

@@ -1,22 +1,28 @@
 """What the ``c10d`` backend keeps in node 0's store beyond the round's own keys: core/nodes/membership.py's, for
-an elastic job; a fixed-size job's numbers for the launchers that come without ``--node-rank``; the round's
-first failure; the ranks that never came. Also :class:`C10dLink`, what this module, core/nodes/c10d_watch.py
+an elastic job, and a round's door (a newcomer is admitted until a node's ranks returned); a fixed-size job's
+numbers for the launchers that come without ``--node-rank``; a restarted round's barrier; the round's first
+failure; the ranks that never came. Also :class:`C10dLink`, what this module, core/nodes/c10d_watch.py
 and core/nodes/last_word.py use of the backend (core/nodes/c10d.py), which imports them."""
 
 from __future__ import annotations
 
 import json
 import time
+from datetime import timedelta
 from typing import Any, Protocol
 
 from ...config import LaunchConfig
 from ..wire import protocol
 from ..wire.protocol import FailureRecord, full_key
+from .api import NotNeeded
 from .c10d_client import C10dClient
 from .membership import poll_interval
+from .rules import NodeState, holder
 from .store_beat import read_all
 
 _ARRIVALS, _MEMBERS, _CLAIMS = "arrivals", "members", "claims"  # an elastic job's round
+_ADMISSION = "admission"  # a round's door: a newcomer's record of admission, or CLOSED once a node's ranks returned
+CLOSED = "closed"
 ABSENT = "\x00absent"  # compare_set's answer for a key that is not there (it sets nothing then): a get in one
 _ROUND = "mpddp/job/round"  # the round an elastic job is in now, for a launcher that comes late
 _NUMBERED = "mpddp/job/numbered"  # a counter: the launchers of a fixed-size job numbered as they came (1, 2, ...)
@@ -54,6 +60,45 @@ def missing_ranks(s: Any, attempt: int, world_size: int) -> list[int]:
     return [r for r in range(world_size) if r not in came]
 
 
+def arrived(s: Any, attempt: int) -> int:
+    """How many launchers came to round ``attempt`` of an elastic job, its spares too (0: a fixed-size job)."""
+    return int(s.add(full_key(attempt, _ARRIVALS), 0))
+
+
+def admitted(s: Any, attempt: int, record: bytes) -> bool:
+    """A newcomer's admission to round ``attempt``, which its nodes restart for (``record``, of RESIZED): True once it
+    is the round's record; False when the round's door was closed first (a node's ranks had all returned: the job
+    is ending, and a restart would run a finished job again)."""
+    if s.compare_set(full_key(attempt, _ADMISSION), "", record) != record:
+        return False
+    first_record(s, attempt, record)
+    return True
+
+
+def close_door(s: Any, attempt: int) -> None:
+    """Before a node's ranks are counted as returned in round ``attempt``: no newcomer is admitted to it from now on.
+    A newcomer that came first has its admission made the round's record here too (it writes the record after the
+    door): every node that counts as returned sees the restart, none ends the job without it."""
+    standing = s.compare_set(full_key(attempt, _ADMISSION), "", CLOSED)
+    if standing != CLOSED.encode():
+        first_record(s, attempt, bytes(standing))
+
+
+def join_barrier(s: Any, attempt: int, node: int, nnodes: int, timeout: float) -> list[int]:
+    """A restarted round's barrier: the last launcher to arrive says so, the others wait for that key (no poll).
+    The nodes that did not join within ``timeout``; none once every one did."""
+    everyone = full_key(attempt, protocol.ALL_JOINED)
+    s.set(full_key(attempt, protocol.joined_key(node)), "1")
+    if s.add(full_key(attempt, protocol.JOINED), 1) >= nnodes:
+        s.set(everyone, "1")
+        return []
+    try:
+        s.wait([everyone], timedelta(seconds=timeout))
+        return []
+    except Exception:  # noqa: BLE001 - torch's timeout; a store that is gone fails the next operation
+        return [n for n in range(nnodes) if not s.check([full_key(attempt, protocol.joined_key(n))])]
+
+
 def take_number(s: Any, me: str, nnodes: int) -> int | None:
     """A node rank for launcher ``me`` of a fixed-size job, numbered as it comes (node 0 hosts the store):
     the next of a counter, claimed with the key each rank's roll call claims in round 0
@@ -84,9 +129,29 @@ class C10dKeys:
         return int(self.link.client.call(lambda s: s.add(full_key(attempt, _ARRIVALS), 0)))
 
     def claim(self, attempt: int, node_rank: int, me: str) -> str | None:
+        """A launcher's first round: its --node-rank is taken by a member of the job's last decided round that came
+        with it (:func:`~mpddp.core.nodes.rules.holder`) and was not found lost there, or by another newcomer to
+        this round; None: this launcher holds it now."""
+        if (held := self._held(attempt, node_rank)) is not None:
+            return held
         key = full_key(attempt, f"{_CLAIMS}/{node_rank}")
         standing = self.link.client.call(lambda s: s.compare_set(key, "", me)).decode()
         return None if standing == me else standing
+
+    def _held(self, attempt: int, node_rank: int) -> str | None:
+        """The member of round ``attempt`` (the job's latest, as a newcomer reads it) that holds ``node_rank``, as
+        "launcher on host"; None when the round is not decided yet, nobody came with it, or its holder was lost."""
+        if (decided := self.decided(attempt)) is None:
+            return None
+        arrivals = {m: json.loads(a) for m, a in self.arrivals(attempt).items()}
+        members = list(json.loads(decided))
+        if (node := holder(members, arrivals, node_rank)) is None:
+            return None
+        key = full_key(attempt, f"{protocol.STATE}/{node}")
+        state = self.link.client.call(lambda s: s.compare_set(key, ABSENT, ABSENT)).decode()  # one operation
+        if state.startswith(f"{NodeState.LOST.value}/"):
+            return None  # found lost: its replacement takes its rank
+        return f"{members[node]} on {arrivals[members[node]].get('host')}"
 
     def arrivals(self, attempt: int) -> dict[str, str]:
         def read(s: Any) -> dict[str, str]:  # two operations, however many came (torch 2.1, 2.2: one a key)
@@ -121,7 +186,13 @@ class C10dKeys:
         return int(found) if found else 0
 
     def admit(self, attempt: int, record: FailureRecord) -> None:
-        self.link.client.call(lambda s: first_record(s, attempt, record.encode()))
+        """The round restarts for this newcomer, unless a node's ranks had returned (:func:`admitted`): then the job
+        is ending, and this launcher is not needed."""
+        if not self.link.client.call(lambda s: admitted(s, attempt, record.encode())):
+            client = self.link.client
+            raise NotNeeded(f"mpddp: the job at {client.config.master_addr}:{client.port} was ending as this node "
+                            f"came (round {attempt}'s ranks had returned on a node): this node ran nothing, it was "
+                            "not needed")
 
     def record(self, attempt: int) -> FailureRecord | None:
         return self.link.record(attempt)

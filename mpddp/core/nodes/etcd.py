@@ -215,6 +215,9 @@ class EtcdRendezvous(EtcdKV):
         standing = self.get(key)
         return FailureRecord.decode(standing) if standing else FailureRecord.decode(mine)
 
+    def until_heard(self, attempt: int) -> None:
+        """At once: etcd keeps the round's record for every node (a round's store that goes takes none with it)."""
+
     def tell_failed(self, attempt: int) -> None:
         """The first writer of round ``attempt``'s record (a failure, or a newcomer's admission): FAILED on the
         round's store, which every node's next beat reads (core/nodes/store_beat.py); through this launcher's

@@ -14,7 +14,9 @@ first, then listens again), after which, or after a second without any
 answer (a machine lost drops what it is sent), node 0's launcher or its
 machine is gone, as this node then says. Also node 0's wait, once it was
 stopped itself (Ctrl-C), until the others read why (:func:`until_read`,
-counted by :func:`read`): its store goes with it. Leaves the store's client
+counted by :func:`read`): its store goes with it; and every node's wait
+until the others read the round's record before it tells it
+(:func:`until_heard`). Leaves the store's client
 to core/wire/store.py, and telling the record to core/nodes/settle.py.
 """
 
@@ -35,6 +37,7 @@ from .c10d_keys import ABSENT, C10dLink, first_record
 WAIT = 5.0  # seconds node 0 keeps its last word up for the others, and seconds they wait for it, at most
 LISTEN_WAIT = 2.0  # seconds another launcher tries a refused connection to node 0's port again, at most
 READ_WAIT = 3.0  # seconds node 0, stopped itself, keeps its store for the others to read why, at most
+HEARD_WAIT = 2.0  # seconds a node waits for the others to read the round's record before it tells it, at most
 _READ = "last-word-read"  # how many other launchers have read it
 
 
@@ -106,6 +109,19 @@ def until_read(link: C10dLink, attempt: int) -> None:
             if time.monotonic() > deadline:
                 return
             time.sleep(POLL)
+
+
+def until_heard(link: C10dLink, attempt: int, readers: int, look: float) -> None:
+    """Until ``readers`` nodes other than its writer have read round ``attempt``'s record (each counts its first read:
+    :func:`read`), or :data:`HEARD_WAIT` with the store up, looking every ``look`` seconds. RendezvousGone when node
+    0's store went first: a node that had not read the record then tells node 0's loss, and so must this one, so
+    that every node tells one story (core/nodes/settle.py). A store that outlives the wait keeps the record for a
+    node that reads it later."""
+    deadline = time.monotonic() + HEARD_WAIT
+    while link.client.call(lambda s: s.add(full_key(attempt, protocol.READ), 0)) < readers:
+        if time.monotonic() > deadline:
+            return
+        time.sleep(look)
 
 
 def read(link: C10dLink, attempt: int, record: FailureRecord) -> FailureRecord:

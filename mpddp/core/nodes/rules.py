@@ -2,11 +2,12 @@
 
 Owns: :class:`NodeState`, a node's life in a round, and :func:`move`, the one transition function (which moves
 are allowed, and which counters a move newly enters the node in); the membership's rules: :func:`join_step` (decide
-the member list now, or look again), :func:`member_order` (the order of the list, which is the round's node ranks)
-and :func:`outside` (a launcher that came to a round decided without it: admitted by a restart, or a spare); and
-the end's: :func:`wait_step` (a node whose ranks stopped on a failure, waiting for the round's record) and
+the member list now, or look again), :func:`member_order` (the order of the list, which is the round's node ranks),
+:func:`holder` (the member that holds a --node-rank) and :func:`outside` (a launcher that came to a round decided
+without it: admitted by a restart, or a spare); and
+the end's: :func:`wait_step` (a node whose ranks stopped on a failure, waiting for the round's record),
 :func:`finish_step` (a node whose ranks returned, waiting for the others'), over a :class:`RoundView`, one look at
-the round. Each takes plain values (counts, a view, seconds from the caller's clock) and returns a value: no store,
+the round, and :func:`unheard` (what a node tells when the store went before every node had the round's record). Each takes plain values (counts, a view, seconds from the caller's clock) and returns a value: no store,
 no sleep, so tests/test_rules.py checks them in milliseconds with injected time. core/nodes/membership.py and
 core/nodes/settle.py carry them out over a backend.
 """
@@ -89,6 +90,14 @@ def member_order(arrival: dict[str, object]) -> tuple[float, float, float]:
             float(since) if isinstance(since, (int, float)) else 0.0)
 
 
+def holder(members: list[str], arrivals: dict[str, dict[str, object]], node_rank: int) -> int | None:
+    """The place in a decided round (its node rank there) of the member that came to the job with ``--node-rank
+    node_rank``, if one did: it holds that rank in every round after, until it is found lost. A round's claims are
+    only its newcomers' (a member goes on to the next round without claiming again), so a twin that comes after a
+    restart is told by the members' arrivals, each of which carries the --node-rank it was started with."""
+    return next((n for n, m in enumerate(members) if arrivals.get(m, {}).get("rank") == node_rank), None)
+
+
 def outside(members: int, high: int) -> Outside:
     """A round of ``members`` nodes decided without this launcher, under ``--nnodes MIN:high``."""
     return Outside.ADMIT if members < high else Outside.SPARE
@@ -169,3 +178,28 @@ def finish_step(view: RoundView) -> Finish:
     if view.record is not None:
         return Finish.RECORD
     return Finish.LOOK if pending else Finish.DONE
+
+
+class Unheard(enum.Enum):
+    """What a node tells when the store that serves every round (c10d: node 0's) went before every node still in the
+    round had read its record (or before one was written)."""
+
+    KNOWN = "known"  # what this node settled on before the store went: no other node is left to tell otherwise
+    RECORD = "record"  # the record its beat read: likewise
+    OURS = "ours"  # its own failure, by itself, told first: likewise
+    GONE = "gone"  # the store's loss first, the one line every node that could not hear the record tells alike
+
+
+def unheard(*, others: bool, knew: bool, read: bool, by_itself: bool) -> Unheard:
+    """``others``: another node lives (not the store's host, not found lost) that may not have heard the record, and
+    tells the store's loss then, having nothing else to tell: so does this one, whatever it knows (what it saw
+    follows that line). Alone, it tells what it knows: what it settled on (``knew``: the store went as it waited
+    for the others to read the record), the record its beat ``read`` (unless its own rank failed ``by_itself``: the
+    record was another node's word on it), else its own failure, else the store's loss."""
+    if others:
+        return Unheard.GONE
+    if knew:
+        return Unheard.KNOWN
+    if read and not by_itself:
+        return Unheard.RECORD
+    return Unheard.OURS if by_itself else Unheard.GONE

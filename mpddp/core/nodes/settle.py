@@ -40,7 +40,7 @@ from ...log import logger
 from ..wire.protocol import ERROR_LINE, FailureRecord
 from . import rules
 from .api import Lost, Rendezvous, RendezvousGone, names
-from .rules import Finish, NodeState, Wait
+from .rules import Finish, NodeState, Unheard, Wait
 
 _RECORD_WAIT = 10.0  # seconds a node whose ranks only saw a peer vanish waits for the record of the cause, at least
 
@@ -82,30 +82,67 @@ def settle(link: Rendezvous, attempt: int, local: WorkerFailed | None, cause: Ou
     a record into this node's report; ``missing``: the error that names the ranks that never arrived, if any (node 0 asks);
     ``blame``: what this node's report blames on other nodes.
     """
-    if local is None:
-        assert remote is not None  # the watch returns without a local failure only for another node's
-        return _told(remote, remote_error)
+    told: WorkerFailed | RendezvousError | None = None
     try:
-        return _settle_local(link, attempt, local, cause, remote_error, missing, blame)
+        if local is None:
+            assert remote is not None  # the watch returns without a local failure only for another node's
+            told = _told(remote, remote_error)
+        else:
+            told = _settle_local(link, attempt, local, cause, remote_error, missing, blame)
+        link.until_heard(attempt)  # told only once every node can tell it too
+        return told
     except RendezvousGone:  # node 0's store: gone with its launcher, or lost while its launcher says so last
-        if remote is not None and not _by_itself(cause, blame):  # the beat read it before the store went
-            return _told(remote, remote_error)
-        if (told := link.last_word(attempt)) is not None:
-            return _told(told, remote_error)
-        if _by_itself(cause, blame):  # still the cause, told first: the store went as the nodes stopped for it
-            local.args = (f"{local}\nmpddp: then {link.gone_line()}: the other nodes may not have heard of this "
-                          "failure",)
-            return local
-        return gone_error(link, local)
+        return _unheard(link, attempt, local, cause, remote, remote_error, blame, told)
 
 
-def gone_error(link: Rendezvous, local: WorkerFailed) -> RendezvousError:
+def _unheard(link: Rendezvous, attempt: int, local: WorkerFailed | None, cause: Outcome | None,
+             remote: FailureRecord | None, remote_error: Callable[[FailureRecord], WorkerFailed],
+             blame: Blame, told: WorkerFailed | RendezvousError | None) -> WorkerFailed | RendezvousError:
+    """This node's report when the backend went before every node had the round's record (core/nodes/rules.py's
+    :func:`~mpddp.core.nodes.rules.unheard` decides; node 0's last word, where its launcher lives to say it, is
+    heard alike on every node). A node that knows the cause (its rank failed by itself, or it read the record) while
+    another live node may not have heard of it tells the store's loss first, as that node must: one story, and
+    what it knew follows (measured: node 0's launcher killed 0.1 s after a rank of node 1 raised, node 1 named its
+    rank and node 2 node 0's loss)."""
+    config, by_itself = link.config, local is not None and _by_itself(cause, blame)
+    others = not link.hosts_round_store and bool(set(range(config.nnodes)) - {config.node, 0} - link.gone)
+    step = rules.unheard(others=others, knew=told is not None, read=remote is not None, by_itself=by_itself)
+    if step is Unheard.KNOWN:
+        assert told is not None
+        return told
+    if step is Unheard.RECORD:
+        assert remote is not None
+        return _told(remote, remote_error)
+    if (word := link.last_word(attempt)) is not None:
+        return _told(word, remote_error)
+    if step is Unheard.OURS:
+        assert local is not None
+        local.args = (f"{local}\nmpddp: then {link.gone_line()}: the other nodes may not have heard of this "
+                      "failure",)
+        return local
+    if by_itself:
+        assert local is not None
+        return gone_error(link, local, f"before it went, rank {local.rank} of this node failed by itself (below), "
+                                       "which the other nodes may not have heard of")
+    if remote is not None:
+        return gone_error(link, local or _told(remote, remote_error),
+                          f"before it went, the round's record named rank {remote.rank} (node {remote.node_rank}), "
+                          "which the other nodes may not have heard of; below, what this node saw")
+    assert local is not None
+    return gone_error(link, local)
+
+
+def gone_error(link: Rendezvous, local: WorkerFailed | RendezvousError,
+               why: str = "the failures below are consequences") -> RendezvousError:
     """This node's report when the backend went away before it learned what the others saw: node 0's store
     (which it reached: its loss, :class:`StoreLost`), or etcd (the failures are what this node saw)."""
     if not link.hosts_round_store:
         kind = StoreLost if link.reached else RendezvousError
-        return kind(f"{link.gone_line()}; the failures below are consequences\n{local}")
-    return RendezvousError(f"{link.gone_line()}; the failures below are what this node saw\n{local}")
+        error = kind(f"{link.gone_line()}; {why}\n{local}")
+    else:
+        error = RendezvousError(f"{link.gone_line()}; the failures below are what this node saw\n{local}")
+    error.__cause__ = local
+    return error
 
 
 def _told(record: FailureRecord, remote_error: Callable[[FailureRecord], WorkerFailed]) -> WorkerFailed | RendezvousError:
