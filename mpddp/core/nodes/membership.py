@@ -36,7 +36,6 @@ class Keys(Protocol):
     def await_decided(self, attempt: int, timeout: float) -> str | None: ...  # ... after a look of timeout
     def look(self, nodes: int) -> float: ...  # seconds between two looks of a waiting launcher
     def decide(self, attempt: int, members: str) -> bool: ...  # write it unless written: True if this one stands
-    def latest(self) -> int: ...  # the round the job is in now (0: a new job)
     def admit(self, attempt: int, record: FailureRecord) -> None: ...  # the round's record, unless written
     def record(self, attempt: int) -> FailureRecord | None: ...
     def over(self, attempt: int, members: list[str]) -> bool: ...  # the job ended well without this launcher
