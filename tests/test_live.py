@@ -123,6 +123,16 @@ def test_table_says_every_column():
     assert all(len(line) <= 40 for line in live_table.table(_snapshot(), width=40).splitlines()[2:5])
 
 
+def test_html_says_what_the_table_says():
+    snapshot = _snapshot(failure="rank 3 failed: <ValueError> & more")
+    page = live_table.html(snapshot)
+    assert page.count("<tr") == 3 and page.count("<th") == 10  # the columns' names, and a row a rank; no GPU column
+    assert '<tr style="font-weight:bold">' in page and page.count("font-weight:bold") == 1  # the straggler's row
+    assert "rank 3 failed: &lt;ValueError&gt; &amp; more" in page and "<ValueError>" not in page
+    assert ">#56 all_reduce<" in page and ">+52.0 ms *<" in page
+    assert "not heard from yet: node(s) 1" in page and "* the straggler" in page
+
+
 # ---- the runtime folder ----------------------------------------------------------------------------------------
 
 def test_folder_is_refused_unless_ours_alone(monkeypatch, tmp_path):
