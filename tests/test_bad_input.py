@@ -90,6 +90,8 @@ CASES = [
          ("run", "--bogus-option", "x.py")),
     Case("unknown-option", "unexpected keyword argument 'nproc'", api={"nproc": 2}),
     Case("fn-not-callable", "fn=42 is not callable", api={"fn": 42}),
+    Case("live-not-a-bool", "live='yes' is not True or False", api={"live": "yes"}),
+    Case("live-with-hosts", "live=True with hosts=", api={"live": True, "hosts": "node-a,node-b", "nprocs": 1}),
     Case("fn-arg-unshippable", "cannot send args[0]=<unlocked _thread.lock", api={"args": "lock"},
          error=mpddp.ShipError),
     Case("task-unknown", "task='nosuch'", ("train", "--task", "nosuch"), {"train": {"task": "nosuch"}}),

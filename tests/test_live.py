@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from multinode import Cluster, free_port
 
-from mpddp.core.launcher import live_table, runtime_dir
+from mpddp.core.launcher import live_display, live_table, runtime_dir
 from mpddp.core.launcher.live import Header, RankRow, Snapshot
 from mpddp.errors import ConfigError
 
@@ -123,6 +123,16 @@ def test_table_says_every_column():
     assert all(len(line) <= 40 for line in live_table.table(_snapshot(), width=40).splitlines()[2:5])
 
 
+def test_html_says_what_the_table_says():
+    snapshot = _snapshot(failure="rank 3 failed: <ValueError> & more")
+    page = live_table.html(snapshot)
+    assert page.count("<tr") == 3 and page.count("<th") == 10  # the columns' names, and a row a rank; no GPU column
+    assert '<tr style="font-weight:bold">' in page and page.count("font-weight:bold") == 1  # the straggler's row
+    assert "rank 3 failed: &lt;ValueError&gt; &amp; more" in page and "<ValueError>" not in page
+    assert ">#56 all_reduce<" in page and ">+52.0 ms *<" in page
+    assert "not heard from yet: node(s) 1" in page and "* the straggler" in page
+
+
 # ---- the runtime folder ----------------------------------------------------------------------------------------
 
 def test_folder_is_refused_unless_ours_alone(monkeypatch, tmp_path):
@@ -167,8 +177,29 @@ def test_one_node_top_once_and_the_entry_removed_at_exit(no_leftovers, cluster, 
     assert all(r[-2] == "step" for r in rows), done.stdout  # the last line each rank wrote
     (tmp_path / "STOP").write_text("")
     assert node.wait(60) == 0, node.stderr
+    assert "mpddp top" not in node.stderr  # live=False: the launcher shows no table of its own
     assert not list((xdg / "mpddp").iterdir())  # its entry and its socket are gone
     assert _top(xdg, "--once").returncode == 1
+
+
+@pytest.mark.timeout(180)
+def test_live_without_a_display_writes_a_table_now_and_then_and_the_last(no_leftovers, cluster, tmp_path):
+    """``launch(..., live=True)`` in a script whose stderr is a file: no redraw, no flood; the last look stays."""
+    node = _start(cluster, _xdg(tmp_path), 1, 0, 0, env={"LIVE": "1"})
+    deadline = time.monotonic() + 90
+    while "mpddp top  job" not in node.stderr:  # the first table, once every rank's row is in
+        assert time.monotonic() < deadline and node.proc.poll() is None, f"no table:\n{node.stdout}\n{node.stderr}"
+        time.sleep(0.1)
+    seen = time.monotonic()
+    (tmp_path / "STOP").write_text("")
+    assert node.wait(60) == 0, node.stderr
+    tables = [t.splitlines() for t in node.stderr.split("mpddp top  job ")[1:]]
+    assert len(tables) == 2 or time.monotonic() - seen >= live_display.TEXT_EVERY[False], node.stderr
+    for table, states in ((tables[0], ("running", "waiting")), (tables[-1], ("done",))):
+        rows = [line.split() for line in table[2:4]]
+        assert [r[:3] for r in rows] == [["0", "0", "0"], ["1", "0", "1"]], table
+        assert all(r[3] in states and "all_reduce" in r for r in rows), table
+    assert "\x1b[" not in node.stderr  # no terminal control in a file
 
 
 @pytest.mark.timeout(180)

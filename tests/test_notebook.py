@@ -18,7 +18,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import nbformat
@@ -47,6 +47,7 @@ class Cell:
     evalue: str
     traceback: str
     seconds: float
+    displays: list[dict] = field(default_factory=list)  # the data of each display_data output
 
     @property
     def lines(self) -> list[str]:
@@ -57,14 +58,17 @@ def _cell(node: nbformat.NotebookNode, seconds: float) -> Cell:
     streams = {"stdout": "", "stderr": ""}
     result = error = None
     evalue = tb = ""
+    displays = []
     for out in node.outputs:
-        if out.output_type == "stream":
+        if out.output_type == "display_data":
+            displays.append(dict(out.data))
+        elif out.output_type == "stream":
             streams[out.name] += out.text
         elif out.output_type == "execute_result":
             result = out.data.get("text/plain")
         elif out.output_type == "error":
             error, evalue, tb = out.ename, out.evalue, _ANSI.sub("", "\n".join(out.traceback))
-    return Cell(streams["stdout"], streams["stderr"], result, error, evalue, tb, seconds)
+    return Cell(streams["stdout"], streams["stderr"], result, error, evalue, tb, seconds, displays)
 
 
 def kernel_env(cpu_only: bool) -> dict[str, str]:
@@ -117,6 +121,33 @@ class Kernel:
 
         seconds = self.loop.run_until_complete(go())
         return _cell(node, seconds), seconds
+
+    def run_while(self, source: str, ready: Callable[[], bool], then: Callable[[], None], wait: float = 60.0) -> Cell:
+        """Start a cell, call ``then()`` once ``ready()`` (or after ``wait`` s), and let the cell end."""
+        node = self._add(source)
+
+        async def go() -> None:
+            task = asyncio.ensure_future(self.client.async_execute_cell(node, len(self.nb.cells) - 1))
+            deadline = time.monotonic() + wait
+            while not task.done() and not ready() and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            then()
+            await asyncio.wait_for(task, 60)
+
+        self.loop.run_until_complete(go())
+        return _cell(node, 0)
+
+    def messages(self) -> list[dict]:
+        """From now on, every message the cells get (nbclient folds a display's updates into it): the list."""
+        seen: list[dict] = []
+        process = self.client.process_message
+
+        def record(msg: dict, cell: nbformat.NotebookNode, index: int) -> nbformat.NotebookNode | None:
+            seen.append(msg)
+            return process(msg, cell, index)
+
+        self.client.process_message = record  # type: ignore[method-assign]
+        return seen
 
     def restart_while(self, source: str, ready: Callable[[Cell], bool], wait: float = 30.0) -> list[psutil.Process]:
         """Start a cell, restart the kernel once ``ready``; the old kernel's processes still alive 10 s later."""
@@ -377,6 +408,96 @@ def test_restarting_the_kernel_while_ranks_run_leaves_no_process(kernel: Kernel)
     assert left == []  # the kernel died: its forkserver follows, and the workers with it (parent-death signal)
     ok(kernel.run(IMPORTS))
     assert ok(kernel.run("mpddp.launch(lambda ctx: ctx.rank + 1, nprocs=2)")).result == "[1, 2]"
+
+
+UNTIL_STOP = """\
+def until_stop(ctx, stop):
+    step = 0
+    while True:  # every rank stops at the same step: the flag is reduced
+        flag = torch.tensor([float(os.path.exists(stop))])
+        dist.all_reduce(flag)
+        if flag.item() > 0:
+            return step
+        step += 1
+        print(f"step {step}", flush=True)
+        time.sleep(0.05)
+"""
+
+
+def _table_rows(text: str) -> dict[int, list[str]]:
+    """The rows of a live table's text (RANK NODE LOCAL STATE COLL/S LAST COLLECTIVE ...), by rank."""
+    return {int(cells[0]): cells for line in text.splitlines()[1:] if (cells := line.split()) and cells[0].isdigit()}
+
+
+def _both_at_a_collective(text: str, states: tuple[str, ...]) -> bool:
+    """Ranks 0 and 1 have a row, in one of ``states``, with their last collective: ``#N all_reduce``."""
+    rows = _table_rows(text)
+    return sorted(rows) == [0, 1] and all(
+        row[3] in states and "all_reduce" in row and re.fullmatch(r"#\d+", row[row.index("all_reduce") - 1])
+        for row in rows.values())
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.usefixtures("no_workers_left")
+def test_live_shows_the_table_in_the_cell_updated_in_place(kernel: Kernel, tmp_path: Path):
+    ok(kernel.run(IMPORTS))
+    ok(kernel.run(UNTIL_STOP))
+    stop = tmp_path / "STOP"
+    messages = kernel.messages()
+
+    def updates() -> list[dict]:
+        return [m["content"] for m in messages if m["msg_type"] == "update_display_data"]
+
+    def running() -> bool:  # an update while the ranks run: both rows, with their last collective
+        return any(_both_at_a_collective(u["data"]["text/plain"], ("running", "waiting")) for u in updates())
+
+    cell = ok(kernel.run_while(f"mpddp.launch(until_stop, nprocs=2, args=({str(stop)!r},), live=True)", running,
+                               stop.touch))
+    assert running(), [u["data"]["text/plain"] for u in updates()]
+    steps = [int(n) for n in re.findall(r"\d+", cell.result or "")]
+    assert len(steps) == 2 and steps[0] == steps[1] > 0, cell.result
+    made = [m["content"] for m in messages if m["msg_type"] == "display_data"]
+    assert len(made) == 1 and made[0]["transient"]["display_id"]  # one display, made once ...
+    assert {u["transient"]["display_id"] for u in updates()} == {made[0]["transient"]["display_id"]}  # ... updated
+    (shown,) = cell.displays  # what the cell keeps: the last look, every rank done, with its last collective
+    assert shown["text/plain"].startswith("mpddp top  job ") and "<table" in shown["text/html"]
+    assert _both_at_a_collective(shown["text/plain"], ("done",)), shown["text/plain"]
+    assert f"[rank 0] step {steps[0]}" in cell.stdout  # the ranks' lines still come, beside the table
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.usefixtures("no_workers_left")
+def test_live_leaves_the_last_look_after_a_failure_and_after_the_stop_button(kernel: Kernel):
+    ok(kernel.run(IMPORTS))
+    failed = kernel.run(
+        "def fails_later(ctx):\n"
+        "    dist.barrier()\n"
+        "    if ctx.rank == 1:\n"
+        "        raise ValueError('late')\n"
+        "    dist.barrier()\n"
+        "mpddp.launch(fails_later, nprocs=2, live=True)")
+    assert failed.error == "WorkerFailed"
+    (shown,) = failed.displays
+    rows = _table_rows(shown["text/plain"])
+    assert "rank 1 (node 0, local rank 1) failed first: it raised ValueError: late" in shown["text/plain"].splitlines()[1]
+    assert sorted(rows) == [0, 1] and rows[1][3] == "failed", shown["text/plain"]
+    cell, _ = kernel.run_and_interrupt(BLOCKED.replace("timeout=300)", "timeout=300, live=True)"),
+                                       ready=lambda c: c.stdout.count("[rank") >= 2)
+    assert cell.error == "KeyboardInterrupt", cell
+    (shown,) = cell.displays
+    rows = _table_rows(shown["text/plain"])
+    assert sorted(rows) == [0, 1] and not {r[3] for r in rows.values()} & {"starting", "running", "waiting"}, rows
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.usefixtures("no_workers_left")
+def test_without_live_no_table_is_shown(kernel: Kernel):
+    ok(kernel.run(IMPORTS))
+    cell = ok(kernel.run("mpddp.launch(lambda ctx: ctx.rank, nprocs=2)"))
+    assert cell.result == "[0, 1]" and cell.displays == []
+    assert "mpddp top" not in cell.stdout + cell.stderr
+    refused = kernel.run("mpddp.launch(lambda ctx: ctx.rank, nprocs=2, live='yes')")
+    assert refused.error == "ConfigError" and refused.evalue.startswith("live='yes' is not True or False")
 
 
 @pytest.mark.timeout(120)

@@ -63,6 +63,7 @@ def launch(
     config: LaunchConfig | None = None,
     init_process_group: bool = True,
     preload: tuple[str, ...] | list[str] = (),
+    live: bool = False,
     **options: Any,
 ) -> list[Any]:
     """Run ``fn(ctx, *args, **kwargs)`` on every local rank; return their values.
@@ -75,6 +76,9 @@ def launch(
     builds an optimizer or DDP; added by itself when ``max_restarts`` > 0, so
     that a restarted rank's first step is not one more import); it counts
     when the forkserver starts, at the interpreter's first launch.
+    ``live=True`` shows ``mpddp top``'s table while the job runs: in a
+    notebook cell, updated in place every second; elsewhere on stderr, now
+    and then; the last look stays when the job ends.
     The list is in local rank order. If a rank fails,
     the whole group is stopped and :class:`WorkerFailed` names the rank that
     failed first, with its traceback.
@@ -92,12 +96,17 @@ def launch(
         raise ConfigError(f"kwargs={kwargs!r} is not a dict: pass fn's keyword arguments as a dict")
     if not isinstance(preload, (tuple, list)) or not all(isinstance(m, str) for m in preload):
         raise ConfigError(f"preload={preload!r} is not a list of module names: pass e.g. preload=['torch._dynamo']")
+    if not isinstance(live, bool):
+        raise ConfigError(f"live={live!r} is not True or False: pass live=True to see the job's table while it runs")
     config = make_config({**options, "nprocs": nprocs}, config)
     refuse_unguarded(config)
     if config.max_restarts:  # a job that may restart trains: a restarted rank must not import torch._dynamo again
         preload = (*preload, *(m for m in TRAINING_PRELOAD if m not in preload))
     payload = pack_call(fn, tuple(args), dict(kwargs or {}))
     if config.hosts is not None:  # a launcher on every host, over ssh (core/launcher/hosts_head.py)
+        if live:
+            raise ConfigError("live=True with hosts=: the ranks run on the hosts, not under this process; run "
+                              "`mpddp top` on one of the hosts instead")
         from .hosts_head import launch_hosts
 
         return launch_hosts(config, payload, init_process_group, tuple(preload))
@@ -107,7 +116,7 @@ def launch(
         resolve(config.master_addr)  # a bad address: one line now, before any process or torch import
     config, listening = _store_socket(config)
     try:
-        return run_node(config, payload, init_process_group, tuple(preload), listening)
+        return run_node(config, payload, init_process_group, tuple(preload), listening, live)
     finally:
         if listening is not None:
             listening.close()  # a failure before the store server took it; else closed already
@@ -136,11 +145,12 @@ def _store_socket(config: LaunchConfig) -> tuple[LaunchConfig, socket.socket | N
 
 
 def run_node(config: LaunchConfig, payload: bytes, init_process_group: bool, preload: tuple[str, ...],
-             listening: socket.socket | None = None) -> list[Any]:
+             listening: socket.socket | None = None, live: bool = False) -> list[Any]:
     """This node's ranks, from a checked config and a shipped ``fn``: the forkserver, the plan, the attempts.
 
     ``listening``: node 0's socket for the job's store, already listening (:func:`_store_socket`'s, or a ``--hosts``
     node's, core/launcher/hosts_node.py); None on the other nodes, and where each round's first node hosts its store.
+    ``live``: the job's table shown while it runs (core/launcher/live_display.py).
     """
     LAUNCHING.set()  # the command line's start-up handler (exit_on_interrupt) now leaves Ctrl-C to the teardown
     with stacks.on_demand(), interrupts_deferred():  # SIGUSR1: where is every rank (from the first moment)
@@ -151,7 +161,7 @@ def run_node(config: LaunchConfig, payload: bytes, init_process_group: bool, pre
     from .job import run_job  # the attempt and what it imports: at the first launch, not at `import mpddp`
 
     with stacks.on_demand():
-        return run_job(plan, mp_context, payload, init_process_group, listening)
+        return run_job(plan, mp_context, payload, init_process_group, listening, live)
 
 
 def refuse_unguarded(config: LaunchConfig) -> None:

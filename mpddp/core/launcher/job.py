@@ -9,7 +9,8 @@ restart loop: a failed round is a :class:`Failed`, and :func:`next_step` decides
 is replaced for the next round on one node, and by the next round's own where each round has one; where one
 store serves every round of several nodes, the others could not find a new one, so the job ends there.
 While the job runs, its entry in this user's runtime folder lets ``mpddp top`` find it (core/launcher/runtime_dir.py,
-core/launcher/live.py). This module never asks which backend runs: only the rendezvous' answers.
+core/launcher/live.py), and ``launch(..., live=True)`` shows its table (core/launcher/live_display.py).
+This module never asks which backend runs: only the rendezvous' answers.
 """
 
 from __future__ import annotations
@@ -28,20 +29,24 @@ from . import runtime_dir, stragglers
 from .attempt import run_group
 from .job_state import Job, start_store, stop_store
 from .live import LiveView
+from .live_display import showing
 from .plan import Plan, for_round
 from .startup import launch_ended
 
 
-def run_job(plan: Plan, mp_context: Any, payload: bytes, init_group: bool, listening: socket.socket | None) -> list[Any]:
+def run_job(plan: Plan, mp_context: Any, payload: bytes, init_group: bool, listening: socket.socket | None,
+            live_table: bool = False) -> list[Any]:
     """Every attempt of this node's part of the job, with the store up from the first to the last.
 
     ``listening``: node 0's socket for the job's store (core/launcher/api.py binds it where one store serves every
-    round); without it, the rendezvous places each round's store, on a single node too."""
+    round); without it, the rendezvous places each round's store, on a single node too. ``live_table``: the job's
+    table shown while it runs (``launch(..., live=True)``)."""
     config = plan.config
     port = listening.getsockname()[1] if listening is not None else config.master_port
     job = Job(plan, mp_context, payload, init_group, port)
     live = job.live = LiveView(job)
-    with runtime_dir.serving(live.job_id, config.node_rank, lambda: live.snapshot().to_json()):  # mpddp top
+    with runtime_dir.serving(live.job_id, config.node_rank, lambda: live.snapshot().to_json()), \
+            showing(live, live_table):  # mpddp top; launch(..., live=True)
         return _run(job, listening)
 
 

@@ -11,8 +11,9 @@ Across nodes, a node's rows ride its board's snapshot, which the round's beat al
 watched launcher says so in the progress counter that every node's beat already adds to (core/nodes/store_beat.py),
 and while any node is watched (:data:`~mpddp.core.nodes.store_beat.WATCHED_FOR` s after the last ask) each adds its
 rows, at most once a second.
-Nobody watching, nothing here runs. Leaves the runtime folder and its socket to core/launcher/runtime_dir.py and
-the words of the table to core/launcher/live_table.py.
+Nobody watching, nothing here runs. Leaves the runtime folder and its socket to core/launcher/runtime_dir.py, the
+table shown by the launcher itself (``launch(..., live=True)``: a notebook cell, else stderr) to
+core/launcher/live_display.py, and the words of the table to core/launcher/live_table.py.
 """
 
 from __future__ import annotations
@@ -178,14 +179,17 @@ class LiveView:
 
         return share
 
-    def snapshot(self) -> Snapshot:
-        """The job now: this node's rows, and the other nodes' as they last shared them (asking them to)."""
+    def snapshot(self, ask: bool = True) -> Snapshot:
+        """The job now: this node's rows, and the other nodes' as they last shared them (asking them to).
+        ``ask=False``, the look a notebook keeps once the job ended (core/launcher/live_display.py): this node's
+        rows afresh, the others' as last read; no store is asked (the round's may be gone)."""
         shown = self.shown
         watch = shown.round_watch if shown is not None else None
-        rows = list(self.rows())
+        rows = list(self.rows(fresh=not ask))
         if watch is not None:
-            watch.look()
-            rows += self._other_rows(watch)
+            if ask:
+                watch.look()
+            rows += self._other_rows(watch) if ask else self._others[1]
         here = {r.node for r in rows}
         missing = tuple(n for n in range(self.job.config.nnodes) if n not in here) if shown is not None else ()
         return Snapshot(self._header(), tuple(sorted(rows, key=lambda r: r.rank)), missing)
@@ -220,12 +224,12 @@ class LiveView:
                       elapsed=time.monotonic() - self.started, failure=failure,
                       node=plan.config.node_rank, host=socket.gethostname())
 
-    def rows(self) -> list[RankRow]:
-        """This node's rows, computed at most once a second (the beat and a watcher may both ask)."""
+    def rows(self, fresh: bool = False) -> list[RankRow]:
+        """This node's rows, computed at most once a second (the beat and a watcher may both ask) unless ``fresh``."""
         with self._lock:
             at, rows = self._rows
             now = time.monotonic()
-            if now - at >= EVERY or not rows:
+            if fresh or now - at >= EVERY or not rows:
                 rows = self._compute(now)
                 self._rows = (now, rows)
             return rows

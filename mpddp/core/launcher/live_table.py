@@ -1,11 +1,13 @@
 """The words of a live look at a job: a header and a table, a row a rank (``mpddp top``, a notebook cell).
 
 Owns: :func:`table`, which only renders a core/launcher/live.py :class:`~mpddp.core.launcher.live.Snapshot`
-(deciding what a row says is live.py's), fitted to a width. Plain text: a terminal redraws it whole, a notebook
-shows it in a ``<pre>``.
+(deciding what a row says is live.py's), fitted to a width, and :func:`html`, the same look for a notebook cell.
+Plain text: a terminal redraws it whole; a cell shows the HTML, with the text beside it for front ends without.
 """
 
 from __future__ import annotations
+
+from html import escape
 
 from .live import RankRow, Snapshot
 
@@ -57,3 +59,22 @@ def _size(n: int) -> str:
 def _clock(seconds: float) -> str:
     s = int(seconds)
     return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}"
+
+
+def html(snapshot: Snapshot) -> str:
+    """The same look as :func:`table`, as an HTML table for a notebook cell (a straggler's row in bold)."""
+    lines = [escape(line) for line in table(snapshot, width=1 << 16).splitlines()]
+    above = 2 if snapshot.header.failure else 1  # the header, and the first failure once there is one
+    gpu = any(r.gpu is not None for r in snapshot.ranks)
+    keep = [i for i, name in enumerate(_COLUMNS) if gpu or name != "GPU"]
+    rows = [_html_row("th", _COLUMNS, keep, False)] + [_html_row("td", _cells(r), keep, r.straggler)
+                                                       for r in snapshot.ranks]
+    return (f'<div style="font-family:monospace">{"<br>".join(lines[:above])}'
+            f'<table style="border-collapse:collapse">{"".join(rows)}</table>'
+            f'{"<br>".join(lines[above + 1 + len(snapshot.ranks):])}</div>')
+
+
+def _html_row(tag: str, cells: tuple[str, ...], keep: list[int], bold: bool) -> str:
+    tds = "".join(f'<{tag} style="padding:0 .6em;text-align:{"right" if i in _RIGHT else "left"}">{escape(cells[i])}'
+                  f"</{tag}>" for i in keep)
+    return f'<tr style="font-weight:bold">{tds}</tr>' if bold else f"<tr>{tds}</tr>"
