@@ -155,7 +155,7 @@ def _go_on(job: Job, error: WorkerFailed | StoreLost) -> None:
     """After a failed round: the restart :func:`next_step` allows, or the end, raised with the report."""
     failed = _failed(job, error)
     if job.live is not None:
-        job.live.failed(("mpddp: " if isinstance(error, StoreLost) else "") + str(error).splitlines()[0])
+        job.live.failed(str(error).splitlines()[0])
     step = next_step(failed, job.restarts, job.config.max_restarts)
     if step is Step.END:
         job.close_last_word(wait=True)  # node 0, its store server lost: once the others have read why

@@ -155,7 +155,7 @@ class LiveView:
 
     def failed(self, line: str) -> None:
         """The job's first failure (a round that failed, restarted or not): kept for the header."""
-        self.failure = self.failure or line
+        self.failure = self.failure or line.removeprefix("mpddp: ")  # the header says whose line it is
 
     def share(self, board: Board) -> Callable[[bool], bytes | None]:
         """The round watch's ``share``: the board's snapshot, and while someone watches the job this node's rows
