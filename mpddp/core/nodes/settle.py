@@ -170,7 +170,7 @@ def _settle_local(link: Rendezvous, attempt: int, local: WorkerFailed, cause: Ou
         mine = found.writer == config.node_rank and found.outcome is not Outcome.EARLY_EXIT
         return local if mine else _told(found, remote_error)
     if not found.beat and attempt == 0 and (never := link.view(attempt).never_arrived) is not None and \
-            set(found.nodes) <= {rank_math.split_rank(r, link.nprocs)[0] for r in never.ranks}:
+            set(found.nodes) == {rank_math.split_rank(r, link.nprocs)[0] for r in never.ranks}:
         return _absent(link, attempt, never, remote_error)  # they never came: node 0's story, told by whoever is first
     lost_ranks = [s.rank for s in rank_math.layout(config.nnodes, link.nprocs) if s.node_rank in found.nodes]
     how = ("stopped beating without ending its round" if found.beat else
