@@ -2,7 +2,8 @@
 
 ``python live_job.py NNODES NODE_RANK PORT STOP [RDZV_BACKEND ENDPOINT ID]``: 2 ranks a node all-reduce a flag every
 50 ms, printing ``step N``, until the file STOP exists (every rank sees it in the same step: the flag is reduced),
-then print one ``RESULT`` line. ``SLOW_RANK`` in the environment: that rank sleeps 50 ms more a step (a straggler).
+then print one ``RESULT`` line. ``SLOW_RANK`` in the environment: that rank sleeps 50 ms more a step (a straggler);
+``DASHBOARD``: launch's ``dashboard=`` (tests/test_dashboard.py).
 """
 
 from __future__ import annotations
@@ -37,5 +38,6 @@ if __name__ == "__main__":
     if len(sys.argv) > 5:
         where = {"nnodes": nnodes, "node_rank": node, "rdzv_backend": sys.argv[5], "rdzv_endpoint": sys.argv[6],
                  "rdzv_id": sys.argv[7], "local_addr": "127.0.0.1"}
-    results = mpddp.launch(work, nprocs=2, args=(stop,), backend="gloo", timeout=60, **where)
+    results = mpddp.launch(work, nprocs=2, args=(stop,), backend="gloo", timeout=60,
+                           dashboard=os.environ.get("DASHBOARD"), **where)
     print("RESULT " + json.dumps(results), flush=True)
