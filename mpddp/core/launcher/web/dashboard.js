@@ -78,6 +78,12 @@ function table(snapshot) {
   document.getElementById("notes").textContent = notes.join(" ");
 }
 
+// The tick at or above ``step`` of 1, 2 or 5 times a power of ten: the lag axis reads 0, 10, 20, 30, 40 ms
+function nice(step) {
+  const ten = 10 ** Math.floor(Math.log10(step));
+  return [1, 2, 5, 10].map((m) => m * ten).find((t) => t >= step);
+}
+
 // Each rank's lags as dots, x: seconds before now, y: ms; the straggler's naming as a dashed line
 function timeline(data) {
   const canvas = document.getElementById("timeline");
@@ -85,17 +91,21 @@ function timeline(data) {
   const W = canvas.width, H = canvas.height, left = 60, right = 110, top = 12, bottom = 34;
   g.clearRect(0, 0, W, H);
   const all = data.ranks.flatMap((r) => r.points.map((p) => p[1]));
-  const most = Math.max(1, ...all) * 1.1;
-  const x = (ago) => left + (W - left - right) * (1 + ago / data.span);
+  const tick = nice(Math.max(1, ...all) * 1.1 / 4), most = 4 * tick;
+  // a young job fills the width: the span shown grows by 10 s up to the launcher's
+  const oldest = Math.min(0, ...data.ranks.flatMap((r) => r.points.map((p) => p[0])));
+  const span = Math.min(data.span, Math.max(10, Math.ceil(-oldest / 10) * 10));
+  document.getElementById("span").textContent = span >= 120 ? `${span / 60} minutes` : `${span} s`;
+  const x = (ago) => left + (W - left - right) * (1 + ago / span);
   const y = (ms) => H - bottom - (H - top - bottom) * (ms / most);
   g.strokeStyle = "#ccc"; g.fillStyle = "#555"; g.font = "11px sans-serif"; g.lineWidth = 1;
   for (let k = 0; k <= 4; k++) {
-    const ms = most * k / 4;
+    const ms = tick * k;
     g.beginPath(); g.moveTo(left, y(ms)); g.lineTo(W - right, y(ms)); g.stroke();
-    g.fillText(`${ms.toFixed(ms < 10 ? 1 : 0)} ms`, 4, y(ms) + 4);
+    g.fillText(`${+ms.toFixed(1)} ms`, 4, y(ms) + 4);
   }
-  for (let s = 0; s <= data.span; s += data.span / 4) {
-    g.fillText(s === 0 ? "now" : `-${s.toFixed(0)} s`, x(-s) - 12, H - bottom + 16);
+  for (let s = 0; s <= span; s += span / 4) {
+    g.fillText(s === 0 ? "now" : `-${s.toFixed(s < 10 ? 1 : 0)} s`, x(-s) - 12, H - bottom + 16);
   }
   data.ranks.forEach((r, i) => {
     g.fillStyle = COLOURS[r.rank % COLOURS.length];
@@ -104,11 +114,13 @@ function timeline(data) {
     g.fillStyle = "#333";
     g.fillText(`rank ${r.rank}`, W - right + 24, top + 14 + i * 16);
   });
-  if (data.named) {
+  if (data.named && -data.named.ago <= span) {
+    const at = x(data.named.ago), label = `rank ${data.named.rank} named`;
     g.strokeStyle = "#000"; g.setLineDash([5, 4]);
-    g.beginPath(); g.moveTo(x(data.named.ago), top); g.lineTo(x(data.named.ago), H - bottom); g.stroke();
+    g.beginPath(); g.moveTo(at, top); g.lineTo(at, H - bottom); g.stroke();
     g.setLineDash([]); g.fillStyle = "#000";
-    g.fillText(`rank ${data.named.rank} named`, x(data.named.ago) + 4, top + 10);
+    const wide = g.measureText(label).width;  // left of the line near the right edge: clear of the legend
+    g.fillText(label, at + 4 + wide > W - right ? at - 4 - wide : at + 4, top + 10);
   }
   canvas.dataset.points = String(all.length); // for a reader (and the browser test): what was drawn
   canvas.dataset.named = data.named ? String(data.named.rank) : "";
