@@ -186,7 +186,7 @@ class LaunchConfig:
         "to see a straggler and when it started; needs matplotlib (pip install 'mpddp[plot]')."))
     dashboard: str | None = field(default=None, metadata=_cli(  # launch(dashboard=True / 8265 / "HOST:PORT") too
         "Serve a live web page of the job: auto (127.0.0.1, a free port), PORT or HOST:PORT; the URL is printed "
-        "at the start (docs/watching.rst)."))
+        "at the start; read-only."))
     dashboard_remote: bool = field(default=False, metadata=_cli(
         "Let --dashboard listen on an address other machines reach; its URL then carries a random token.", "flag"))
     env: tuple[tuple[str, str], ...] = field(default=(), metadata={"doc": (  # no flag: `mpddp run` fills it
