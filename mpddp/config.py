@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import rendezvous_options
+from . import dashboard_options, rendezvous_options
 from .errors import ConfigError
 from .hostfile import parse_hostfile
 from .limits import check_dir_creatable, check_local_ranks, check_timeline
@@ -184,6 +184,11 @@ class LaunchConfig:
     timeline: str | None = field(default=None, metadata=_cli(
         "Draw every rank's arrival lag at each collective over time into this picture (.png, .svg or .pdf), "
         "to see a straggler and when it started; needs matplotlib (pip install 'mpddp[plot]')."))
+    dashboard: str | None = field(default=None, metadata=_cli(  # launch(dashboard=True / 8265 / "HOST:PORT") too
+        "Serve a live web page of the job: auto (127.0.0.1, a free port), PORT or HOST:PORT; the URL is printed "
+        "at the start; read-only."))
+    dashboard_remote: bool = field(default=False, metadata=_cli(
+        "Let --dashboard listen on an address other machines reach; its URL then carries a random token.", "flag"))
     env: tuple[tuple[str, str], ...] = field(default=(), metadata={"doc": (  # no flag: `mpddp run` fills it
         "Extra environment variables for every worker, as (name, value) pairs, set over mpddp's own; no "
         "command-line option (``mpddp run`` passes torchrun's variables through it).")})
@@ -239,6 +244,7 @@ class LaunchConfig:
             check_dir_creatable("log_dir", self.log_dir, "logs")
         if self.timeline is not None:
             check_timeline(self.timeline)
+        object.__setattr__(self, "dashboard", dashboard_options.parse(self.dashboard, self.dashboard_remote))
         # backend 'auto' is told by core/launcher/plan.py, which knows first whether there is any GPU at all
         if isinstance(self.gpus, tuple) and self.nprocs is not None and self.nprocs > len(self.gpus):
             if self.backend == "nccl":

@@ -13,6 +13,10 @@ Each picture comes from mpddp itself, never drawn by hand:
 - ``states.png``: a node's life in a round, every arrow a move that
   :func:`mpddp.core.nodes.rules.move` allows, labelled with the counters it
   enters the node in (asked of the function itself, state by state).
+- ``dashboard.png``: the ``--dashboard`` page of a real 2-rank ``mpddp run``
+  whose rank 1 is slow, once the launcher names it, taken by headless chromium
+  (skipped with a line where there is none), and beside it ``top.txt``, what
+  ``mpddp top --once`` prints of the same job at the same moment.
 
 The runs take a temporary directory and this checkout's mpddp. The docs build
 (``python -m sphinx ...``) only shows the PNGs committed here: it runs nothing.
@@ -22,11 +26,14 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
+import time
+import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -35,7 +42,7 @@ sys.path.insert(0, str(ROOT))
 from mpddp.rank_math import layout  # noqa: E402
 
 OUT = ROOT / "docs" / "_static"
-PICTURES = ("ranks", "stragglers", "curves", "states")
+PICTURES = ("ranks", "stragglers", "curves", "states", "dashboard")
 
 # A torchrun-style script: steps of 10 ms on every rank, and from step 150 on rank 1 reaches every
 # all_reduce 30 ms after rank 0.
@@ -150,6 +157,83 @@ def _run(argv: list[str], cwd: str) -> None:
         raise SystemExit(f"make_pictures: {' '.join(argv)} exited with {done.returncode}")
 
 
+# A job to watch: steps of 50 ms, rank 1 30 ms late to each all_reduce, until a file STOP appears (every rank sees
+# it at the same step: the flag is reduced)
+WATCHED = """\
+import os
+import time
+import torch
+import torch.distributed as dist
+
+dist.init_process_group("gloo")
+step = 0
+while True:
+    stop = torch.tensor([float(os.path.exists("STOP"))])
+    dist.all_reduce(stop)
+    if stop.item() or step == 6000:
+        break
+    step += 1
+    time.sleep(0.05 + (0.03 if dist.get_rank() == 1 else 0.0))  # rank 1 reads its data from a slow disk
+    if step % 10 == 0:
+        print(f"step {step}  loss {1 / (1 + step / 400):.3f}", flush=True)
+dist.destroy_process_group()
+"""
+
+
+def draw_dashboard(path: Path) -> bool:
+    """The --dashboard page of a real job once its straggler is named, and ``mpddp top --once`` of it beside it
+    (top.txt); False without chromium."""
+    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
+    if chromium is None:
+        print("make_pictures: skipping dashboard.png: no chromium here (apt-get install chromium)", flush=True)
+        return False
+    with tempfile.TemporaryDirectory(prefix="mpddp-pictures-") as tmp:
+        Path(tmp, "watched.py").write_text(WATCHED)
+        xdg = Path(tmp, "xdg")
+        xdg.mkdir(mode=0o700)  # mpddp top finds this job alone
+        env = {**_env(), "XDG_RUNTIME_DIR": str(xdg)}
+        argv = [sys.executable, "-m", "mpddp", "run", "--nprocs", "2", "--dashboard", "auto", "watched.py"]
+        print("$ " + " ".join(argv[1:]), flush=True)
+        with Path(tmp, "launcher.err").open("w") as err:
+            job = subprocess.Popen(argv, cwd=tmp, env=env, stdout=subprocess.DEVNULL, stderr=err)
+        try:
+            url = _named(Path(tmp, "launcher.err"), job)
+            sandbox = ["--no-sandbox"] if os.getuid() == 0 else []  # chromium's sandbox refuses root
+            subprocess.run([chromium, "--headless", "--disable-gpu", *sandbox, f"--user-data-dir={tmp}/chromium",
+                            "--window-size=1100,700", "--hide-scrollbars", "--virtual-time-budget=2000",
+                            f"--screenshot={path}", url], capture_output=True, timeout=120, check=True)
+            top = subprocess.run([sys.executable, "-m", "mpddp", "top", "--once"], env=env, capture_output=True,
+                                 text=True, timeout=60, check=True)
+            path.with_name("top.txt").write_text("$ mpddp top --once\n" + top.stdout)
+        finally:
+            Path(tmp, "STOP").write_text("")
+            try:
+                job.wait(60)
+            except subprocess.TimeoutExpired:
+                job.kill()
+                job.wait(10)
+    return True
+
+
+def _named(err: Path, job: subprocess.Popen, timeout: float = 180, age: float = 75) -> str:
+    """The page's URL, once the launcher names the straggler, has every rank's rates, and the job has run ``age``
+    seconds (the page's timeline then spans more than a minute)."""
+    deadline, url = time.monotonic() + timeout, None
+    while time.monotonic() < deadline and job.poll() is None:
+        time.sleep(0.5)
+        said = [line for line in err.read_text().splitlines() if "the dashboard of this job: " in line]
+        url = url or (said[0].rsplit(" ", 1)[1] if said else None)
+        if url is None:
+            continue
+        with urllib.request.urlopen(url + "snapshot.json", timeout=10) as answer:
+            seen = json.loads(answer.read())
+        ranks = seen["ranks"]
+        if (any(r["straggler"] for r in ranks) and all(r["per_second"] is not None for r in ranks)
+                and seen["header"]["elapsed"] >= age):
+            return url
+    raise SystemExit(f"make_pictures: the job named no straggler within {timeout:g} s:\n{err.read_text()}")
+
+
 def draw_stragglers(path: Path) -> None:
     """A real 2-rank run whose rank 1 turns slow, drawn by mpddp's own ``--timeline``."""
     with tempfile.TemporaryDirectory(prefix="mpddp-pictures-") as tmp:
@@ -181,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--only {','.join(unknown)}: the pictures are {', '.join(PICTURES)}")
     args.out.mkdir(parents=True, exist_ok=True)
     drawers = {"ranks": lambda p: draw_ranks(p) or True, "stragglers": lambda p: draw_stragglers(p) or True,
-               "curves": draw_curves, "states": lambda p: draw_states(p) or True}
+               "curves": draw_curves, "states": lambda p: draw_states(p) or True, "dashboard": draw_dashboard}
     for name in wanted:
         target = args.out / f"{name}.png"
         if drawers[name](target):

@@ -22,7 +22,8 @@ from mpddp.cli.options import LAUNCH_FIELDS, build_config
 
 PACKAGE = Path(mpddp.__file__).parent
 TOP = {"mpddp", "mpddp._version", "mpddp.errors", "mpddp.config", "mpddp.rank_math", "mpddp.context", "mpddp.log",
-       "mpddp.rendezvous_options", "mpddp.hostfile", "mpddp.limits"}  # the last three: parts of config.py's checks
+       # the last four: parts of config.py's checks
+       "mpddp.rendezvous_options", "mpddp.hostfile", "mpddp.limits", "mpddp.dashboard_options"}
 
 
 def _module_name(path: Path) -> str:

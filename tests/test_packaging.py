@@ -132,6 +132,17 @@ def test_the_wheel_holds_the_license_the_type_marker_and_the_example_task(built:
 
 
 @pytest.mark.timeout(120)
+def test_the_wheel_holds_the_dashboards_page(built: Built) -> None:
+    """--dashboard serves its page from the package: every file of web/, and nothing it loads from elsewhere."""
+    web = sorted(name for name in built.sources if name.startswith("mpddp/core/launcher/web/"))
+    assert {"index.html", "dashboard.js", "dashboard.css"} <= {name.rsplit("/", 1)[1] for name in web}, web
+    with zipfile.ZipFile(built.wheel) as wheel:
+        assert set(web) <= set(wheel.namelist()), sorted(set(web) - set(wheel.namelist()))
+        page = b"".join(wheel.read(name) for name in web)
+    assert not re.search(rb"(src|href)=\"(https?:)?//", page) and b"import(" not in page
+
+
+@pytest.mark.timeout(120)
 def test_the_sdist_holds_the_tests_the_manual_and_the_scripts(built: Built) -> None:
     with tarfile.open(built.sdist) as sdist:
         held = {name.partition("/")[2] for name in sdist.getnames()}

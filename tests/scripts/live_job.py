@@ -3,7 +3,7 @@
 ``python live_job.py NNODES NODE_RANK PORT STOP [RDZV_BACKEND ENDPOINT ID]``: 2 ranks a node all-reduce a flag every
 50 ms, printing ``step N``, until the file STOP exists (every rank sees it in the same step: the flag is reduced),
 then print one ``RESULT`` line. ``SLOW_RANK`` in the environment: that rank sleeps 50 ms more a step (a straggler);
-``LIVE=1``: ``launch(..., live=True)``.
+``LIVE=1``: ``launch(..., live=True)``; ``DASHBOARD``: launch's ``dashboard=`` (tests/test_dashboard.py).
 """
 
 from __future__ import annotations
@@ -39,5 +39,5 @@ if __name__ == "__main__":
         where = {"nnodes": nnodes, "node_rank": node, "rdzv_backend": sys.argv[5], "rdzv_endpoint": sys.argv[6],
                  "rdzv_id": sys.argv[7], "local_addr": "127.0.0.1"}
     results = mpddp.launch(work, nprocs=2, args=(stop,), backend="gloo", timeout=60,
-                           live=os.environ.get("LIVE") == "1", **where)
+                           live=os.environ.get("LIVE") == "1", dashboard=os.environ.get("DASHBOARD"), **where)
     print("RESULT " + json.dumps(results), flush=True)

@@ -9,8 +9,9 @@ restart loop: a failed round is a :class:`Failed`, and :func:`next_step` decides
 is replaced for the next round on one node, and by the next round's own where each round has one; where one
 store serves every round of several nodes, the others could not find a new one, so the job ends there.
 While the job runs, its entry in this user's runtime folder lets ``mpddp top`` find it (core/launcher/runtime_dir.py,
-core/launcher/live.py), and ``launch(..., live=True)`` shows its table (core/launcher/live_display.py).
-This module never asks which backend runs: only the rendezvous' answers.
+core/launcher/live.py), ``launch(..., live=True)`` shows its table (core/launcher/live_display.py), and
+``--dashboard`` serves the same view as a web page (core/launcher/dashboard.py). This module never asks which
+backend runs: only the rendezvous' answers.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from ...log import logger
 from ..nodes import rendezvous
 from ..nodes.api import NotNeeded, Rendezvous, Round, RoundLost
 from ..nodes.backends import open_rendezvous
-from . import runtime_dir, stragglers
+from . import dashboard, runtime_dir, stragglers
 from .attempt import run_group
 from .job_state import Job, start_store, stop_store
 from .live import LiveView
@@ -47,7 +48,8 @@ def run_job(plan: Plan, mp_context: Any, payload: bytes, init_group: bool, liste
     live = job.live = LiveView(job)
     with runtime_dir.serving(live.job_id, config.node_rank, lambda: live.snapshot().to_json()), \
             showing(live, live_table):  # mpddp top; launch(..., live=True)
-        return _run(job, listening)
+        with dashboard.serving(config, live):  # --dashboard: bound here, before any rank starts
+            return _run(job, listening)
 
 
 def _run(job: Job, listening: socket.socket | None) -> list[Any]:
