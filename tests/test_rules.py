@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import pytest
 
 from mpddp.core.nodes import rules
-from mpddp.core.nodes.rules import Finish, Lost, NodeState, Outside, Step, Wait, finish_step, move, wait_step
+from mpddp.core.nodes.rules import Door, Finish, Lost, NodeState, Outside, Step, Wait, finish_step, move, wait_step
 from mpddp.core.wire.protocol import FailureRecord
 from mpddp.errors import Outcome
 
@@ -76,6 +76,17 @@ def test_the_holder_of_a_node_rank_is_the_member_that_came_with_it(members, arri
 ])
 def test_a_launcher_outside_a_decided_round_is_admitted_below_max_else_a_spare(members, high, verdict):
     assert rules.outside(members, high) is verdict
+
+
+@pytest.mark.parametrize("record, returned, verdict", [
+    (False, False, Door.OPEN),  # the round runs: the admission restarts it
+    (False, True, Door.CLOSED),  # a node's ranks returned (the exit barrier): a restart would rerun a finished job
+    (True, False, Door.RECORD),  # a failure's record came first: the round restarts anyway, the newcomer with it
+    (True, True, Door.RECORD),  # a rank failed after another node returned: the record stands, not the door
+])
+def test_a_newcomers_admission_is_refused_once_a_node_returned_unless_the_round_has_a_record(record, returned,
+                                                                                             verdict):
+    assert rules.door(record=record, returned=returned) is verdict
 
 
 @pytest.mark.parametrize("current, target, counters", [

@@ -58,7 +58,15 @@ POLL = 0.05  # seconds between two looks of a launcher that waits for the other 
 
 
 class NotNeeded(Exception):  # noqa: N818 - not an error: the job ended well without this node
-    """This launcher waited as a spare (the job had ``MAX`` nodes), and the job ended without needing it."""
+    """This launcher waited as a spare (the job had ``MAX`` nodes), and the job ended without needing it; or it came
+    below ``MAX`` as the job was ending (:func:`ending`)."""
+
+
+def ending(job: str, attempt: int) -> NotNeeded:
+    """A newcomer whose admission found round ``attempt``'s door closed (core/nodes/rules.py's :func:`door`): the
+    same line on every backend; ``job`` names the job (where its rendezvous is)."""
+    return NotNeeded(f"mpddp: {job} was ending as this node came (round {attempt}'s ranks had returned on a node): "
+                     "this node ran nothing, it was not needed")
 
 
 class RendezvousGone(StoreLost):

@@ -14,7 +14,7 @@ from typing import Any, Protocol
 from ...config import LaunchConfig
 from ..wire import protocol
 from ..wire.protocol import FailureRecord, full_key
-from .api import NotNeeded
+from .api import ending
 from .c10d_client import C10dClient
 from .membership import poll_interval
 from .rules import NodeState, holder
@@ -190,9 +190,7 @@ class C10dKeys:
         is ending, and this launcher is not needed."""
         if not self.link.client.call(lambda s: admitted(s, attempt, record.encode())):
             client = self.link.client
-            raise NotNeeded(f"mpddp: the job at {client.config.master_addr}:{client.port} was ending as this node "
-                            f"came (round {attempt}'s ranks had returned on a node): this node ran nothing, it was "
-                            "not needed")
+            raise ending(f"the job at {client.config.master_addr}:{client.port}", attempt)
 
     def record(self, attempt: int) -> FailureRecord | None:
         return self.link.record(attempt)

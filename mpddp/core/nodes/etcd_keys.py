@@ -1,7 +1,8 @@
 """The ``etcd`` backend's membership keys and its beat of one round (core/nodes/etcd.py is the backend).
 
 Owns: :class:`EtcdKeys`, core/nodes/membership.py's keys in etcd (arrivals put with the launcher's lease,
-counted without being read; only the launcher that decides reads them), and :class:`EtcdRoundWatch`, a
+counted without being read; only the launcher that decides reads them; a newcomer's admission, one transaction
+against the nodes' moves to RETURNED), and :class:`EtcdRoundWatch`, a
 round's beat, on the round's own TCPStore (core/nodes/store_beat.py): nothing written to etcd a beat.
 """
 
@@ -15,7 +16,8 @@ from typing import TYPE_CHECKING, Any
 
 from ..wire import protocol
 from ..wire.protocol import FailureRecord
-from .api import INTERVAL, BeatThread, RendezvousGone
+from .api import INTERVAL, BeatThread, RendezvousGone, ending
+from .rules import Door, door
 from .store_beat import StoreBeat
 
 if TYPE_CHECKING:
@@ -126,9 +128,26 @@ class EtcdKeys:
         return int(found) if found else 0
 
     def admit(self, attempt: int, record: FailureRecord) -> None:
-        key = self.link.key(attempt, "failure")
-        if self.link.client.call(functools.partial(_create, key=key, value=record.encode())):
-            self.link.tell_failed(attempt)  # the running nodes read it off their round's store, not etcd
+        """The round's record, created only while it has none and no node's ranks returned (core/nodes/rules.py's
+        :func:`door`): one transaction, which etcd orders with each node's move to RETURNED (also one), so a node
+        that returns after it reads the record as it waits for the others (core/nodes/settle.py's ``finish``) and
+        restarts with them; after a node returned the job is ending, and this launcher is not needed."""
+        from etcd3gw.utils import _encode, _increment_last_byte
+
+        link = self.link
+        key, returned = link.key(attempt, "failure"), link.key(attempt, "returned/")
+        absent = {"target": "VERSION", "result": "EQUAL", "version": 0}  # a range compare: of every key in it
+        txn = {"compare": [{"key": _encode(key), **absent},
+                           {"key": _encode(returned), "range_end": _encode(_increment_last_byte(returned)), **absent}],
+               "success": [{"request_put": {"key": _encode(key), "value": _encode(record.encode())}}],
+               "failure": [{"request_range": {"key": _encode(key), "count_only": True}}, _count_of(returned)]}
+        answer = link.client.call(functools.partial(_transaction, txn=txn))
+        if answer.get("succeeded"):
+            link.tell_failed(attempt)  # the running nodes read it off their round's store, not etcd
+            return
+        written, came_back = (int(r["response_range"].get("count", 0)) for r in answer["responses"])
+        if door(record=bool(written), returned=bool(came_back)) is Door.CLOSED:
+            raise ending(f"the job --rdzv-id {link.config.rdzv_id}", attempt)
 
     def record(self, attempt: int) -> FailureRecord | None:
         return self.link.record(attempt)

@@ -3,8 +3,8 @@
 Owns: :class:`NodeState`, a node's life in a round, and :func:`move`, the one transition function (which moves
 are allowed, and which counters a move newly enters the node in); the membership's rules: :func:`join_step` (decide
 the member list now, or look again), :func:`member_order` (the order of the list, which is the round's node ranks),
-:func:`holder` (the member that holds a --node-rank) and :func:`outside` (a launcher that came to a round decided
-without it: admitted by a restart, or a spare); and
+:func:`holder` (the member that holds a --node-rank), :func:`outside` (a launcher that came to a round decided
+without it: admitted by a restart, or a spare) and :func:`door` (whether that restart may still be); and
 the end's: :func:`wait_step` (a node whose ranks stopped on a failure, waiting for the round's record),
 :func:`finish_step` (a node whose ranks returned, waiting for the others'), over a :class:`RoundView`, one look at
 the round, and :func:`unheard` (what a node tells when the store went before every node had the round's record). Each takes plain values (counts, a view, seconds from the caller's clock) and returns a value: no store,
@@ -101,6 +101,24 @@ def holder(members: list[str], arrivals: dict[str, dict[str, object]], node_rank
 def outside(members: int, high: int) -> Outside:
     """A round of ``members`` nodes decided without this launcher, under ``--nnodes MIN:high``."""
     return Outside.ADMIT if members < high else Outside.SPARE
+
+
+class Door(enum.Enum):
+    """What becomes of a newcomer's admission (:data:`Outside.ADMIT`) to a round."""
+
+    OPEN = "open"  # the admission is the round's record: its nodes restart with the newcomer
+    RECORD = "record"  # the round has a record already: it ends anyway, and the newcomer comes to the next one
+    CLOSED = "closed"  # a node's ranks had all returned: the job is ending, and the newcomer is not needed
+
+
+def door(*, record: bool, returned: bool) -> Door:
+    """A newcomer's admission to a round that has a ``record`` or not, where a node's ranks ``returned`` or not (its
+    exit barrier). The record comes first: the round ends with it whoever returned; else a node that returned
+    closes the door, since a restart would run a finished job again. A backend decides it in one compare-and-set
+    with the nodes' moves to RETURNED, so that no node ends the job while another restarts it."""
+    if record:
+        return Door.RECORD
+    return Door.CLOSED if returned else Door.OPEN
 
 
 @dataclass(frozen=True)
