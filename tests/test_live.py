@@ -38,7 +38,7 @@ def _top(xdg: Path, *args: str, timeout: float = 60) -> subprocess.CompletedProc
                           env={**os.environ, "XDG_RUNTIME_DIR": str(xdg)}, timeout=timeout)
 
 
-def _start(cluster: Cluster, xdg: Path, nnodes: int, node: int, port: int, *rdzv: str, env: dict | None = None):
+def _start(cluster: Cluster, xdg: Path, nnodes: int, node: int | str, port: int, *rdzv: str, env: dict | None = None):
     return cluster.start([], command=[sys.executable, str(JOB), str(nnodes), str(node), str(port),
                                       str(cluster.tmp / "STOP"), *rdzv],
                          env={"XDG_RUNTIME_DIR": str(xdg), **(env or {})})
@@ -223,6 +223,12 @@ def test_entry_removed_after_ctrl_c_and_a_killed_launchers_cleaned_by_top(no_lef
     cluster.kill_all()  # the ranks of the launcher killed
 
 
+def _header(xdg: Path, pid: int) -> dict:
+    done = _top(xdg, "--once", "--json", "--job", str(pid), "--wait", "0")
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)["header"]
+
+
 def _ranks_seen(xdg: Path, pid: int) -> dict[int, dict]:
     done = _top(xdg, "--once", "--json", "--job", str(pid), "--wait", "60")  # whole within a second or two
     assert done.returncode == 0, done.stderr
@@ -247,6 +253,12 @@ def test_two_nodes_top_on_each_lists_every_rank(cluster, tmp_path, rdzv, request
         assert [seen[r]["node"] for r in range(4)] == [0, 0, 1, 1]
         assert all(seen[r]["last"] is not None and seen[r]["last"].endswith("all_reduce") for r in range(4)), seen
         assert all(seen[r]["pid"] for r in range(4))
+    if rdzv == "etcd":  # a third launcher of the full job waits as a spare: the header counts it
+        nodes.append(_start(cluster, xdg, 2, "-", port, *args))
+        deadline = time.monotonic() + 90
+        while (spares := _header(xdg, nodes[0].proc.pid)["spares"]) != 1 and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert spares == 1
     (tmp_path / "STOP").write_text("")
     for node in nodes:
         assert node.wait(90) == 0, node.stderr

@@ -33,7 +33,8 @@ def work(ctx: mpddp.WorkerContext, stop: str) -> int:
 
 
 if __name__ == "__main__":
-    nnodes, node, port, stop = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+    nnodes, port, stop = int(sys.argv[1]), int(sys.argv[3]), sys.argv[4]
+    node = None if sys.argv[2] == "-" else int(sys.argv[2])  # "-": numbered as it joins (etcd)
     where: dict = {"nnodes": nnodes, "node_rank": node, "master_addr": "127.0.0.1", "master_port": port}
     if len(sys.argv) > 5:
         where = {"nnodes": nnodes, "node_rank": node, "rdzv_backend": sys.argv[5], "rdzv_endpoint": sys.argv[6],

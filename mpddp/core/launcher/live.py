@@ -30,8 +30,9 @@ from typing import Any, Protocol
 import psutil
 
 from ...config import LaunchConfig
+from ...errors import MpddpError
 from ...log import logger
-from ..nodes.api import RoundWatch
+from ..nodes.api import Rendezvous, RoundWatch
 from .board import LIVE_KEY, Board
 from .classify import RankState
 from .output import Relay
@@ -77,6 +78,8 @@ class Header:
     failure: str | None  # the job's first failure, once there is one
     node: int | None  # the node that answered (None: not placed yet)
     host: str
+    spares: int | None = None  # launchers that came to the round without a place in it: spares, or newcomers
+    # that its restart will admit (an elastic job; None: one node, or its store did not answer)
 
 
 @dataclass(frozen=True)
@@ -119,6 +122,7 @@ class JobFacts(Protocol):
     port: int
     restarts: int
     lags: Stragglers
+    link: Rendezvous | None
 
     @property
     def config(self) -> LaunchConfig: ...
@@ -149,6 +153,7 @@ class LiveView:
         self._counts: dict[int, tuple[float, int]] = {}  # rank -> (when, collectives) at the last look
         self._rows: tuple[float, list[RankRow]] = (float("-inf"), [])
         self._others: tuple[float, list[RankRow]] = (float("-inf"), [])
+        self._spares: tuple[float, int | None] = (float("-inf"), None)
 
     def show(self, shown: Shown | None) -> None:
         self.shown = shown
@@ -222,7 +227,25 @@ class LiveView:
                       world_size=plan.slots[0].world_size if plan.slots else 0,
                       nnodes=config.nnodes, max_nnodes=self.max_nnodes, restarts=job.restarts,
                       elapsed=time.monotonic() - self.started, failure=failure,
-                      node=plan.config.node_rank, host=socket.gethostname())
+                      node=plan.config.node_rank, host=socket.gethostname(), spares=self._waiting(shown))
+
+    def _waiting(self, shown: Shown | None) -> int | None:
+        """The launchers that came to this round without a place in it, read at most once a second while someone
+        looks (one store operation, or one etcd count: never a write); None on one node, or when nothing answers."""
+        link = self.job.link
+        if link is None or shown is None:
+            return None
+        with self._lock:
+            at, spares = self._spares
+            if time.monotonic() - at < EVERY:
+                return spares
+        try:
+            spares = max(0, link.view(shown.number).arrived - self.job.config.nnodes)
+        except (MpddpError, OSError):  # the store or etcd gone: the round's end says why, not a watcher
+            spares = None
+        with self._lock:
+            self._spares = (time.monotonic(), spares)
+        return spares
 
     def rows(self, fresh: bool = False) -> list[RankRow]:
         """This node's rows, computed at most once a second (the beat and a watcher may both ask) unless ``fresh``."""

@@ -17,7 +17,8 @@ _COLUMNS = ("RANK", "NODE", "LOCAL", "STATE", "COLL/S", "LAST COLLECTIVE", "LAG"
 def table(snapshot: Snapshot, width: int = 120) -> str:
     """The header, the first failure once there is one, a row a rank, and the nodes not heard from yet."""
     h = snapshot.header
-    nodes = f"{h.nnodes} node(s)" + (f" of {h.max_nnodes}" if h.max_nnodes != h.nnodes else "")
+    nodes = (f"{h.nnodes} node(s)" + (f" of {h.max_nnodes}" if h.max_nnodes != h.nnodes else "")
+             + (f" + {h.spares} waiting" if h.spares else ""))
     where = f"node {h.node} ({h.host})" if h.node is not None else h.host
     lines = [f"mpddp top  job {h.job}  round {h.round}  {h.world_size} rank(s) on {nodes}  restarts {h.restarts}  "
              f"up {_clock(h.elapsed)}  seen from {where}"]

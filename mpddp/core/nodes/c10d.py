@@ -367,6 +367,10 @@ class C10dView:
         return self.link.count(self.attempt, protocol.DONE) < self.link.config.nnodes
 
     @functools.cached_property
+    def arrived(self) -> int:
+        return C10dKeys(self.link).count(self.attempt)  # one operation (0 where --nnodes is fixed)
+
+    @functools.cached_property
     def returned(self) -> dict[int, float]:
         """One operation while no other node's ranks returned, two once some did (their entries, numbered)."""
         attempt, me = self.attempt, self.link.config.node_rank

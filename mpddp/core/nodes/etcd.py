@@ -358,6 +358,10 @@ class EtcdView:
 
     never_arrived = None  # a round starts with the nodes that joined it: none can be missing from it
 
+    @functools.cached_property
+    def arrived(self) -> int:
+        return self.link.count(self.link.key(self.attempt, "join/"))  # one request, a count
+
     def waiting(self, nodes: set[int]) -> bool:
         link = self.link
         return bool(nodes) and all(link.get(link.key(self.attempt, "waiting", n)) is not None for n in sorted(nodes))

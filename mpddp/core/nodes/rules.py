@@ -144,6 +144,8 @@ class RoundView(Protocol):
     def returned(self) -> dict[int, float]: ...  # the other nodes whose ranks all returned, and when (wall clock)
     @property
     def never_arrived(self) -> NeverArrived | None: ...  # the nodes whose ranks never came (round 0, node 0 asks)
+    @property
+    def arrived(self) -> int: ...  # the launchers that came to the round, spares and newcomers too (elastic)
     def waiting(self, nodes: set[int]) -> bool: ...  # every one of ``nodes`` waits for the record itself
 
 

@@ -38,7 +38,8 @@ function cells(r) {
 
 function header(snapshot) {
   const h = snapshot.header;
-  const nodes = `${h.nnodes} node(s)` + (h.max_nnodes !== h.nnodes ? ` of ${h.max_nnodes}` : "");
+  const nodes = `${h.nnodes} node(s)` + (h.max_nnodes !== h.nnodes ? ` of ${h.max_nnodes}` : "") +
+    (h.spares ? ` + ${h.spares} waiting` : "");
   const where = h.node === null ? h.host : `node ${h.node} (${h.host})`;
   document.getElementById("job").textContent = `job ${h.job}`;
   document.title = `mpddp ${h.job}`;
