@@ -170,19 +170,28 @@ def _returned(port: int, attempt: int, timeout: float) -> None:
 def test_a_newcomer_during_the_exit_barrier_is_not_needed_and_the_job_ends_once(tmp_path: Path) -> None:
     """c10d, 2:3 on two nodes: node 0's ranks returned, node 1's still run (the exit barrier); a third launcher
     comes. Before, it was admitted: its record restarted the group, and a job that had finished ran again."""
+    port = free_port()
+    job = ["--master-addr", "127.0.0.1", "--master-port", str(port)]
+    newcomer_at_the_barrier(tmp_path, job, lambda: _returned(port, 0, 60), f"the job at 127.0.0.1:{port}")
+
+
+def newcomer_at_the_barrier(tmp_path: Path, where: list[str], returned, job: str) -> None:
+    """Nodes 0 and 1 of a 2:3 job (``where``: the backend's flags); once node 0's ranks returned (``returned()``
+    waits for it) and node 1's linger, a third launcher comes: it says in one line that ``job`` was ending, exits
+    0 and runs nothing; the two end 0, once each, with no word of an arrival (shared with test_hardening5_etcd)."""
     (tmp_path / "job.py").write_text(LINGER)
-    port, runs = free_port(), []
-    job = ["--nnodes", "2:3", "--nprocs", "1", "--master-addr", "127.0.0.1", "--master-port", str(port), "--timeout",
-           f"{TIMEOUT:g}", "--rdzv-conf", "last_call_timeout=2", str(tmp_path / "job.py")]
+    runs: list[Run] = []
+    job_line = ["--nnodes", "2:3", "--nprocs", "1", *where, "--timeout", f"{TIMEOUT:g}", "--rdzv-conf",
+                "last_call_timeout=2", str(tmp_path / "job.py")]
     try:
         for node in ("0", "1", None):
-            where = tmp_path / f"node{node or '-new'}"
-            where.mkdir()
-            runs.append(Run(["-m", "mpddp", "run", *(["--node-rank", node] if node else []), *job], where,
+            at = tmp_path / f"node{node or '-new'}"
+            at.mkdir()
+            runs.append(Run(["-m", "mpddp", "run", *(["--node-rank", node] if node else []), *job_line], at,
                             env={"FAIL_GO": str(tmp_path / "go")}))
             if node == "1":
                 runs[0].wait_for(r"DONE rank=0 world=2", timeout=120)
-                _returned(port, 0, 60)  # node 0's launcher is in its exit barrier: node 1's rank lingers on
+                returned()  # node 0's launcher is in its exit barrier: node 1's rank lingers on
         newcomer = runs[2]
         deadline = time.monotonic() + TIMEOUT + 15
         while newcomer.proc.poll() is None and time.monotonic() < deadline:
@@ -194,7 +203,7 @@ def test_a_newcomer_during_the_exit_barrier_is_not_needed_and_the_job_ends_once(
         code = newcomer.finish(60)
         said = _said(newcomer)
         assert code == 0 and len(said) == 1, newcomer.stderr
-        assert said[0].startswith(f"mpddp: the job at 127.0.0.1:{port} was ending as this node came"), said
+        assert said[0].startswith(f"mpddp: {job} was ending as this node came"), said
         assert "STEP" not in newcomer.stdout
         assert [run.finish(60) for run in runs[:2]] == [0, 0], [run.stderr for run in runs[:2]]
         for node, run in enumerate(runs[:2]):

@@ -7,16 +7,12 @@ nothing left behind. tests/test_hardening5_c10d.py holds the same case on node 0
 
 from __future__ import annotations
 
-import contextlib
 import time
 from pathlib import Path
 
-import psutil
 import pytest
 from multinode import free_port
-from test_hardening5_c10d import LINGER, TIMEOUT, _no_launcher_traceback, _said
-
-from runs import Run
+from test_hardening5_c10d import newcomer_at_the_barrier
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -36,41 +32,8 @@ def test_a_newcomer_during_the_exit_barrier_is_not_needed_and_the_job_ends_once(
     """etcd, 2:3 on two nodes: node 0's ranks returned, node 1's still run (the exit barrier); a third launcher
     comes. Before, it was admitted (its record created unconditionally): the group restarted, and a job that had
     finished ran again."""
-    (tmp_path / "job.py").write_text(LINGER)
-    job_id, runs = f"ending-{free_port()}", []
-    job = ["--nnodes", "2:3", "--nprocs", "1", "--rdzv-backend", "etcd", "--rdzv-endpoint", etcd_cluster.endpoints,
-           "--rdzv-id", job_id, "--local-addr", "127.0.0.1", "--timeout", f"{TIMEOUT:g}", "--rdzv-conf",
-           "last_call_timeout=2", str(tmp_path / "job.py")]
-    try:
-        for node in ("0", "1", None):
-            where = tmp_path / f"node{node or '-new'}"
-            where.mkdir()
-            runs.append(Run(["-m", "mpddp", "run", *(["--node-rank", node] if node else []), *job], where,
-                            env={"FAIL_GO": str(tmp_path / "go")}))
-            if node == "1":
-                runs[0].wait_for(r"DONE rank=0 world=2", timeout=120)
-                _returned(etcd_cluster, job_id, 0, 60)  # node 0's launcher is in its exit barrier: node 1's lingers
-        newcomer = runs[2]
-        deadline = time.monotonic() + TIMEOUT + 15
-        while newcomer.proc.poll() is None and time.monotonic() < deadline:
-            for run in runs:
-                with contextlib.suppress(psutil.NoSuchProcess):  # the newcomer may end meanwhile
-                    run.list_tree()
-            time.sleep(0.1)
-        (tmp_path / "go").write_text("go")
-        code = newcomer.finish(60)
-        said = _said(newcomer)
-        assert code == 0 and len(said) == 1, newcomer.stderr
-        assert said[0].startswith(f"mpddp: the job --rdzv-id {job_id} was ending as this node came"), said
-        assert "STEP" not in newcomer.stdout
-        assert [run.finish(60) for run in runs[:2]] == [0, 0], [run.stderr for run in runs[:2]]
-        for node, run in enumerate(runs[:2]):
-            assert run.stdout.count("DONE") == 1 and f"DONE rank={node} world=2" in run.stdout, run.stdout
-            assert "arrived" not in run.stderr, run.stderr
-        for run in runs:
-            _no_launcher_traceback(run)
-            run.assert_nothing_left()
-    finally:
-        (tmp_path / "go").write_text("go")
-        for run in runs:
-            run.kill()
+    job_id = f"ending-{free_port()}"
+    where = ["--rdzv-backend", "etcd", "--rdzv-endpoint", etcd_cluster.endpoints, "--rdzv-id", job_id,
+             "--local-addr", "127.0.0.1"]
+    newcomer_at_the_barrier(tmp_path, where, lambda: _returned(etcd_cluster, job_id, 0, 60),
+                            f"the job --rdzv-id {job_id}")
