@@ -149,6 +149,17 @@ def test_folder_is_refused_unless_ours_alone(monkeypatch, tmp_path):
             runtime_dir.folder()
 
 
+def test_two_launches_of_one_process_have_an_entry_each(monkeypatch, tmp_path):
+    """launch() from two threads at once: each launch its own entry and socket (they were named by the pid alone,
+    and the second's write crashed the first's launch)."""
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    with runtime_dir.serving("a", 0, lambda: "A"), runtime_dir.serving("b", None, lambda: "B"):
+        found = runtime_dir.entries()
+        assert sorted(e.job for e in found) == ["a", "b"] and {e.pid for e in found} == {os.getpid()}
+        assert sorted(runtime_dir.ask(e) for e in found) == ["A", "B"]
+    assert list((tmp_path / "mpddp").iterdir()) == []
+
+
 def test_top_without_a_job_says_so(tmp_path):
     xdg = _xdg(tmp_path)
     done = _top(xdg, "--once")

@@ -1,7 +1,7 @@
 """Where the launchers of this user on this machine say they run, and how a watcher asks one of them.
 
 Owns: the per-user runtime folder (``$XDG_RUNTIME_DIR/mpddp``, else ``/tmp/mpddp-<uid>``: mode 0700, refused
-unless this user owns it alone), a launcher's entry in it (``<pid>.json``, what it runs, and ``<pid>.sock``, where it
+unless this user owns it alone), a launcher's entry in it (``<pid>-<n>.json``, what it runs, and ``<pid>-<n>.sock``, where it
 answers), :func:`serving`, which keeps both while the job runs and removes them when it ends (Ctrl-C and failures
 too), and the watcher's side: :func:`entries` (the launchers alive; a dead one's entry is removed), :func:`pick` (which
 one to ask) and :func:`look` (ask until every node's rows are in).
@@ -14,6 +14,7 @@ snapshot itself is core/launcher/live.py's.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import os
 import socket
@@ -31,6 +32,7 @@ from ...errors import ConfigError, MpddpError
 from ...log import logger
 from .live import Snapshot
 
+_LAUNCHES = itertools.count()  # this process's launches, for their entries' names
 ASK_TIMEOUT = 5.0  # seconds a watcher waits for a launcher's answer
 AGAIN = 0.3  # seconds between two asks of a watcher that waits for every node's rows
 
@@ -41,7 +43,7 @@ class RuntimeDirRefused(MpddpError):
 
 @dataclass(frozen=True)
 class Entry:
-    """One launcher on this machine, as its ``<pid>.json`` says."""
+    """One launcher on this machine, as its ``<pid>-<n>.json`` says (``n``: a launch of that process)."""
 
     pid: int
     created: float  # the process's start time (psutil): a pid used again by another process is told apart
@@ -82,33 +84,40 @@ def folder(create: bool = True) -> Path:
 def serving(job: str, node: int | None, answer: Callable[[], str]) -> Iterator[Path | None]:
     """This launcher's entry while the block runs: ``answer()`` (a snapshot's JSON) to each watcher that connects.
     A folder that cannot be used costs the job nothing: a warning, and no entry (None)."""
+    name = f"{os.getpid()}-{next(_LAUNCHES)}"  # a process may run several launches at once (threads)
+    server: socket.socket | None = None
     try:
         where = folder()
-        path = where / f"{os.getpid()}.sock"
+        path, info = where / f"{name}.sock", where / f"{name}.json"
         with contextlib.suppress(FileNotFoundError):
             path.unlink()  # an old one of a pid used again
         server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         server.bind(str(path))
         server.listen(4)
+        entry = Entry(os.getpid(), psutil.Process().create_time(), job, node, socket.gethostname(), sys.argv[:],
+                      str(path))
+        _write(info, json.dumps(asdict(entry)))
     except (OSError, RuntimeDirRefused) as e:
         logger.warning("mpddp: `mpddp top` cannot see this job: %s", e)
+        if server is not None:
+            _close(server, path, info)
         yield None
         return
-    me = psutil.Process()
-    entry = Entry(os.getpid(), me.create_time(), job, node, socket.gethostname(), sys.argv[:], str(path))
-    info = where / f"{os.getpid()}.json"
     try:
-        _write(info, json.dumps(asdict(entry)))
         thread = threading.Thread(target=_serve, args=(server, answer), name="mpddp-live", daemon=True)
         thread.start()
         yield where
     finally:
-        for p in (info, path):
-            with contextlib.suppress(OSError):
-                p.unlink()
+        _close(server, path, info)
+
+
+def _close(server: socket.socket, *paths: Path) -> None:
+    for p in paths:
         with contextlib.suppress(OSError):
-            server.shutdown(socket.SHUT_RDWR)  # wakes the thread's accept()
-        server.close()
+            p.unlink()
+    with contextlib.suppress(OSError):
+        server.shutdown(socket.SHUT_RDWR)  # wakes the thread's accept()
+    server.close()
 
 
 def _write(path: Path, text: str) -> None:
