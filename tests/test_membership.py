@@ -123,3 +123,23 @@ def test_launchers_that_give_up_together_all_tell_one_count() -> None:
         t.join(20)
     assert sorted(told) == ["a", "b"]
     assert {e.nodes for e in told.values()} == {2} and len({str(e) for e in told.values()}) == 1
+
+
+def test_a_spare_whose_job_ends_between_two_looks_is_not_needed() -> None:
+    """A spare looked (not over: a member had not left yet), then the last members left and their keys went before
+    its next look (none alive): the job ended, it was not needed. Before, it went on to a next round alone, and
+    ended --timeout later in "1 node(s) joined ... needs at least 2" (seen under load on etcd)."""
+    from mpddp.core.nodes.api import NotNeeded
+
+    keys, over = MemoryKeys(), iter([False, True])
+    keys.over = lambda attempt, members: next(over)  # type: ignore[method-assign]
+    keys.alive = lambda attempt, members: False  # type: ignore[method-assign]
+    with pytest.raises(NotNeeded, match="it was not needed"):
+        membership._wait_outside(keys, 0, ["a", "b"], 2, "2", "the job", "")
+
+
+def test_a_spare_whose_member_was_lost_comes_to_the_next_round() -> None:
+    """No member left alive and the job not over (a member lost, it never said it left): the spare goes on."""
+    keys = MemoryKeys()
+    keys.alive = lambda attempt, members: False  # type: ignore[method-assign]
+    assert membership._wait_outside(keys, 0, ["a", "b"], 2, "2", "the job", "") is None

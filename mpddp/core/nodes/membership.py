@@ -139,9 +139,11 @@ def _wait_outside(keys: Keys, attempt: int, members: list[str], high: int, size:
                        "waits as a spare, and takes a lost node's place at the next round%s", job, len(members),
                        named, size, f"; {apart}" if apart else "")
     while keys.record(attempt) is None:
-        if keys.over(attempt, members):
-            raise NotNeeded(f"mpddp: {job} ended while this node waited as a spare (--nnodes {size} was full): "
-                            "this node ran nothing, it was not needed")
-        if not keys.alive(attempt, members):
-            return
-        keys.pause(attempt)
+        if not keys.over(attempt, members):
+            if keys.alive(attempt, members):
+                keys.pause(attempt)
+                continue
+            if not keys.over(attempt, members):  # asked again: its last members may have left between the looks
+                return  # a member lost: this spare takes its place in the next round
+        raise NotNeeded(f"mpddp: {job} ended while this node waited as a spare (--nnodes {size} was full): "
+                        "this node ran nothing, it was not needed")
