@@ -20,7 +20,8 @@ import pytest
 from multinode import NETNS, Cluster, Node, free_port, namespace_hosts
 
 NODE_1 = re.compile(r"\bnode(\(s\))? 1\b")  # "node 1 ..." or "node(s) 1 never arrived"
-SLACK = 40.0  # seconds beyond --timeout for starting workers and tearing down, on 2 cores under load (26 s seen)
+SLACK = 60.0  # seconds beyond --timeout for starting workers and tearing down, on 2 cores under load (50 s seen
+# with two suites of three workers each)
 
 
 @pytest.fixture
@@ -55,7 +56,7 @@ def test_two_launchers_on_loopback(cluster: Cluster, first: int) -> None:
     assert cluster.leftovers(wait=5) == []
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(180)
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM], ids=["SIGKILL", "SIGTERM"])
 def test_killed_launcher_stops_the_other_node(cluster: Cluster, sig: signal.Signals) -> None:
     port, timeout = free_port(), 10.0
@@ -75,7 +76,7 @@ def test_killed_launcher_stops_the_other_node(cluster: Cluster, sig: signal.Sign
     assert left == [], "processes left running after a launcher was killed"
 
 
-@pytest.mark.timeout(90)
+@pytest.mark.timeout(120)
 def test_node_that_never_arrives_is_named(cluster: Cluster) -> None:
     timeout = 8.0
     node0 = cluster.start(["0", str(free_port()), "127.0.0.1", str(timeout)])
@@ -87,7 +88,7 @@ def test_node_that_never_arrives_is_named(cluster: Cluster) -> None:
     assert cluster.leftovers(wait=5) == []
 
 
-@pytest.mark.timeout(90)
+@pytest.mark.timeout(120)
 def test_unreachable_master_is_named(cluster: Cluster) -> None:
     timeout, port = 8.0, free_port()
     node1 = cluster.start(["1", str(port), "127.0.0.1", str(timeout)])
