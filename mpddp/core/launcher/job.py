@@ -16,17 +16,19 @@ backend runs: only the rendezvous' answers.
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import socket
 from dataclasses import dataclass
 from typing import Any
 
+from ...config import LaunchConfig
 from ...errors import ConfigError, Outcome, RestartsExhausted, StoreLost, WorkerFailed
 from ...log import logger
 from ..nodes import rendezvous
 from ..nodes.api import NotNeeded, Rendezvous, Round, RoundLost
 from ..nodes.backends import open_rendezvous
-from . import dashboard, runtime_dir, stragglers
+from . import runtime_dir, stragglers
 from .attempt import run_group
 from .job_state import Job, start_store, stop_store
 from .live import LiveView
@@ -48,8 +50,18 @@ def run_job(plan: Plan, mp_context: Any, payload: bytes, init_group: bool, liste
     live = job.live = LiveView(job)
     with runtime_dir.serving(live.job_id, config.node_rank, lambda: live.snapshot().to_json()), \
             showing(live, live_table):  # mpddp top; launch(..., live=True)
-        with dashboard.serving(config, live):  # --dashboard: bound here, before any rank starts
+        with _dashboard(config, live):  # --dashboard: bound here, before any rank starts
             return _run(job, listening)
+
+
+def _dashboard(config: LaunchConfig, live: LiveView) -> contextlib.AbstractContextManager[object]:
+    """--dashboard's page for the block; imported only then: http.server and its kin cost every other launch about
+    50 ms of start-up (python -X importtime)."""
+    if config.dashboard is None:
+        return contextlib.nullcontext()
+    from . import dashboard
+
+    return dashboard.serving(config, live)
 
 
 def _run(job: Job, listening: socket.socket | None) -> list[Any]:
