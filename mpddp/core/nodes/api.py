@@ -38,12 +38,13 @@ other), core/nodes/settle.py's wait for the record and :func:`~mpddp.core.nodes.
 from __future__ import annotations
 
 import contextlib
+import functools
 import signal
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Generic, Protocol, TypeVar
 
 from ... import rank_math
 from ...config import LaunchConfig
@@ -143,6 +144,25 @@ class RoundWatch(Protocol):
     def stop(self) -> None: ...
     def look(self) -> None: ...  # this node is watched (mpddp top): every node hears it within a second
     def watched(self) -> bool: ...  # some node was watched in the last WATCHED_FOR seconds
+
+
+class _Records(Protocol):
+    def record(self, attempt: int) -> FailureRecord | None: ...
+
+
+_Link = TypeVar("_Link", bound=_Records)
+
+
+class ViewOf(Generic[_Link]):
+    """What both backends' looks at a round (:class:`~mpddp.core.nodes.rules.RoundView`) share: their link and
+    round, and the round's record, read when first asked and once (as each of their other values)."""
+
+    def __init__(self, link: _Link, attempt: int) -> None:
+        self.link, self.attempt = link, attempt
+
+    @functools.cached_property
+    def record(self) -> FailureRecord | None:
+        return self.link.record(self.attempt)
 
 
 class BeatThread:

@@ -27,7 +27,7 @@ from ...errors import ConfigError, NeverArrived, Outcome, RendezvousError, Store
 from ..wire import protocol
 from ..wire.protocol import FailureRecord, full_key
 from . import last_word, membership, rules
-from .api import POLL, STALLED_AFTER, Lost, RendezvousGone, Round, RoundStore, names
+from .api import POLL, STALLED_AFTER, Lost, RendezvousGone, Round, RoundStore, ViewOf, names
 from .c10d_client import C10dClient
 from .c10d_keys import ABSENT, C10dKeys, arrived, close_door, first_record, join_barrier, missing_ranks, take_number
 from .c10d_watch import C10dRoundWatch
@@ -347,15 +347,8 @@ class C10dRendezvous:
             pass
 
 
-class C10dView:
+class C10dView(ViewOf["C10dRendezvous"]):
     """One look at a round in node 0's store (api.RoundView): each value read when first asked, and once."""
-
-    def __init__(self, link: C10dRendezvous, attempt: int) -> None:
-        self.link, self.attempt = link, attempt
-
-    @functools.cached_property
-    def record(self) -> FailureRecord | None:
-        return self.link.record(self.attempt)
 
     @functools.cached_property
     def busy(self) -> bool:

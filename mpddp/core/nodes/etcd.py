@@ -34,7 +34,7 @@ from ...config import LaunchConfig
 from ...errors import AddressError, RendezvousError
 from ..wire.protocol import FailureRecord
 from . import etcd_probe, membership
-from .api import Lost, RendezvousGone, Round, RoundLost, RoundStore
+from .api import Lost, RendezvousGone, Round, RoundLost, RoundStore, ViewOf
 from .etcd_client import EtcdClient, EtcdFull, KeptLease
 from .etcd_identity import Identity
 from .etcd_keys import EtcdKeys, EtcdRoundWatch, etcd_interval
@@ -329,16 +329,9 @@ class EtcdRendezvous(EtcdKV):
 
 
 
-class EtcdView:
+class EtcdView(ViewOf["EtcdRendezvous"]):
     """One look at a round in etcd (api.RoundView): each value read when first asked, and once; a count while
     no key needs reading."""
-
-    def __init__(self, link: EtcdRendezvous, attempt: int) -> None:
-        self.link, self.attempt = link, attempt
-
-    @functools.cached_property
-    def record(self) -> FailureRecord | None:
-        return self.link.record(self.attempt)
 
     @functools.cached_property
     def busy(self) -> bool:
