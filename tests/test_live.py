@@ -160,6 +160,19 @@ def test_two_launches_of_one_process_have_an_entry_each(monkeypatch, tmp_path):
     assert list((tmp_path / "mpddp").iterdir()) == []
 
 
+def test_a_launch_removes_the_entries_of_launchers_killed_outright(monkeypatch, tmp_path):
+    """A SIGKILLed launcher leaves its entry; the next launch's serving thread removes it, no watcher needed."""
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    dead = runtime_dir.folder() / "999999999-0.json"
+    dead.write_text(json.dumps({"pid": 999999999, "created": 1.0, "job": "gone", "node": 0, "host": "h", "argv": [],
+                                "socket": str(tmp_path / "mpddp" / "999999999-0.sock")}))
+    with runtime_dir.serving("a", 0, lambda: "A"):
+        deadline = time.monotonic() + 10
+        while dead.exists() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not dead.exists()
+
+
 def test_top_without_a_job_says_so(tmp_path):
     xdg = _xdg(tmp_path)
     done = _top(xdg, "--once")

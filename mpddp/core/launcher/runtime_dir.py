@@ -128,7 +128,10 @@ def _write(path: Path, text: str) -> None:
 
 
 def _serve(server: socket.socket, answer: Callable[[], str]) -> None:
-    """One snapshot a connection, until the socket is closed. A watcher's trouble never reaches the job."""
+    """One snapshot a connection, until the socket is closed. A watcher's trouble never reaches the job. First, off
+    the launch's path, the entries of launchers killed outright go (else they would pile up until a watcher came)."""
+    with contextlib.suppress(OSError, MpddpError):
+        entries()
     while True:
         try:
             conn, _ = server.accept()
