@@ -13,6 +13,7 @@ import signal
 import stat
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -171,6 +172,21 @@ def test_a_launch_removes_the_entries_of_launchers_killed_outright(monkeypatch, 
         while dead.exists() and time.monotonic() < deadline:
             time.sleep(0.01)
         assert not dead.exists()
+
+
+def test_the_serving_thread_is_gone_when_the_block_ends(monkeypatch, tmp_path):
+    """Its thread ends before ``serving`` returns, even mid-sweep: a launch with start_method='fork' right after
+    counts the process's threads and was refused (CI saw it under load)."""
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    where = runtime_dir.folder()
+    for pid in range(999_000_000, 999_002_000):  # a long sweep: 2,000 entries of dead launchers
+        (where / f"{pid}-0.json").write_text(json.dumps({"pid": pid, "created": 1.0, "job": "gone", "node": 0,
+                                                         "host": "h", "argv": [], "socket": str(where / "x")}))
+    before = threading.active_count()
+    with runtime_dir.serving("a", 0, lambda: "A"):
+        assert threading.active_count() == before + 1
+    assert threading.active_count() == before
+    assert not [t for t in threading.enumerate() if t.name == "mpddp-live"]
 
 
 def test_top_without_a_job_says_so(tmp_path):

@@ -43,6 +43,7 @@ from .stragglers import Stragglers
 SPAN = 120.0  # seconds of lags the page shows
 BUCKETS = 240  # a rank's points over SPAN at most: each keeps the largest lag of its half second (the straggler's)
 LATE = 30.0  # seconds: a point older than the newest by this much ends the look back (they come in rough order)
+_STOP_WAIT = 5.0  # seconds the end of a job waits for the page's thread (it leaves accept() at once)
 _FILES = {"/": ("index.html", "text/html"), "/index.html": ("index.html", "text/html"),
           "/dashboard.js": ("dashboard.js", "text/javascript"), "/dashboard.css": ("dashboard.css", "text/css")}
 _HEADERS = {"Cache-Control": "no-store", "X-Content-Type-Options": "nosniff", "Referrer-Policy": "no-referrer",
@@ -80,6 +81,7 @@ def serving(config: LaunchConfig, live: LiveView) -> Iterator[str | None]:
         with contextlib.suppress(OSError):
             server.socket.shutdown(socket.SHUT_RDWR)  # wakes the thread's accept()
         server.server_close()
+        thread.join(_STOP_WAIT)  # gone before the launch returns, as its other threads
 
 
 class _Server(ThreadingHTTPServer):
