@@ -111,6 +111,12 @@ class StoreLost(RendezvousError):
     """Node 0's store server ended while the ranks ran (killed from outside); ``max_restarts`` retries it."""
 
 
+class RendezvousGone(StoreLost):
+    """The backend does not answer (node 0's store: its launcher or store server is gone)."""
+
+    went = "the rendezvous went away"  # what went, for a line: each backend's client raises its own kind
+
+
 class WorkerFailed(MpddpError):
     """A rank raised, exited non-zero or died by a signal; the group was stopped.
 

@@ -327,7 +327,7 @@ def test_the_package_docstrings_point_to_the_one_map():
     import importlib
 
     for package in ("mpddp.core", "mpddp.core.launcher", "mpddp.core.rank", "mpddp.core.wire", "mpddp.core.nodes",
-                    "mpddp.core.procs"):
+                    "mpddp.core.stores", "mpddp.core.procs"):
         doc = importlib.import_module(package).__doc__ or ""
         assert "docs/codemap.rst" in doc, package
 
@@ -339,7 +339,7 @@ def test_the_wire_imports_nothing_else_of_the_core():
             assert all(not t.startswith("mpddp.core.") or t.startswith("mpddp.core.wire") for t in targets), module
 
 
-CORE_STACK = {"launcher": 3, "nodes": 2, "rank": 1, "wire": 0, "procs": 0}  # each folder imports only lower ones
+CORE_STACK = {"launcher": 4, "nodes": 3, "stores": 2, "rank": 1, "wire": 0, "procs": 0}  # each folder imports only lower ones
 
 
 def _upward(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
@@ -388,9 +388,10 @@ def test_an_upward_import_planted_in_core_is_found(module, is_package, source, u
 def test_above_the_nodes_no_module_names_a_rendezvous_backend():
     """The launcher asks core/nodes/api.py's interface; which backend runs (c10d today) is the nodes' business."""
     backends = {"mpddp.core.nodes.c10d", "mpddp.core.nodes.c10d_watch", "mpddp.core.nodes.c10d_keys", "mpddp.core.nodes.etcd",
-                "mpddp.core.nodes.etcd_client"}
+                "mpddp.core.stores.etcd_client", "mpddp.core.stores.etcd_probe", "mpddp.core.stores.c10d_client"}
     for module, targets in GRAPH.items():
-        if module.startswith("mpddp.") and not module.startswith("mpddp.core.nodes.") or module == "mpddp.core.nodes.settle":
+        below = module.startswith(("mpddp.core.nodes.", "mpddp.core.stores."))
+        if module.startswith("mpddp.") and not below or module == "mpddp.core.nodes.settle":
             assert not targets & backends, module
 
 

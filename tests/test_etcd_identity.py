@@ -238,8 +238,8 @@ def test_a_launcher_is_live_while_its_port_answers_and_gone_once_refused():
 
 
 def _identity(cluster, job, me, high=2):
-    from mpddp.core.nodes.etcd_client import EtcdClient, KeptLease
     from mpddp.core.nodes.etcd_identity import Identity
+    from mpddp.core.stores.etcd_client import EtcdClient, KeptLease
 
     client = EtcdClient(cluster.endpoints)
     lease = KeptLease(client, 30)

@@ -159,7 +159,7 @@ def test_an_etcd_with_authentication_and_no_credentials_is_one_line_exit_2(tmp_p
     (503, {"etcdserver": "3.4.23"}, "not-etcd"),
 ])
 def test_a_version_answer_is_read_by_status_and_shape(status, body, answer):
-    from mpddp.core.nodes.etcd_probe import read_version
+    from mpddp.core.stores.etcd_probe import read_version
 
     assert read_version(status, body).answer.value == answer
 
@@ -178,7 +178,7 @@ def test_a_version_answer_is_read_by_status_and_shape(status, body, answer):
     (200, {"ok": True}, "not-etcd"),
 ])
 def test_a_read_answer_is_read_by_status_and_grpc_code(status, body, answer):
-    from mpddp.core.nodes.etcd_probe import read_range
+    from mpddp.core.stores.etcd_probe import read_range
 
     assert read_range(status, body).answer.value == answer
 

@@ -109,7 +109,7 @@ def test_a_stopped_store_server_is_named_with_its_state(no_leftovers, monkeypatc
     SIGSTOP froze before the ranks connected."""
     import signal as signals
 
-    from mpddp.core.nodes import store_server
+    from mpddp.core.stores import store_server
 
     real = store_server.start
 

@@ -576,7 +576,7 @@ def test_a_record_is_told_once_every_other_node_read_it_and_the_stores_loss_if_i
 
     import mpddp
     from mpddp.core.nodes import settle
-    from mpddp.core.nodes.api import RendezvousGone
+    from mpddp.errors import RendezvousGone
 
     beats = _Beats({0: 12, 1: 12, 2: 12})
     raised = mpddp.WorkerFailed("mpddp: rank 1 (node 1, local rank 0) failed first: it raised RuntimeError", rank=1)

@@ -1,4 +1,4 @@
-"""Edge cases of the store server (core/nodes/store_server.py) with real processes.
+"""Edge cases of the store server (core/stores/store_server.py) with real processes.
 
 Each case attacks the store server that serves node 0's TCPStore: stopped, killed
 inside ``init_process_group``, its launcher SIGKILLed under every start

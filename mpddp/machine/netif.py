@@ -5,7 +5,7 @@ local source address the kernel would use to reach it (a UDP ``connect``
 sends no packet), mapping that address to an interface name, and the
 ``GLOO_SOCKET_IFNAME`` / ``NCCL_SOCKET_IFNAME`` additions for the workers'
 environment. Leaves to others: writing the workers' environment
-(core/launcher/plan.py) and the rendezvous (core/nodes/rendezvous.py).
+(core/launcher/plan.py) and the rendezvous (core/stores/listen.py).
 
 Why: without ``GLOO_SOCKET_IFNAME`` Gloo picks its address from the host
 name; where that resolves to 127.0.0.1 (common in /etc/hosts) the ranks on

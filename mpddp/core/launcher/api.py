@@ -132,7 +132,7 @@ def _store_socket(config: LaunchConfig) -> tuple[LaunchConfig, socket.socket | N
     (core/nodes/c10d.py). The bind decides, and is kept: two launchers on one machine cannot both be node 0.
     """
     from ..nodes.backends import hosts_round_store
-    from ..nodes.rendezvous import listen, try_listen
+    from ..stores.listen import listen, try_listen
 
     if hosts_round_store(config):  # each round's store is its first node's, whatever its number (core/launcher/job.py)
         return config, None

@@ -79,7 +79,7 @@ def serve(stdin: Any) -> int:
     threading.Thread(target=_watch_stdin, args=(stdin,), name="mpddp-node-stdin", daemon=True).start()
     port, sock = request.master_port, None
     if request.node_rank == 0:  # hold the rendezvous port, then tell the head which one it is
-        from ..nodes.rendezvous import listen
+        from ..stores.listen import listen
 
         sock = listen(request.config.master_addr, port)
         port = sock.getsockname()[1]

@@ -25,9 +25,9 @@ from typing import Any
 from ...config import LaunchConfig
 from ...errors import ConfigError, Outcome, RestartsExhausted, StoreLost, WorkerFailed
 from ...log import logger
-from ..nodes import rendezvous
 from ..nodes.api import NotNeeded, Rendezvous, Round, RoundLost
 from ..nodes.backends import open_rendezvous
+from ..stores.listen import listen
 from . import runtime_dir, stragglers
 from .attempt import run_group
 from .job_state import Job, start_store, stop_store
@@ -251,7 +251,7 @@ def _tell_round(job: Job, here: Round) -> None:
 
 def _host_store(job: Job, host: str) -> int:
     """A fresh store server for this round, on ``host`` (the rendezvous' choice) and a port the OS picks."""
-    sock = rendezvous.listen(host, 0)
+    sock = listen(host, 0)
     port = sock.getsockname()[1]
     job.store = start_store(job.mp_context, sock, job.config)
     return int(port)
@@ -277,7 +277,7 @@ def _replace_store(job: Job) -> None:
     """One node: a fresh store server on a fresh port after the last one was lost (every rank is this node's)."""
     assert job.store is not None
     stop_store(job.store)
-    sock = rendezvous.listen(job.config.master_addr, job.config.master_port)
+    sock = listen(job.config.master_addr, job.config.master_port)
     job.port = sock.getsockname()[1]
     job.store = start_store(job.mp_context, sock, job.config)
 
@@ -294,7 +294,7 @@ def _new_script_store(job: Job, attempt: int) -> None:
         return
     if job.script_store is not None:
         stop_store(job.script_store)
-    sock = rendezvous.listen(job.config.master_addr, 0)
+    sock = listen(job.config.master_addr, 0)
     job.script_port = sock.getsockname()[1]
     job.script_store = start_store(job.mp_context, sock, job.config)
     if job.link is not None:

@@ -4,7 +4,7 @@ Owns: :class:`Job`, built once by core/launcher/job.py (the config, the plan, th
 ``fn`` shipped by value, the rendezvous, the store servers) and read by each attempt (core/launcher/attempt.py,
 core/launcher/channels.py); node 0's last word, opened and closed on the job's port (core/nodes/last_word.py);
 and how a store server is started and stopped, counted among this process's live children. Leaves the rounds
-and the restart loop to core/launcher/job.py, the store server itself to core/nodes/store_server.py.
+and the restart loop to core/launcher/job.py, the store server itself to core/stores/store_server.py.
 """
 
 from __future__ import annotations
@@ -16,9 +16,11 @@ from typing import Any
 
 from ...config import LaunchConfig
 from ...errors import AddressError, Outcome
-from ..nodes import last_word, rendezvous, store_server
+from ..nodes import last_word
 from ..nodes.api import Rendezvous, RoundStore
-from ..nodes.store_server import StoreServer
+from ..stores import store_server
+from ..stores.listen import listen
+from ..stores.store_server import StoreServer
 from ..wire import protocol
 from ..wire.protocol import FailureRecord
 from . import stragglers
@@ -59,7 +61,7 @@ class Job:
         if self.link is None or self.store is None or not self.one_store or self.last_store is not None:
             return
         try:
-            self.last_store = start_store(self.mp_context, rendezvous.listen(self.config.master_addr, self.port),
+            self.last_store = start_store(self.mp_context, listen(self.config.master_addr, self.port),
                                           self.config)
         except (OSError, RuntimeError, AddressError):  # the port taken, the forkserver gone: they say node 0 went
             return
@@ -87,7 +89,7 @@ class Job:
 
 
 def start_store(mp_context: Any, sock: socket.socket, config: Any) -> StoreServer:
-    """Node 0's store, in its own process (core/nodes/store_server.py), counted among this process's live children."""
+    """Node 0's store, in its own process (core/stores/store_server.py), counted among this process's live children."""
     with LIVE_LOCK:
         store = store_server.start(mp_context, sock, config.timeout, forked=config.start_method == "fork")
         LIVE.add(store.pid)

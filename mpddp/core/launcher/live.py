@@ -8,8 +8,8 @@ the launcher already keeps: the attempt's rank states (core/launcher/classify.py
 
 Across nodes, a node's rows ride its board's snapshot, which the round's beat already puts on the round's store
 (node 0's under c10d, the round's own under etcd: no etcd write). They are computed only while someone watches: the
-watched launcher says so in the progress counter that every node's beat already adds to (core/nodes/store_beat.py),
-and while any node is watched (:data:`~mpddp.core.nodes.store_beat.WATCHED_FOR` s after the last ask) each adds its
+watched launcher says so in the progress counter that every node's beat already adds to (core/stores/store_beat.py),
+and while any node is watched (:data:`~mpddp.core.stores.store_beat.WATCHED_FOR` s after the last ask) each adds its
 rows, at most once a second.
 Nobody watching, nothing here runs. Leaves the runtime folder and its socket to core/launcher/runtime_dir.py, the
 table shown by the launcher itself (``launch(..., live=True)``: a notebook cell, else stderr) to

@@ -202,7 +202,7 @@ def start_context(method: str, preload: Sequence[str] = ()) -> Any:
     and torch's tensor reductions are registered by any ``import torch``, so
     a launcher whose caller sends tensors has them. Under the forkserver and
     spawn this process imports no torch for the launch (the store is served
-    by core/nodes/store_server.py). Under ``fork`` it imports what the forkserver would
+    by core/stores/store_server.py). Under ``fork`` it imports what the forkserver would
     have: the point of a fork is that every child inherits it, instead of
     each importing torch again, on every launch (measured: a second launch of
     2 forked ranks took 4 s instead of 0.1 s).

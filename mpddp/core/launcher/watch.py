@@ -19,7 +19,7 @@ from typing import Any
 
 from ...log import logger
 from ..nodes.api import RoundWatch
-from ..nodes.store_server import StoreServer
+from ..stores.store_server import StoreServer
 from ..wire import stacks
 from . import board, stragglers
 from .board import Mismatch

@@ -1,4 +1,4 @@
-"""What the nodes of a job agree on, behind one interface (api.py), and node 0's store every launch has.
+"""What the nodes of a job agree on, behind one interface (api.py), on the stores of core/stores/.
 
 The map of every module: docs/codemap.rst.
 """

@@ -48,10 +48,10 @@ from typing import Generic, Protocol, TypeVar
 
 from ... import rank_math
 from ...config import LaunchConfig
-from ...errors import Outcome, StoreLost
+from ...errors import Outcome, RendezvousGone, StoreLost
+from ..stores.store_beat import WATCHED_FOR, StoreBeat
 from ..wire.protocol import FailureRecord
 from .rules import Lost, NodeState, RoundView
-from .store_beat import WATCHED_FOR, StoreBeat
 
 INTERVAL = 0.25  # seconds between two beats (and two looks for another node's failure)
 STALLED_AFTER = 6 * INTERVAL  # a beat that did not move for this long, while others moved: its launcher is gone
@@ -68,12 +68,6 @@ def ending(job: str, attempt: int) -> NotNeeded:
     same line on every backend; ``job`` names the job (where its rendezvous is)."""
     return NotNeeded(f"mpddp: {job} was ending as this node came (round {attempt}'s ranks had returned on a node): "
                      "this node ran nothing, it was not needed")
-
-
-class RendezvousGone(StoreLost):
-    """The backend does not answer (node 0's store: its launcher or store server is gone)."""
-
-    went = "the rendezvous went away"  # what went, for a line: each backend's client raises its own kind
 
 
 class RoundLost(StoreLost):

@@ -1,6 +1,6 @@
 """The ``c10d`` rendezvous backend: node 0's TCPStore keeps what the nodes of a job agree on.
 
-Owns: :class:`C10dRendezvous`, over one client of node 0's store for the whole job (core/nodes/c10d_client.py);
+Owns: :class:`C10dRendezvous`, over one client of node 0's store for the whole job (core/stores/c10d_client.py);
 the barriers that start a restarted round once every node's launcher joined it and end a round once every
 node's ranks returned; an elastic job's rounds (core/nodes/membership.py's rule on this store's keys); and
 which nodes are lost: a launcher whose beat (core/nodes/c10d_watch.py) stood still while the others beat, or
@@ -23,16 +23,16 @@ from typing import Any
 
 from ... import rank_math
 from ...config import LaunchConfig
-from ...errors import ConfigError, NeverArrived, Outcome, RendezvousError, StoreLost
+from ...errors import ConfigError, NeverArrived, Outcome, RendezvousError, RendezvousGone, StoreLost
+from ..stores.c10d_client import C10dClient
+from ..stores.store_beat import read_all
 from ..wire import protocol
 from ..wire.protocol import FailureRecord, full_key
 from . import last_word, membership, rules
-from .api import POLL, STALLED_AFTER, Lost, RendezvousGone, Round, RoundStore, ViewOf, names
-from .c10d_client import C10dClient
+from .api import POLL, STALLED_AFTER, Lost, Round, RoundStore, ViewOf, names
 from .c10d_keys import ABSENT, C10dKeys, arrived, close_door, first_record, join_barrier, missing_ranks, take_number
 from .c10d_watch import C10dRoundWatch
 from .rules import NodeState
-from .store_beat import read_all
 
 _LIVE_BEATS = 12  # ... by at least this many beats (3 s of them): a starved launcher beats again before that
 _LEAVE_WAIT = 10.0  # seconds node 0 keeps the store for the other launchers to read the last round

@@ -12,13 +12,13 @@ from datetime import timedelta
 from typing import Any, Protocol
 
 from ...config import LaunchConfig
+from ..stores.c10d_client import C10dClient
+from ..stores.store_beat import read_all
 from ..wire import protocol
 from ..wire.protocol import FailureRecord, full_key
 from .api import ending
-from .c10d_client import C10dClient
 from .membership import poll_interval
 from .rules import NodeState, holder
-from .store_beat import read_all
 
 _ARRIVALS, _MEMBERS, _CLAIMS = "arrivals", "members", "claims"  # an elastic job's round
 _ADMISSION = "admission"  # a round's door: a newcomer's record of admission, or CLOSED once a node's ranks returned

@@ -5,10 +5,11 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 
+from ...errors import RendezvousGone
+from ..stores.store_beat import StoreBeat
 from ..wire import protocol
-from .api import INTERVAL, BeatThread, RendezvousGone
+from .api import INTERVAL, BeatThread
 from .c10d_keys import C10dLink
-from .store_beat import StoreBeat
 
 
 class C10dRoundWatch(BeatThread):

@@ -31,16 +31,17 @@ from dataclasses import replace
 from typing import Any
 
 from ...config import LaunchConfig
-from ...errors import AddressError, RendezvousError
+from ...errors import AddressError, RendezvousError, RendezvousGone
+from ..stores import etcd_probe
+from ..stores.etcd_client import EtcdClient, EtcdFull, KeptLease
+from ..stores.store_beat import StoreBeat
 from ..wire.protocol import FailureRecord
-from . import etcd_probe, membership
-from .api import Lost, RendezvousGone, Round, RoundLost, RoundStore, ViewOf
-from .etcd_client import EtcdClient, EtcdFull, KeptLease
+from . import membership
+from .api import Lost, Round, RoundLost, RoundStore, ViewOf
 from .etcd_identity import Identity
 from .etcd_keys import EtcdKeys, EtcdRoundWatch, etcd_interval
 from .etcd_kv import EtcdKV
 from .rules import NodeState
-from .store_beat import StoreBeat
 
 _FIRST_CONTACT = 5.0  # seconds the first contact with etcd may take, at most
 _LEAVE_WAIT = 10.0  # seconds a round's store host stays for the others to read a record it keeps (etcd full)
@@ -125,7 +126,7 @@ class EtcdRendezvous(EtcdKV):
 
     def _first_contact(self) -> None:
         """Bad input, before any rank starts, when no member of --rdzv-endpoint answers within a few seconds, or
-        one answers but not as an etcd this launcher may use (core/nodes/etcd_probe.py). Then this launcher's
+        one answers but not as an etcd this launcher may use (core/stores/etcd_probe.py). Then this launcher's
         lease is granted: the join puts its arrival with it (one round trip the less)."""
         wait = min(self.config.timeout, _FIRST_CONTACT)
         try:
@@ -220,7 +221,7 @@ class EtcdRendezvous(EtcdKV):
 
     def tell_failed(self, attempt: int) -> None:
         """The first writer of round ``attempt``'s record (a failure, or a newcomer's admission): FAILED on the
-        round's store, which every node's next beat reads (core/nodes/store_beat.py); through this launcher's
+        round's store, which every node's next beat reads (core/stores/store_beat.py); through this launcher's
         watch of the round, else through a client of its own (a newcomer runs no rank in it)."""
         if (watch := self._watches.get(attempt)) is not None:
             watch.tell_failed()  # False: its store is gone, and the nodes read etcd's key once theirs fails

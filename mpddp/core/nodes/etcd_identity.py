@@ -31,7 +31,7 @@ from typing import Any
 
 from ...errors import AddressError, ConfigError
 from ...log import logger
-from .etcd_client import EtcdClient
+from ..stores.etcd_client import EtcdClient
 
 _PROBE_WAIT = 1.0  # seconds a probe's connection may take: no answer by then is not a proof of death
 _SAMPLE = 8  # launchers probed first: in a live job the first answers; all are probed only when these refused

@@ -3,7 +3,7 @@
 Owns: :class:`EtcdKeys`, core/nodes/membership.py's keys in etcd (arrivals put with the launcher's lease,
 counted without being read; only the launcher that decides reads them; a newcomer's admission, one transaction
 against the nodes' moves to RETURNED), and :class:`EtcdRoundWatch`, a
-round's beat, on the round's own TCPStore (core/nodes/store_beat.py): nothing written to etcd a beat.
+round's beat, on the round's own TCPStore (core/stores/store_beat.py): nothing written to etcd a beat.
 """
 
 from __future__ import annotations
@@ -14,11 +14,12 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from ...errors import RendezvousGone
+from ..stores.store_beat import StoreBeat
 from ..wire import protocol
 from ..wire.protocol import FailureRecord
-from .api import INTERVAL, BeatThread, RendezvousGone, ending
+from .api import INTERVAL, BeatThread, ending
 from .rules import Door, door
-from .store_beat import StoreBeat
 
 if TYPE_CHECKING:
     from .etcd_link import EtcdLink
@@ -164,13 +165,13 @@ class EtcdKeys:
 
 
 class EtcdRoundWatch(BeatThread):
-    """One round's beat on the round's own TCPStore (its first node hosts it; core/nodes/store_beat.py): no
+    """One round's beat on the round's own TCPStore (its first node hosts it; core/stores/store_beat.py): no
     request to etcd a beat, so a job that trains for a week writes nothing to etcd's Raft log meanwhile (a put a
     beat was two Raft writes a node a second and 4 KB of etcd's database a node a second, measured with
     scripts/bench_etcd_writes.py). The round's first failure is still created in etcd; its writer adds FAILED to
     the store's progress counter too, which every node's next beat reads. Where the round's store cannot be
     reached (its node lost), each beat reads the failure key in etcd instead: a read, not a write. Liveness is
-    the lease's (core/nodes/etcd_client.py), never a beat."""
+    the lease's (core/stores/etcd_client.py), never a beat."""
 
     def __init__(self, link: EtcdLink, attempt: int,
                  share: Callable[[bool], bytes | None] | None = None) -> None:

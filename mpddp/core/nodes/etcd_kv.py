@@ -17,7 +17,7 @@ from typing import Any
 
 from ...config import LaunchConfig
 from ...errors import RendezvousError
-from .etcd_client import EtcdClient, KeptLease, grpc_code
+from ..stores.etcd_client import EtcdClient, KeptLease, grpc_code
 from .rules import NodeState, move
 
 _NOT_FOUND = 5  # the gRPC status of a put with a lease that is gone

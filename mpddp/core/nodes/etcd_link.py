@@ -6,8 +6,8 @@ from __future__ import annotations
 from typing import Any, Protocol
 
 from ...config import LaunchConfig
+from ..stores.etcd_client import EtcdClient
 from ..wire.protocol import FailureRecord
-from .etcd_client import EtcdClient
 from .etcd_identity import Identity
 
 

@@ -28,10 +28,11 @@ import time
 from datetime import timedelta
 from typing import Any
 
+from ...errors import RendezvousGone
 from ..wire import protocol
 from ..wire.protocol import FailureRecord, full_key
 from ..wire.store import connect
-from .api import POLL, RendezvousGone
+from .api import POLL
 from .c10d_keys import ABSENT, C10dLink, first_record
 
 WAIT = 5.0  # seconds node 0 keeps its last word up for the others, and seconds they wait for it, at most

@@ -35,11 +35,11 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from ... import rank_math
-from ...errors import NeverArrived, Outcome, RendezvousError, StoreLost, WorkerFailed
+from ...errors import NeverArrived, Outcome, RendezvousError, RendezvousGone, StoreLost, WorkerFailed
 from ...log import logger
 from ..wire.protocol import ERROR_LINE, FailureRecord
 from . import rules
-from .api import Lost, Rendezvous, RendezvousGone, names
+from .api import Lost, Rendezvous, names
 from .rules import Finish, NodeState, Unheard, Wait
 
 _RECORD_WAIT = 10.0  # seconds a node whose ranks only saw a peer vanish waits for the record of the cause, at least

@@ -3,7 +3,7 @@
 Owns: the one call that makes a client (``is_master=False``), for the ranks
 (core/rank/worker.py) and the launchers of other nodes (core/nodes/c10d.py),
 and a launcher's torch import with torch's C++ warnings off. Leaves hosting
-the store to core/nodes/rendezvous.py.
+the store to core/stores/listen.py.
 """
 
 from __future__ import annotations

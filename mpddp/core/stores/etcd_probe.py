@@ -7,7 +7,7 @@ HTTP status and the shape of the JSON alone (etcd's gRPC code), never from its w
 bad input each refusal becomes. A bare ``etcd3gw`` call would raise a JSON decoder's error, or "Not Found",
 as a traceback from deep in the first round.
 
-Leaves the client itself to core/nodes/etcd_client.py, and the line for a member that does not answer at
+Leaves the client itself to core/stores/etcd_client.py, and the line for a member that does not answer at
 all to core/nodes/etcd.py's first contact (this module raises :class:`RendezvousGone` for it).
 """
 
@@ -19,9 +19,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from ...errors import AddressError
+from ...errors import AddressError, RendezvousGone
 from ...rendezvous_options import parse_endpoints
-from .api import RendezvousGone
 
 _REQUEST_TIMEOUT = 2.0  # seconds one request to one member may take (etcd_client.py's)
 # gRPC codes etcd's gateway answers a well-formed read with when authentication is on: INVALID_ARGUMENT (no

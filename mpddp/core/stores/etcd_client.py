@@ -16,9 +16,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from ...errors import RendezvousGone
 from ...log import logger
 from ...rendezvous_options import parse_endpoints
-from .api import RendezvousGone
 
 _REQUEST_TIMEOUT = 2.0  # seconds one request to one member may take before the next member is tried
 RESOURCE_EXHAUSTED = 8  # the gRPC status of a refused write: etcd is full (NOSPACE), or rate-limits this client

@@ -2,7 +2,7 @@
 
 Owns: starting the store server (forked from the torch-loaded forkserver in
 milliseconds, under the other start methods a process like the ranks),
-handing it the rendezvous socket that core/nodes/rendezvous.py bound, what the
+handing it the rendezvous socket that core/stores/listen.py bound, what the
 store server does (serve the store until the launcher closes its pipe or dies),
 and stopping it. Why a process of its own: the store is the only thing on
 a single node that needed torch in the launcher, and a launcher that never
@@ -11,7 +11,7 @@ torch's interpreter teardown when a ``launch()`` script exits (about 0.45 s
 on 2 cores, measured: scripts/bench_first_step.py). The store still
 outlives every rank, so a rank that exits early never takes the store from
 its peers. Leaves the socket and the store's construction to
-core/nodes/rendezvous.py, watching the store server to core/launcher/attempt.py.
+core/stores/listen.py, watching the store server to core/launcher/attempt.py.
 """
 
 from __future__ import annotations
@@ -113,7 +113,7 @@ def serve(sock: socket.socket, timeout: float, wait_end: Connection, inherited: 
     # SIGTERM keeps its default: multiprocessing's exit handler terminates a daemon child it still
     # finds, then joins it, and a store server that outlived the launch must not hang the launcher's exit
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    from .rendezvous import host_store  # torch: already loaded in a forkserver child, imported under spawn
+    from .listen import host_store  # torch: already loaded in a forkserver child, imported under spawn
 
     store = host_store(sock, timeout)
     try:

@@ -2,7 +2,7 @@
 
 Owns: :class:`C10dClient`, which connects once, trying again until node 0's launcher serves its store or
 --timeout ran out, then runs every operation under one lock, and turns any failure of torch's client into
-:class:`~mpddp.core.nodes.api.RendezvousGone`; after a failed first connection it fails fast. Leaves the
+:class:`~mpddp.errors.RendezvousGone`; after a failed first connection it fails fast. Leaves the
 store's keys to the backend and its helpers, and torch's client to core/wire/store.py.
 """
 
@@ -16,7 +16,7 @@ from datetime import timedelta
 from typing import Any
 
 from ...config import LaunchConfig
-from .api import RendezvousGone
+from ...errors import RendezvousGone
 
 
 class StoreGone(RendezvousGone):

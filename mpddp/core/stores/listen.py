@@ -1,4 +1,4 @@
-"""Rendezvous: node 0's TCPStore, on a socket the launcher already holds.
+"""Node 0's TCPStore, on a socket the launcher already holds.
 
 Owns: binding the listening socket (port 0 -> the OS picks a free port that
 stays bound, so no other job can take it between "probe" and "use"; or only if
@@ -6,7 +6,7 @@ it can, for a launcher numbered on joining: :func:`try_listen`), handing
 it to ``torch.distributed.TCPStore`` through ``master_listen_fd``. A single-node job listens on 127.0.0.1 only:
 ``TCPStore("127.0.0.1", 0, is_master=True)`` would listen on every address.
 Leaves resolving names to machine/netif.py, the process that serves the
-store to core/nodes/store_server.py, the clients' connection to core/wire/store.py and starting
+store to core/stores/store_server.py, the clients' connection to core/wire/store.py and starting
 workers to core/launcher/attempt.py.
 """
 
