@@ -215,3 +215,35 @@ def newcomer_at_the_barrier(tmp_path: Path, where: list[str], returned, job: str
     finally:
         (tmp_path / "go").write_text("go")
         _end(runs)
+
+
+@pytest.mark.parametrize("first, door", [
+    (None, "OPEN"),  # the round runs: the admission is its record
+    ("WAITING", "FAILING"),  # a node waits for a failure's record: the admission must not stand for it
+    ("RETURNED", "CLOSED"),  # a node's ranks returned: the job is ending
+    ("newcomer", "RECORD"),  # another newcomer came first: the round restarts with it, this one comes next
+])
+def test_a_newcomers_admission_on_node_0s_store_finds_what_came_first(first, door) -> None:
+    """The door of a round on node 0's store (a real TCPStore in this process), in the order this test sets: a
+    node's move to WAITING shuts it as its move to RETURNED does, and a second newcomer is no job that ends (it
+    was told "not needed" before)."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from mpddp.core.nodes.api import resized_record
+    from mpddp.core.nodes.c10d_keys import admitted, close_door
+    from mpddp.core.nodes.rules import Door, NodeState
+    from mpddp.core.wire import protocol
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
+    if first == "newcomer":
+        assert admitted(store, 0, resized_record("early", 1).encode()) is Door.OPEN
+    elif first is not None:
+        close_door(store, 0, NodeState[first])
+    record = resized_record("late", 1).encode()
+    assert admitted(store, 0, record) is Door[door]
+    standing = store.get(protocol.full_key(0, protocol.FAILURE)) if store.check(
+        [protocol.full_key(0, protocol.FAILURE)]) else None
+    assert (standing == record) is (door == "OPEN")
+    assert (standing is None) is (first in ("WAITING", "RETURNED"))

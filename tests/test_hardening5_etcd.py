@@ -37,3 +37,31 @@ def test_a_newcomer_during_the_exit_barrier_is_not_needed_and_the_job_ends_once(
              "--local-addr", "127.0.0.1"]
     newcomer_at_the_barrier(tmp_path, where, lambda: _returned(etcd_cluster, job_id, 0, 60),
                             f"the job --rdzv-id {job_id}")
+
+
+def test_a_newcomers_admission_never_stands_for_a_failure_whose_record_is_on_its_way(etcd_cluster) -> None:
+    """A node waits for the record of a failure (its ranks saw a peer vanish): a newcomer's admission written then
+    would be the round's record, and the failure would restart the group unreported, its restart not counted.
+    The admission's one transaction now finds the node's WAITING move and writes nothing; the newcomer comes to
+    the next round. After a node's return alone it is not needed (the job is ending)."""
+    from mpddp.config import LaunchConfig
+    from mpddp.core.nodes.api import NotNeeded, resized_record
+    from mpddp.core.nodes.etcd import EtcdRendezvous
+    from mpddp.core.nodes.etcd_keys import EtcdKeys
+    from mpddp.core.nodes.rules import NodeState
+
+    config = LaunchConfig(nnodes=2, min_nnodes=1, rdzv_backend="etcd", rdzv_endpoint=etcd_cluster.endpoints,
+                          rdzv_id=f"door-{free_port()}", timeout=5)
+    link = EtcdRendezvous(config, 0, 1)
+    try:
+        keys = EtcdKeys(link)
+        link.move_to(0, NodeState.WAITING)
+        keys.admit(0, resized_record("newcomer", 1))  # no error: it waits for the round's record, then comes
+        assert link.record(0) is None
+        link.move_to(1, NodeState.RETURNED)
+        with pytest.raises(NotNeeded):
+            keys.admit(1, resized_record("newcomer", 1))
+        assert link.record(1) is None
+    finally:
+        link.leave()
+        link.client.call(lambda c: c.delete_prefix(link.prefix))

@@ -78,15 +78,18 @@ def test_a_launcher_outside_a_decided_round_is_admitted_below_max_else_a_spare(m
     assert rules.outside(members, high) is verdict
 
 
-@pytest.mark.parametrize("record, returned, verdict", [
-    (False, False, Door.OPEN),  # the round runs: the admission restarts it
-    (False, True, Door.CLOSED),  # a node's ranks returned (the exit barrier): a restart would rerun a finished job
-    (True, False, Door.RECORD),  # a failure's record came first: the round restarts anyway, the newcomer with it
-    (True, True, Door.RECORD),  # a rank failed after another node returned: the record stands, not the door
+@pytest.mark.parametrize("record, waiting, returned, verdict", [
+    (False, False, False, Door.OPEN),  # the round runs: the admission restarts it
+    (False, False, True, Door.CLOSED),  # a node's ranks returned (the exit barrier): a restart would rerun a finished job
+    (True, False, False, Door.RECORD),  # a failure's record came first: the round restarts anyway, the newcomer with it
+    (True, False, True, Door.RECORD),  # a rank failed after another node returned: the record stands, not the door
+    (False, True, False, Door.FAILING),  # a node waits for a failure's record: it must not be the admission's
+    (False, True, True, Door.FAILING),  # ... also where another node returned: the failure restarts the job
+    (True, True, True, Door.RECORD),
 ])
-def test_a_newcomers_admission_is_refused_once_a_node_returned_unless_the_round_has_a_record(record, returned,
-                                                                                             verdict):
-    assert rules.door(record=record, returned=returned) is verdict
+def test_a_newcomers_admission_waits_for_a_failure_and_is_refused_once_a_node_returned(record, waiting, returned,
+                                                                                       verdict):
+    assert rules.door(record=record, waiting=waiting, returned=returned) is verdict
 
 
 @pytest.mark.parametrize("current, target, counters", [

@@ -155,8 +155,9 @@ class C10dRendezvous:
         gone meanwhile is none of its business, and node 0 stopped itself (Ctrl-C, a signal) keeps its store
         until the others read why (core/nodes/last_word.py's ``until_read``; called shielded from a second one)."""
         me = self.config.node
-        if state is NodeState.RETURNED and self.launched.min_nnodes < self.launched.nnodes:
-            self.client.call(lambda s: close_door(s, attempt))  # first: no newcomer restarts a job that is ending
+        if state in (NodeState.WAITING, NodeState.RETURNED) and self.launched.min_nnodes < self.launched.nnodes:
+            self.client.call(lambda s: close_door(s, attempt, state))  # first: no newcomer's admission hides a
+            # failure, or restarts a job that is ending
         if state is not NodeState.ENDED:
             self._move(attempt, me, state)
             return

@@ -18,11 +18,13 @@ from ..wire import protocol
 from ..wire.protocol import FailureRecord, full_key
 from .api import ending
 from .membership import poll_interval
-from .rules import NodeState, holder
+from .rules import Door, NodeState, door, holder
 
 _ARRIVALS, _MEMBERS, _CLAIMS = "arrivals", "members", "claims"  # an elastic job's round
-_ADMISSION = "admission"  # a round's door: a newcomer's record of admission, or CLOSED once a node's ranks returned
-CLOSED = "closed"
+_ADMISSION = "admission"  # a round's door: a newcomer's record of admission, or a node's mark (FAILING, CLOSED)
+FAILING, CLOSED = "failing", "closed"  # a node waits for a failure's record; a node's ranks returned
+_MARKS = (FAILING.encode(), CLOSED.encode())
+_DOOR_MARKS = {NodeState.WAITING: FAILING, NodeState.RETURNED: CLOSED}  # the moves that shut a round's door, and how
 ABSENT = "\x00absent"  # compare_set's answer for a key that is not there (it sets nothing then): a get in one
 _ROUND = "mpddp/job/round"  # the round an elastic job is in now, for a launcher that comes late
 _NUMBERED = "mpddp/job/numbered"  # a counter: the launchers of a fixed-size job numbered as they came (1, 2, ...)
@@ -65,23 +67,27 @@ def arrived(s: Any, attempt: int) -> int:
     return int(s.add(full_key(attempt, _ARRIVALS), 0))
 
 
-def admitted(s: Any, attempt: int, record: bytes) -> bool:
-    """A newcomer's admission to round ``attempt``, which its nodes restart for (``record``, of RESIZED): True once it
-    is the round's record; False when the round's door was closed first (a node's ranks had all returned: the job
-    is ending, and a restart would run a finished job again)."""
-    if s.compare_set(full_key(attempt, _ADMISSION), "", record) != record:
-        return False
-    first_record(s, attempt, record)
-    return True
+def admitted(s: Any, attempt: int, record: bytes) -> Door:
+    """A newcomer's admission to round ``attempt``, which its nodes restart for (``record``, of RESIZED): OPEN once it
+    is the round's record; else what stood at the round's door first (core/nodes/rules.py's :func:`door`): another
+    newcomer's admission (RECORD: the round restarts with that one), a node that waits for a failure's record
+    (FAILING) or one whose ranks had all returned (CLOSED: the job is ending, and a restart would run a finished
+    job again)."""
+    standing = bytes(s.compare_set(full_key(attempt, _ADMISSION), "", record))
+    if standing == record:
+        first_record(s, attempt, record)
+        return Door.OPEN
+    return door(record=standing not in _MARKS, waiting=standing == FAILING.encode(), returned=standing == CLOSED.encode())
 
 
-def close_door(s: Any, attempt: int) -> None:
-    """Before a node's ranks are counted as returned in round ``attempt``: no newcomer is admitted to it from now on.
-    A newcomer that came first has its admission made the round's record here too (it writes the record after the
-    door): every node that counts as returned sees the restart, none ends the job without it."""
-    standing = s.compare_set(full_key(attempt, _ADMISSION), "", CLOSED)
-    if standing != CLOSED.encode():
-        first_record(s, attempt, bytes(standing))
+def close_door(s: Any, attempt: int, state: NodeState) -> None:
+    """Before a node is counted as waiting for a failure's record or as returned in round ``attempt`` (its move to
+    ``state``): no newcomer's admission is the round's record from now on. A newcomer that came first has its
+    admission made the round's record here too (it writes the record after the door): every node sees the
+    restart, none ends the job or tells a failure without it."""
+    standing = bytes(s.compare_set(full_key(attempt, _ADMISSION), "", _DOOR_MARKS[state]))
+    if standing not in _MARKS:
+        first_record(s, attempt, standing)
 
 
 def join_barrier(s: Any, attempt: int, node: int, nnodes: int, timeout: float) -> list[int]:
@@ -186,9 +192,10 @@ class C10dKeys:
         return int(found) if found else 0
 
     def admit(self, attempt: int, record: FailureRecord) -> None:
-        """The round restarts for this newcomer, unless a node's ranks had returned (:func:`admitted`): then the job
-        is ending, and this launcher is not needed."""
-        if not self.link.client.call(lambda s: admitted(s, attempt, record.encode())):
+        """The round restarts for this newcomer, unless it ends anyway (a record, or a failure's on its way: this
+        launcher comes to the next round) or a node's ranks had returned (:func:`admitted`): then the job is
+        ending, and this launcher is not needed."""
+        if self.link.client.call(lambda s: admitted(s, attempt, record.encode())) is Door.CLOSED:
             client = self.link.client
             raise ending(f"the job at {client.config.master_addr}:{client.port}", attempt)
 

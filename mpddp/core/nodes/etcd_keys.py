@@ -33,12 +33,16 @@ def _transaction(client: Any, txn: dict[str, Any]) -> Any:
     return client.transaction(txn)
 
 
-def _count_of(prefix: str) -> dict[str, Any]:
-    """A transaction's request that counts the keys under ``prefix`` without reading them (count_only)."""
+def _range(prefix: str) -> dict[str, str]:
+    """Every key under ``prefix``, as a request or a compare names them."""
     from etcd3gw.utils import _encode, _increment_last_byte
 
-    return {"request_range": {"key": _encode(prefix), "range_end": _encode(_increment_last_byte(prefix)),
-                              "count_only": True}}
+    return {"key": _encode(prefix), "range_end": _encode(_increment_last_byte(prefix))}
+
+
+def _count_of(prefix: str) -> dict[str, Any]:
+    """A transaction's request that counts the keys under ``prefix`` without reading them (count_only)."""
+    return {"request_range": {**_range(prefix), "count_only": True}}
 
 
 def _value_of(response: dict[str, Any]) -> str | None:
@@ -129,25 +133,26 @@ class EtcdKeys:
         return int(found) if found else 0
 
     def admit(self, attempt: int, record: FailureRecord) -> None:
-        """The round's record, created only while it has none and no node's ranks returned (core/nodes/rules.py's
-        :func:`door`): one transaction, which etcd orders with each node's move to RETURNED (also one), so a node
-        that returns after it reads the record as it waits for the others (core/nodes/settle.py's ``finish``) and
-        restarts with them; after a node returned the job is ending, and this launcher is not needed."""
-        from etcd3gw.utils import _encode, _increment_last_byte
+        """The round's record, created only while it has none, no node waits for a failure's and no node's ranks
+        returned (core/nodes/rules.py's :func:`door`): one transaction, which etcd orders with each node's move to
+        WAITING or RETURNED (also one), so a node that moves after it reads the record as it waits (core/nodes/
+        settle.py) and restarts with the others. A failure's record on its way ends the round anyway: this
+        launcher comes to the next; after a node returned the job is ending, and this launcher is not needed."""
+        from etcd3gw.utils import _encode
 
         link = self.link
-        key, returned = link.key(attempt, "failure"), link.key(attempt, "returned/")
+        key = link.key(attempt, "failure")
+        shut = [link.key(attempt, "waiting/"), link.key(attempt, "returned/")]
         absent = {"target": "VERSION", "result": "EQUAL", "version": 0}  # a range compare: of every key in it
-        txn = {"compare": [{"key": _encode(key), **absent},
-                           {"key": _encode(returned), "range_end": _encode(_increment_last_byte(returned)), **absent}],
+        txn = {"compare": [{"key": _encode(key), **absent}, *({**_range(k), **absent} for k in shut)],
                "success": [{"request_put": {"key": _encode(key), "value": _encode(record.encode())}}],
-               "failure": [{"request_range": {"key": _encode(key), "count_only": True}}, _count_of(returned)]}
+               "failure": [{"request_range": {"key": _encode(key), "count_only": True}}, *map(_count_of, shut)]}
         answer = link.client.call(functools.partial(_transaction, txn=txn))
         if answer.get("succeeded"):
             link.tell_failed(attempt)  # the running nodes read it off their round's store, not etcd
             return
-        written, came_back = (int(r["response_range"].get("count", 0)) for r in answer["responses"])
-        if door(record=bool(written), returned=bool(came_back)) is Door.CLOSED:
+        written, waiting, came_back = (int(r["response_range"].get("count", 0)) for r in answer["responses"])
+        if door(record=bool(written), waiting=bool(waiting), returned=bool(came_back)) is Door.CLOSED:
             raise ending(f"the job --rdzv-id {link.config.rdzv_id}", attempt)
 
     def record(self, attempt: int) -> FailureRecord | None:

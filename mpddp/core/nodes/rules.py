@@ -108,16 +108,22 @@ class Door(enum.Enum):
 
     OPEN = "open"  # the admission is the round's record: its nodes restart with the newcomer
     RECORD = "record"  # the round has a record already: it ends anyway, and the newcomer comes to the next one
+    FAILING = "failing"  # a node's ranks stopped on a failure: its record ends the round, the newcomer comes next
     CLOSED = "closed"  # a node's ranks had all returned: the job is ending, and the newcomer is not needed
 
 
-def door(*, record: bool, returned: bool) -> Door:
-    """A newcomer's admission to a round that has a ``record`` or not, where a node's ranks ``returned`` or not (its
-    exit barrier). The record comes first: the round ends with it whoever returned; else a node that returned
-    closes the door, since a restart would run a finished job again. A backend decides it in one compare-and-set
-    with the nodes' moves to RETURNED, so that no node ends the job while another restarts it."""
+def door(*, record: bool, waiting: bool, returned: bool) -> Door:
+    """A newcomer's admission to a round that has a ``record`` or not, where a node ``waiting`` for the record of a
+    failure or not, where a node's ranks ``returned`` or not (its exit barrier). The record comes first: the round
+    ends with it whoever returned. A failure whose record is on its way comes next: an admission written first
+    would stand as the round's record, and the failure would restart the group unreported, its restart not
+    counted. Else a node that returned closes the door, since a restart would run a finished job again. A backend
+    decides it in one compare-and-set with the nodes' moves to WAITING and RETURNED, so that no node ends the job
+    while another restarts it."""
     if record:
         return Door.RECORD
+    if waiting:
+        return Door.FAILING
     return Door.CLOSED if returned else Door.OPEN
 
 
