@@ -266,11 +266,6 @@ def _query_smi() -> GpuQuery:
                     problem=None if gpus else "nvidia-smi lists no GPU")
 
 
-def visible_gpu_ids(environ: Mapping[str, str] | None = None) -> tuple[int, ...]:
-    """The physical ids of the GPUs this process may use, without CUDA."""
-    return query_gpus(environ).visible
-
-
 def torch_builds_for_gpus() -> bool:
     """Whether the installed torch is a CUDA or ROCm build, read without importing torch.
 
