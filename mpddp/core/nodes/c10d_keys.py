@@ -1,5 +1,5 @@
 """What the ``c10d`` backend keeps in node 0's store beyond the round's own keys: core/nodes/membership.py's, for
-an elastic job, and a round's door (a newcomer is admitted until a node's ranks returned); a fixed-size job's
+an elastic job, and a round's door (a newcomer is admitted until a node waits for a failure or returned); a fixed-size job's
 numbers for the launchers that come without ``--node-rank``; a restarted round's barrier; the round's first
 failure; the ranks that never came. Also :class:`C10dLink`, what this module, core/nodes/c10d_watch.py
 and core/nodes/last_word.py use of the backend (core/nodes/c10d.py), which imports them."""
