@@ -247,3 +247,30 @@ def test_a_newcomers_admission_on_node_0s_store_finds_what_came_first(first, doo
         [protocol.full_key(0, protocol.FAILURE)]) else None
     assert (standing == record) is (door == "OPEN")
     assert (standing is None) is (first in ("WAITING", "RETURNED"))
+
+
+def test_a_node_whose_rank_failed_shuts_node_0s_door_before_it_stops_its_ranks() -> None:
+    """As on etcd (test_hardening5_etcd.py): the round watch's ``failing()``, called as the watch of a node whose
+    rank failed ends, marks the round's door on node 0's store (a real TCPStore in this process), so that a
+    newcomer's admission before the node's record writes nothing."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from mpddp.config import LaunchConfig
+    from mpddp.core.nodes.api import resized_record
+    from mpddp.core.nodes.c10d import C10dRendezvous
+    from mpddp.core.nodes.c10d_keys import admitted
+    from mpddp.core.nodes.rules import Door
+    from mpddp.core.wire import protocol
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
+    config = LaunchConfig(nnodes=2, min_nnodes=1, node_rank=1, master_addr="127.0.0.1", master_port=store.port,
+                          timeout=10)
+    watch = C10dRendezvous(config, store.port, 1).watch(0)
+    try:
+        watch.failing()
+        assert admitted(store, 0, resized_record("newcomer", 1).encode()) is Door.FAILING
+        assert not store.check([protocol.full_key(0, protocol.FAILURE)])
+    finally:
+        watch.stop()

@@ -65,3 +65,30 @@ def test_a_newcomers_admission_never_stands_for_a_failure_whose_record_is_on_its
     finally:
         link.leave()
         link.client.call(lambda c: c.delete_prefix(link.prefix))
+
+
+def test_a_node_whose_rank_failed_shuts_the_door_before_it_stops_its_ranks(etcd_cluster) -> None:
+    """The node where a rank failed tells its record only once its other ranks are stopped (a second, more under
+    load); its round watch's ``failing()``, called as the watch ends, shuts the door first: a newcomer's admission
+    meanwhile writes nothing, and the newcomer comes to the next round."""
+    from mpddp.config import LaunchConfig
+    from mpddp.core.nodes.api import resized_record
+    from mpddp.core.nodes.etcd import EtcdRendezvous
+    from mpddp.core.nodes.etcd_keys import EtcdKeys, EtcdRoundWatch
+
+    config = LaunchConfig(nnodes=2, min_nnodes=1, node_rank=1, rdzv_backend="etcd",
+                          rdzv_endpoint=etcd_cluster.endpoints, rdzv_id=f"failing-{free_port()}", timeout=2)
+    link = EtcdRendezvous(config, 0, 1)
+    watch = None
+    try:
+        watch = EtcdRoundWatch(link, 0)  # its beat finds no round's store here: it reads etcd's record instead
+        watch.failing()
+        EtcdKeys(link).admit(0, resized_record("newcomer", 1))  # no error: it comes to the next round
+        assert link.record(0) is None
+    finally:
+        if watch is not None:
+            watch.stop()
+            watch._thread.join(10)  # its look for the round's store ends with --timeout
+            assert not watch._thread.is_alive()
+        link.leave()
+        link.client.call(lambda c: c.delete_prefix(link.prefix))

@@ -106,6 +106,8 @@ class Attempt:
         self.hang = stall if isinstance(stall, Hang) else None
         self.mismatch = stall if isinstance(stall, Mismatch) else None
         self.failed_here = stall is not None or any(s.failed for s in self.states)
+        if self.failed_here and self.round_watch is not None:
+            self.round_watch.failing()  # first: no newcomer's admission stands for it while the ranks stop
         if not all(s.succeeded for s in self.states) and not (store is not None and store.lost):
             locate(self.states, watchdog, self.hang)
 

@@ -135,6 +135,7 @@ class RoundWatch(Protocol):
     def progressed(self) -> None: ...
     def others_calls(self) -> list[bytes]: ...
     def share_now(self) -> None: ...
+    def failing(self) -> None: ...  # a rank of this node failed: no newcomer's admission may stand for it
     def stop(self) -> None: ...
     def look(self) -> None: ...  # this node is watched (mpddp top): every node hears it within a second
     def watched(self) -> bool: ...  # some node was watched in the last WATCHED_FOR seconds
@@ -193,7 +194,19 @@ class BeatThread:
             except RendezvousGone:  # the store is gone: what that means is settled after
                 return
 
+    def failing(self) -> None:
+        """A rank of this node failed or hung: the round's door shuts now, before its ranks are stopped and its
+        record written (a second, more under load), so that no newcomer's admission stands for this failure
+        (core/nodes/rules.py's :func:`~mpddp.core.nodes.rules.door`). A store that is gone is settled after."""
+        try:
+            self._shut()
+        except RendezvousGone:
+            return
+
     def _put_calls(self, snapshot: bytes) -> None:
+        raise NotImplementedError
+
+    def _shut(self) -> None:
         raise NotImplementedError
 
     def _run(self) -> None:

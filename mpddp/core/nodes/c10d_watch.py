@@ -9,7 +9,8 @@ from ...errors import RendezvousGone
 from ..stores.store_beat import StoreBeat
 from ..wire import protocol
 from .api import INTERVAL, BeatThread
-from .c10d_keys import C10dLink
+from .c10d_keys import C10dLink, close_door
+from .rules import NodeState
 
 
 class C10dRoundWatch(BeatThread):
@@ -50,6 +51,9 @@ class C10dRoundWatch(BeatThread):
 
     def _put_calls(self, snapshot: bytes) -> None:
         self.link.client.call(lambda s: self.beat.put_calls(s, snapshot))
+
+    def _shut(self) -> None:
+        self.link.client.call(lambda s: close_door(s, self.attempt, NodeState.WAITING))
 
     def others_calls(self) -> list[bytes]:
         """The other nodes' last snapshots of their ranks' collectives (none when node 0's store is gone)."""

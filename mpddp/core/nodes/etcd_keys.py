@@ -8,6 +8,7 @@ round's beat, on the round's own TCPStore (core/stores/store_beat.py): nothing w
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import threading
 import time
@@ -133,16 +134,16 @@ class EtcdKeys:
         return int(found) if found else 0
 
     def admit(self, attempt: int, record: FailureRecord) -> None:
-        """The round's record, created only while it has none, no node waits for a failure's and no node's ranks
-        returned (core/nodes/rules.py's :func:`door`): one transaction, which etcd orders with each node's move to
-        WAITING or RETURNED (also one), so a node that moves after it reads the record as it waits (core/nodes/
-        settle.py) and restarts with the others. A failure's record on its way ends the round anyway: this
+        """The round's record, created only while it has none, no node's rank failed (``failing/``: its record is
+        on its way), no node waits for a failure's and no node's ranks returned (core/nodes/rules.py's
+        :func:`door`): one transaction, which etcd orders with each of those writes (also one), so a node that
+        writes after it reads the record as it waits (core/nodes/settle.py) and restarts with the others. A failure's record on its way ends the round anyway: this
         launcher comes to the next; after a node returned the job is ending, and this launcher is not needed."""
         from etcd3gw.utils import _encode
 
         link = self.link
         key = link.key(attempt, "failure")
-        shut = [link.key(attempt, "waiting/"), link.key(attempt, "returned/")]
+        shut = [link.key(attempt, "failing/"), link.key(attempt, "waiting/"), link.key(attempt, "returned/")]
         absent = {"target": "VERSION", "result": "EQUAL", "version": 0}  # a range compare: of every key in it
         txn = {"compare": [{"key": _encode(key), **absent}, *({**_range(k), **absent} for k in shut)],
                "success": [{"request_put": {"key": _encode(key), "value": _encode(record.encode())}}],
@@ -151,8 +152,8 @@ class EtcdKeys:
         if answer.get("succeeded"):
             link.tell_failed(attempt)  # the running nodes read it off their round's store, not etcd
             return
-        written, waiting, came_back = (int(r["response_range"].get("count", 0)) for r in answer["responses"])
-        if door(record=bool(written), waiting=bool(waiting), returned=bool(came_back)) is Door.CLOSED:
+        written, failing, waiting, came_back = (int(r["response_range"].get("count", 0)) for r in answer["responses"])
+        if door(record=bool(written), waiting=bool(failing or waiting), returned=bool(came_back)) is Door.CLOSED:
             raise ending(f"the job --rdzv-id {link.config.rdzv_id}", attempt)
 
     def record(self, attempt: int) -> FailureRecord | None:
@@ -248,6 +249,14 @@ class EtcdRoundWatch(BeatThread):
 
     def _put_calls(self, snapshot: bytes) -> None:
         self._on_store(lambda s: self.beat.put_calls(s, snapshot))
+
+    def _shut(self) -> None:
+        """A ``failing/`` key, put with the lease: a newcomer's admission compares that none is there (one write,
+        at a failure only). An etcd that refuses it is the report's business, after."""
+        from etcd3gw import exceptions
+
+        with contextlib.suppress(exceptions.Etcd3Exception):
+            self.link.put(self.link.key(self.attempt, "failing", self.link.config.node_rank), "1", leased=True)
 
     def tell_failed(self) -> bool:
         """This node wrote the round's record: every node's next beat reads it off the store's counter. False
