@@ -137,8 +137,9 @@ class EtcdKeys:
         """The round's record, created only while it has none, no node's rank failed (``failing/``: its record is
         on its way), no node waits for a failure's and no node's ranks returned (core/nodes/rules.py's
         :func:`door`): one transaction, which etcd orders with each of those writes (also one), so a node that
-        writes after it reads the record as it waits (core/nodes/settle.py) and restarts with the others. A failure's record on its way ends the round anyway: this
-        launcher comes to the next; after a node returned the job is ending, and this launcher is not needed."""
+        writes after it reads the record as it waits (core/nodes/settle.py) and restarts with the others. A
+        failure's record on its way ends the round anyway: this launcher comes to the next; after a node returned
+        the job is ending, and this launcher is not needed."""
         from etcd3gw.utils import _encode
 
         link = self.link
