@@ -165,6 +165,7 @@ class BeatThread:
     and the daemon thread that runs the backend's ``_run`` until :meth:`stop`."""
 
     beat: StoreBeat  # the round's keys on its store, set by each backend's watch
+    admits = False  # newcomers may be admitted to the round (--nnodes MIN:MAX), set by each backend's watch
 
     def __init__(self, attempt: int, share: Callable[[bool], bytes | None] | None) -> None:
         self.attempt = attempt
@@ -197,7 +198,10 @@ class BeatThread:
     def failing(self) -> None:
         """A rank of this node failed or hung: the round's door shuts now, before its ranks are stopped and its
         record written (a second, more under load), so that no newcomer's admission stands for this failure
-        (core/nodes/rules.py's :func:`~mpddp.core.nodes.rules.door`). A store that is gone is settled after."""
+        (core/nodes/rules.py's :func:`~mpddp.core.nodes.rules.door`). A store that is gone is settled after; a
+        job of a fixed size admits nobody, and costs nothing here."""
+        if not self.admits:
+            return
         try:
             self._shut()
         except RendezvousGone:

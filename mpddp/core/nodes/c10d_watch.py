@@ -28,6 +28,7 @@ class C10dRoundWatch(BeatThread):
         super().__init__(attempt, share)
         self.link = link
         self.beat = StoreBeat(attempt, link.config.node)
+        self.admits = link.launched.min_nnodes < link.launched.nnodes
         self._thread.start()
 
     def _run(self) -> None:

@@ -185,6 +185,7 @@ class EtcdRoundWatch(BeatThread):
         super().__init__(attempt, share)
         self.link = link
         self.beat = StoreBeat(attempt, link.config.node)
+        self.admits = link.launched.min_nnodes < link.launched.nnodes
         self._store: Any = None  # the round's store, once connected; None again once it stopped answering
         self._store_lock = threading.Lock()  # the beat's thread and share_now's caller
         self._ever = False  # the store answered once (its host published it and listened)

@@ -16,6 +16,7 @@ class EtcdLink(Protocol):
 
     client: EtcdClient
     config: LaunchConfig  # this round's
+    launched: LaunchConfig  # as started: nnodes is MAX, min_nnodes MIN
     prefix: str  # every key of the job lies under it
     ttl: int  # the lease's seconds: how long a frozen launcher may hold a round's store
     identity: Identity | None  # which launch of the job this launcher is part of (once it reached etcd)
