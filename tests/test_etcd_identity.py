@@ -27,8 +27,11 @@ JOB = textwrap.dedent("""
     rank, restart = dist.get_rank(), int(os.environ["TORCHELASTIC_RESTART_COUNT"])
     step = 0
     stop = os.environ.get("STOP", "")
-    while step < int(os.environ["STEPS"]) and not (stop and os.path.exists(stop)):
-        dist.all_reduce(torch.ones(1))
+    while step < int(os.environ["STEPS"]):
+        stopping = torch.tensor([float(bool(stop) and os.path.exists(stop))])
+        dist.all_reduce(stopping, op=dist.ReduceOp.MAX)  # the ranks stop together: one that saw the file first
+        if stopping.item():  # and left would end the other's next all-reduce ("closed by peer"), seen under load
+            break
         step += 1
         print(f"STEP {step} restart={restart}", flush=True)
         if rank == 1 and restart == 0 and step == int(os.environ.get("FAIL_ONCE_AT", "0")):
