@@ -54,10 +54,11 @@ def test_a_rank_of_the_last_node_that_fails_early_on_a_full_etcd_is_named_on_eve
             for run in runs:
                 run.proc.wait(60)
             assert time.monotonic() - failed < 20 + 15
-            for node, run in enumerate(runs):
-                assert run.proc.returncode == 1, (node, run.stderr)
-                assert FAILED_FIRST in run.stderr, (node, run.stderr)
-                assert "may not have heard" not in run.stderr, (node, run.stderr)
+            told = "\n".join(f"--- node {node}:\n{run.stderr}" for node, run in enumerate(runs))  # a str: in full
+            for run in runs:
+                assert run.proc.returncode == 1, told
+                assert FAILED_FIRST in run.stderr, told
+                assert "may not have heard" not in run.stderr, told
             for run in runs:
                 run.assert_nothing_left()
         finally:

@@ -7,7 +7,11 @@ nothing left behind. tests/test_hardening5_c10d.py holds the same case on node 0
 
 from __future__ import annotations
 
+import contextlib
+import socket
+import threading
 import time
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -90,5 +94,93 @@ def test_a_node_whose_rank_failed_shuts_the_door_before_it_stops_its_ranks(etcd_
             watch.stop()
             watch._thread.join(10)  # its look for the round's store ends with --timeout
             assert not watch._thread.is_alive()
+        link.leave()
+        link.client.call(lambda c: c.delete_prefix(link.prefix))
+
+
+class _Cut:
+    """A TCP proxy on 127.0.0.1 in front of a round's store that can cut the connections it carries (:meth:`cut`), as
+    a network blip or a reset would, while the store's host lives on and new connections go through."""
+
+    def __init__(self, port: int) -> None:
+        self.port = port
+        self.server = socket.create_server(("127.0.0.1", 0))
+        self.listens = self.server.getsockname()[1]
+        self.carried: list[socket.socket] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.server.accept()
+            except OSError:  # closed by close()
+                return
+            upstream = socket.create_connection(("127.0.0.1", self.port))
+            self.carried += [client, upstream]
+            for source, sink in ((client, upstream), (upstream, client)):
+                threading.Thread(target=self._pipe, args=(source, sink), daemon=True).start()
+
+    @staticmethod
+    def _pipe(source: socket.socket, sink: socket.socket) -> None:
+        with contextlib.suppress(OSError):
+            while data := source.recv(65536):
+                sink.sendall(data)
+        with contextlib.suppress(OSError):
+            sink.shutdown(socket.SHUT_RDWR)
+
+    def cut(self) -> None:
+        carried, self.carried = self.carried, []
+        for sock in carried:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+
+    def close(self) -> None:
+        self.cut()
+        self.server.close()
+
+
+def test_a_round_watch_reads_the_record_after_its_connection_to_the_store_was_cut(etcd_cluster) -> None:
+    """CI, loaded, etcd full (tests/test_etcd_hostile.py): node 1 told etcd's loss where the other nodes named the
+    rank that failed; it had no round's store to read the record on. A watch dropped the store for good at the
+    first operation that failed, the store's host alive or not. Now it connects again: a real TCPStore behind a
+    proxy that cuts the watch's connection once, then carries new ones."""
+    import torch.distributed as dist
+
+    from mpddp.config import LaunchConfig
+    from mpddp.core.nodes.etcd import EtcdRendezvous
+    from mpddp.core.nodes.etcd_keys import EtcdRoundWatch
+    from mpddp.core.stores.store_beat import StoreBeat
+    from mpddp.core.wire.protocol import FailureRecord
+    from mpddp.errors import Outcome
+
+    config = LaunchConfig(nnodes=2, node_rank=1, rdzv_backend="etcd", rdzv_endpoint=etcd_cluster.endpoints,
+                          rdzv_id=f"cut-{free_port()}", timeout=10)
+    link = EtcdRendezvous(config, 0, 1)
+    port = free_port()
+    host = dist.TCPStore("127.0.0.1", port, None, True, timedelta(seconds=30))  # node 0's, the round's store
+    proxy, watch = _Cut(port), None
+    try:
+        link.put(link.key(0, "store"), f"127.0.0.1:{proxy.listens}")  # as the round's first node publishes it
+        watch = EtcdRoundWatch(link, 0)
+        assert watch._reached.wait(10)
+        beat = StoreBeat(0, 0)
+        proxy.cut()
+        time.sleep(1.0)  # the watch's next beats fail on the cut connection
+        record = FailureRecord(rank=0, node_rank=0, local_rank=0, outcome=Outcome.RAISED, exit_code=1,
+                               line="mpddp: rank 0 (node 0, local rank 0) failed first", wall_time=time.time(),
+                               writer=0).encode()
+        assert beat.publish(host, record) == record
+        deadline = time.monotonic() + 10
+        while (read := watch.record()) is None:
+            assert time.monotonic() < deadline, "the watch never read the record on its store again"
+            time.sleep(0.1)
+        assert read == record
+        assert int(host.add(beat.read_key, 0)) == 1  # counted once as read: its host may leave
+    finally:
+        if watch is not None:
+            watch.stop()
+            watch._thread.join(10)
+            assert not watch._thread.is_alive()
+        proxy.close()
         link.leave()
         link.client.call(lambda c: c.delete_prefix(link.prefix))

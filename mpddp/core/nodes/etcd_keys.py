@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -186,9 +187,10 @@ class EtcdRoundWatch(BeatThread):
         self.link = link
         self.beat = StoreBeat(attempt, link.config.node)
         self.admits = link.launched.min_nnodes < link.launched.nnodes
-        self._store: Any = None  # the round's store, once connected; None again once it stopped answering
+        self._store: Any = None  # the round's store, once connected; None again once an operation failed
         self._store_lock = threading.Lock()  # the beat's thread and share_now's caller
         self._ever = False  # the store answered once (its host published it and listened)
+        self._address: tuple[str, int] | None = None  # where it listens, read from etcd once
         self._reached = threading.Event()  # set with _ever: a publish waits for it (only the beat connects: the
         # caller's thread may be the round's first node itself, which publishes the store after this)
         self._read = False  # this node counted its read of another node's record on the store
@@ -200,30 +202,39 @@ class EtcdRoundWatch(BeatThread):
 
     def _connect(self) -> None:
         """A client of the round's store (each operation of it waits a lease's TTL at most: a frozen host
-        holds the beat no longer than etcd takes to call it lost)."""
+        holds the beat no longer than etcd takes to call it lost). Again after an operation failed: one that
+        timed out on a loaded machine (its host is busy, not gone) left this node blind to the round's record
+        for good, and it told etcd's loss where the others named the failed rank (measured in CI). A host that
+        is gone refuses at once; one whose machine is lost costs a second, and its lease tells the rest."""
         from datetime import timedelta
 
         from ..wire.store import connect
 
-        self._next_try = time.monotonic() + 1.0  # a store not yet reached costs one try a second, at most
+        self._next_try = time.monotonic() + 1.0  # a store not reached costs one try a second, at most
         try:
-            host, port = self.link.store(self.attempt)
-            store: Any = connect(host, port, self.link.config.timeout)  # 64 nodes at once took more than 3 s
-            store.set_timeout(timedelta(seconds=self.link.ttl))
+            if self._address is None:
+                self._address = self.link.store(self.attempt)
+            else:
+                socket.create_connection(self._address, timeout=1.0).close()  # torch would retry till timeout
+            store: Any = connect(*self._address, self.link.config.timeout if not self._ever else self.link.ttl)
+            store.set_timeout(timedelta(seconds=self.link.ttl))  # 64 nodes at once took more than 3 s to connect
             with self._store_lock:
                 self._store, self._ever = store, True
             self._reached.set()
-        except Exception:  # noqa: BLE001 - RendezvousError, torch's own types: etcd's key alone is read then
+        except Exception:  # noqa: BLE001 - RendezvousError, OSError, torch's own types: etcd's key is read then
             pass
 
-    def _on_store(self, op: Callable[[Any], Any]) -> Any:
-        """``op(store)`` under the lock; None (and the store forgotten) when the round's store does not answer."""
+    def _on_store(self, op: Callable[[Any], Any], again: bool = False) -> Any:
+        """``op(store)`` under the lock; None (and the client dropped) when the round's store does not answer.
+        ``again``: a store that stopped answering is connected to once more first (a record to read or write)."""
+        if again and self._store is None and self._ever:
+            self._connect()
         with self._store_lock:
             if self._store is None:
                 return None
             try:
                 return op(self._store)
-            except Exception:  # noqa: BLE001 - torch raises several types for a store that is gone
+            except Exception:  # noqa: BLE001 - torch raises several types for a store that is gone or slow
                 self._store = None
                 return None
 
@@ -232,8 +243,8 @@ class EtcdRoundWatch(BeatThread):
         self._connect()
         try:
             while not self._stop.is_set():
-                if self._store is None and not self._ever and time.monotonic() >= self._next_try:
-                    self._connect()  # not yet (its host publishes it late); one that stopped answering: not again
+                if self._store is None and time.monotonic() >= self._next_try:
+                    self._connect()  # not yet (its host publishes it late), or again after a failed operation
                 step = 1 if self._progress.is_set() else 0
                 snapshot = self.share(False) if self.share is not None else None  # when this node's moved
                 total = self._on_store(functools.partial(self.beat.turn, step=step, snapshot=snapshot, beats=None))
@@ -273,11 +284,11 @@ class EtcdRoundWatch(BeatThread):
         """The round's record on its store (etcd is full); the standing one, or None where the store is gone.
         A rank that fails as the round starts: the beat's first connection is waited for, a lease's TTL at most."""
         self._reached.wait(self.link.ttl)
-        return self._on_store(lambda s: self.beat.publish(s, record))
+        return self._on_store(lambda s: self.beat.publish(s, record), again=True)
 
     def record(self) -> bytes | None:
         """The round's record on its store (etcd is full), counted once as read when another node wrote it."""
-        data = self._on_store(self.beat.record)
+        data = self._on_store(self.beat.record, again=True)
         if data is not None and not self._read and FailureRecord.decode(data).writer != self.beat.node:
             self._read = True
             self._on_store(self.beat.count_read)
