@@ -184,3 +184,60 @@ def test_a_round_watch_reads_the_record_after_its_connection_to_the_store_was_cu
         proxy.close()
         link.leave()
         link.client.call(lambda c: c.delete_prefix(link.prefix))
+
+
+def test_a_node_that_etcd_stops_answering_when_full_tells_the_record_on_the_rounds_store(tmp_path) -> None:
+    """CI, loaded: etcd full, node 1's waits for the round's record ended in etcd's not answering it (its
+    members were slow) before node 2 wrote the record on the round's store; node 1 told etcd's loss where
+    nodes 0 and 2 named the rank that failed. Now, with etcd full, its last word is the record on the round's
+    store, waited for while the store answers. A real 3-member etcd filled to its quota, a real TCPStore, the
+    record written a second later."""
+    pytest.importorskip("etcd3gw")
+    import torch.distributed as dist
+    from etcd3gw.exceptions import Etcd3Exception
+    from etcd_cluster import EtcdCluster
+
+    from mpddp.config import LaunchConfig
+    from mpddp.core.nodes.etcd import EtcdRendezvous
+    from mpddp.core.nodes.etcd_keys import EtcdRoundWatch
+    from mpddp.core.stores.etcd_client import EtcdFull
+    from mpddp.core.stores.store_beat import StoreBeat
+    from mpddp.core.wire.protocol import FailureRecord
+    from mpddp.errors import Outcome
+
+    with EtcdCluster(base_dir=tmp_path, quota_bytes=256 * 1024) as cluster:
+        config = LaunchConfig(nnodes=3, node_rank=1, rdzv_backend="etcd", rdzv_endpoint=cluster.endpoints,
+                              rdzv_id="full", timeout=20)
+        link = EtcdRendezvous(config, 0, 1)
+        port = free_port()
+        host = dist.TCPStore("127.0.0.1", port, None, True, timedelta(seconds=30))  # node 0's, the round's store
+        watch, writer = None, None
+        try:
+            link.put(link.key(0, "store"), f"127.0.0.1:{port}")  # as the round's first node publishes it
+            watch = link.watch(0)
+            assert watch._reached.wait(10)
+            assert link.last_word(0) is None  # etcd takes writes: it keeps the record, and no store is looked at
+            client = cluster.client(0, 5)
+            with pytest.raises(Etcd3Exception):  # another user of the same etcd fills it
+                for n in range(100):
+                    client.put(f"/someone-else/{n}", "x" * (64 * 1024))
+            with pytest.raises(EtcdFull):  # this node learns it at its next write
+                link.put(link.key(0, "waiting", 1), "1")
+            record = FailureRecord(rank=2, node_rank=2, local_rank=0, outcome=Outcome.RAISED, exit_code=1,
+                                   line="mpddp: rank 2 (node 2, local rank 0) failed first", wall_time=time.time(),
+                                   writer=2).encode()
+            writer = threading.Timer(1.0, lambda: StoreBeat(0, 2).publish(host, record))  # node 2, after its teardown
+            writer.start()
+            started = time.monotonic()
+            word = link.last_word(0)
+            assert word is not None and word.encode() == record, word
+            assert 0.5 < time.monotonic() - started < 8
+            assert int(host.add(StoreBeat(0, 0).read_key, 0)) == 1  # counted as read: the store's host may leave
+        finally:
+            if writer is not None:
+                writer.join(10)
+            if isinstance(watch, EtcdRoundWatch):
+                watch.stop()
+                watch._thread.join(10)
+                assert not watch._thread.is_alive()
+            link.leave()

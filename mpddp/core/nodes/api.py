@@ -27,7 +27,8 @@ A backend is storage, liveness and a watch, in twelve methods:
   ranks returned, who waits, who never arrived), and who is
   :meth:`~Rendezvous.lost` (by the backend's own means: beats, or leases);
 * what a node hears when the backend itself is gone: :meth:`~Rendezvous.last_word`
-  (node 0's, where it hosts the store) and :meth:`~Rendezvous.gone_line`;
+  (node 0's, where it hosts the store; etcd full, the record on the round's
+  store) and :meth:`~Rendezvous.gone_line`;
 * :meth:`~Rendezvous.leave` the job.
 
 What is not a backend's is above it: :func:`stopped` (a record like any
@@ -245,7 +246,7 @@ class Rendezvous(Protocol):
     def until_heard(self, attempt: int) -> None: ...  # the others have the record (RendezvousGone: gone before)
     def view(self, attempt: int) -> RoundView: ...
     def lost(self, attempt: int, since: float) -> Lost | None: ...  # ``since``: when this node began to wait
-    def last_word(self, attempt: int) -> FailureRecord | None: ...  # node 0's, its store lost
+    def last_word(self, attempt: int) -> FailureRecord | None: ...  # the backend gone: node 0's word, or the store's
     def gone_line(self) -> str: ...  # the backend does not answer: why, in words
     def leave(self) -> None: ...
 

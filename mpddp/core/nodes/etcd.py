@@ -288,7 +288,14 @@ class EtcdRendezvous(EtcdKV):
         return f"etcd at {self.client.endpoints} does not answer, so this node cannot learn what the others saw"
 
     def last_word(self, attempt: int) -> FailureRecord | None:
-        return None  # no node hosts etcd: none has a store of its own to lose
+        """etcd full, and then no answer to this node (a slow member on a loaded machine, in CI): the round's
+        store is where a record goes now, so it is looked for there, while the store answers, up to
+        :data:`_LEAVE_WAIT` (its host stays as long for the others to read it). Before, such a node told etcd's
+        loss where the others named the rank that failed. None otherwise: no node hosts etcd."""
+        if self.client.full is None or (watch := self._watches.get(attempt)) is None:
+            return None
+        data = watch.last_record(min(self.config.timeout, _LEAVE_WAIT))
+        return FailureRecord.decode(data) if data else None
 
     def leave(self) -> None:
         """Done with the job: this launcher's lease goes, and the last launcher to leave removes the job's keys.

@@ -294,6 +294,13 @@ class EtcdRoundWatch(BeatThread):
             self._on_store(self.beat.count_read)
         return data
 
+    def last_record(self, wait: float) -> bytes | None:
+        """The round's record on its store, waited for ``wait`` seconds at most while the store answers."""
+        deadline = time.monotonic() + wait
+        while (data := self.record()) is None and self._store is not None and time.monotonic() < deadline:
+            time.sleep(INTERVAL)
+        return data
+
     def until_read(self, others: int, wait: float) -> None:
         """The round's store host, leaving with the record on its store: stay until ``others`` nodes read it, or
         ``wait`` seconds (etcd full: the store is the only place the others can learn the truth)."""
