@@ -120,8 +120,7 @@ class _Cut:
             for source, sink in ((client, upstream), (upstream, client)):
                 threading.Thread(target=self._pipe, args=(source, sink), daemon=True).start()
 
-    @staticmethod
-    def _pipe(source: socket.socket, sink: socket.socket) -> None:
+    def _pipe(self, source: socket.socket, sink: socket.socket) -> None:
         with contextlib.suppress(OSError):
             while data := source.recv(65536):
                 sink.sendall(data)
@@ -241,3 +240,42 @@ def test_a_node_that_etcd_stops_answering_when_full_tells_the_record_on_the_roun
                 watch._thread.join(10)
                 assert not watch._thread.is_alive()
             link.leave()
+
+
+class _Counting(_Cut):
+    """A proxy in front of an etcd member that counts the requests for etcd's alarm list it carries."""
+
+    alarms = 0
+
+    def _pipe(self, source: socket.socket, sink: socket.socket) -> None:
+        with contextlib.suppress(OSError):
+            while data := source.recv(65536):
+                self.alarms += data.count(b"/maintenance/alarm")
+                sink.sendall(data)
+        with contextlib.suppress(OSError):
+            sink.shutdown(socket.SHUT_RDWR)
+
+
+def test_an_etcd_known_full_is_not_asked_for_its_alarms_at_each_refused_write(tmp_path) -> None:
+    """Each write refused for want of room asked etcd for its alarm list first; a list that did not answer in time
+    on a loaded machine was taken for a rate limit, the write tried again until the call gave up, and the node
+    told etcd's loss where it was only full. Once a node knows etcd is full, a refused write says so at once."""
+    pytest.importorskip("etcd3gw")
+    from etcd3gw.exceptions import Etcd3Exception
+    from etcd_cluster import EtcdCluster
+
+    from mpddp.core.stores.etcd_client import EtcdClient, EtcdFull
+
+    with EtcdCluster(base_dir=tmp_path, quota_bytes=256 * 1024) as cluster:
+        with pytest.raises(Etcd3Exception):  # another user of the same etcd fills it
+            for n in range(100):
+                cluster.client(0, 5).put(f"/someone-else/{n}", "x" * (64 * 1024))
+        proxy = _Counting(int(cluster.endpoints.split(",")[0].rpartition(":")[2]))
+        try:
+            client = EtcdClient(f"127.0.0.1:{proxy.listens}", timeout=5)
+            for _ in range(3):
+                with pytest.raises(EtcdFull):
+                    client.call(lambda c: c.put("/mine", "1"))
+            assert proxy.alarms == 1
+        finally:
+            proxy.close()

@@ -94,8 +94,9 @@ class EtcdClient:
             except exceptions.Etcd3Exception as e:
                 transient = isinstance(e, (exceptions.ConnectionFailedError, exceptions.ConnectionTimeoutError,
                                            exceptions.InternalServerError))
-                if not transient and grpc_code(e) == RESOURCE_EXHAUSTED and self._nospace(client):
-                    raise self._full() from None
+                if not transient and grpc_code(e) == RESOURCE_EXHAUSTED and (self.full is not None or
+                                                                             self._nospace(client)):
+                    raise self._full() from None  # known full: no alarm list again (it may not answer in time)
                 if not transient and grpc_code(e) != RESOURCE_EXHAUSTED:
                     raise  # refused for what it asked (a lease gone, a compare failed): the caller's to read
                 tried += 1
