@@ -279,3 +279,48 @@ def test_an_etcd_known_full_is_not_asked_for_its_alarms_at_each_refused_write(tm
             assert proxy.alarms == 1
         finally:
             proxy.close()
+
+
+def test_a_record_written_before_etcd_filled_stands_over_one_on_the_rounds_store(tmp_path) -> None:
+    """Node 2's record was created in etcd; etcd then filled, and node 1's record went to the round's store: node 1
+    told its own, where every other node read node 2's in etcd. A node whose write etcd refuses now reads etcd's
+    record first: the one written there stands."""
+    pytest.importorskip("etcd3gw")
+    import torch.distributed as dist
+    from etcd3gw.exceptions import Etcd3Exception
+    from etcd_cluster import EtcdCluster
+
+    from mpddp.config import LaunchConfig
+    from mpddp.core.nodes.etcd import EtcdRendezvous
+    from mpddp.core.stores.store_beat import StoreBeat
+    from mpddp.core.wire.protocol import FailureRecord
+    from mpddp.errors import Outcome
+
+    def record(node: int) -> FailureRecord:
+        return FailureRecord(rank=node, node_rank=node, local_rank=0, outcome=Outcome.RAISED, exit_code=1,
+                             line=f"mpddp: rank {node} (node {node}, local rank 0) failed first", wall_time=time.time())
+
+    with EtcdCluster(base_dir=tmp_path, quota_bytes=256 * 1024) as cluster:
+        nodes = [EtcdRendezvous(LaunchConfig(nnodes=3, node_rank=n, rdzv_backend="etcd", rdzv_id="filled",
+                                             rdzv_endpoint=cluster.endpoints, timeout=20), 0, 1) for n in (1, 2)]
+        port = free_port()
+        host = dist.TCPStore("127.0.0.1", port, None, True, timedelta(seconds=30))  # node 0's, the round's store
+        watches = []
+        try:
+            nodes[0].put(nodes[0].key(0, "store"), f"127.0.0.1:{port}")
+            watches = [link.watch(0) for link in nodes]
+            assert all(watch._reached.wait(10) for watch in watches)
+            assert nodes[1].publish(0, record(2)).rank == 2  # in etcd
+            with pytest.raises(Etcd3Exception):  # another user of the same etcd fills it
+                for n in range(100):
+                    cluster.client(0, 5).put(f"/someone-else/{n}", "x" * (64 * 1024))
+            told = nodes[0].publish(0, record(1))
+            assert told.rank == 2 and told.writer == 2, told
+            assert nodes[0].client.full is not None and StoreBeat(0, 1).record(host) is None  # nothing on the store
+        finally:
+            for watch in watches:
+                watch.stop()
+                watch._thread.join(10)
+                assert not watch._thread.is_alive()
+            for link in nodes:
+                link.leave()

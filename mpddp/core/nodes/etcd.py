@@ -208,7 +208,9 @@ class EtcdRendezvous(EtcdKV):
         try:
             if self.client.call(lambda c: c.create(key, mine)):
                 self.tell_failed(attempt)
-        except EtcdFull:  # etcd takes no write: the round's store keeps the record (the first writer wins there)
+        except EtcdFull:  # etcd takes no write: the round's store keeps the record (the first writer wins there),
+            if (standing := self.get(key)) is not None:  # unless one was written before etcd filled: it stands
+                return FailureRecord.decode(standing)
             watch = self._watches.get(attempt)
             if watch is None or (standing := watch.publish(mine)) is None:
                 raise
