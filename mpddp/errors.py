@@ -112,9 +112,17 @@ class StoreLost(RendezvousError):
 
 
 class RendezvousGone(StoreLost):
-    """The backend does not answer (node 0's store: its launcher or store server is gone)."""
+    """The backend does not answer (node 0's store: its launcher or store server is gone). ``line``: why, as a
+    node's report tells it (core/nodes/settle.py), worded by the client that raised it; else the message."""
 
     went = "the rendezvous went away"  # what went, for a line: each backend's client raises its own kind
+
+    def __init__(self, message: str, line: str | None = None) -> None:
+        super().__init__(message)
+        self.line = line or message
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return type(self), (str(self), self.line)
 
 
 class WorkerFailed(MpddpError):

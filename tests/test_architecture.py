@@ -236,6 +236,22 @@ def test_errors_from_real_failed_launches_pickle(no_leftovers, tmp_path):
 
 
 @pytest.mark.timeout(120)
+def test_a_store_found_gone_pickles_with_its_line() -> None:
+    """A real client of node 0's store, with nothing listening at its port: its error words the loss for a node's
+    report (``line``, core/nodes/settle.py), and the words cross a process boundary with it."""
+    from multinode import free_port
+
+    from mpddp.core.stores.c10d_client import C10dClient, StoreGone
+
+    port = free_port()
+    client = C10dClient(mpddp.LaunchConfig(nnodes=2, node_rank=1, master_addr="127.0.0.1", master_port=port), port)
+    with pytest.raises(StoreGone) as info:
+        client.call(lambda s: s.add("k", 1), connect_timeout=0.5)
+    assert info.value.line.startswith(f"node 0's rendezvous store at 127.0.0.1:{port} did not answer within"), info.value
+    back = _round_trip(info.value)
+    assert back.line == info.value.line != str(info.value)
+
+
 def test_hang_and_main_guard_errors_pickle(no_leftovers, tmp_path):
     """A HangError and a MainGuardError, each from a real launch in a fresh interpreter, pickled back here."""
     script = tmp_path / "no_guard.py"

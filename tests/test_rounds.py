@@ -576,7 +576,6 @@ def test_a_record_is_told_once_every_other_node_read_it_and_the_stores_loss_if_i
 
     import mpddp
     from mpddp.core.nodes import settle
-    from mpddp.errors import RendezvousGone
 
     beats = _Beats({0: 12, 1: 12, 2: 12})
     raised = mpddp.WorkerFailed("mpddp: rank 1 (node 1, local rank 0) failed first: it raised RuntimeError", rank=1)
@@ -589,15 +588,16 @@ def test_a_record_is_told_once_every_other_node_read_it_and_the_stores_loss_if_i
         later.join()
     assert said is raised and 0.5 <= time.monotonic() - started < 2.0
 
-    class Gone:  # node 0's store, gone once the record is written
+    class Gone:  # node 0's store, gone once the record is written: torch's client raises its own error
         def __getattr__(self, name: str) -> object:
-            raise RendezvousGone("node 0's store went away")
+            raise RuntimeError("Connection reset by peer")
 
     beats = _Beats({0: 12, 1: 12, 2: 12})
     writer = _link(1, beats)
     writer.reached = True  # its ranks met in node 0's store
-    writer.client.call = lambda op, connect_timeout=None: (  # type: ignore[method-assign]
-        op(beats) if not any(k.endswith("/failure") for k in beats.values) else op(Gone()))
+    call = writer.client.call  # the client's own: it words the loss (RendezvousGone's line)
+    writer.client.call = lambda op, connect_timeout=None: call(  # type: ignore[method-assign]
+        op if not any(k.endswith("/failure") for k in beats.values) else lambda s: op(Gone()), connect_timeout)
     writer.last_word = lambda attempt: None  # type: ignore[method-assign]  # nobody listens at node 0's port
     said = settle.settle(writer, 0, raised, mpddp.Outcome.RAISED, None, lambda r: r, lambda: None)
     assert str(said).startswith("node 0, which hosts the rendezvous at 127.0.0.1:29500, is gone (its launcher was "

@@ -28,7 +28,8 @@ A backend is storage, liveness and a watch, in twelve methods:
   :meth:`~Rendezvous.lost` (by the backend's own means: beats, or leases);
 * what a node hears when the backend itself is gone: :meth:`~Rendezvous.last_word`
   (node 0's, where it hosts the store; etcd full, the record on the round's
-  store) and :meth:`~Rendezvous.gone_line`;
+  store); why it went is worded by the client that found it gone
+  (:class:`~mpddp.errors.RendezvousGone`'s ``line``);
 * :meth:`~Rendezvous.leave` the job.
 
 What is not a backend's is above it: :func:`stopped` (a record like any
@@ -247,7 +248,6 @@ class Rendezvous(Protocol):
     def view(self, attempt: int) -> RoundView: ...
     def lost(self, attempt: int, since: float) -> Lost | None: ...  # ``since``: when this node began to wait
     def last_word(self, attempt: int) -> FailureRecord | None: ...  # the backend gone: node 0's word, or the store's
-    def gone_line(self) -> str: ...  # the backend does not answer: why, in words
     def leave(self) -> None: ...
 
 

@@ -95,7 +95,7 @@ class C10dRendezvous:
         except RendezvousGone:
             if self.client.reached:
                 raise self._no_round(0) from None
-            raise RendezvousError(self.gone_line()) from None
+            raise RendezvousError(self.client.gone_line()) from None
         if number is None:
             raise ConfigError(f"the job at {self.config.master_addr}:{self.port} has its --nnodes {nnodes} nodes "
                               f"already (node ranks 0-{nnodes - 1}, taken as the launchers came): this launcher is one "
@@ -118,7 +118,7 @@ class C10dRendezvous:
                            f"--master-addr {launched.master_addr} --master-port {self.port}")
         except RendezvousGone:
             if not self.client.reached:  # nobody answered: no job there (not started, or ended), not a loss
-                raise RendezvousError(self.gone_line()) from None
+                raise RendezvousError(self.client.gone_line()) from None
             raise self._no_round(attempt) from None
         self.rounds[here.number] = here
         self.config = replace(launched, nnodes=here.nnodes, node_rank=here.node_rank)
@@ -209,18 +209,6 @@ class C10dRendezvous:
             f"node(s) {names(nodes)} never arrived (rank(s) {names(missing)} "
             f"missing from the rendezvous at {config.master_addr}:{port}): start their launchers with "
             f"--nnodes {config.nnodes} --master-addr {config.master_addr} --master-port {port} --node-rank N", missing)
-
-    def gone_line(self) -> str:
-        """Node 0's store does not answer: never reached (not started, wrong address), or gone since."""
-        config = self.config
-        if not self.client.reached:
-            return (f"node 0's rendezvous store at {config.master_addr}:{self.port} did not answer within --timeout "
-                    f"{config.timeout:g} s: node 0's launcher does not run there, not started yet or the job already "
-                    "ended (its nodes give up on a node that does not come within --timeout); start every node within "
-                    "--timeout of the others, with node 0's launcher (--node-rank 0) there, or check --master-addr "
-                    "and --master-port")
-        return (f"node 0, which hosts the rendezvous at {config.master_addr}:{self.port}, is gone (its launcher was "
-                "killed, or its machine lost)")
 
     def last_word(self, attempt: int) -> FailureRecord | None:
         """Node 0's store stopped answering: the record its launcher says last, if it holds the port still."""

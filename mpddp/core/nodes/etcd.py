@@ -284,11 +284,6 @@ class EtcdRendezvous(EtcdKV):
         unmarked = sum(self.get(self.key(attempt, mark, n)) is None for n in lost)
         return self.count(self.key(attempt, mark + "/")) + unmarked < self.config.nnodes
 
-    def gone_line(self) -> str:
-        if self.client.full is not None:
-            return str(self.client.full)
-        return f"etcd at {self.client.endpoints} does not answer, so this node cannot learn what the others saw"
-
     def last_word(self, attempt: int) -> FailureRecord | None:
         """etcd full, and then no answer to this node (a slow member on a loaded machine, in CI): the round's
         store is where a record goes now, so it is looked for there, while the store answers, up to

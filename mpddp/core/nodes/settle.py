@@ -91,13 +91,13 @@ def settle(link: Rendezvous, attempt: int, local: WorkerFailed | None, cause: Ou
             told = _settle_local(link, attempt, local, cause, remote_error, missing, blame)
         link.until_heard(attempt)  # told only once every node can tell it too
         return told
-    except RendezvousGone:  # node 0's store: gone with its launcher, or lost while its launcher says so last
-        return _unheard(link, attempt, local, cause, remote, remote_error, blame, told)
+    except RendezvousGone as gone:  # node 0's store: gone with its launcher, or lost while its launcher says so last
+        return _unheard(link, attempt, local, cause, remote, remote_error, blame, told, gone.line)
 
 
 def _unheard(link: Rendezvous, attempt: int, local: WorkerFailed | None, cause: Outcome | None,
              remote: FailureRecord | None, remote_error: Callable[[FailureRecord], WorkerFailed],
-             blame: Blame, told: WorkerFailed | RendezvousError | None) -> WorkerFailed | RendezvousError:
+             blame: Blame, told: WorkerFailed | RendezvousError | None, went: str) -> WorkerFailed | RendezvousError:
     """This node's report when the backend went before every node had the round's record (core/nodes/rules.py's
     :func:`~mpddp.core.nodes.rules.unheard` decides; node 0's last word, where its launcher lives to say it, is
     heard alike on every node). A node that knows the cause (its rank failed by itself, or it read the record) while
@@ -117,30 +117,30 @@ def _unheard(link: Rendezvous, attempt: int, local: WorkerFailed | None, cause: 
         return _told(word, remote_error)
     if step is Unheard.OURS:
         assert local is not None
-        local.args = (f"{local}\nmpddp: then {link.gone_line()}: the other nodes may not have heard of this "
-                      "failure",)
+        local.args = (f"{local}\nmpddp: then {went}: the other nodes may not have heard of this failure",)
         return local
     if by_itself:
         assert local is not None
-        return gone_error(link, local, f"before it went, rank {local.rank} of this node failed by itself (below), "
-                                       "which the other nodes may not have heard of")
+        return gone_error(link, went, local, f"before it went, rank {local.rank} of this node failed by itself "
+                                             "(below), which the other nodes may not have heard of")
     if remote is not None:
-        return gone_error(link, local or _told(remote, remote_error),
+        return gone_error(link, went, local or _told(remote, remote_error),
                           f"before it went, the round's record named rank {remote.rank} (node {remote.node_rank}), "
                           "which the other nodes may not have heard of; below, what this node saw")
     assert local is not None
-    return gone_error(link, local)
+    return gone_error(link, went, local)
 
 
-def gone_error(link: Rendezvous, local: WorkerFailed | RendezvousError,
+def gone_error(link: Rendezvous, went: str, local: WorkerFailed | RendezvousError,
                why: str = "the failures below are consequences") -> RendezvousError:
-    """This node's report when the backend went away before it learned what the others saw: node 0's store
-    (which it reached: its loss, :class:`StoreLost`), or etcd (the failures are what this node saw)."""
+    """This node's report when the backend went away (``went``: why, as its client worded it) before it learned
+    what the others saw: node 0's store (which it reached: its loss, :class:`StoreLost`), or etcd (the failures
+    are what this node saw)."""
     if not link.hosts_round_store:
         kind = StoreLost if link.reached else RendezvousError
-        error = kind(f"{link.gone_line()}; {why}\n{local}")
+        error = kind(f"{went}; {why}\n{local}")
     else:
-        error = RendezvousError(f"{link.gone_line()}; the failures below are what this node saw\n{local}")
+        error = RendezvousError(f"{went}; the failures below are what this node saw\n{local}")
     error.__cause__ = local
     return error
 

@@ -43,7 +43,8 @@ class C10dClient:
         try:
             with self._connecting:  # one connection at a time: it retries until node 0 is up, or the timeout
                 if self._unreachable:
-                    raise StoreGone(f"node 0's store at {self.config.master_addr}:{self.port} did not answer")
+                    raise StoreGone(f"node 0's store at {self.config.master_addr}:{self.port} did not answer",
+                                    self.gone_line())
                 if self._store is None:
                     self._store = self._connect(connect_timeout if connect_timeout is not None else self.config.timeout)
                     self.reached = True
@@ -55,7 +56,19 @@ class C10dClient:
             if self._store is None:
                 self._unreachable = True
             raise StoreGone(f"node 0's store at {self.config.master_addr}:{self.port} does not answer "
-                            f"({type(e).__name__})") from e
+                            f"({type(e).__name__})", self.gone_line()) from e
+
+    def gone_line(self) -> str:
+        """Node 0's store does not answer: never reached (not started, wrong address), or gone since."""
+        config = self.config
+        if not self.reached:
+            return (f"node 0's rendezvous store at {config.master_addr}:{self.port} did not answer within --timeout "
+                    f"{config.timeout:g} s: node 0's launcher does not run there, not started yet or the job already "
+                    "ended (its nodes give up on a node that does not come within --timeout); start every node within "
+                    "--timeout of the others, with node 0's launcher (--node-rank 0) there, or check --master-addr "
+                    "and --master-port")
+        return (f"node 0, which hosts the rendezvous at {config.master_addr}:{self.port}, is gone (its launcher was "
+                "killed, or its machine lost)")
 
     def _connect(self, timeout: float) -> Any:
         """A client, trying again every second until ``timeout``: torch's own retries wait up to several

@@ -106,10 +106,16 @@ class EtcdClient:
                 if time.monotonic() >= deadline:
                     self.unanswered = True
                     raise EtcdGone(f"etcd at {self.endpoints} does not answer (tried {tried} time(s), "
-                                         f"last {type(e).__name__})") from e
+                                   f"last {type(e).__name__})", self.gone_line()) from e
                 if tried % len(self._members) == 0:
                     time.sleep(0.2)  # every member refused: a moment before the next round of tries
 
+
+    def gone_line(self) -> str:
+        """etcd does not answer this node (or is full: then it says why, and how to free it)."""
+        if self.full is not None:
+            return str(self.full)
+        return f"etcd at {self.endpoints} does not answer, so this node cannot learn what the others saw"
 
     def _nospace(self, client: Any) -> bool:
         """Whether etcd's NOSPACE alarm is raised (its alarm list, not the error's words: etcd refuses writes with
