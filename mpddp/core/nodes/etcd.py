@@ -44,7 +44,6 @@ from .etcd_kv import EtcdKV
 from .rules import NodeState
 
 _FIRST_CONTACT = 5.0  # seconds the first contact with etcd may take, at most
-_LEAVE_WAIT = 10.0  # seconds a round's store host stays for the others to read a record it keeps (etcd full)
 
 
 class EtcdRendezvous(EtcdKV):
@@ -236,9 +235,13 @@ class EtcdRendezvous(EtcdKV):
             StoreBeat(attempt, -1).tell_failed(connect(host, port, 2.0))  # would retry until its timeout
 
     def record(self, attempt: int) -> FailureRecord | None:
-        data = self.get(self.key(attempt, "failure"))
-        if data is None and self.client.full is not None and (watch := self._watches.get(attempt)) is not None:
-            data = watch.record()  # etcd is full: a record written since is on the round's store
+        """The round's record. etcd full: the round's store first, at no request to etcd (a record written since is
+        there; a node whose etcd requests were slow on a loaded machine read it too late, in CI), then etcd (one
+        written before it filled: :meth:`publish` lets no other stand on the store beside it)."""
+        watch = self._watches.get(attempt)
+        data = watch.record() if self.client.full is not None and watch is not None else None
+        if data is None:
+            data = self.get(self.key(attempt, "failure"))
         return FailureRecord.decode(data) if data else None
 
     # ---- liveness ---------------------------------------------------------------------------------------------
@@ -287,11 +290,11 @@ class EtcdRendezvous(EtcdKV):
     def last_word(self, attempt: int) -> FailureRecord | None:
         """etcd full, and then no answer to this node (a slow member on a loaded machine, in CI): the round's
         store is where a record goes now, so it is looked for there, while the store answers, up to
-        :data:`_LEAVE_WAIT` (its host stays as long for the others to read it). Before, such a node told etcd's
+        --timeout (its host stays as long for the others to read it). Before, such a node told etcd's
         loss where the others named the rank that failed. None otherwise: no node hosts etcd."""
         if self.client.full is None or (watch := self._watches.get(attempt)) is None:
             return None
-        data = watch.last_record(min(self.config.timeout, _LEAVE_WAIT))
+        data = watch.last_record(self.config.timeout)
         return FailureRecord.decode(data) if data else None
 
     def leave(self) -> None:
@@ -303,14 +306,14 @@ class EtcdRendezvous(EtcdKV):
             if self._lease is not None:
                 self._lease.stop()
             return
+        last = max(self.rounds, default=None)
+        if self.client.full is not None and last is not None and self.rounds[last].node_rank == 0 and (
+                watch := self._watches.get(last)) is not None:  # before etcd's answers: the store needs none
+            watch.until_read(self.rounds[last].nnodes - 1 - len(self.gone), self.config.timeout)
         if self.client.unanswered:  # etcd did not answer the last call: the lease's TTL removes this one's keys
             if self._lease is not None:
                 self._lease.stop()
             return
-        last = max(self.rounds, default=None)
-        if self.client.full is not None and last is not None and self.rounds[last].node_rank == 0 and (
-                watch := self._watches.get(last)) is not None:
-            watch.until_read(self.rounds[last].nnodes - 1 - len(self.gone), min(self.config.timeout, _LEAVE_WAIT))
         try:
             last = max(self.rounds, default=None)
             if last is not None:  # a launcher refused, or a spare never needed, was never one of the round's
