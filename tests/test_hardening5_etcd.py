@@ -135,6 +135,8 @@ class _Cut:
 
     def close(self) -> None:
         self.cut()
+        with contextlib.suppress(OSError):  # wakes the accept: a close alone leaves it blocked, the port listening
+            self.server.shutdown(socket.SHUT_RDWR)
         self.server.close()
 
 

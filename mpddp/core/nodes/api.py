@@ -12,7 +12,7 @@ core/nodes/rules.py's :class:`~mpddp.core.nodes.rules.NodeState` and
 names a backend: the launcher and the settlement (core/nodes/settle.py) use
 this module only, and a test keeps it so.
 
-A backend is storage, liveness and a watch, in twelve methods:
+A backend is storage, liveness and a watch, in eleven methods:
 
 * a round: :meth:`~Rendezvous.join` it (its :class:`Round` says who), where
   its store listens (:meth:`~Rendezvous.round_store`, a :class:`RoundStore`:
