@@ -135,6 +135,8 @@ class _Cut:
 
     def close(self) -> None:
         self.cut()
+        with contextlib.suppress(OSError):  # wakes the accept: a close alone leaves it blocked, the port listening
+            self.server.shutdown(socket.SHUT_RDWR)
         self.server.close()
 
 
@@ -324,3 +326,69 @@ def test_a_record_written_before_etcd_filled_stands_over_one_on_the_rounds_store
                 assert not watch._thread.is_alive()
             for link in nodes:
                 link.leave()
+
+
+class _Unread(_Cut):
+    """A proxy in front of an etcd member that, once :attr:`hold` is set, carries no read (``kv/range``) further: a
+    member too slow to answer one (CI, loaded), while it still refuses a write at once (etcd's quota is checked
+    before Raft). Each connection that asked for a read is left unanswered until its client gives up on it."""
+
+    hold = False
+
+    def _pipe(self, source: socket.socket, sink: socket.socket) -> None:
+        held = False
+        with contextlib.suppress(OSError):
+            while data := source.recv(65536):
+                held = held or (self.hold and b"/kv/range" in data)
+                if not held:
+                    sink.sendall(data)
+        with contextlib.suppress(OSError):
+            sink.shutdown(socket.SHUT_RDWR)
+
+
+def test_a_refused_write_on_a_full_etcd_that_does_not_answer_reads_goes_to_the_rounds_store(tmp_path) -> None:
+    """etcd full, and its reads not answered: node 1's write of the round's record refused, its read of etcd's
+    record (one that stands, written before etcd filled) waited for --timeout, then failed publish: its record was
+    never on the round's store, and no other node could name its rank. Now the read waits a lease's TTL at most,
+    and the record goes to the round's store, as before that read."""
+    pytest.importorskip("etcd3gw")
+    import torch.distributed as dist
+    from etcd3gw.exceptions import Etcd3Exception
+    from etcd_cluster import EtcdCluster
+
+    from mpddp.config import LaunchConfig
+    from mpddp.core.nodes.etcd import EtcdRendezvous
+    from mpddp.core.stores.store_beat import StoreBeat
+    from mpddp.core.wire.protocol import FailureRecord
+    from mpddp.errors import Outcome
+
+    with EtcdCluster(base_dir=tmp_path, quota_bytes=256 * 1024) as cluster:
+        proxy = _Unread(int(cluster.endpoints.split(",")[0].rpartition(":")[2]))
+        link = EtcdRendezvous(LaunchConfig(nnodes=3, node_rank=1, rdzv_backend="etcd", rdzv_id="unread",
+                                           rdzv_endpoint=f"127.0.0.1:{proxy.listens}", timeout=30), 0, 1)
+        port = free_port()
+        host = dist.TCPStore("127.0.0.1", port, None, True, timedelta(seconds=30))  # node 0's, the round's store
+        watch = None
+        try:
+            link.put(link.key(0, "store"), f"127.0.0.1:{port}")  # as the round's first node publishes it
+            watch = link.watch(0)
+            assert watch._reached.wait(10)
+            with pytest.raises(Etcd3Exception):  # another user of the same etcd fills it
+                for n in range(100):
+                    cluster.client(0, 5).put(f"/someone-else/{n}", "x" * (64 * 1024))
+            proxy.hold = True
+            mine = FailureRecord(rank=1, node_rank=1, local_rank=0, outcome=Outcome.RAISED, exit_code=1,
+                                 line="mpddp: rank 1 (node 1, local rank 0) failed first", wall_time=time.time())
+            started = time.monotonic()
+            told = link.publish(0, mine)
+            took = time.monotonic() - started
+            assert link.client.full is not None and told.rank == 1 and told.writer == 1, told
+            assert StoreBeat(0, 0).record(host) == told.encode()  # on the round's store: every node reads it there
+            assert took < 20, took  # a lease's TTL (3 s) for the read, not --timeout (30 s)
+        finally:
+            if watch is not None:
+                watch.stop()
+                watch._thread.join(10)
+                assert not watch._thread.is_alive()
+            proxy.close()
+            link.leave()

@@ -208,7 +208,7 @@ class EtcdRendezvous(EtcdKV):
             if self.client.call(lambda c: c.create(key, mine)):
                 self.tell_failed(attempt)
         except EtcdFull:  # etcd takes no write: the round's store keeps the record (the first writer wins there),
-            if (standing := self.get(key)) is not None:  # unless one was written before etcd filled: it stands
+            if (standing := self._written(key)) is not None:  # unless one was written before etcd filled: it stands
                 return FailureRecord.decode(standing)
             watch = self._watches.get(attempt)
             if watch is None or (standing := watch.publish(mine)) is None:
@@ -216,6 +216,15 @@ class EtcdRendezvous(EtcdKV):
             return FailureRecord.decode(standing)
         standing = self.get(key)
         return FailureRecord.decode(standing) if standing else FailureRecord.decode(mine)
+
+    def _written(self, key: str) -> bytes | None:
+        """The record in etcd, once it refused our write for want of room: read for a lease's TTL at most. Read
+        with --timeout and let fail, the read of a full etcd that did not answer (slow members, in CI) held a
+        failing node that long (180 s by default; a Ctrl-C too), then failed it, its record never on the store."""
+        with contextlib.suppress(RendezvousGone):
+            found = self.client.call(lambda c: c.get(key), timeout=self.ttl)
+            return found[0] if found else None
+        return None
 
     def until_heard(self, attempt: int) -> None:
         """At once: etcd keeps the round's record for every node (a round's store that goes takes none with it)."""
