@@ -275,10 +275,14 @@ def test_an_etcd_known_full_is_not_asked_for_its_alarms_at_each_refused_write(tm
         proxy = _Counting(int(cluster.endpoints.split(",")[0].rpartition(":")[2]))
         try:
             client = EtcdClient(f"127.0.0.1:{proxy.listens}", timeout=5)
-            for _ in range(3):
+            with pytest.raises(EtcdFull):
+                client.call(lambda c: c.put("/mine", "1"))
+            asked = proxy.alarms  # 1; 2 where a list took longer than a request may on a loaded machine
+            assert asked >= 1
+            for _ in range(2):
                 with pytest.raises(EtcdFull):
                     client.call(lambda c: c.put("/mine", "1"))
-            assert proxy.alarms == 1
+            assert proxy.alarms == asked
         finally:
             proxy.close()
 

@@ -181,14 +181,14 @@ API_JOBS = textwrap.dedent("""
 def test_api_hang_raises_hang_error_naming_the_rank(tmp_path):
     script = tmp_path / "api_jobs.py"
     script.write_text(API_JOBS)
-    start = time.monotonic()
     out = subprocess.run([sys.executable, str(script), "hang"], capture_output=True, text=True, timeout=60,
                          cwd=tmp_path)
     assert out.returncode == 0, out.stderr
-    # the 3 s timeout, as the watchdog saw it: its samples come 0.6 s apart, later on a loaded machine
-    assert re.search(r"HangError rank 1 \| mpddp: rank 1 made no progress for \d+ s while rank 0 waited for it in "
-                     r"all_reduce", out.stdout), out.stdout
-    assert time.monotonic() - start < 3 + 20  # start-up, the 3 s timeout, teardown
+    # the 3 s timeout, as the watchdog saw it: its samples come 0.6 s apart, later on a loaded machine (the whole
+    # run, start-up and teardown, took 23.1 s beside a second suite: its own clock, not this test's)
+    found = re.search(r"HangError rank 1 \| mpddp: rank 1 made no progress for (\d+) s while rank 0 waited for it in "
+                      r"all_reduce", out.stdout)
+    assert found and 3 <= int(found.group(1)) < 3 + 10, out.stdout
 
 
 def test_api_keyboard_interrupt_stops_the_tree_and_reaches_the_caller(tmp_path):
