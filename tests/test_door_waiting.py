@@ -28,6 +28,7 @@ from pathlib import Path
 import psutil
 import pytest
 from multinode import free_port
+from proxies import Proxy, shut
 from test_hardening5_c10d import _no_launcher_traceback, _said
 
 from runs import Run
@@ -58,7 +59,7 @@ JOB = textwrap.dedent("""
 """)
 
 
-class Tap:
+class Tap(Proxy):
     """A TCP proxy on 127.0.0.1 in front of a server (an etcd member, node 0's store), for one launcher: it forwards
     every byte both ways and reads the launcher's requests (:meth:`sought`), so that the test knows when the server
     answered the one it seeks (a newcomer's admission), without touching the launcher. One request at a time on
@@ -66,28 +67,17 @@ class Tap:
     the server applied or refused it."""
 
     def __init__(self, port: int) -> None:
-        self.port = port
-        self.server = socket.create_server(("127.0.0.1", 0))
-        self.listens = self.server.getsockname()[1]
         self.answered = threading.Event()
-        self.socks: list[socket.socket] = [self.server]
-        threading.Thread(target=self._accept, daemon=True).start()
+        super().__init__(port)
 
     def sought(self, pending: bytes) -> tuple[bool, bytes]:
         """Whether the bytes sent so far on a connection hold the request sought, and those still to be read."""
         raise NotImplementedError
 
-    def _accept(self) -> None:
-        while True:
-            try:
-                client, _ = self.server.accept()
-            except OSError:  # closed by close()
-                return
-            upstream = socket.create_connection(("127.0.0.1", self.port))
-            self.socks += [client, upstream]
-            sent = threading.Event()  # this connection's request sought went up: its answer is the next bytes
-            threading.Thread(target=self._up, args=(client, upstream, sent), daemon=True).start()
-            threading.Thread(target=self._down, args=(upstream, client, sent), daemon=True).start()
+    def _carry(self, client: socket.socket, upstream: socket.socket) -> None:
+        sent = threading.Event()  # this connection's request sought went up: its answer is the next bytes
+        threading.Thread(target=self._up, args=(client, upstream, sent), daemon=True).start()
+        threading.Thread(target=self._down, args=(upstream, client, sent), daemon=True).start()
 
     def _up(self, client: socket.socket, upstream: socket.socket, sent: threading.Event) -> None:
         pending = b""
@@ -96,19 +86,14 @@ class Tap:
             if found:
                 sent.set()
             upstream.sendall(data)
-        _shut(upstream)
+        shut(upstream)
 
     def _down(self, upstream: socket.socket, client: socket.socket, sent: threading.Event) -> None:
         while data := _recv(upstream):
             client.sendall(data)
             if sent.is_set():
                 self.answered.set()
-        _shut(client)
-
-    def close(self) -> None:
-        for sock in self.socks:
-            _shut(sock)
-            sock.close()
+        shut(client)
 
 
 class EtcdTap(Tap):
@@ -152,13 +137,6 @@ def _recv(sock: socket.socket) -> bytes:
         return sock.recv(65536)
     except OSError:
         return b""
-
-
-def _shut(sock: socket.socket) -> None:
-    try:
-        sock.shutdown(socket.SHUT_RDWR)
-    except OSError:
-        pass
 
 
 def _waiting(cluster, job_id: str, node: int, timeout: float) -> None:

@@ -16,9 +16,27 @@ from pathlib import Path
 
 import pytest
 from multinode import free_port
+from proxies import Proxy, shut
 from test_hardening5_c10d import newcomer_at_the_barrier
 
 pytestmark = pytest.mark.timeout(240)
+
+
+def _fill(cluster) -> None:
+    """Another user of the same etcd fills it: puts of 64 KiB until etcd refuses one (its NOSPACE alarm)."""
+    from etcd3gw.exceptions import Etcd3Exception
+
+    client = cluster.client(0, 5)
+    with pytest.raises(Etcd3Exception):
+        for n in range(100):
+            client.put(f"/someone-else/{n}", "x" * (64 * 1024))
+
+
+def _ended(watch) -> None:
+    """A round watch stopped, and its thread gone."""
+    watch.stop()
+    watch._thread.join(10)
+    assert not watch._thread.is_alive()
 
 
 def _returned(cluster, job_id: str, attempt: int, timeout: float) -> None:
@@ -91,53 +109,9 @@ def test_a_node_whose_rank_failed_shuts_the_door_before_it_stops_its_ranks(etcd_
         assert link.record(0) is None
     finally:
         if watch is not None:
-            watch.stop()
-            watch._thread.join(10)  # its look for the round's store ends with --timeout
-            assert not watch._thread.is_alive()
+            _ended(watch)  # its look for the round's store ends with --timeout
         link.leave()
         link.client.call(lambda c: c.delete_prefix(link.prefix))
-
-
-class _Cut:
-    """A TCP proxy on 127.0.0.1 in front of a round's store that can cut the connections it carries (:meth:`cut`), as
-    a network blip or a reset would, while the store's host lives on and new connections go through."""
-
-    def __init__(self, port: int) -> None:
-        self.port = port
-        self.server = socket.create_server(("127.0.0.1", 0))
-        self.listens = self.server.getsockname()[1]
-        self.carried: list[socket.socket] = []
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                client, _ = self.server.accept()
-            except OSError:  # closed by close()
-                return
-            upstream = socket.create_connection(("127.0.0.1", self.port))
-            self.carried += [client, upstream]
-            for source, sink in ((client, upstream), (upstream, client)):
-                threading.Thread(target=self._pipe, args=(source, sink), daemon=True).start()
-
-    def _pipe(self, source: socket.socket, sink: socket.socket) -> None:
-        with contextlib.suppress(OSError):
-            while data := source.recv(65536):
-                sink.sendall(data)
-        with contextlib.suppress(OSError):
-            sink.shutdown(socket.SHUT_RDWR)
-
-    def cut(self) -> None:
-        carried, self.carried = self.carried, []
-        for sock in carried:
-            with contextlib.suppress(OSError):
-                sock.shutdown(socket.SHUT_RDWR)
-
-    def close(self) -> None:
-        self.cut()
-        with contextlib.suppress(OSError):  # wakes the accept: a close alone leaves it blocked, the port listening
-            self.server.shutdown(socket.SHUT_RDWR)
-        self.server.close()
 
 
 def test_a_round_watch_reads_the_record_after_its_connection_to_the_store_was_cut(etcd_cluster) -> None:
@@ -159,7 +133,7 @@ def test_a_round_watch_reads_the_record_after_its_connection_to_the_store_was_cu
     link = EtcdRendezvous(config, 0, 1)
     port = free_port()
     host = dist.TCPStore("127.0.0.1", port, None, True, timedelta(seconds=30))  # node 0's, the round's store
-    proxy, watch = _Cut(port), None
+    proxy, watch = Proxy(port), None
     try:
         link.put(link.key(0, "store"), f"127.0.0.1:{proxy.listens}")  # as the round's first node publishes it
         watch = EtcdRoundWatch(link, 0)
@@ -179,9 +153,7 @@ def test_a_round_watch_reads_the_record_after_its_connection_to_the_store_was_cu
         assert int(host.add(beat.read_key, 0)) == 1  # counted once as read: its host may leave
     finally:
         if watch is not None:
-            watch.stop()
-            watch._thread.join(10)
-            assert not watch._thread.is_alive()
+            _ended(watch)
         proxy.close()
         link.leave()
         link.client.call(lambda c: c.delete_prefix(link.prefix))
@@ -195,7 +167,6 @@ def test_a_node_that_etcd_stops_answering_when_full_tells_the_record_on_the_roun
     record written a second later."""
     pytest.importorskip("etcd3gw")
     import torch.distributed as dist
-    from etcd3gw.exceptions import Etcd3Exception
     from etcd_cluster import EtcdCluster
 
     from mpddp.config import LaunchConfig
@@ -218,10 +189,7 @@ def test_a_node_that_etcd_stops_answering_when_full_tells_the_record_on_the_roun
             watch = link.watch(0)
             assert watch._reached.wait(10)
             assert link.last_word(0) is None  # etcd takes writes: it keeps the record, and no store is looked at
-            client = cluster.client(0, 5)
-            with pytest.raises(Etcd3Exception):  # another user of the same etcd fills it
-                for n in range(100):
-                    client.put(f"/someone-else/{n}", "x" * (64 * 1024))
+            _fill(cluster)  # another user of the same etcd fills it
             with pytest.raises(EtcdFull):  # this node learns it at its next write
                 link.put(link.key(0, "waiting", 1), "1")
             record = FailureRecord(rank=2, node_rank=2, local_rank=0, outcome=Outcome.RAISED, exit_code=1,
@@ -238,13 +206,11 @@ def test_a_node_that_etcd_stops_answering_when_full_tells_the_record_on_the_roun
             if writer is not None:
                 writer.join(10)
             if isinstance(watch, EtcdRoundWatch):
-                watch.stop()
-                watch._thread.join(10)
-                assert not watch._thread.is_alive()
+                _ended(watch)
             link.leave()
 
 
-class _Counting(_Cut):
+class _Counting(Proxy):
     """A proxy in front of an etcd member that counts the requests for etcd's alarm list it carries."""
 
     alarms = 0
@@ -254,8 +220,7 @@ class _Counting(_Cut):
             while data := source.recv(65536):
                 self.alarms += data.count(b"/maintenance/alarm")
                 sink.sendall(data)
-        with contextlib.suppress(OSError):
-            sink.shutdown(socket.SHUT_RDWR)
+        shut(sink)
 
 
 def test_an_etcd_known_full_is_not_asked_for_its_alarms_at_each_refused_write(tmp_path) -> None:
@@ -263,15 +228,12 @@ def test_an_etcd_known_full_is_not_asked_for_its_alarms_at_each_refused_write(tm
     on a loaded machine was taken for a rate limit, the write tried again until the call gave up, and the node
     told etcd's loss where it was only full. Once a node knows etcd is full, a refused write says so at once."""
     pytest.importorskip("etcd3gw")
-    from etcd3gw.exceptions import Etcd3Exception
     from etcd_cluster import EtcdCluster
 
     from mpddp.core.stores.etcd_client import EtcdClient, EtcdFull
 
     with EtcdCluster(base_dir=tmp_path, quota_bytes=256 * 1024) as cluster:
-        with pytest.raises(Etcd3Exception):  # another user of the same etcd fills it
-            for n in range(100):
-                cluster.client(0, 5).put(f"/someone-else/{n}", "x" * (64 * 1024))
+        _fill(cluster)  # another user of the same etcd fills it
         proxy = _Counting(int(cluster.endpoints.split(",")[0].rpartition(":")[2]))
         try:
             client = EtcdClient(f"127.0.0.1:{proxy.listens}", timeout=5)
@@ -293,7 +255,6 @@ def test_a_record_written_before_etcd_filled_stands_over_one_on_the_rounds_store
     record first: the one written there stands."""
     pytest.importorskip("etcd3gw")
     import torch.distributed as dist
-    from etcd3gw.exceptions import Etcd3Exception
     from etcd_cluster import EtcdCluster
 
     from mpddp.config import LaunchConfig
@@ -317,22 +278,18 @@ def test_a_record_written_before_etcd_filled_stands_over_one_on_the_rounds_store
             watches = [link.watch(0) for link in nodes]
             assert all(watch._reached.wait(10) for watch in watches)
             assert nodes[1].publish(0, record(2)).rank == 2  # in etcd
-            with pytest.raises(Etcd3Exception):  # another user of the same etcd fills it
-                for n in range(100):
-                    cluster.client(0, 5).put(f"/someone-else/{n}", "x" * (64 * 1024))
+            _fill(cluster)  # another user of the same etcd fills it
             told = nodes[0].publish(0, record(1))
             assert told.rank == 2 and told.writer == 2, told
             assert nodes[0].client.full is not None and StoreBeat(0, 1).record(host) is None  # nothing on the store
         finally:
             for watch in watches:
-                watch.stop()
-                watch._thread.join(10)
-                assert not watch._thread.is_alive()
+                _ended(watch)
             for link in nodes:
                 link.leave()
 
 
-class _Unread(_Cut):
+class _Unread(Proxy):
     """A proxy in front of an etcd member that, once :attr:`hold` is set, carries no read (``kv/range``) further: a
     member too slow to answer one (CI, loaded), while it still refuses a write at once (etcd's quota is checked
     before Raft). Each connection that asked for a read is left unanswered until its client gives up on it."""
@@ -346,8 +303,7 @@ class _Unread(_Cut):
                 held = held or (self.hold and b"/kv/range" in data)
                 if not held:
                     sink.sendall(data)
-        with contextlib.suppress(OSError):
-            sink.shutdown(socket.SHUT_RDWR)
+        shut(sink)
 
 
 def test_a_refused_write_on_a_full_etcd_that_does_not_answer_reads_goes_to_the_rounds_store(tmp_path) -> None:
@@ -357,7 +313,6 @@ def test_a_refused_write_on_a_full_etcd_that_does_not_answer_reads_goes_to_the_r
     and the record goes to the round's store, as before that read."""
     pytest.importorskip("etcd3gw")
     import torch.distributed as dist
-    from etcd3gw.exceptions import Etcd3Exception
     from etcd_cluster import EtcdCluster
 
     from mpddp.config import LaunchConfig
@@ -377,9 +332,7 @@ def test_a_refused_write_on_a_full_etcd_that_does_not_answer_reads_goes_to_the_r
             link.put(link.key(0, "store"), f"127.0.0.1:{port}")  # as the round's first node publishes it
             watch = link.watch(0)
             assert watch._reached.wait(10)
-            with pytest.raises(Etcd3Exception):  # another user of the same etcd fills it
-                for n in range(100):
-                    cluster.client(0, 5).put(f"/someone-else/{n}", "x" * (64 * 1024))
+            _fill(cluster)  # another user of the same etcd fills it
             proxy.hold = True
             mine = FailureRecord(rank=1, node_rank=1, local_rank=0, outcome=Outcome.RAISED, exit_code=1,
                                  line="mpddp: rank 1 (node 1, local rank 0) failed first", wall_time=time.time())
@@ -391,8 +344,6 @@ def test_a_refused_write_on_a_full_etcd_that_does_not_answer_reads_goes_to_the_r
             assert took < 20, took  # a lease's TTL (3 s) for the read, not --timeout (30 s)
         finally:
             if watch is not None:
-                watch.stop()
-                watch._thread.join(10)
-                assert not watch._thread.is_alive()
+                _ended(watch)
             proxy.close()
             link.leave()
