@@ -46,9 +46,11 @@ def one(ctx):
 
 
 KILL_FORKSERVER = """
-import os, signal, sys, time
+import faulthandler, os, signal, sys, time
 from multiprocessing import forkserver
 import mpddp
+
+faulthandler.dump_traceback_later(80)  # a hang (once in CI, past 120 s): every thread's stack on stderr
 from mpddp.core.procs import start, teardown
 
 real = forkserver.connect_to_new_process
@@ -92,8 +94,11 @@ def test_a_forkserver_killed_while_the_ranks_start_is_named(tmp_path, how):
     script, target = tmp_path / "kill.py", tmp_path / "target.py"
     script.write_text(KILL_FORKSERVER)
     target.write_text("print('ran')\n")
-    out = subprocess.run([sys.executable, str(script), how, str(target)], capture_output=True, text=True,
-                         timeout=120, cwd=tmp_path)
+    try:
+        out = subprocess.run([sys.executable, str(script), how, str(target)], capture_output=True, text=True,
+                             timeout=90, cwd=tmp_path)
+    except subprocess.TimeoutExpired as e:  # before pytest's own 120 s: what the script said, its stacks at 80 s
+        raise AssertionError(f"hung: {e.stdout!r}\n{e.stderr!r}") from None
     lost = ("mpddp's forkserver (pid ", "), which starts every rank, was killed from outside while the job "
             "started its processes (a signal, or the out-of-memory killer; ")
     if how == "api":
