@@ -222,8 +222,7 @@ class EtcdRendezvous(EtcdKV):
         with --timeout and let fail, the read of a full etcd that did not answer (slow members, in CI) held a
         failing node that long (180 s by default; a Ctrl-C too), then failed it, its record never on the store."""
         with contextlib.suppress(RendezvousGone):
-            found = self.client.call(lambda c: c.get(key), timeout=self.ttl)
-            return found[0] if found else None
+            return self.get(key, timeout=self.ttl)
         return None
 
     def until_heard(self, attempt: int) -> None:

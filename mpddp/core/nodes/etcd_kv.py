@@ -50,8 +50,8 @@ class EtcdKV:
             lease = self.lease()
             self.client.call(lambda c: c.put(key, value, lease=lease))
 
-    def get(self, key: str) -> bytes | None:
-        found = self.client.call(lambda c: c.get(key))
+    def get(self, key: str, timeout: float | None = None) -> bytes | None:
+        found = self.client.call(lambda c: c.get(key), timeout=timeout)
         return found[0] if found else None
 
     def under(self, prefix: str) -> dict[str, bytes]:
