@@ -317,12 +317,12 @@ def test_a_lease_that_ran_out_under_a_starved_launcher_is_taken_again(etcd_clust
     link = EtcdRendezvous(config, 0, 1)
     try:
         link.put(link.key(0, "join", "a"), "1", leased=True)
-        kept = link._lease
+        kept = link.kept
         first = kept.id  # type: ignore[union-attr]
         link.client.call(lambda c: Lease(first, client=c).revoke())
         assert link.get(link.key(0, "join", "a")) is None
         link.put(link.key(1, "join", "a"), "1", leased=True)
-        assert link._lease.id != first and link.get(link.key(1, "join", "a")) == b"1"  # type: ignore[union-attr]
+        assert link.kept.id != first and link.get(link.key(1, "join", "a")) == b"1"  # type: ignore[union-attr]
         # the dead lease's thread ends with it (it refreshed on, and outlived the test: an unhandled exception later)
         assert not kept._thread.is_alive()  # type: ignore[union-attr]
     finally:
@@ -342,7 +342,7 @@ def test_a_launcher_whose_lease_ran_out_leaves_without_a_traceback(etcd_cluster)
     link = EtcdRendezvous(config, 0, 1)
     try:
         link._first_contact()  # as join() does: the lease is this launcher's from its first request
-        kept = link._lease
+        kept = link.kept
         link.client.call(lambda c: Lease(kept.id, client=c).revoke())  # type: ignore[union-attr]
         link.leave()
         assert not kept._thread.is_alive()  # type: ignore[union-attr]

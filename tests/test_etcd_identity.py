@@ -243,10 +243,11 @@ def test_a_launcher_is_live_while_its_port_answers_and_gone_once_refused():
 def _identity(cluster, job, me, high=2):
     from mpddp.core.nodes.etcd_identity import Identity
     from mpddp.core.stores.etcd_client import EtcdClient, KeptLease
+    from mpddp.core.stores.etcd_kv import EtcdKV
 
-    client = EtcdClient(cluster.endpoints)
-    lease = KeptLease(client, 30)
-    return Identity(client, job, me, "127.0.0.1", lambda: lease.id, 30, high), lease
+    kv = EtcdKV(EtcdClient(cluster.endpoints), 30)
+    kv.kept = lease = KeptLease(kv.client, 30)
+    return Identity(kv, job, me, "127.0.0.1", high), lease
 
 
 @pytest.mark.timeout(60)

@@ -34,14 +34,14 @@ from ...config import LaunchConfig
 from ...errors import AddressError, RendezvousError, RendezvousGone
 from ..stores import etcd_probe
 from ..stores.etcd_client import EtcdClient, EtcdFull, KeptLease
+from ..stores.etcd_kv import EtcdKV, absent, equal, found, put, read
 from ..stores.store_beat import StoreBeat
 from ..wire.protocol import FailureRecord
 from . import membership
 from .api import Lost, Round, RoundLost, RoundStore, ViewOf
 from .etcd_identity import Identity
 from .etcd_keys import EtcdKeys, EtcdRoundWatch, etcd_interval
-from .etcd_kv import EtcdKV
-from .rules import NodeState
+from .rules import NodeState, move
 
 _FIRST_CONTACT = 5.0  # seconds the first contact with etcd may take, at most
 
@@ -58,9 +58,10 @@ class EtcdRendezvous(EtcdKV):
         settings = config.rdzv_settings()
         self.config, self.nprocs = config, nprocs
         self.launched = config  # as the user started it: nnodes is MAX, min_nnodes MIN
-        self.client = EtcdClient(config.rdzv_endpoint or "", settings.tls, timeout=config.timeout,
-                                 start=config.node_rank or None)  # 0 or not given: arrival numbers it; any member
-        self.ttl, self.last_call = settings.ttl, settings.last_call_timeout
+        client = EtcdClient(config.rdzv_endpoint or "", settings.tls, timeout=config.timeout,
+                            start=config.node_rank or None)  # 0 or not given: arrival numbers it; any member
+        super().__init__(client, settings.ttl)
+        self.last_call = settings.last_call_timeout
         self.me = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self.prefix = f"/mpddp/{config.rdzv_id}/"  # the job's; its launch's incarnation's from the first join on
         self.identity: Identity | None = None  # which launch of the job this launcher is part of (from first contact)
@@ -69,9 +70,11 @@ class EtcdRendezvous(EtcdKV):
         self.rounds: dict[int, Round] = {}
         self._members_of: dict[int, list[str]] = {}  # each round's launchers, by node rank
         self._known_gone: dict[int, set[int]] = {}  # a round's nodes whose lease is known gone (lost, or left)
-        self._lease: KeptLease | None = None
         self._states: dict[int, NodeState] = {}  # this node's state in each round, as last written
         self._watches: dict[int, EtcdRoundWatch] = {}  # each round's beat: its first failure's writer tells it
+
+    def key(self, attempt: int, *parts: object) -> str:
+        return self.prefix + f"r/{attempt}/" + "/".join(map(str, parts))
 
     # ---- a round ------------------------------------------------------------------------------------------
 
@@ -100,7 +103,7 @@ class EtcdRendezvous(EtcdKV):
         self.rounds[here.number], self._members_of[here.number] = here, members
         self.config = replace(self.launched, nnodes=here.nnodes, node_rank=here.node_rank)
         self.gone = set()  # node ranks are the new round's: those lost before are not among them
-        self._put_all({self.key(here.number, "state", here.node_rank): NodeState.RUNNING.value})  # its record
+        self.put(self.key(here.number, "state", here.node_rank), NodeState.RUNNING.value)  # its record
         self.put(self.key(here.number, "alive", here.node_rank), "1", leased=True)  # counted, not read
         if here.node_rank == 0:
             self._tidy(here.number)
@@ -130,11 +133,11 @@ class EtcdRendezvous(EtcdKV):
         wait = min(self.config.timeout, _FIRST_CONTACT)
         try:
             etcd_probe.check(self.client.endpoints, self.client.tls, self.prefix, wait)  # not etcd, or auth on
-            if self._lease is None:
-                self._lease = KeptLease(self.client, self.ttl, timeout=wait)
+            if self.kept is None:
+                self.kept = KeptLease(self.client, self.ttl, timeout=wait)
             if self.identity is None:
-                self.identity = Identity(self.client, self.launched.rdzv_id or "", self.me, self._address(),
-                                         lambda: int(self.lease().id), self.ttl, self.launched.nnodes)
+                self.identity = Identity(self, self.launched.rdzv_id or "", self.me, self._address(),
+                                         self.launched.nnodes)
         except EtcdFull as e:
             raise RendezvousError(f"{e}; the job cannot start") from None
         except RendezvousGone:
@@ -198,6 +201,25 @@ class EtcdRendezvous(EtcdKV):
             return
         with contextlib.suppress(*((EtcdFull,) if state is NodeState.WAITING else ())):
             self.move_to(attempt, state)
+
+    def move_to(self, attempt: int, target: NodeState) -> None:
+        """This node's record in round ``attempt`` (``state/<node>``) moved to ``target`` (core/nodes/rules.py's
+        :func:`move` says whether it may), and the node entered in the target's counters, which the others count
+        without reading them: one transaction, which compares the record with what this node last wrote there."""
+        me = self.config.node_rank
+        key = self.key(attempt, "state", me)
+        current: NodeState | None = self._states.get(attempt, NodeState.RUNNING)  # None: no record (yet)
+        for _ in range(2):  # a compare that failed: the record as etcd holds it, once more
+            if (counters := move(current or NodeState.RUNNING, target)) is None:
+                return
+            marks = [put(self.key(attempt, c, me), repr(time.time())) for c in counters]
+            same = equal(key, current.value) if current is not None else absent(key)
+            answer = self.commit([same], [*marks, put(key, target.value)], [read(key)])
+            if answer["succeeded"]:
+                self._states[attempt] = target
+                return
+            current = NodeState(standing.decode()) if (standing := found(answer["responses"][0])) else None
+        raise RendezvousError(f"node {me}'s record in round {attempt} moves under it: another launcher writes it")
 
     # ---- the round's first failure --------------------------------------------------------------------------
 
@@ -311,16 +333,16 @@ class EtcdRendezvous(EtcdKV):
         if self.identity is not None:
             self.identity.close()  # this launcher answers no probe from now on: it is done with the job
         if not self.reached:  # no first contact: a lease taken by a put all the same stops refreshing
-            if self._lease is not None:
-                self._lease.stop()
+            if self.kept is not None:
+                self.kept.stop()
             return
         last = max(self.rounds, default=None)
         if self.client.full is not None and last is not None and self.rounds[last].node_rank == 0 and (
                 watch := self._watches.get(last)) is not None:  # before etcd's answers: the store needs none
             watch.until_read(self.rounds[last].nnodes - 1 - len(self.gone), self.config.timeout)
         if self.client.unanswered:  # etcd did not answer the last call: the lease's TTL removes this one's keys
-            if self._lease is not None:
-                self._lease.stop()
+            if self.kept is not None:
+                self.kept.stop()
             return
         try:
             last = max(self.rounds, default=None)
@@ -330,8 +352,8 @@ class EtcdRendezvous(EtcdKV):
                 self._tidy(last, every=True)
         except RendezvousGone:
             pass
-        if self._lease is not None:
-            self._lease.revoke()
+        if self.kept is not None:
+            self.kept.revoke()
 
     def round_store(self, attempt: int, host: Callable[[str], int]) -> RoundStore:
         """A fresh store each round (a restarted env:// script finds no dead rank's keys): the round's first node

@@ -19,19 +19,18 @@ from __future__ import annotations
 
 import contextlib
 import enum
-import functools
 import ipaddress
 import json
 import socket
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any
 
 from ...errors import AddressError, ConfigError
 from ...log import logger
-from ..stores.etcd_client import EtcdClient
+from ..stores.etcd_kv import EtcdKV, absent, delete, equal, put
 
 _PROBE_WAIT = 1.0  # seconds a probe's connection may take: no answer by then is not a proof of death
 _SAMPLE = 8  # launchers probed first: in a live job the first answers; all are probed only when these refused
@@ -99,41 +98,12 @@ class Probe:
         self._sock.close()
 
 
-def _txn(client: Any, txn: dict[str, Any]) -> Any:
-    return client.transaction(txn)
-
-
-def _delete(client: Any, prefix: str, key: str) -> None:
-    client.delete_prefix(prefix)
-    client.delete(key)
-
-
-def _enc(value: str | bytes) -> str:
-    from etcd3gw.utils import _encode
-
-    return str(_encode(value))
-
-
-def _absent(key: str) -> dict[str, Any]:
-    return {"key": _enc(key), "target": "VERSION", "result": "EQUAL", "version": 0}
-
-
-def _equal(key: str, value: str | bytes) -> dict[str, Any]:
-    return {"key": _enc(key), "target": "VALUE", "result": "EQUAL", "value": _enc(value)}
-
-
-def _put(key: str, value: str | bytes, lease: int | None = None) -> dict[str, Any]:
-    return {"request_put": {"key": _enc(key), "value": _enc(value), **({"lease": lease} if lease else {})}}
-
-
 class Identity:
     """This launcher's incarnation of job ``rdzv_id`` and its claim on a ``--node-rank`` (of ``high``: MAX),
-    through ``client``, its keys put with ``lease()`` (the launcher's lease id, of ``ttl`` seconds); it listens
-    at ``address``."""
+    through ``kv``, its keys put with this launcher's lease; it listens at ``address``."""
 
-    def __init__(self, client: EtcdClient, rdzv_id: str, me: str, address: str, lease: Callable[[], int],
-                 ttl: int, high: int) -> None:
-        self.client, self.rdzv_id, self.me, self.lease, self.ttl, self.high = client, rdzv_id, me, lease, ttl, high
+    def __init__(self, kv: EtcdKV, rdzv_id: str, me: str, address: str, high: int) -> None:
+        self.kv, self.rdzv_id, self.me, self.ttl, self.high = kv, rdzv_id, me, kv.ttl, high
         self.base = f"/mpddp/{rdzv_id}/"
         self.probe = Probe(address)
         self.host = socket.gethostname()
@@ -151,7 +121,7 @@ class Identity:
         pointer, deadline = self.base + "incarnation", time.monotonic() + self.ttl + 2 * _PROBE_WAIT
         told = False
         while True:
-            found = self._get(pointer)
+            found = self.kv.get(pointer)
             current = found.decode() if found is not None else None
             state = Liveness.GONE if current is None else self._standing(current)
             if state is Liveness.UNKNOWN and time.monotonic() < deadline:
@@ -163,12 +133,12 @@ class Identity:
                 time.sleep(_LOOK)  # its lease runs out (a machine lost), or it lives on (out of this one's reach)
                 continue
             token = current if current is not None and state is not Liveness.GONE else uuid.uuid4().hex[:12]
-            puts = [_put(self.prefix(token) + "launcher/" + self.me, self._card, self.lease())]
+            puts = [put(self.prefix(token) + "launcher/" + self.me, self._card, self.kv.lease())]
             if token != current:
-                puts.append(_put(pointer, token))
+                puts.append(put(pointer, token))
                 if current is not None:
-                    puts.append(_put(self.base + "old/" + current, ""))  # swept once its last lease is gone
-            if self._commit([_absent(pointer) if current is None else _equal(pointer, current)], puts):
+                    puts.append(put(self.base + "old/" + current, ""))  # swept once its last lease is gone
+            if self.kv.commit([absent(pointer) if current is None else equal(pointer, current)], puts)["succeeded"]:
                 if current is not None and token != current:
                     logger.info("mpddp: --rdzv-id %s: the launchers of its last launch are gone (incarnation %s): "
                                 "this launch is incarnation %s", self.rdzv_id, current, token)
@@ -190,16 +160,16 @@ class Identity:
 
     def sweep(self) -> None:
         """The keys of earlier incarnations none of whose launchers holds a lease any more: removed."""
-        for token in self._under_keys(self.base + "old/"):
+        for token in self.kv.under(self.base + "old/", keys_only=True):
             if not self._cards(self.prefix(token) + "launcher/", 1):
-                self.client.call(functools.partial(_delete, prefix=self.prefix(token), key=self.base + "old/" + token))
+                self.kv.commit([], [delete(self.prefix(token), under=True), delete(self.base + "old/" + token)])
 
     def forget(self) -> None:
         """The last launcher of this incarnation leaves: the job's token goes too, unless another replaced it."""
         if self.token is None:
             return
         pointer = self.base + "incarnation"
-        self._commit([_equal(pointer, self.token)], [{"request_delete_range": {"key": _enc(pointer)}}])
+        self.kv.commit([equal(pointer, self.token)], [delete(pointer)])
         self.sweep()
 
     # ---- a node rank --------------------------------------------------------------------------------------------
@@ -210,7 +180,7 @@ class Identity:
         assert self.token is not None, "claim() before take()"
         key, deadline = self.prefix(self.token) + f"claim/{node_rank}", time.monotonic() + self.ttl + 2 * _PROBE_WAIT
         while True:
-            held = self._create(key, self._card)
+            held = self.kv.create(key, self._card, leased=True)
             if held is None:
                 return
             if not held:
@@ -220,7 +190,7 @@ class Identity:
                 return  # its own, from an earlier round (a spare claims again at each round it comes to)
             state = reach(holder.get("probe", ""), str(holder.get("host")), self.host)
             if state is Liveness.GONE:
-                if self._commit([_equal(key, held)], [_put(key, self._card, self.lease())]):
+                if self.kv.commit([equal(key, held)], [put(key, self._card, self.kv.lease())])["succeeded"]:
                     logger.info("mpddp: --node-rank %d: its launcher %s is gone; this one takes it", node_rank,
                                 holder.get("me"))
                     return
@@ -229,45 +199,12 @@ class Identity:
             else:
                 raise ConfigError(taken(self.rdzv_id, node_rank, holder, state, self.high, self.host))
 
-    # ---- etcd ---------------------------------------------------------------------------------------------------
-
-    def _get(self, key: str) -> bytes | None:
-        found = self.client.call(lambda c: c.get(key))
-        return found[0] if found else None
-
-    def _range(self, prefix: str, limit: int = 0, keys_only: bool = False) -> list[tuple[bytes, dict[str, Any]]]:
-        from etcd3gw.utils import _increment_last_byte
-
-        return list(self.client.call(lambda c: c.get(prefix, metadata=True, range_end=_increment_last_byte(prefix),
-                                                     limit=limit or None, keys_only=keys_only or None)))
-
     def _cards(self, prefix: str, limit: int) -> list[dict[str, Any]]:
         cards = []
-        for value, _ in self._range(prefix, limit):
+        for value in self.kv.under(prefix, limit).values():
             with contextlib.suppress(ValueError):
                 cards.append(json.loads(value))
         return cards
-
-    def _under_keys(self, prefix: str) -> list[str]:
-        return [meta["key"].decode()[len(prefix):] for _, meta in self._range(prefix, keys_only=True)]
-
-    def _commit(self, compare: list[dict[str, Any]], puts: list[dict[str, Any]]) -> bool:
-        """One transaction: ``puts`` if every ``compare`` holds; whether they did."""
-        answer = self.client.call(functools.partial(_txn, txn={"compare": compare, "success": puts, "failure": []}))
-        return bool(answer.get("succeeded"))
-
-    def _create(self, key: str, value: str) -> bytes | None:
-        """``key`` put with this launcher's lease unless it exists, in one transaction: None once put, else the
-        value it holds (empty: it went meanwhile)."""
-        from etcd3gw.utils import _decode
-
-        txn = {"compare": [_absent(key)], "success": [_put(key, value, self.lease())],
-               "failure": [{"request_range": {"key": _enc(key)}}]}
-        answer = self.client.call(functools.partial(_txn, txn=txn))
-        if answer.get("succeeded"):
-            return None
-        found = answer.get("responses", [{}])[0].get("response_range", {}).get("kvs")
-        return bytes(_decode(found[0]["value"])) if found else b""
 
     def close(self) -> None:
         self.probe.close()

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from ...errors import RendezvousGone
+from ..stores.etcd_kv import absent, counted, found, number, put, read
 from ..stores.store_beat import StoreBeat
 from ..wire import protocol
 from ..wire.protocol import FailureRecord
@@ -25,34 +26,6 @@ from .rules import Door, door
 
 if TYPE_CHECKING:
     from .etcd_link import EtcdLink
-
-
-def _create(client: Any, key: str, value: str | bytes, lease: Any = None) -> bool:
-    return bool(client.create(key, value, lease=lease))
-
-
-def _transaction(client: Any, txn: dict[str, Any]) -> Any:
-    return client.transaction(txn)
-
-
-def _range(prefix: str) -> dict[str, str]:
-    """Every key under ``prefix``, as a request or a compare names them."""
-    from etcd3gw.utils import _encode, _increment_last_byte
-
-    return {"key": _encode(prefix), "range_end": _encode(_increment_last_byte(prefix))}
-
-
-def _count_of(prefix: str) -> dict[str, Any]:
-    """A transaction's request that counts the keys under ``prefix`` without reading them (count_only)."""
-    return {"request_range": {**_range(prefix), "count_only": True}}
-
-
-def _value_of(response: dict[str, Any]) -> str | None:
-    """The value a transaction's read of one key found, or None."""
-    from etcd3gw.utils import _decode
-
-    found = response.get("response_range", {}).get("kvs")
-    return _decode(found[0]["value"]).decode() if found else None
 
 
 def etcd_interval(nodes: int) -> float:
@@ -73,17 +46,12 @@ class EtcdKeys:
 
     def arrive(self, attempt: int, me: str, arrival: str) -> int:
         """Put this launcher's arrival and count them all, in one request (a transaction)."""
-        from etcd3gw.utils import _encode
-
         link, prefix = self.link, self.link.key(attempt, "join/")
-        lease = link.lease().id
-        txn = {"compare": [], "failure": [], "success": [
-            {"request_put": {"key": _encode(prefix + me), "value": _encode(arrival), "lease": lease}},
-            _count_of(prefix), {"request_range": {"key": _encode(link.key(attempt, "members"))}}]}
-        answer = link.client.call(functools.partial(_transaction, txn=txn))
-        if (members := _value_of(answer["responses"][2])) is not None:  # decided before this one came
-            self._early[attempt] = members
-        return int(answer["responses"][1]["response_range"].get("count", 0))
+        answer = link.commit([], [put(prefix + me, arrival, link.lease()), counted(prefix),
+                                  read(link.key(attempt, "members"))])["responses"]
+        if (members := found(answer[2])) is not None:  # decided before this one came
+            self._early[attempt] = members.decode()
+        return number(answer[1])
 
     def count(self, attempt: int) -> int:
         """The count the last look read along, once; else one request."""
@@ -112,23 +80,19 @@ class EtcdKeys:
         """The member list, once written: a look after ``timeout``. Not a watch: etcd's HTTP gateway serves
         a few hundred streams at once, and with a watch a waiting launcher the leases' refreshes queued behind
         them (measured: 256 simulated nodes joined in 10 s, and three leases ran out)."""
-        from etcd3gw.utils import _encode
-
         if attempt in self._early:
             return self._early[attempt]
         time.sleep(timeout)
-        txn = {"compare": [], "failure": [], "success": [  # the arrivals counted in the same request, for count()
-            {"request_range": {"key": _encode(self.link.key(attempt, "members"))}},
-            _count_of(self.link.key(attempt, "join/"))]}
-        answer = self.link.client.call(functools.partial(_transaction, txn=txn))["responses"]
-        self._counted[attempt] = int(answer[1]["response_range"].get("count", 0))
-        return _value_of(answer[0])
+        link = self.link  # the arrivals counted in the same request, for count()
+        answer = link.commit([], [read(link.key(attempt, "members")), counted(link.key(attempt, "join/"))])["responses"]
+        self._counted[attempt] = number(answer[1])
+        return members.decode() if (members := found(answer[0])) is not None else None
 
     def decide(self, attempt: int, members: str) -> bool:
         link = self.link
-        if won := link.client.call(functools.partial(_create, key=link.key(attempt, "members"), value=members)):
+        if won := (link.create(link.key(attempt, "members"), members) is None):
             link.put(link.prefix + "round", str(attempt))
-        return bool(won)
+        return won
 
     def latest(self) -> int:
         found = self.link.get(self.link.prefix + "round")
@@ -141,21 +105,16 @@ class EtcdKeys:
         writes after it reads the record as it waits (core/nodes/settle.py) and restarts with the others. A
         failure's record on its way ends the round anyway: this launcher comes to the next; after a node returned
         the job is ending, and this launcher is not needed."""
-        from etcd3gw.utils import _encode
-
         link = self.link
         key = link.key(attempt, "failure")
         shut = [link.key(attempt, "failing/"), link.key(attempt, "waiting/"), link.key(attempt, "returned/")]
-        absent = {"target": "VERSION", "result": "EQUAL", "version": 0}  # a range compare: of every key in it
-        txn = {"compare": [{"key": _encode(key), **absent}, *({**_range(k), **absent} for k in shut)],
-               "success": [{"request_put": {"key": _encode(key), "value": _encode(record.encode())}}],
-               "failure": [{"request_range": {"key": _encode(key), "count_only": True}}, *map(_count_of, shut)]}
-        answer = link.client.call(functools.partial(_transaction, txn=txn))
-        if answer.get("succeeded"):
+        answer = link.commit([absent(key), *(absent(k, under=True) for k in shut)], [put(key, record.encode())],
+                             [read(key), *map(counted, shut)])
+        if answer["succeeded"]:
             link.tell_failed(attempt)  # the running nodes read it off their round's store, not etcd
             return
-        written, failing, waiting, came_back = (int(r["response_range"].get("count", 0)) for r in answer["responses"])
-        if door(record=bool(written), waiting=bool(failing or waiting), returned=bool(came_back)) is Door.CLOSED:
+        written, (failing, waiting, came_back) = found(answer["responses"][0]), map(number, answer["responses"][1:])
+        if door(record=written is not None, waiting=bool(failing or waiting), returned=bool(came_back)) is Door.CLOSED:
             raise ending(f"the job --rdzv-id {link.config.rdzv_id}", attempt)
 
     def record(self, attempt: int) -> FailureRecord | None:
