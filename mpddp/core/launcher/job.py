@@ -203,9 +203,9 @@ def _begin(job: Job, attempt: int) -> int:
     """Round ``attempt``'s start: from the second round on, a fresh store for an env:// script where one store
     serves every round (node 0's, before the others read its port); with several nodes, the round joined. The
     round's number: the backend may start this node at a later one."""
-    if attempt and not job.init_group and job.one_store:
-        _new_script_store(job, attempt)
     if job.link is None:
+        if attempt and not job.init_group:
+            _new_script_store(job, job.config.master_addr)
         return attempt
     joined = _join(job, attempt)
     job.restarts += _restarts_between(job.link, attempt, joined)
@@ -232,10 +232,8 @@ def _join(job: Job, attempt: int) -> int:
     if job.store is not None and not job.one_store:  # the round before's, which this node hosted
         stop_store(job.store)
         job.store = None
-    job.round_store = link.round_store(here.number, lambda host: _host_store(job, host))
-    job.port = job.round_store.port
-    if job.one_store and here.number and not job.init_group and job.store is None:
-        job.script_port = link.script_port(here.number)  # node 0's, for this round's env:// script
+    job.round_store = link.round_store(here.number, lambda host: _host_store(job, host), script=not job.init_group)
+    job.port, job.script_port = job.round_store.port, job.round_store.script_port
     job.plan = for_round(job.plan, here.nnodes, here.node_rank, job.round_store.host, job.port)
     _tell_round(job, here)
     return here.number
@@ -250,7 +248,10 @@ def _tell_round(job: Job, here: Round) -> None:
 
 
 def _host_store(job: Job, host: str) -> int:
-    """A fresh store server for this round, on ``host`` (the rendezvous' choice) and a port the OS picks."""
+    """A fresh store server for this round, on ``host`` (the rendezvous' choice) and a port the OS picks; where
+    this node's store serves every round already (node 0's), a restarted env:// script's own."""
+    if job.store is not None:
+        return _new_script_store(job, host)
     sock = listen(host, 0)
     port = sock.getsockname()[1]
     job.store = start_store(job.mp_context, sock, job.config)
@@ -282,20 +283,18 @@ def _replace_store(job: Job) -> None:
     job.store = start_store(job.mp_context, sock, job.config)
 
 
-def _new_script_store(job: Job, attempt: int) -> None:
-    """Node 0: a fresh store for a round of a script that calls ``init_process_group("env://")`` itself.
+def _new_script_store(job: Job, host: str) -> int:
+    """Node 0: a fresh store on ``host`` for a restarted round of a script that calls
+    ``init_process_group("env://")`` itself; its port.
 
     torch's env:// rendezvous under an agent's store (``TORCHELASTIC_USE_AGENT_STORE``) adds no prefix of the
     attempt (torch 2.13: "we create a new TCPStore for every retry"), so a restarted rank on the job's store
     would read the dead ranks' addresses. mpddp's own ranks use a prefix of the round and need none of this.
-    The other nodes read its port from the job's store once they have joined the round.
+    The other nodes learn its port from the rendezvous (core/nodes/api.py's ``RoundStore.script_port``).
     """
-    if job.store is None:
-        return
     if job.script_store is not None:
         stop_store(job.script_store)
-    sock = listen(job.config.master_addr, 0)
+    sock = listen(host, 0)
     job.script_port = sock.getsockname()[1]
     job.script_store = start_store(job.mp_context, sock, job.config)
-    if job.link is not None:
-        job.link.script_port(attempt, job.script_port)
+    return job.script_port

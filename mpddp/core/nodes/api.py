@@ -12,13 +12,12 @@ core/nodes/rules.py's :class:`~mpddp.core.nodes.rules.NodeState` and
 names a backend: the launcher and the settlement (core/nodes/settle.py) use
 this module only, and a test keeps it so.
 
-A backend is storage, liveness and a watch, in eleven methods:
+A backend is storage, liveness and a watch, in ten methods:
 
 * a round: :meth:`~Rendezvous.join` it (its :class:`Round` says who), where
-  its store listens (:meth:`~Rendezvous.round_store`, a :class:`RoundStore`:
-  node 0's for the whole job, or one per round that its first node hosts),
-  the port of a restarted env:// script's store (:meth:`~Rendezvous.script_port`),
-  :meth:`~Rendezvous.watch` it (the beat), and :meth:`~Rendezvous.move` this
+  its stores listen (:meth:`~Rendezvous.round_store`, a :class:`RoundStore`:
+  node 0's for the whole job, or one per round that its first node hosts; and
+  a restarted env:// script's own), :meth:`~Rendezvous.watch` it (the beat), and :meth:`~Rendezvous.move` this
   node's record in it (waiting, returned, ended: the one transition function);
 * its first failure: :meth:`~Rendezvous.publish` (the first writer wins), and
   :meth:`~Rendezvous.until_heard` (told once every node can tell it: a store
@@ -121,6 +120,7 @@ class RoundStore:
     port: int
     lost: str | None = None  # one store serves every round (node 0's): why its loss ends the job, in words.
     # None: each round has its own, hosted by its first node, and the next round's replaces a lost one
+    script_port: int | None = None  # a restarted env:// script's own store, where ``port`` serves every round
 
     @property
     def serves_every_round(self) -> bool:
@@ -237,10 +237,9 @@ class Rendezvous(Protocol):
     def interval(self) -> float: ...  # seconds between two looks of a launcher that waits for the others
 
     def join(self, attempt: int) -> Round: ...
-    # where the round's store listens: ``host(address)`` starts one there, when this node is to host it, its port
-    def round_store(self, attempt: int, host: Callable[[str], int]) -> RoundStore: ...
-    # node 0 sets the port of the round's store for env:// scripts (``port``); the others read it (None)
-    def script_port(self, attempt: int, port: int | None = None) -> int: ...
+    # where the round's store listens: ``host(address)`` starts one there, when this node is to host it, its port;
+    # ``script``: the ranks make their own env:// group, and a restarted round needs a store no dead rank wrote
+    def round_store(self, attempt: int, host: Callable[[str], int], script: bool = False) -> RoundStore: ...
     def watch(self, attempt: int, share: Callable[[bool], bytes | None] | None = None) -> RoundWatch: ...
     def move(self, attempt: int, state: NodeState) -> None: ...  # this node's record (rules.move says if it may)
     def publish(self, attempt: int, record: FailureRecord) -> FailureRecord: ...  # the record that stands

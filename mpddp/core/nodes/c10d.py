@@ -132,18 +132,21 @@ class C10dRendezvous:
                 f"{self.config.max_restarts}) within --timeout {timeout:g} s: their launchers are gone or stopped "
                 "(killed, preempted, machine lost); every node must be running to restart the group")
 
-    def round_store(self, attempt: int, host: Callable[[str], int]) -> RoundStore:
-        """Node 0's, at --master-addr and --master-port, for every round: no other node can take its place."""
-        return RoundStore(self.config.master_addr, self.port, lost=_NODE0_ONLY)
-
-    def script_port(self, attempt: int, port: int | None = None) -> int:
-        """The port of the round's own store for env:// scripts: node 0 sets it before it joins (core/launcher/job.py),
-        the others read it (waiting for it)."""
+    def round_store(self, attempt: int, host: Callable[[str], int], script: bool = False) -> RoundStore:
+        """Node 0's, at --master-addr and --master-port, for every round: no other node can take its place. A
+        restarted round of a ``script`` that makes its own env:// group gets a fresh store from node 0 (``host``)
+        too, whose port the others read (waiting for it): torch's env:// rendezvous adds no prefix of the round,
+        and on the job's store a restarted rank would read the dead ranks' addresses."""
+        store = RoundStore(self.config.master_addr, self.port, lost=_NODE0_ONLY)
+        if not (script and attempt):
+            return store
         key = full_key(attempt, protocol.SCRIPT_PORT)
-        if port is not None:
+        if self.config.node_rank == 0:
+            port = host(self.config.master_addr)
             self.client.call(lambda s: s.set(key, str(port)))
-            return port
-        return int(self.client.call(lambda s: s.get(key)))
+        else:
+            port = int(self.client.call(lambda s: s.get(key)))
+        return replace(store, script_port=port)
 
     def watch(self, attempt: int, share: Callable[[bool], bytes | None] | None = None) -> C10dRoundWatch:
         """The round's beat, from a thread of its own, until it is stopped."""

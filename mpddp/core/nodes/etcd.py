@@ -182,10 +182,6 @@ class EtcdRendezvous(EtcdKV):
         host, _, port = found.decode().rpartition(":")
         return host, int(port)
 
-    def script_port(self, attempt: int, port: int | None = None) -> int:
-        """A round's store is fresh (its first node's): an env:// script uses it, and no node sets another."""
-        return port if port is not None else self.store(attempt)[1]
-
     def watch(self, attempt: int, share: Callable[[bool], bytes | None] | None = None) -> EtcdRoundWatch:
         self._watches[attempt] = EtcdRoundWatch(self, attempt, share)
         return self._watches[attempt]
@@ -355,9 +351,9 @@ class EtcdRendezvous(EtcdKV):
         if self.kept is not None:
             self.kept.revoke()
 
-    def round_store(self, attempt: int, host: Callable[[str], int]) -> RoundStore:
-        """A fresh store each round (a restarted env:// script finds no dead rank's keys): the round's first node
-        hosts it, at --local-addr or its address toward etcd's first member (the interface the others reach too)."""
+    def round_store(self, attempt: int, host: Callable[[str], int], script: bool = False) -> RoundStore:
+        """A fresh store each round (a restarted env:// ``script`` finds no dead rank's keys in it): the round's first
+        node hosts it, at --local-addr or its address toward etcd's first member (the interface the others reach too)."""
         if self.config.node_rank != 0:
             return RoundStore(*self.store(attempt))
         address = self._address()
