@@ -404,7 +404,8 @@ def test_an_upward_import_planted_in_core_is_found(module, is_package, source, u
 def test_above_the_nodes_no_module_names_a_rendezvous_backend():
     """The launcher asks core/nodes/api.py's interface; which backend runs (c10d today) is the nodes' business."""
     backends = {"mpddp.core.nodes.c10d", "mpddp.core.nodes.c10d_watch", "mpddp.core.nodes.c10d_keys", "mpddp.core.nodes.etcd",
-                "mpddp.core.stores.etcd_client", "mpddp.core.stores.etcd_probe", "mpddp.core.stores.c10d_client"}
+                "mpddp.core.stores.etcd_client", "mpddp.core.stores.etcd_kv", "mpddp.core.stores.etcd_probe",
+                "mpddp.core.stores.c10d_client"}
     for module, targets in GRAPH.items():
         below = module.startswith(("mpddp.core.nodes.", "mpddp.core.stores."))
         if module.startswith("mpddp.") and not below or module == "mpddp.core.nodes.settle":

@@ -124,7 +124,7 @@ def test_a_round_watch_reads_the_record_after_its_connection_to_the_store_was_cu
     from mpddp.config import LaunchConfig
     from mpddp.core.nodes.etcd import EtcdRendezvous
     from mpddp.core.nodes.etcd_keys import EtcdRoundWatch
-    from mpddp.core.stores.store_beat import StoreBeat
+    from mpddp.core.stores.store_beat import first_record, reads
     from mpddp.core.wire.protocol import FailureRecord
     from mpddp.errors import Outcome
 
@@ -138,19 +138,18 @@ def test_a_round_watch_reads_the_record_after_its_connection_to_the_store_was_cu
         link.put(link.key(0, "store"), f"127.0.0.1:{proxy.listens}")  # as the round's first node publishes it
         watch = EtcdRoundWatch(link, 0)
         assert watch._reached.wait(10)
-        beat = StoreBeat(0, 0)
         proxy.cut()
         time.sleep(1.0)  # the watch's next beats fail on the cut connection
         record = FailureRecord(rank=0, node_rank=0, local_rank=0, outcome=Outcome.RAISED, exit_code=1,
                                line="mpddp: rank 0 (node 0, local rank 0) failed first", wall_time=time.time(),
                                writer=0).encode()
-        assert beat.publish(host, record) == record
+        assert first_record(host, 0, record) == record
         deadline = time.monotonic() + 10
         while (read := watch.record()) is None:
             assert time.monotonic() < deadline, "the watch never read the record on its store again"
             time.sleep(0.1)
         assert read == record
-        assert int(host.add(beat.read_key, 0)) == 1  # counted once as read: its host may leave
+        assert reads(host, 0) == 1  # counted once as read: its host may leave
     finally:
         if watch is not None:
             _ended(watch)
@@ -173,7 +172,7 @@ def test_a_node_that_etcd_stops_answering_when_full_tells_the_record_on_the_roun
     from mpddp.core.nodes.etcd import EtcdRendezvous
     from mpddp.core.nodes.etcd_keys import EtcdRoundWatch
     from mpddp.core.stores.etcd_client import EtcdFull
-    from mpddp.core.stores.store_beat import StoreBeat
+    from mpddp.core.stores.store_beat import first_record, reads
     from mpddp.core.wire.protocol import FailureRecord
     from mpddp.errors import Outcome
 
@@ -195,13 +194,13 @@ def test_a_node_that_etcd_stops_answering_when_full_tells_the_record_on_the_roun
             record = FailureRecord(rank=2, node_rank=2, local_rank=0, outcome=Outcome.RAISED, exit_code=1,
                                    line="mpddp: rank 2 (node 2, local rank 0) failed first", wall_time=time.time(),
                                    writer=2).encode()
-            writer = threading.Timer(1.0, lambda: StoreBeat(0, 2).publish(host, record))  # node 2, after its teardown
+            writer = threading.Timer(1.0, lambda: first_record(host, 0, record))  # node 2, after its teardown
             writer.start()
             started = time.monotonic()
             word = link.last_word(0)
             assert word is not None and word.encode() == record, word
             assert 0.5 < time.monotonic() - started < 8
-            assert int(host.add(StoreBeat(0, 0).read_key, 0)) == 1  # counted as read: the store's host may leave
+            assert reads(host, 0) == 1  # counted as read: the store's host may leave
         finally:
             if writer is not None:
                 writer.join(10)
@@ -259,7 +258,7 @@ def test_a_record_written_before_etcd_filled_stands_over_one_on_the_rounds_store
 
     from mpddp.config import LaunchConfig
     from mpddp.core.nodes.etcd import EtcdRendezvous
-    from mpddp.core.stores.store_beat import StoreBeat
+    from mpddp.core.stores.store_beat import record_of
     from mpddp.core.wire.protocol import FailureRecord
     from mpddp.errors import Outcome
 
@@ -281,7 +280,7 @@ def test_a_record_written_before_etcd_filled_stands_over_one_on_the_rounds_store
             _fill(cluster)  # another user of the same etcd fills it
             told = nodes[0].publish(0, record(1))
             assert told.rank == 2 and told.writer == 2, told
-            assert nodes[0].client.full is not None and StoreBeat(0, 1).record(host) is None  # nothing on the store
+            assert nodes[0].client.full is not None and record_of(host, 0) is None  # nothing on the store
         finally:
             for watch in watches:
                 _ended(watch)
@@ -317,7 +316,7 @@ def test_a_refused_write_on_a_full_etcd_that_does_not_answer_reads_goes_to_the_r
 
     from mpddp.config import LaunchConfig
     from mpddp.core.nodes.etcd import EtcdRendezvous
-    from mpddp.core.stores.store_beat import StoreBeat
+    from mpddp.core.stores.store_beat import record_of
     from mpddp.core.wire.protocol import FailureRecord
     from mpddp.errors import Outcome
 
@@ -340,7 +339,7 @@ def test_a_refused_write_on_a_full_etcd_that_does_not_answer_reads_goes_to_the_r
             told = link.publish(0, mine)
             took = time.monotonic() - started
             assert link.client.full is not None and told.rank == 1 and told.writer == 1, told
-            assert StoreBeat(0, 0).record(host) == told.encode()  # on the round's store: every node reads it there
+            assert record_of(host, 0) == told.encode()  # on the round's store: every node reads it there
             assert took < 20, took  # a lease's TTL (3 s) for the read, not --timeout (30 s)
         finally:
             if watch is not None:

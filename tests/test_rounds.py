@@ -335,7 +335,7 @@ def _mark_returned(beats: _Beats, node: int) -> None:
 
 
 def _heard(beats: _Beats, readers: int) -> None:
-    """The other nodes' reads of round 0's record, as each counts its first (core/nodes/last_word.py's ``read``):
+    """The other nodes' reads of round 0's record, as each counts its first (core/nodes/c10d_keys.py's ``read``):
     here before it is written, where a node that waits for it reads it at its next look (0.05 s)."""
     from mpddp.core.wire import protocol
 

@@ -2,7 +2,7 @@
 
 Owns: :class:`Job`, built once by core/launcher/job.py (the config, the plan, the start method's context,
 ``fn`` shipped by value, the rendezvous, the store servers) and read by each attempt (core/launcher/attempt.py,
-core/launcher/channels.py); node 0's last word, opened and closed on the job's port (core/nodes/last_word.py);
+core/launcher/channels.py); node 0's last word, opened and closed on the job's port (core/stores/last_word.py);
 and how a store server is started and stopped, counted among this process's live children. Leaves the rounds
 and the restart loop to core/launcher/job.py, the store server itself to core/stores/store_server.py.
 """
@@ -16,9 +16,8 @@ from typing import Any
 
 from ...config import LaunchConfig
 from ...errors import AddressError, Outcome
-from ..nodes import last_word
 from ..nodes.api import Rendezvous, RoundStore
-from ..stores import store_server
+from ..stores import last_word, store_server
 from ..stores.listen import listen
 from ..stores.store_server import StoreServer
 from ..wire import protocol
@@ -56,7 +55,7 @@ class Job:
     def open_last_word(self, attempt: int, loss: str) -> None:
         """Node 0 of several, whose store serves every round, its store server just lost (``loss`` says how): a
         fresh one on the same port, before the teardown, with the loss as round ``attempt``'s record
-        (core/nodes/last_word.py). The other nodes tell it as this one does, not "node 0 is gone";
+        (core/stores/last_word.py). The other nodes tell it as this one does, not "node 0 is gone";
         :meth:`close_last_word` ends it."""
         if self.link is None or self.store is None or not self.one_store or self.last_store is not None:
             return

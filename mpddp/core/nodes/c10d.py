@@ -5,7 +5,7 @@ the barriers that start a restarted round once every node's launcher joined it a
 node's ranks returned; an elastic job's rounds (core/nodes/membership.py's rule on this store's keys); and
 which nodes are lost: a launcher whose beat (core/nodes/c10d_watch.py) stood still while the others beat, or
 that never beat for --timeout. Its cost: node 0 is special; when its machine is lost, the job ends everywhere
-(what it says last when it lives on: core/nodes/last_word.py).
+(what it says last when it lives on: core/stores/last_word.py).
 """
 
 from __future__ import annotations
@@ -24,13 +24,14 @@ from typing import Any
 from ... import rank_math
 from ...config import LaunchConfig
 from ...errors import ConfigError, NeverArrived, Outcome, RendezvousError, RendezvousGone, StoreLost
+from ..stores import last_word
 from ..stores.c10d_client import C10dClient
-from ..stores.store_beat import read_all
+from ..stores.store_beat import ABSENT, first_record, read_all, record_of
 from ..wire import protocol
 from ..wire.protocol import FailureRecord, full_key
-from . import last_word, membership, rules
+from . import c10d_keys, membership, rules
 from .api import POLL, STALLED_AFTER, Lost, Round, RoundStore, ViewOf, names
-from .c10d_keys import ABSENT, C10dKeys, arrived, close_door, first_record, join_barrier, missing_ranks, take_number
+from .c10d_keys import C10dKeys, arrived, close_door, join_barrier, missing_ranks, take_number
 from .c10d_watch import C10dRoundWatch
 from .rules import NodeState
 
@@ -156,7 +157,7 @@ class C10dRendezvous:
     def move(self, attempt: int, state: NodeState) -> None:
         """This node's record in round ``attempt`` moved to ``state`` (:meth:`_move`). Its end is no loss: a store
         gone meanwhile is none of its business, and node 0 stopped itself (Ctrl-C, a signal) keeps its store
-        until the others read why (core/nodes/last_word.py's ``until_read``; called shielded from a second one)."""
+        until the others read why (core/nodes/c10d_keys.py's ``until_read``; called shielded from a second one)."""
         me = self.config.node
         if state in (NodeState.WAITING, NodeState.RETURNED) and self.launched.min_nnodes < self.launched.nnodes:
             self.client.call(lambda s: close_door(s, attempt, state))  # first: no newcomer's admission hides a
@@ -168,7 +169,7 @@ class C10dRendezvous:
             self._move(attempt, me, state, connect_timeout=2.0)
         if attempt in self.stopped_in:  # once: the attempt's end moves it again, to no effect
             self.stopped_in.discard(attempt)
-            last_word.until_read(self, attempt)
+            c10d_keys.until_read(self, attempt)
 
     def _move(self, attempt: int, node: int, target: NodeState, connect_timeout: float | None = None) -> bool:
         """Node ``node``'s record in round ``attempt`` moved to ``target`` by compare-and-set (core/nodes/rules.py's
@@ -219,29 +220,26 @@ class C10dRendezvous:
 
     def record(self, attempt: int) -> FailureRecord | None:
         """The round's record, once written; read once as another node's, it is counted for node 0's wait until the
-        others read why (core/nodes/last_word.py's ``until_read``)."""
-        key = full_key(attempt, protocol.FAILURE)
-        data = self.client.call(lambda s: s.compare_set(key, ABSENT, ABSENT))  # one operation: the value, or ABSENT
-        if not data or data == ABSENT.encode():
-            return None
-        return last_word.read(self, attempt, FailureRecord.decode(data))
+        others read why (core/nodes/c10d_keys.py's ``until_read``)."""
+        data = self.client.call(lambda s: record_of(s, attempt))
+        return c10d_keys.read(self, attempt, FailureRecord.decode(data)) if data is not None else None
 
     def publish(self, attempt: int, record: FailureRecord) -> FailureRecord:
         """Write the round's first failure unless another node did first; the record that stands. Its writer
         also adds :data:`~mpddp.core.wire.protocol.FAILED` to the progress counter: every node's next beat sees it."""
         if record.outcome is Outcome.STOPPED and record.node_rank == self.config.node:
             self.stopped_in.add(attempt)
-        return last_word.read(self, attempt, FailureRecord.decode(self.client.call(lambda s: first_record(
+        return c10d_keys.read(self, attempt, FailureRecord.decode(self.client.call(lambda s: first_record(
             s, attempt, replace(record, writer=self.config.node).encode()))))  # another's that stands: read
 
     def until_heard(self, attempt: int) -> None:
         """Until every other node that beat in round ``attempt`` and was not found lost has read its record, or a
-        short while (core/nodes/last_word.py's ``until_heard``); RendezvousGone when node 0's store went first."""
+        short while (core/nodes/c10d_keys.py's ``until_heard``); RendezvousGone when node 0's store went first."""
         if (record := self.record(attempt)) is None:
             return
         came = [n for n in range(self.config.nnodes) if n not in self.absent]  # 1 of 100,000: 1 key, not 100,000
         beaten = [n for n, beat in self.heartbeats(attempt, came).items() if beat > 0 and n != record.writer]
-        last_word.until_heard(self, attempt, len(beaten) - self.count(attempt, protocol.LOST),
+        c10d_keys.until_heard(self, attempt, len(beaten) - self.count(attempt, protocol.LOST),
                               max(0.01, membership.poll_interval(self.config.nnodes) / 10))
 
     def view(self, attempt: int) -> C10dView:

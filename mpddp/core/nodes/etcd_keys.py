@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from ...errors import RendezvousGone
 from ..stores.etcd_kv import absent, counted, found, number, put, read
-from ..stores.store_beat import StoreBeat
+from ..stores.store_beat import StoreBeat, first_record, reads, record_of
 from ..wire import protocol
 from ..wire.protocol import FailureRecord
 from .api import INTERVAL, BeatThread, ending
@@ -243,14 +243,14 @@ class EtcdRoundWatch(BeatThread):
         """The round's record on its store (etcd is full); the standing one, or None where the store is gone.
         A rank that fails as the round starts: the beat's first connection is waited for, a lease's TTL at most."""
         self._reached.wait(self.link.ttl)
-        return self._on_store(lambda s: self.beat.publish(s, record), again=True)
+        return self._on_store(lambda s: first_record(s, self.attempt, record), again=True)
 
     def record(self) -> bytes | None:
         """The round's record on its store (etcd is full), counted once as read when another node wrote it."""
-        data = self._on_store(self.beat.record, again=True)
+        data = self._on_store(lambda s: record_of(s, self.attempt), again=True)
         if data is not None and not self._read and FailureRecord.decode(data).writer != self.beat.node:
             self._read = True
-            self._on_store(self.beat.count_read)
+            self._on_store(lambda s: reads(s, self.attempt, mine=1))
         return data
 
     def last_record(self, wait: float) -> bytes | None:
@@ -264,7 +264,9 @@ class EtcdRoundWatch(BeatThread):
         """The round's store host, leaving with the record on its store: stay until ``others`` nodes read it, or
         ``wait`` seconds (etcd full: the store is the only place the others can learn the truth)."""
         deadline = time.monotonic() + wait
-        while self._on_store(self.beat.record) is not None and (self._on_store(self.beat.reads) or 0) < others:
+        attempt = self.attempt
+        while self._on_store(lambda s: record_of(s, attempt)) is not None and \
+                (self._on_store(lambda s: reads(s, attempt)) or 0) < others:
             if time.monotonic() > deadline:
                 return
             time.sleep(INTERVAL / 5)

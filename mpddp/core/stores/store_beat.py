@@ -4,8 +4,9 @@ round's own, which its first node hosts).
 Owns: :class:`StoreBeat`, one node's keys in a round's store and the operations on them: a beat (this node's
 progress added, and every node's read back by the same add, :data:`~mpddp.core.wire.protocol.FAILED` on it once
 the round's record is written; this node's ranks' collectives set when they moved), listing this node among
-those that shared their collectives, and reading the other nodes' (once a hang is suspected); where etcd takes no
-write (its quota full), the round's record, first writer wins. Two operations a beat, however many nodes; a
+those that shared their collectives, and reading the other nodes' (once a hang is suspected). Also the round's
+record on a TCPStore, for both backends (c10d's always, etcd's once it takes no write): :func:`first_record` (the
+first writer wins), :func:`record_of` and :func:`reads` (how many other nodes read it). Two operations a beat, however many nodes; a
 node watched (``mpddp top``, core/launcher/live.py) adds :data:`~mpddp.core.wire.protocol.WATCHED` to the same
 counter, and takes it back once nobody asked for :data:`WATCHED_FOR` s: every node hears it with no operation more.
 Leaves which store, its client's lock and what to do when it is gone to the watches (core/nodes/c10d_watch.py,
@@ -19,6 +20,34 @@ from typing import Any
 
 from ..wire import protocol
 from ..wire.protocol import full_key
+
+ABSENT = "\x00absent"  # compare_set's answer for a key that is not there (it sets nothing then): a get in one
+
+
+def peek(s: Any, key: str) -> bytes | None:
+    """``key``'s value, or None when it is not there: one operation (a compare_set that sets nothing)."""
+    found = bytes(s.compare_set(key, ABSENT, ABSENT))
+    return None if found == ABSENT.encode() else found
+
+
+def first_record(s: Any, attempt: int, record: bytes) -> bytes:
+    """Round ``attempt``'s record: ``record`` unless another was written first; its writer adds FAILED to the
+    progress counter, which every node's next beat reads. The record that stands."""
+    standing = bytes(s.compare_set(full_key(attempt, protocol.FAILURE), "", record))
+    if standing == record:
+        s.add(full_key(attempt, protocol.PROGRESS), protocol.FAILED)
+    return standing
+
+
+def record_of(s: Any, attempt: int) -> bytes | None:
+    """Round ``attempt``'s record, once written: one operation."""
+    return peek(s, full_key(attempt, protocol.FAILURE)) or None
+
+
+def reads(s: Any, attempt: int, mine: int = 0) -> int:
+    """How many nodes other than its writer read round ``attempt``'s record, this node's read added (``mine``: 1):
+    a store that goes with its host keeps it until they did."""
+    return int(s.add(full_key(attempt, protocol.READ), mine))
 
 
 def read_all(s: Any, keys: list[str]) -> list[bytes]:
@@ -39,8 +68,6 @@ class StoreBeat:
         self.progress = full_key(attempt, protocol.PROGRESS)
         self.calls = full_key(attempt, protocol.calls_key(node))
         self.beat = full_key(attempt, protocol.heartbeat_key(node))
-        self.record_key = full_key(attempt, protocol.FAILURE)  # the round's record (etcd: only once it is full)
-        self.read_key = full_key(attempt, protocol.READ)  # how many other nodes read it here
         self._listed = False  # this node's collectives are in the store, and it is among the SHARERS
         self.asked = False  # a watcher asked this node (mpddp top): its next beat says so
         self.watched_at = float("-inf")  # time.monotonic() when a beat last read that some node is watched
@@ -84,24 +111,6 @@ class StoreBeat:
     def put_calls(self, s: Any, snapshot: bytes) -> None:
         s.set(self.calls, snapshot)
         self._list(s)
-
-    def publish(self, s: Any, record: bytes) -> bytes:
-        """The round's record on the store, where its backend takes no write (etcd full): the first writer wins,
-        and tells it on the progress counter; the standing record back."""
-        standing = s.compare_set(self.record_key, "", record)
-        if standing == record:
-            self.tell_failed(s)
-        return bytes(standing)
-
-    def record(self, s: Any) -> bytes | None:
-        return bytes(s.get(self.record_key)) if s.check([self.record_key]) else None
-
-    def count_read(self, s: Any) -> None:
-        """This node read another node's record here: the store's host waits for every such read to leave."""
-        s.add(self.read_key, 1)
-
-    def reads(self, s: Any) -> int:
-        return int(s.add(self.read_key, 0))
 
     def tell_failed(self, s: Any) -> None:
         """The writer of the round's record: every node's next beat reads FAILED off its one add."""
