@@ -1,11 +1,13 @@
 """A TCP proxy on 127.0.0.1 in front of a real server (an etcd member, a round's store), for tests that must see,
-hold or cut what one client and the server say to each other, without touching either."""
+hold or cut what one client and the server say to each other, without touching either; and :func:`refused`, a
+wait until a server is gone."""
 
 from __future__ import annotations
 
 import contextlib
 import socket
 import threading
+import time
 
 
 class Proxy:
@@ -54,3 +56,15 @@ class Proxy:
 def shut(sock: socket.socket) -> None:
     with contextlib.suppress(OSError):
         sock.shutdown(socket.SHUT_RDWR)
+
+
+def refused(port: int) -> None:
+    """Until nothing listens at ``port`` any more (a TCPStore's server ends with the object that hosts it)."""
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1.0).close()
+        except ConnectionRefusedError:
+            return
+        assert time.monotonic() < deadline, "the store still listens"
+        time.sleep(0.1)

@@ -274,3 +274,31 @@ def test_a_node_whose_rank_failed_shuts_node_0s_door_before_it_stops_its_ranks()
         assert not store.check([protocol.full_key(0, protocol.FAILURE)])
     finally:
         watch.stop()
+
+
+def test_a_record_read_once_is_kept_once_node_0s_store_is_gone() -> None:
+    """The beat's thread reads the round's record and counts the read, for node 0's wait until the others read why;
+    node 0, every read counted, may leave. A settlement that looked for it in node 0's store again then found the
+    store gone and told node 0's loss (as etcd's round store was seen to, measured). Once read, it is kept."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+    from proxies import refused
+
+    from mpddp.config import LaunchConfig
+    from mpddp.core.nodes.c10d import C10dRendezvous
+    from mpddp.core.stores.store_beat import first_record, reads
+    from mpddp.core.wire.protocol import FailureRecord
+    from mpddp.errors import Outcome
+
+    port = free_port()
+    host = dist.TCPStore("127.0.0.1", port, None, True, timedelta(seconds=30))  # node 0's store
+    link = C10dRendezvous(LaunchConfig(nnodes=3, node_rank=1, master_addr="127.0.0.1", master_port=port,
+                                       timeout=10), port, 1)
+    record = FailureRecord(rank=2, node_rank=2, local_rank=0, outcome=Outcome.RAISED, exit_code=1,
+                           line="mpddp: rank 2 (node 2, local rank 0) failed first", wall_time=time.time(), writer=2)
+    first_record(host, 0, record.encode())
+    assert link.record(0) == record and reads(host, 0) == 1  # as the beat's thread reads it: counted once
+    del host  # node 0 leaves
+    refused(port)
+    assert link.record(0) == record  # as the settlement looks, after

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 from multinode import free_port
-from proxies import Proxy, shut
+from proxies import Proxy, refused, shut
 from test_hardening5_c10d import newcomer_at_the_barrier
 
 pytestmark = pytest.mark.timeout(240)
@@ -110,6 +110,47 @@ def test_a_node_whose_rank_failed_shuts_the_door_before_it_stops_its_ranks(etcd_
     finally:
         if watch is not None:
             _ended(watch)  # its look for the round's store ends with --timeout
+        link.leave()
+        link.client.call(lambda c: c.delete_prefix(link.prefix))
+
+
+def test_a_record_the_watch_read_is_kept_once_its_store_is_gone(etcd_cluster) -> None:
+    """Four such jobs at once on 2 cores (tests/test_etcd_hostile.py), 2 of 25 runs: node 1's beat read the record
+    on the round's store and counted its read; the store's host, every read counted, left; node 1's settlement then
+    looked for the record again, in a store that was gone, and told etcd's state. Once read, it is kept."""
+    import torch.distributed as dist
+
+    from mpddp.config import LaunchConfig
+    from mpddp.core.nodes.etcd import EtcdRendezvous
+    from mpddp.core.nodes.etcd_keys import EtcdRoundWatch
+    from mpddp.core.stores.store_beat import first_record, reads
+    from mpddp.core.wire.protocol import FailureRecord
+    from mpddp.errors import Outcome
+
+    config = LaunchConfig(nnodes=3, node_rank=1, rdzv_backend="etcd", rdzv_endpoint=etcd_cluster.endpoints,
+                          rdzv_id=f"kept-{free_port()}", timeout=10)
+    link = EtcdRendezvous(config, 0, 1)
+    port = free_port()
+    host = dist.TCPStore("127.0.0.1", port, None, True, timedelta(seconds=30))  # node 0's, the round's store
+    watch = None
+    try:
+        link.put(link.key(0, "store"), f"127.0.0.1:{port}")  # as the round's first node publishes it
+        watch = EtcdRoundWatch(link, 0)
+        record = FailureRecord(rank=2, node_rank=2, local_rank=0, outcome=Outcome.RAISED, exit_code=1,
+                               line="mpddp: rank 2 (node 2, local rank 0) failed first", wall_time=time.time(),
+                               writer=2).encode()
+        assert first_record(host, 0, record) == record
+        deadline = time.monotonic() + 10
+        while watch.record() is None:  # as the beat's thread reads it
+            assert time.monotonic() < deadline, "the watch never read the record"
+            time.sleep(0.1)
+        assert reads(host, 0) == 1
+        del host  # the store's host leaves: every read it waited for was counted
+        refused(port)
+        assert watch.record() == record  # as the settlement looks, after
+    finally:
+        if watch is not None:
+            _ended(watch)
         link.leave()
         link.client.call(lambda c: c.delete_prefix(link.prefix))
 

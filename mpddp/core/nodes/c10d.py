@@ -58,6 +58,7 @@ class C10dRendezvous:
         self.rounds: dict[int, Round] = {}
         self._last = 0  # the last round this launcher ran
         self.read: set[int] = set()  # the rounds whose record, another node's, this launcher counted as read
+        self._records: dict[int, FailureRecord] = {}  # each round's record, once read: it never changes
         self.stopped_in: set[int] = set()  # the rounds whose record this launcher wrote as it was stopped
         self._window: tuple[tuple[int, float], dict[int, int], float] | None = None  # lost(): (wait, beats, since)
         self._moves = 0  # this launcher's moves of a record, for a token of its own
@@ -220,9 +221,15 @@ class C10dRendezvous:
 
     def record(self, attempt: int) -> FailureRecord | None:
         """The round's record, once written; read once as another node's, it is counted for node 0's wait until the
-        others read why (core/nodes/c10d_keys.py's ``until_read``)."""
-        data = self.client.call(lambda s: record_of(s, attempt))
-        return c10d_keys.read(self, attempt, FailureRecord.decode(data)) if data is not None else None
+        others read why (core/nodes/c10d_keys.py's ``until_read``). Kept once read: node 0 stopped itself leaves
+        once every node counted its read, and a read the beat's thread counted must not be looked for again in a
+        store that may be gone by then (as it was under etcd's round store, measured)."""
+        if (kept := self._records.get(attempt)) is not None:
+            return kept
+        if (data := self.client.call(lambda s: record_of(s, attempt))) is None:
+            return None
+        self._records[attempt] = c10d_keys.read(self, attempt, FailureRecord.decode(data))
+        return self._records[attempt]
 
     def publish(self, attempt: int, record: FailureRecord) -> FailureRecord:
         """Write the round's first failure unless another node did first; the record that stands. Its writer
