@@ -27,6 +27,7 @@ from ...errors import ConfigError, Outcome, RestartsExhausted, StoreLost, Worker
 from ...log import logger
 from ..nodes.api import NotNeeded, Rendezvous, Round, RoundLost
 from ..nodes.backends import open_rendezvous
+from ..procs.start import forkserver_pid
 from ..stores.listen import listen
 from . import runtime_dir, stragglers
 from .attempt import run_group
@@ -46,7 +47,8 @@ def run_job(plan: Plan, mp_context: Any, payload: bytes, init_group: bool, liste
     table shown while it runs (``launch(..., live=True)``)."""
     config = plan.config
     port = listening.getsockname()[1] if listening is not None else config.master_port
-    job = Job(plan, mp_context, payload, init_group, port)
+    job = Job(plan, mp_context, payload, init_group, port,
+              forkserver=forkserver_pid() if config.start_method == "forkserver" else None)
     live = job.live = LiveView(job)
     with runtime_dir.serving(live.job_id, config.node_rank, lambda: live.snapshot().to_json()), \
             showing(live, live_table):  # mpddp top; launch(..., live=True)
@@ -71,7 +73,7 @@ def _run(job: Job, listening: socket.socket | None) -> list[Any]:
     values = None
     try:
         if listening is not None:
-            job.store = start_store(job.mp_context, listening, config)
+            job.store = start_store(job, listening)
         try:
             values = _attempts(job)
         except NotNeeded as spare:
@@ -253,7 +255,7 @@ def _host_store(job: Job, host: str) -> int:
     """A fresh store server for this round, on ``host`` (the rendezvous' choice) and a port the OS picks."""
     sock = listen(host, 0)
     port = sock.getsockname()[1]
-    job.store = start_store(job.mp_context, sock, job.config)
+    job.store = start_store(job, sock)
     return int(port)
 
 
@@ -279,7 +281,7 @@ def _replace_store(job: Job) -> None:
     stop_store(job.store)
     sock = listen(job.config.master_addr, job.config.master_port)
     job.port = sock.getsockname()[1]
-    job.store = start_store(job.mp_context, sock, job.config)
+    job.store = start_store(job, sock)
 
 
 def _new_script_store(job: Job, attempt: int) -> None:
@@ -296,6 +298,6 @@ def _new_script_store(job: Job, attempt: int) -> None:
         stop_store(job.script_store)
     sock = listen(job.config.master_addr, 0)
     job.script_port = sock.getsockname()[1]
-    job.script_store = start_store(job.mp_context, sock, job.config)
+    job.script_store = start_store(job, sock)
     if job.link is not None:
         job.link.script_port(attempt, job.script_port)
