@@ -258,8 +258,8 @@ def test_ctrl_c_while_ranks_start_stops_those_already_started(monkeypatch):
 
     pids: list[int] = []  # kept apart: the launcher closes a process object once its rank is gone
 
-    def start_and_note(process):
-        real_start(process)
+    def start_and_note(process, *rest):
+        real_start(process, *rest)
         pids.append(process.pid)
 
     real_start = channels.start_process

@@ -132,12 +132,13 @@ class Attempt:
             raise MainGuardError(_MAIN_GUARD_MESSAGE)
         self._refused()
         # a store server lost with the forkserver is not the cause: the ranks' report names the forkserver
-        lost = store is not None and store.lost and forkserver_gone() is None
+        lost = store is not None and store.lost and forkserver_gone(job.forkserver) is None
         stalled = store.stalled() if store is not None and not all(s.succeeded for s in states) else None
         if stalled is not None:  # a store server that does not answer explains whatever the ranks did
             raise StoreLost(store.stall(stalled))  # type: ignore[union-attr]
         verdict = classify(states, self.hang, self.mismatch)
-        error = _report(states, verdict, self.hang, self.mismatch, self.relay) if self.failed_here and not lost else None
+        error = _report(states, verdict, self.hang, self.mismatch, self.relay, job.forkserver) \
+            if self.failed_here and not lost else None
         remote = self.round_watch is not None and self.round_watch.remote_failure is not None and not all(
             s.succeeded for s in states)
         doubt = _doubt(states, verdict, self.mismatch, job.config.nnodes * job.plan.nprocs)
@@ -176,7 +177,8 @@ class Attempt:
         assert self.watchdog is not None
         hang, mismatch = self.watchdog.again(self.states, self.hang, self.mismatch)
         verdict = classify(self.states, hang, mismatch)
-        return _report(self.states, verdict, hang, mismatch, self.relay, again=True), node_cause(self.states, verdict)
+        return (_report(self.states, verdict, hang, mismatch, self.relay, self.job.forkserver, again=True),
+                node_cause(self.states, verdict))
 
     def tell_stopped(self, stopped_by: BaseException) -> None:
         """What stopped this launcher itself (Ctrl-C, a signal), as the round's failure, so that the other nodes
@@ -199,10 +201,10 @@ class Attempt:
 
 
 def _report(states: list[RankState], verdict: Verdict, hang: Hang | None, mismatch: Mismatch | None,
-            relay: Relay, again: bool = False) -> WorkerFailed:
+            relay: Relay, forkserver: int | None, again: bool = False) -> WorkerFailed:
     """This node's own report of the failure: the root cause, with each rank's last lines and stacks (written
-    into the ranks' logs once, not ``again``)."""
-    forkserver_lost(states)
+    into the ranks' logs once, not ``again``); ``forkserver``: the job's, which may have been lost with them."""
+    forkserver_lost(states, forkserver)
     for s in states:
         s.tail = relay.tail(s.slot.rank)
         if s.location is not None and not again:

@@ -71,10 +71,11 @@ def start_ranks(job: Job, attempt: int, relay: Relay, states: list[RankState], e
             # a forked child inherits every pipe: it must close the ends that are not its own
             close_fds=tuple(sorted(all_fds - {c.fileno() for c in ch.worker_ends}))
             if config.start_method == "fork" else (),
+            parent=job.forkserver if job.forkserver is not None else os.getpid(),
         )
         process = mp_context.Process(target=boot.rank_process, args=(spec, *ch.worker_ends), name=f"mpddp-rank-{slot.rank}")
         with LIVE_LOCK, boot.main_hidden(always=False):
-            start_process(process)
+            start_process(process, job.forkserver)
             LIVE.add(process.pid)
         os.set_blocking(ch.stack[0], False)
         states.append(RankState(slot=slot, process=process, messages=ch.messages[0], stack_fd=ch.stack[0],

@@ -27,6 +27,7 @@ from ...errors import ConfigError, Outcome, RestartsExhausted, StoreLost, Worker
 from ...log import logger
 from ..nodes.api import NotNeeded, Rendezvous, Round, RoundLost
 from ..nodes.backends import open_rendezvous
+from ..procs.start import forkserver_pid, lost
 from ..stores.listen import listen
 from . import runtime_dir, stragglers
 from .attempt import run_group
@@ -34,7 +35,7 @@ from .job_state import Job, start_store, stop_store
 from .live import LiveView
 from .live_display import showing
 from .plan import Plan, for_round
-from .startup import launch_ended
+from .startup import launch_ended, restart_forkserver
 
 
 def run_job(plan: Plan, mp_context: Any, payload: bytes, init_group: bool, listening: socket.socket | None,
@@ -46,7 +47,8 @@ def run_job(plan: Plan, mp_context: Any, payload: bytes, init_group: bool, liste
     table shown while it runs (``launch(..., live=True)``)."""
     config = plan.config
     port = listening.getsockname()[1] if listening is not None else config.master_port
-    job = Job(plan, mp_context, payload, init_group, port)
+    job = Job(plan, mp_context, payload, init_group, port,
+              forkserver=forkserver_pid() if config.start_method == "forkserver" else None)
     live = job.live = LiveView(job)
     with runtime_dir.serving(live.job_id, config.node_rank, lambda: live.snapshot().to_json()), \
             showing(live, live_table):  # mpddp top; launch(..., live=True)
@@ -71,7 +73,7 @@ def _run(job: Job, listening: socket.socket | None) -> list[Any]:
     values = None
     try:
         if listening is not None:
-            job.store = start_store(job.mp_context, listening, config)
+            job.store = start_store(job, listening)
         try:
             values = _attempts(job)
         except NotNeeded as spare:
@@ -189,6 +191,8 @@ def _failed(job: Job, error: WorkerFailed | StoreLost) -> Failed:
 def _restart(job: Job, failed: Failed, step: Step, restarts: int) -> None:
     """Before the next round: a single node's store server replaced, if lost, and the cause's line, so that a run
     that recovers still says what went wrong."""
+    if job.forkserver is not None and lost(job.forkserver):  # killed from outside: its ranks and store are gone
+        job.forkserver = restart_forkserver()  # first: the next store server and ranks come from the new one
     if job.link is None and job.store is not None and (job.store.lost or job.store.stalled()):
         _replace_store(job)
     error = failed.error
@@ -254,7 +258,7 @@ def _host_store(job: Job, host: str) -> int:
         return _new_script_store(job, host)
     sock = listen(host, 0)
     port = sock.getsockname()[1]
-    job.store = start_store(job.mp_context, sock, job.config)
+    job.store = start_store(job, sock)
     return int(port)
 
 
@@ -278,9 +282,10 @@ def _replace_store(job: Job) -> None:
     """One node: a fresh store server on a fresh port after the last one was lost (every rank is this node's)."""
     assert job.store is not None
     stop_store(job.store)
+    job.store = None  # a new one that fails to start (its forkserver lost again) leaves none to stop twice
     sock = listen(job.config.master_addr, job.config.master_port)
     job.port = sock.getsockname()[1]
-    job.store = start_store(job.mp_context, sock, job.config)
+    job.store = start_store(job, sock)
 
 
 def _new_script_store(job: Job, host: str) -> int:
@@ -296,5 +301,5 @@ def _new_script_store(job: Job, host: str) -> int:
         stop_store(job.script_store)
     sock = listen(host, 0)
     job.script_port = sock.getsockname()[1]
-    job.script_store = start_store(job.mp_context, sock, job.config)
+    job.script_store = start_store(job, sock)
     return job.script_port

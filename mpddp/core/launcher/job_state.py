@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ...config import LaunchConfig
-from ...errors import AddressError, Outcome
+from ...errors import AddressError, ForkserverLost, Outcome
 from ..nodes.api import Rendezvous, RoundStore
 from ..stores import last_word, store_server
 from ..stores.listen import listen
@@ -37,6 +37,9 @@ class Job:
     payload: bytes  # cloudpickle of (fn, args, kwargs, notebook cells' lines)
     init_group: bool  # False: fn (or the script) calls init_process_group itself
     port: int  # the round's store: node 0's, for the whole job, or the round's own
+    # The pid of the forkserver the launch started (None under spawn and fork): every process of the job comes from
+    # it, and one lost is named as such, not as the loss of its store server (core/procs/start.py)
+    forkserver: int | None = None
     store: StoreServer | None = None  # the store server this node hosts (node 0's, or the round's first node's)
     # A script that calls init_process_group("env://") itself (init_group False) uses MASTER_PORT's store with no
     # prefix of its own: from the second round on it gets a fresh store of the round's (core/launcher/job.py).
@@ -60,10 +63,9 @@ class Job:
         if self.link is None or self.store is None or not self.one_store or self.last_store is not None:
             return
         try:
-            self.last_store = start_store(self.mp_context, listen(self.config.master_addr, self.port),
-                                          self.config)
-        except (OSError, RuntimeError, AddressError):  # the port taken, the forkserver gone: they say node 0 went
-            return
+            self.last_store = start_store(self, listen(self.config.master_addr, self.port))
+        except (OSError, RuntimeError, AddressError, ForkserverLost):  # the port taken, the forkserver gone:
+            return  # they say node 0 went
         line = f"{protocol.ERROR_LINE}{loss}"
         last_word.tell(self.config.master_addr, self.port, attempt,
                        FailureRecord(0, 0, 0, Outcome.STORE_LOST, 1, line, time.time(), writer=0))
@@ -87,10 +89,13 @@ class Job:
         return self.round_store is None or self.round_store.serves_every_round
 
 
-def start_store(mp_context: Any, sock: socket.socket, config: Any) -> StoreServer:
-    """Node 0's store, in its own process (core/stores/store_server.py), counted among this process's live children."""
+def start_store(job: Job, sock: socket.socket) -> StoreServer:
+    """Node 0's store, in its own process (core/stores/store_server.py) from the job's forkserver, counted among this
+    process's live children."""
+    config = job.config
     with LIVE_LOCK:
-        store = store_server.start(mp_context, sock, config.timeout, forked=config.start_method == "fork")
+        store = store_server.start(job.mp_context, sock, config.timeout, forked=config.start_method == "fork",
+                                   forkserver=job.forkserver)
         LIVE.add(store.pid)
     # The store server's copy listens; were it to die, clients are refused, not left waiting (a torch client
     # connected to a socket that listens, but that no server accepts from, waits without end: measured).

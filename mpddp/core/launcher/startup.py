@@ -42,6 +42,7 @@ TRAINING_PRELOAD = ("torch._dynamo",)
 TRAIN_COMMAND_PRELOAD = (*TRAINING_PRELOAD, "mpddp.trainer.loop")
 _in_forkserver = False  # True in the forkserver only; each child it forks sets it back at once
 _START_LOCK = threading.Lock()  # launches from several threads: one forkserver, started once, with our variables
+_FIRST_CACHE: list[str] = []  # torch's compile cache the first forkserver makes (core/rank/forkserver.py)
 
 
 def refuse_bootstrap() -> None:
@@ -103,6 +104,23 @@ def start_forkserver(method: str = "forkserver", preload: Sequence[str] = ()) ->
     _check_socket_room()
     # the stdlib's context: importing torch.multiprocessing would import all of torch first
     multiprocessing.get_context(method).set_forkserver_preload([*FORKSERVER_PRELOAD, *preload])
+    if forkserver_pid() is None and (cache := new_inductor_cache()) is not None:
+        _FIRST_CACHE.append(cache)  # the forkserver makes it, and removes it as it exits
+    _ensure_running()
+
+
+def restart_forkserver() -> int | None:
+    """A new forkserver in place of the job's, killed from outside while its ranks ran, before the next round
+    starts: with mpddp's duties (core/rank/forkserver.py) and the modules the first one preloaded. Left to
+    multiprocessing, the next start made one silently, without either. Its pid. The compile cache the lost one
+    made, it could not remove: the new one finds it there, and this process removes it at exit, if empty."""
+    for cache in _FIRST_CACHE:
+        atexit.register(_remove_if_empty, cache)
+    _ensure_running()
+    return forkserver_pid()
+
+
+def _ensure_running() -> None:
     from multiprocessing import forkserver, util
 
     with _START_LOCK:

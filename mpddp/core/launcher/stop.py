@@ -16,7 +16,7 @@ import time
 
 import psutil
 
-from ..procs import teardown
+from ..procs import start, teardown
 from ..procs.start import forkserver_pid
 from .classify import RankState
 
@@ -80,16 +80,15 @@ def _sweep_orphans() -> None:
         teardown.kill_tree(orphans, grace=0.2)
 
 
-def forkserver_gone() -> int | None:
-    """The pid of a forkserver that was killed from outside (every rank and the store server go with it), or None."""
-    server = forkserver_pid()
-    return server if server is not None and not teardown.alive(server) else None
+def forkserver_gone(server: int | None) -> int | None:
+    """The pid of the job's forkserver (``server``, None under spawn and fork) if it was killed from outside (every
+    rank goes with it, and the store server's exit is no longer reported), or None."""
+    return server if server is not None and start.lost(server) else None
 
 
-def forkserver_lost(states: list[RankState]) -> None:
-    """Ranks that ended with the forkserver's "no status" code while it is gone were lost with it."""
-    server = forkserver_gone()
-    if server is None:
+def forkserver_lost(states: list[RankState], server: int | None) -> None:
+    """Ranks that ended with the forkserver's "no status" code while the job's ``server`` is gone were lost with it."""
+    if forkserver_gone(server) is None:
         return
     for s in states:
         if s.exitcode == _NO_STATUS and s.failure is None:

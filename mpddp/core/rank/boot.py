@@ -26,17 +26,25 @@ from ..wire.signals import LAUNCHER_GONE, on_parent_death
 
 def rank_process(spec: WorkerSpec, messages: Connection, out: Connection, err: Connection, stack: Connection) -> None:
     """The target of every rank's process."""
-    detach(spec.close_fds)
+    detach(spec.close_fds, parent=spec.parent)
     from .worker import run_rank
 
     run_rank(spec, messages, out, err, stack)
 
 
-def detach(close_fds: tuple[int, ...], with_parent: bool = True) -> None:
-    """Own session (the terminal's Ctrl-C goes to the launcher only) and, ``with_parent``, die with the parent."""
+def detach(close_fds: tuple[int, ...], with_parent: bool = True, parent: int | None = None) -> None:
+    """Own session (the terminal's Ctrl-C goes to the launcher only) and, ``with_parent``, die with the parent.
+
+    ``parent``: the pid that forked this process. Gone already, it sends no parent-death signal: a rank forked just
+    before its forkserver was killed ran on, re-parented to init, unknown to the launcher (multiprocessing got no
+    pid), and waited --timeout for the store, with multiprocessing's resource tracker held open, and the launcher's
+    stdout with it (measured: a test's run of the launcher hung past its end). It exits instead.
+    """
     os.setsid()
     if with_parent:
         die_with_parent()
+        if parent is not None and os.getppid() != parent:
+            os._exit(1)
     signal.signal(LAUNCHER_GONE, signal.SIG_DFL)  # the forkserver's handler, inherited by the fork
     for fd in close_fds:
         try:

@@ -74,7 +74,9 @@ class StoreServer:
                 "was stopped, and their errors were its consequences")
 
     def stop(self) -> None:
-        """Close the pipe (the store server exits), then make sure: join, and kill what did not exit."""
+        """Close the pipe (the store server exits), then make sure: join, and kill what did not exit. Once."""
+        if self.stopped:
+            return
         self.stopped = True
         self.stop_end.close()
         self.process.join(_STOP_GRACE)
@@ -87,17 +89,26 @@ class StoreServer:
             pass
 
 
-def start(mp_context: Any, sock: socket.socket, timeout: float, forked: bool) -> StoreServer:
+def start(mp_context: Any, sock: socket.socket, timeout: float, forked: bool,
+          forkserver: int | None = None) -> StoreServer:
     """Start the store server with the listening ``sock`` (the caller may close its own copy once this returns).
 
-    ``forked``: the ``fork`` start method, whose child inherits the launcher's end of the pipe.
+    ``forked``: the ``fork`` start method, whose child inherits the launcher's end of the pipe. ``forkserver``:
+    the job's (core/procs/start.py).
     """
     wait_end, stop_end = mp_context.Pipe(duplex=False)
     inherited = (stop_end.fileno(),) if forked else ()
     process = mp_context.Process(target=serve, args=(sock, timeout, wait_end, inherited), name="mpddp-store",
                                  daemon=True)
-    with main_hidden(always=True):  # the store server runs none of the user's code
-        start_process(process)
+    try:
+        with main_hidden(always=True):  # the store server runs none of the user's code
+            start_process(process, forkserver)
+    except BaseException:
+        # a store server forked as its forkserver died runs on, unknown: the pipe's EOF ends it now, not once the
+        # failed launch's traceback (which holds this frame) is freed, perhaps never in a notebook
+        stop_end.close()
+        wait_end.close()
+        raise
     wait_end.close()
     return StoreServer(process, stop_end)
 

@@ -61,6 +61,7 @@ class WorkerSpec:
     banner: str | None = None
     init_group: bool = True
     roll: RollCall | None = None  # several nodes: checked before the group is made (or the script runs)
+    parent: int | None = None  # the pid that forks it (the forkserver, else the launcher): core/rank/boot.py
 
 
 @dataclass(frozen=True)
