@@ -170,6 +170,9 @@ def check(config: _Options) -> None:
     if not config.rdzv_id or config.rdzv_id == "none":
         raise ConfigError("rdzv_backend='etcd' needs the job's id, the same on every node and new for each job: "
                           "pass --rdzv-id NAME (e.g. the scheduler's job id)")
+    if not config.rdzv_id.isascii():  # etcd3gw sends a key's text as latin-1, and a prefix's end as UTF-8
+        raise ConfigError(f"--rdzv-id {config.rdzv_id!r} is not ASCII, and the job's keys in etcd are named after it: "
+                          "pass an ASCII name (e.g. the scheduler's job id)")
     if importlib.util.find_spec("etcd3gw") is None:
         raise ConfigError("rdzv_backend='etcd' needs the etcd3gw package: pip install 'mpddp[etcd]'")
     if config.hosts is not None:
