@@ -173,6 +173,10 @@ def check(config: _Options) -> None:
     if not config.rdzv_id.isascii():  # etcd3gw sends a key's text as latin-1, and a prefix's end as UTF-8
         raise ConfigError(f"--rdzv-id {config.rdzv_id!r} is not ASCII, and the job's keys in etcd are named after it: "
                           "pass an ASCII name (e.g. the scheduler's job id)")
+    if "/" in config.rdzv_id:  # /mpddp/<id>/: "a/i/x" would lie inside job a's keys, and be swept with them
+        raise ConfigError(f"--rdzv-id {config.rdzv_id!r} has a '/', and the job's keys in etcd lie under "
+                          "/mpddp/<rdzv-id>/ (one with a '/' can lie inside another job's): pass a name without one "
+                          "(e.g. the scheduler's job id)")
     if importlib.util.find_spec("etcd3gw") is None:
         raise ConfigError("rdzv_backend='etcd' needs the etcd3gw package: pip install 'mpddp[etcd]'")
     if config.hosts is not None:

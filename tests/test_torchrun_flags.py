@@ -158,6 +158,8 @@ REFUSED_ROWS = [  # argv before the script, the start of the one line
     (["--rdzv-backend", "etcd", "--rdzv-endpoint", "e1:2379"], "rdzv_backend='etcd' needs the job's id"),
     (["--rdzv-backend", "etcd", "--rdzv-endpoint", "e1:2379", "--rdzv-id", "caf\u00e9"],
      "--rdzv-id 'caf\u00e9' is not ASCII, and the job's keys in etcd are named after it"),
+    (["--rdzv-backend", "etcd", "--rdzv-endpoint", "e1:2379", "--rdzv-id", "a/i/x"],
+     "--rdzv-id 'a/i/x' has a '/', and the job's keys in etcd lie under /mpddp/<rdzv-id>/"),
     (["--rdzv-backend", "etcd", "--rdzv-endpoint", "e1:2379,e2", "--rdzv-id", "j"], "--rdzv-endpoint 'e1:2379,e2': "
                                                                                      "'e2' is not HOST:PORT"),
     (["--rdzv_backend=etcd-v2"], "rdzv_backend='etcd-v2' is unknown: use c10d"),
