@@ -51,6 +51,7 @@ from ... import rank_math
 from ...config import LaunchConfig
 from ...errors import Outcome, RendezvousGone, StoreLost
 from ..stores.store_beat import WATCHED_FOR, StoreBeat
+from ..wire import protocol
 from ..wire.protocol import FailureRecord
 from .rules import Lost, NodeState, RoundView
 
@@ -164,9 +165,11 @@ class ViewOf(Generic[_Link]):
 
 class BeatThread:
     """What every backend's round watch shares: the two values the attempt reads, the flag the watchdog sets,
-    and the daemon thread that runs the backend's ``_run`` until :meth:`stop`."""
+    and the beat, from a daemon thread until :meth:`stop` (:meth:`_run`: a backend's watch says how a beat
+    reaches its store, :meth:`_turn`)."""
 
     beat: StoreBeat  # the round's keys on its store, set by each backend's watch
+    link: _Records  # the backend, set by each backend's watch: the round's record, once the beat says it is written
     admits = False  # newcomers may be admitted to the round (--nnodes MIN:MAX), set by each backend's watch
 
     def __init__(self, attempt: int, share: Callable[[bool], bytes | None] | None) -> None:
@@ -215,8 +218,33 @@ class BeatThread:
     def _shut(self) -> None:
         raise NotImplementedError
 
-    def _run(self) -> None:
+    def _turn(self, step: int, snapshot: bytes | None, beats: int) -> int | None:
+        """One beat on the round's store (core/stores/store_beat.py's ``turn``): every node's progress back, or None
+        where the store did not answer (etcd's round store: its record is read in etcd then)."""
         raise NotImplementedError
+
+    def _run(self) -> None:
+        """Every :data:`INTERVAL`: this node's progress added and every node's read back, this node's collectives
+        put when they moved; another node's failure read once the counter says one is written. The backend gone
+        (RendezvousGone): what that means is settled after the local ranks stop."""
+        mine, beats = 0, 0
+        try:
+            while not self._stop.is_set():
+                beats += 1
+                step = 1 if self._progress.is_set() else 0
+                snapshot = self.share(False) if self.share is not None else None  # when this node's moved
+                total = self._turn(step, snapshot, beats)
+                if total is not None:
+                    if step:
+                        self._progress.clear()
+                    mine += step
+                    self.remote_progress = total % protocol.FAILED - mine
+                if (total is None or total >= protocol.FAILED) and self.remote_failure is None:  # once
+                    if (record := self.link.record(self.attempt)) is not None and record.node_rank != self.beat.node:
+                        self.remote_failure = record
+                self._stop.wait(INTERVAL)
+        except RendezvousGone:
+            return
 
     def stop(self) -> None:
         self._stop.set()

@@ -7,8 +7,7 @@ from collections.abc import Callable
 
 from ...errors import RendezvousGone
 from ..stores.store_beat import StoreBeat
-from ..wire import protocol
-from .api import INTERVAL, BeatThread
+from .api import BeatThread
 from .c10d_keys import C10dLink, close_door
 from .rules import NodeState
 
@@ -23,6 +22,8 @@ class C10dRoundWatch(BeatThread):
     round's first failure: the attempt then stops this node's ranks.
     """
 
+    link: C10dLink
+
     def __init__(self, link: C10dLink, attempt: int,
                  share: Callable[[bool], bytes | None] | None = None) -> None:
         super().__init__(attempt, share)
@@ -31,24 +32,9 @@ class C10dRoundWatch(BeatThread):
         self.admits = link.launched.min_nnodes < link.launched.nnodes
         self._thread.start()
 
-    def _run(self) -> None:
-        node, mine, beats = self.link.config.node, 0, 0
-        try:
-            while not self._stop.is_set():
-                beats += 1
-                step = 1 if self._progress.is_set() else 0
-                snapshot = self.share(False) if self.share is not None else None  # when this node's moved
-                total = self.link.client.call(functools.partial(self.beat.turn, step=step, snapshot=snapshot, beats=beats))
-                if step:
-                    self._progress.clear()
-                mine += step
-                self.remote_progress = total % protocol.FAILED - mine
-                if total >= protocol.FAILED and self.remote_failure is None:  # one more operation, once
-                    if (record := self.link.record(self.attempt)) is not None and record.node_rank != node:
-                        self.remote_failure = record
-                self._stop.wait(INTERVAL)
-        except RendezvousGone:  # node 0 gone: what that means is settled after the local ranks stop
-            return
+    def _turn(self, step: int, snapshot: bytes | None, beats: int) -> int:
+        """On node 0's store; its beat count too, which the other nodes read for liveness. Node 0 gone raises."""
+        return int(self.link.client.call(functools.partial(self.beat.turn, step=step, snapshot=snapshot, beats=beats)))
 
     def _put_calls(self, snapshot: bytes) -> None:
         self.link.client.call(lambda s: self.beat.put_calls(s, snapshot))

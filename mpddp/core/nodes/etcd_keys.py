@@ -16,10 +16,8 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from ...errors import RendezvousGone
 from ..stores.etcd_kv import absent, counted, found, number, put, read
 from ..stores.store_beat import StoreBeat, first_record, reads, record_of
-from ..wire import protocol
 from ..wire.protocol import FailureRecord
 from .api import INTERVAL, BeatThread, ending
 from .rules import Door, door
@@ -140,6 +138,8 @@ class EtcdRoundWatch(BeatThread):
     reached (its node lost), each beat reads the failure key in etcd instead: a read, not a write. Liveness is
     the lease's (core/stores/etcd_client.py), never a beat."""
 
+    link: EtcdLink
+
     def __init__(self, link: EtcdLink, attempt: int,
                  share: Callable[[bool], bytes | None] | None = None) -> None:
         super().__init__(attempt, share)
@@ -198,27 +198,12 @@ class EtcdRoundWatch(BeatThread):
                 self._store = None
                 return None
 
-    def _run(self) -> None:
-        node, mine = self.link.config.node_rank, 0
-        self._connect()
-        try:
-            while not self._stop.is_set():
-                if self._store is None and time.monotonic() >= self._next_try:
-                    self._connect()  # not yet (its host publishes it late), or again after a failed operation
-                step = 1 if self._progress.is_set() else 0
-                snapshot = self.share(False) if self.share is not None else None  # when this node's moved
-                total = self._on_store(functools.partial(self.beat.turn, step=step, snapshot=snapshot, beats=None))
-                if total is not None:
-                    if step:
-                        self._progress.clear()
-                    mine += step
-                    self.remote_progress = total % protocol.FAILED - mine
-                if (total is None or total >= protocol.FAILED) and self.remote_failure is None:
-                    if (record := self.link.record(self.attempt)) is not None and record.node_rank != node:
-                        self.remote_failure = record
-                self._stop.wait(INTERVAL)
-        except RendezvousGone:
-            return
+    def _turn(self, step: int, snapshot: bytes | None, beats: int) -> int | None:
+        """On the round's store, once connected (its host publishes it late), again a second after an operation
+        failed; no beat count: the lease tells liveness."""
+        if self._store is None and time.monotonic() >= self._next_try:
+            self._connect()
+        return self._on_store(functools.partial(self.beat.turn, step=step, snapshot=snapshot, beats=None))
 
     def _put_calls(self, snapshot: bytes) -> None:
         self._on_store(lambda s: self.beat.put_calls(s, snapshot))
