@@ -204,9 +204,9 @@ def _restart(job: Job, failed: Failed, step: Step, restarts: int) -> None:
 
 
 def _begin(job: Job, attempt: int) -> int:
-    """Round ``attempt``'s start: from the second round on, a fresh store for an env:// script where one store
-    serves every round (node 0's, before the others read its port); with several nodes, the round joined. The
-    round's number: the backend may start this node at a later one."""
+    """Round ``attempt``'s start: on one node, from the second round on, a fresh store for an env:// script (with
+    several nodes the rendezvous places it: :meth:`~mpddp.core.nodes.api.Rendezvous.round_store`); with several
+    nodes, the round joined. The round's number: the backend may start this node at a later one."""
     if job.link is None:
         if attempt and not job.init_group:
             _new_script_store(job, job.config.master_addr)
@@ -254,7 +254,7 @@ def _tell_round(job: Job, here: Round) -> None:
 def _host_store(job: Job, host: str) -> int:
     """A fresh store server for this round, on ``host`` (the rendezvous' choice) and a port the OS picks; where
     this node's store serves every round already (node 0's), a restarted env:// script's own."""
-    if job.store is not None:
+    if job.store is not None and job.one_store:  # node 0's serves every round: the rendezvous asks for a script's
         return _new_script_store(job, host)
     sock = listen(host, 0)
     port = sock.getsockname()[1]
