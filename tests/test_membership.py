@@ -71,9 +71,6 @@ class MemoryKeys:
     def alive(self, attempt, members):
         return True
 
-    def pause(self, attempt):
-        time.sleep(0.01)
-
 
 def _join(keys: MemoryKeys, me: str, *, low: int = 3, high: int = 3, timeout: float = 0.3):
     return membership.join_round(keys, 0, me, low=low, high=high, node_rank=None, last_call=0.05, timeout=timeout,

@@ -206,9 +206,6 @@ class C10dKeys:
     def alive(self, attempt: int, members: list[str]) -> bool:
         return True  # a member lost is named in the round's record by the others: the wait ends there
 
-    def pause(self, attempt: int) -> None:
-        time.sleep(poll_interval(self.link.config.nnodes))
-
 
 def until_read(link: C10dLink, attempt: int) -> None:
     """In node 0's launcher, stopped itself (Ctrl-C, a signal) and its ranks stopped: its store stays until

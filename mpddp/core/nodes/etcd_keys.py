@@ -125,9 +125,6 @@ class EtcdKeys:
     def alive(self, attempt: int, members: list[str]) -> bool:
         return bool(set(members) & set(self.arrivals(attempt)))
 
-    def pause(self, attempt: int) -> None:
-        time.sleep(self.link.interval)
-
 
 class EtcdRoundWatch(BeatThread):
     """One round's beat on the round's own TCPStore (its first node hosts it; core/stores/store_beat.py): no

@@ -40,7 +40,6 @@ class Keys(Protocol):
     def record(self, attempt: int) -> FailureRecord | None: ...
     def over(self, attempt: int, members: list[str]) -> bool: ...  # the job ended well without this launcher
     def alive(self, attempt: int, members: list[str]) -> bool: ...  # a member of the round is still there
-    def pause(self, attempt: int) -> None: ...  # until the round's keys change, or a moment
 
 
 def join_round(keys: Keys, attempt: int, me: str, *, low: int, high: int, node_rank: int | None, last_call: float,
@@ -141,7 +140,7 @@ def _wait_outside(keys: Keys, attempt: int, members: list[str], high: int, size:
     while keys.record(attempt) is None:
         if not keys.over(attempt, members):
             if keys.alive(attempt, members):
-                keys.pause(attempt)
+                time.sleep(keys.look(len(members)))
                 continue
             if not keys.over(attempt, members):  # asked again: its last members may have left between the looks
                 return  # a member lost: this spare takes its place in the next round
