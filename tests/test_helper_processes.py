@@ -72,7 +72,7 @@ def killing(fds):  # the forkserver is killed from outside while it starts the f
     if len(calls) == 2 and when == "before":  # multiprocessing starts another forkserver for this rank
         kill()
     read, write = real(fds)
-    if len(calls) == 2 and when != "before":
+    if len(calls) == 2 and when not in ("before", "dying"):
         if when == "forked":  # the rank runs: its pid is written
             select.select([read], [], [])
         while when == "unwritten" and len(teardown.children(start.forkserver_pid())) < 2:
@@ -95,8 +95,8 @@ def left():  # what the killed forkserver had started (the store server, a rank)
 if __name__ == "__main__":  # (a rank of the command line's imports this file again)
     how, target, when = sys.argv[1:]
     forkserver.connect_to_new_process = killing
-    if when == "unwritten":
-        startup.FORKSERVER_PRELOAD = (*startup.FORKSERVER_PRELOAD, "late")
+    if when in ("unwritten", "dying"):
+        startup.FORKSERVER_PRELOAD = (*startup.FORKSERVER_PRELOAD, "late" if when == "unwritten" else "dying")
     atexit.register(left)  # (the command line ends in os._exit, after the atexit handlers)
     if how == "api":
         try:
@@ -128,6 +128,26 @@ def late(fd, n):
 forkserver.write_signed = late
 """
 
+DYING = """
+import os, signal, time
+from multiprocessing import forkserver  # in the forkserver: it dies as a killed one does, its files closed first
+
+real, writes = forkserver.write_signed, []
+
+
+def dying(fd, n):
+    writes.append(n)
+    if len(writes) == 2 and not os.path.exists("died"):  # the first forkserver, the first rank's pid (the store
+        open("died", "w").close()  # server's came first): its pipe closed, unwritten
+        os.close(fd)
+        time.sleep(1)  # a killed process: the kernel closes its files, then (a moment later) it is seen dead
+        os.kill(os.getpid(), signal.SIGKILL)
+    return real(fd, n)
+
+
+forkserver.write_signed = dying
+"""
+
 LOST = ("mpddp's forkserver (pid ", "), which starts every rank, was killed from outside while the job "
         "started its processes (a signal, or the out-of-memory killer; ")
 
@@ -136,6 +156,7 @@ def kill_forkserver(tmp_path, how: str, when: str) -> subprocess.CompletedProces
     script, target = tmp_path / "kill.py", tmp_path / "target.py"
     script.write_text(KILL_FORKSERVER)
     (tmp_path / "late.py").write_text(LATE)
+    (tmp_path / "dying.py").write_text(DYING)
     target.write_text("print('ran')\n")
     try:
         out = subprocess.run([sys.executable, str(script), how, str(target), when], capture_output=True, text=True,
@@ -167,6 +188,14 @@ def test_a_forkserver_killed_at_any_point_of_the_start_is_named(tmp_path, when):
     ran on, unknown, waiting --timeout for the store, and held the resource tracker, with the script's stdout:
     the run hung until its timeout (so did one in CI, with 1 run in 12 under load told as StoreLost)."""
     kill_forkserver(tmp_path, "api", when)
+
+
+@pytest.mark.parametrize("how", ["api", "cli"])
+def test_a_forkserver_seen_alive_as_its_pipe_ends_is_named(tmp_path, how):
+    """Was, 1 of 3 runs with the forkserver killed as a restart started: "mpddp: error: EOFError (unexpected EOF):
+    an input or a pipe ended early". A killed process's files are closed before the kernel shows it dead: the
+    start read the end of its pipe while the forkserver still looked alive."""
+    kill_forkserver(tmp_path, how, "dying")
 
 
 def test_a_stopped_store_server_is_named_with_its_state(no_leftovers, monkeypatch):

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import time
 from typing import Any
 
 
@@ -31,7 +32,7 @@ def start_process(process: Any, forkserver: int | None = None) -> None:
     try:
         process.start()
     except (EOFError, OSError) as e:
-        if forkserver is None or not lost(forkserver):
+        if forkserver is None or not _seen_lost(forkserver):
             raise
         _stand_in_stopped(forkserver)
         raise _lost_error(forkserver, type(e).__name__) from None
@@ -47,6 +48,21 @@ def lost(forkserver: int) -> bool:
     from . import teardown  # psutil: not on the way to the forkserver's start (core/launcher/startup.py)
 
     return forkserver_pid() != forkserver or not teardown.alive(forkserver)
+
+
+_DEATH_WAIT = 2.0  # seconds a forkserver whose pipe ended has to be seen dead, at most
+
+
+def _seen_lost(forkserver: int) -> bool:
+    """Whether the job's ``forkserver``, whose pipe just ended, is lost. The kernel closes a killed process's files
+    before it shows it dead: looked at once, it still ran (1 of 3 kills as a restart started, the command line
+    said "EOFError (unexpected EOF)"). A forkserver ends a start's pipe unwritten only as it dies."""
+    deadline = time.monotonic() + _DEATH_WAIT
+    while not lost(forkserver):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
 
 
 def forkserver_pid() -> int | None:
