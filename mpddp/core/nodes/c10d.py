@@ -15,6 +15,7 @@ import functools
 import json
 import os
 import socket
+import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -59,6 +60,7 @@ class C10dRendezvous:
         self._last = 0  # the last round this launcher ran
         self.read: set[int] = set()  # the rounds whose record, another node's, this launcher counted as read
         self._records: dict[int, FailureRecord] = {}  # each round's record, once read: it never changes
+        self._record_lock = threading.Lock()  # the beat's thread and the settlement's looks: one read counted
         self.stopped_in: set[int] = set()  # the rounds whose record this launcher wrote as it was stopped
         self._window: tuple[tuple[int, float], dict[int, int], float] | None = None  # lost(): (wait, beats, since)
         self._moves = 0  # this launcher's moves of a record, for a token of its own
@@ -224,20 +226,23 @@ class C10dRendezvous:
         others read why (core/nodes/c10d_keys.py's ``until_read``). Kept once read: node 0 stopped itself leaves
         once every node counted its read, and a read the beat's thread counted must not be looked for again in a
         store that may be gone by then (as it was under etcd's round store, measured)."""
-        if (kept := self._records.get(attempt)) is not None:
-            return kept
-        if (data := self.client.call(lambda s: record_of(s, attempt))) is None:
-            return None
-        self._records[attempt] = c10d_keys.read(self, attempt, FailureRecord.decode(data))
-        return self._records[attempt]
+        with self._record_lock:
+            if (kept := self._records.get(attempt)) is not None:
+                return kept
+            if (data := self.client.call(lambda s: record_of(s, attempt))) is None:
+                return None
+            self._records[attempt] = c10d_keys.read(self, attempt, FailureRecord.decode(data))
+            return self._records[attempt]
 
     def publish(self, attempt: int, record: FailureRecord) -> FailureRecord:
         """Write the round's first failure unless another node did first; the record that stands. Its writer
         also adds :data:`~mpddp.core.wire.protocol.FAILED` to the progress counter: every node's next beat sees it."""
         if record.outcome is Outcome.STOPPED and record.node_rank == self.config.node:
             self.stopped_in.add(attempt)
-        return c10d_keys.read(self, attempt, FailureRecord.decode(self.client.call(lambda s: first_record(
-            s, attempt, replace(record, writer=self.config.node).encode()))))  # another's that stands: read
+        standing = FailureRecord.decode(self.client.call(lambda s: first_record(
+            s, attempt, replace(record, writer=self.config.node).encode())))
+        with self._record_lock:  # another's that stands: read, and counted once
+            return c10d_keys.read(self, attempt, standing)
 
     def until_heard(self, attempt: int) -> None:
         """Until every other node that beat in round ``attempt`` and was not found lost has read its record, or a
