@@ -353,7 +353,8 @@ class EtcdRendezvous(EtcdKV):
 
     def round_store(self, attempt: int, host: Callable[[str], int], script: bool = False) -> RoundStore:
         """A fresh store each round (a restarted env:// ``script`` finds no dead rank's keys in it): the round's first
-        node hosts it, at --local-addr or its address toward etcd's first member (the interface the others reach too)."""
+        node hosts it, at --local-addr or its address toward etcd's first member (the interface the others reach
+        too)."""
         if self.config.node_rank != 0:
             return RoundStore(*self.store(attempt))
         address = self._address()

@@ -2,10 +2,10 @@
 
 Owns: :class:`EtcdKV`, over :class:`~mpddp.core.stores.etcd_client.EtcdClient` (any member that answers) and this
 launcher's :class:`~mpddp.core.stores.etcd_client.KeptLease` (taken on first use, and again once etcd dropped it):
-a get, a prefix's keys or only their count (no key read), a put (with the lease where asked), a create-if-absent, and one transaction (:meth:`EtcdKV.commit`) built from this module's pieces: requests
-(:func:`put`, :func:`read`, :func:`counted`, :func:`delete`), compares (:func:`absent`, :func:`equal`), and their
-answers (:func:`found`, :func:`number`). Leaves what the keys mean to core/nodes/ (the etcd backend, and a job's
-incarnation).
+a get, a prefix's keys or only their count (no key read), a put (with the lease where asked), a create-if-absent,
+and one transaction (:meth:`EtcdKV.commit`) built from this module's pieces: requests (:func:`put`, :func:`read`,
+:func:`counted`, :func:`delete`), compares (:func:`absent`, :func:`equal`), and their answers (:func:`found`,
+:func:`number`). Leaves what the keys mean to core/nodes/ (the etcd backend, and a job's incarnation).
 """
 
 from __future__ import annotations

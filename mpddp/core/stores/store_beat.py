@@ -4,11 +4,12 @@ round's own, which its first node hosts).
 Owns: :class:`StoreBeat`, one node's keys in a round's store and the operations on them: a beat (this node's
 progress added, and every node's read back by the same add, :data:`~mpddp.core.wire.protocol.FAILED` on it once
 the round's record is written; this node's ranks' collectives set when they moved), listing this node among
-those that shared their collectives, and reading the other nodes' (once a hang is suspected). Also the round's
-record on a TCPStore, for both backends (c10d's always, etcd's once it takes no write): :func:`first_record` (the
-first writer wins), :func:`record_of` and :func:`reads` (how many other nodes read it). Two operations a beat, however many nodes; a
-node watched (``mpddp top``, core/launcher/live.py) adds :data:`~mpddp.core.wire.protocol.WATCHED` to the same
-counter, and takes it back once nobody asked for :data:`WATCHED_FOR` s: every node hears it with no operation more.
+those that shared their collectives, and reading the other nodes' (once a hang is suspected). Two operations a
+beat, however many nodes; a node watched (``mpddp top``, core/launcher/live.py) adds
+:data:`~mpddp.core.wire.protocol.WATCHED` to the same counter, and takes it back once nobody asked for
+:data:`WATCHED_FOR` s: every node hears it with no operation more. Also the round's record on a TCPStore, for both
+backends (c10d's always, etcd's once it takes no write): :func:`first_record` (the first writer wins),
+:func:`record_of` and :func:`reads` (how many other nodes read it).
 Leaves which store, its client's lock and what to do when it is gone to the watches (core/nodes/c10d_watch.py,
 core/nodes/etcd_keys.py).
 """
