@@ -191,7 +191,7 @@ ALL_INITIALIZED = "all_initialized"  # set by the last of them
 JOINED = "joined"  # a counter: the node launchers that joined this round (core/nodes/c10d.py)
 FAILURE = "failure"  # the round's first failure, a FailureRecord: the first node to write it wins
 PROGRESS = "progress"  # a counter every node's watchdog bumps while its ranks compute (core/launcher/watchdog.py)
-SCRIPT_PORT = "script_port"  # the round's own store for env:// scripts, from the second round on (core/launcher/job.py)
+SCRIPT_PORT = "script_port"  # the round's own store for env:// scripts, from the second round on (core/nodes/c10d.py, round_store)
 STATE = "state"  # a node's record in the round, ``state/<node>``: its core/nodes/rules.py NodeState, by compare-and-set
 # The counters a node's moves enter it in (core/nodes/rules.py's COUNTERS), each once: ``<counter>/<node>`` flags
 # it, and ``<counter>#<n>`` is the n-th node counted, ``[node, wall time]``, so that a store lists them in two reads.
