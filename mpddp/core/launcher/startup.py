@@ -168,12 +168,16 @@ def stop_helpers(timeout: float = 3.0) -> None:
     server = forkserver_pid()
     worker = _stopping_helpers()
     worker.join(_HELPER_PATIENCE)
-    if worker.is_alive() and server is not None and teardown.alive(server):
-        # still importing torch (a Ctrl-C during start-up): it notices its closed pipe only once the import
-        # is done, seconds later; it has started nothing yet that needs it, so it is stopped now
+    killed = worker.is_alive() and server is not None and teardown.alive(server)
+    if killed and server is not None:
+        # still importing torch (a Ctrl-C during start-up, bad input): it notices its closed pipe only once the
+        # import is done, seconds later; it has started nothing yet that needs it, so it is stopped now
         with contextlib.suppress(OSError):
             os.kill(server, signal.SIGKILL)
     worker.join(timeout)  # a helper that does not exit must not hold the launcher
+    if killed:  # the compile cache its import made, which it could not remove (once in CI: mpddp train, bad input)
+        for cache in _FIRST_CACHE:
+            _remove_if_empty(cache)
 
 
 def exits_after_launch() -> None:
