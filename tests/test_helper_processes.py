@@ -266,3 +266,44 @@ def test_a_forkserver_killed_while_the_ranks_run_is_replaced_for_the_restart(tmp
     assert f"was lost with mpddp's forkserver (pid {first.pid})" in run.stderr, run.stderr
     assert "mpddp: restarting the group (1 of 1)" in run.stderr, run.stderr
     run.assert_nothing_left()
+
+
+SLOW_CACHE = """
+import getpass, os, tempfile, time  # in the forkserver: an import that makes torch's compile cache, then takes long
+os.makedirs(os.path.join(tempfile.gettempdir(), "torchinductor_" + getpass.getuser()), exist_ok=True)
+open("imported", "w").close()
+time.sleep(30)
+"""
+
+STOPPED_WHILE_IMPORTING = """
+import os, time
+from mpddp.core.launcher import startup
+
+startup.start_forkserver(preload=["slow_cache"])
+while not os.path.exists("imported"):
+    time.sleep(0.05)
+startup.stop_helpers()  # as the command line does after a refusal: the forkserver still imports, and is killed
+print("STOPPED", flush=True)
+"""
+
+
+def test_a_forkserver_killed_while_it_imports_leaves_no_compile_cache(tmp_path):
+    """Was (once in CI): `mpddp train` refused bad input while its forkserver still imported torch; the launcher
+    killed it after 0.15 s, and the compile cache its import had made (``$TMPDIR/torchinductor_<user>``) stayed."""
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    temp = Path(tempfile.mkdtemp(prefix="fs-", dir="/tmp"))  # short: the forkserver's socket lies in it
+    try:
+        (tmp_path / "slow_cache.py").write_text(SLOW_CACHE)
+        (tmp_path / "stop.py").write_text(STOPPED_WHILE_IMPORTING)
+        # torch's cache_dir() sets TORCHINDUCTOR_CACHE_DIR in the process that calls it (this one, after a test
+        # that compiled in it: then the child's forkserver rightly leaves torch's cache to the user's variable)
+        env = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_CACHE_DIR"} | {"TMPDIR": str(temp)}
+        out = subprocess.run([sys.executable, "stop.py"], cwd=tmp_path, env=env,
+                             capture_output=True, text=True, timeout=90)
+        assert out.returncode == 0 and "STOPPED" in out.stdout, out
+        assert list(temp.iterdir()) == [], list(temp.iterdir())
+    finally:
+        shutil.rmtree(temp, ignore_errors=True)
