@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import signal
 import struct
 import subprocess
@@ -17,6 +18,7 @@ import sys
 import threading
 import time
 
+import psutil
 import pytest
 import torch
 import torch.distributed as dist
@@ -49,8 +51,10 @@ def test_a_rank_that_never_reaches_the_collective_is_named_by_number(no_leftover
         mpddp.launch(skips_one, nprocs=3, timeout=3)
     report = str(info.value)
     assert info.value.rank == 1 and info.value.failures[0].outcome is mpddp.Outcome.HUNG
-    assert report.startswith("mpddp: rank 1 made no progress for 3 s while ranks 0, 2 waited for it in all_reduce #6 "
-                             "(float32[1000]) at test_collectives.py:"), report
+    # the seconds are the watchdog's, at its first look past --timeout: 4 once in CI beside other suites
+    told = re.match(r"mpddp: rank 1 made no progress for (\d+) s while ranks 0, 2 waited for it in all_reduce #6 "
+                    r"\(float32\[1000\]\) at test_collectives\.py:", report)
+    assert told is not None and int(told[1]) >= 3, report
     assert "mpddp: the collectives each rank reached (torch's flight recorder):\n  ranks 0, 2 entered all_reduce #6 " \
            "(float32[1000]) " in report
     assert "; rank 1 is still at #5 (all_reduce): it is the one to look at" in report
@@ -478,27 +482,40 @@ def _spinners(n):
     return [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
 
 
-@pytest.mark.parametrize(("device", "hangs"), [("cuda:0", True), ("cpu", False)])
-def test_a_gpu_rank_spinning_while_its_collective_is_open_is_waiting(device, hangs):
-    """NCCL returns at once; the rank spins at its next sync (loss.item()): CPU, but waiting."""
+def _watch_spinners(device):
+    """What the watchdog makes of two ranks that spin with collective #2 open everywhere, and the least share of a
+    core either spinner got meanwhile."""
     from mpddp.core.launcher.watchdog import Watchdog
 
     board = _board((0, [_c(1), _c(2)], 1), (1, [_c(1), _c(2)], 1))  # #2 entered everywhere, completed nowhere
     procs = _spinners(2)
     try:
         states = [_State(r, p, device) for r, p in enumerate(procs)]
-        # a --timeout of 3 s, not 1: beside a second test suite on 2 cores, both spinners once got less than a
-        # tenth of a core for a whole second (the CPU case then told a hang: the load's doing, not the rule's)
         dog = Watchdog(timeout=3.0, board=board, interval=0.2)
         start, hang = time.monotonic(), None
         while hang is None and time.monotonic() - start < 6.0:
             hang = dog.check(states, time.monotonic())
             time.sleep(0.05)
+        used = [sum(psutil.Process(p.pid).cpu_times()[:2]) for p in procs]
+        return hang, min(used) / (time.monotonic() - start)
     finally:
         for p in procs:
             p.kill()
             p.wait()
-    assert (hang is not None) is hangs
+
+
+@pytest.mark.parametrize(("device", "hangs"), [("cuda:0", True), ("cpu", False)])
+def test_a_gpu_rank_spinning_while_its_collective_is_open_is_waiting(device, hangs):
+    """NCCL returns at once; the rank spins at its next sync (loss.item()): CPU, but waiting."""
+    for _ in range(4):
+        hang, share = _watch_spinners(device)
+        # the CPU case's premise is that the ranks use the CPU: beside other suites on 2 cores, both spinners got
+        # less than a tenth of a core for 3 s (CI, 3 suites at once), and a hang was told: the load's, not the rule's
+        if hangs or hang is None or share >= 0.6:
+            break
+    else:
+        pytest.skip(f"the spinners got {share:.0%} of a core at most, four times: too loaded to tell spinning")
+    assert (hang is not None) is hangs, share
     if hangs:
         assert [s.open for s in hang.standings] == [(0, 1)]
 
