@@ -274,7 +274,8 @@ def test_a_launcher_stopped_by_ctrl_c_is_named_by_the_other_node(cluster: Cluste
     assert codes[0] == 130 and codes[1] != 0, (codes, nodes[0].stderr)
     assert first_report_line(nodes[0]) == ("mpddp: node 1's launcher was interrupted (SIGINT) while its ranks ran, "
                                            "taking rank(s) 2, 3 with it"), nodes[0].stderr
-    assert time.monotonic() - started < 30  # told at once, not after --timeout for a record that never comes
+    took = time.monotonic() - started  # told at once, not after --timeout for a record that never comes
+    assert took < 30, (took, "\n\n".join(n.stderr for n in nodes))  # 40.7 s once in CI, three suites at once
     assert cluster.leftovers(wait=5) == []
 
 
