@@ -251,7 +251,7 @@ class EtcdRendezvous(EtcdKV):
         round's store, which every node's next beat reads (core/stores/store_beat.py); through this launcher's
         watch of the round, else through a client of its own (a newcomer runs no rank in it)."""
         if (watch := self._watches.get(attempt)) is not None:
-            watch.tell_failed()  # False: its store is gone, and the nodes read etcd's key once theirs fails
+            watch.tell_failed()  # its store gone: the nodes read etcd's key once theirs fails
             return
         from ..wire.store import connect
 

@@ -213,14 +213,10 @@ class EtcdRoundWatch(BeatThread):
         with contextlib.suppress(exceptions.Etcd3Exception):
             self.link.put(self.link.key(self.attempt, "failing", self.link.config.node_rank), "1", leased=True)
 
-    def tell_failed(self) -> bool:
-        """This node wrote the round's record: every node's next beat reads it off the store's counter. False
-        when this watch has no store to tell it on."""
-        def tell(s: Any) -> bool:
-            self.beat.tell_failed(s)
-            return True
-
-        return self._on_store(tell) is not None
+    def tell_failed(self) -> None:
+        """This node wrote the round's record: every node's next beat reads it off the store's counter (where
+        this watch has one to tell it on)."""
+        self._on_store(self.beat.tell_failed)
 
     def publish(self, record: bytes) -> bytes | None:
         """The round's record on its store (etcd is full); the standing one, or None where the store is gone.
@@ -251,9 +247,8 @@ class EtcdRoundWatch(BeatThread):
         """The round's store host, leaving with the record on its store: stay until ``others`` nodes read it, or
         ``wait`` seconds (etcd full: the store is the only place the others can learn the truth)."""
         deadline = time.monotonic() + wait
-        attempt = self.attempt
-        while self._on_store(lambda s: record_of(s, attempt)) is not None and \
-                (self._on_store(lambda s: reads(s, attempt)) or 0) < others:
+        while self._on_store(lambda s: record_of(s, self.attempt)) is not None and \
+                (self._on_store(lambda s: reads(s, self.attempt)) or 0) < others:
             if time.monotonic() > deadline:
                 return
             time.sleep(INTERVAL / 5)
