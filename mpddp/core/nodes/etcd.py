@@ -85,8 +85,11 @@ class EtcdRendezvous(EtcdKV):
             self._first_contact()
         keys = EtcdKeys(self)
         try:
-            if attempt == 0:
-                attempt = self._clear_stale(keys)
+            if attempt == 0:  # the round the job is in, in this launch's incarnation (core/nodes/etcd_identity.py):
+                # the keys of a launch of this --rdzv-id that crashed or ended, leases alive or not, are another's
+                if self.identity is not None and self.identity.token is None:
+                    self.prefix = self.identity.take()
+                attempt = keys.latest()
             here, members = membership.join_round(
                 keys, attempt, self.me, low=self.launched.min_nnodes, high=self.launched.nnodes,
                 node_rank=self.launched.node_rank, last_call=self.last_call, timeout=self.config.timeout,
@@ -144,14 +147,6 @@ class EtcdRendezvous(EtcdKV):
             raise AddressError(f"no etcd member answers at --rdzv-endpoint {self.client.endpoints} (tried for "
                                f"{wait:g} s): start etcd there, or pass the members that run (host:port,...)") from None
         self.reached = True
-
-    def _clear_stale(self, keys: EtcdKeys) -> int:
-        """The round the job is in (0: a new launch), in this launch's incarnation (core/nodes/etcd_identity.py):
-        the keys of a launch of the same --rdzv-id that crashed or ended, leases still alive or not, are another
-        incarnation's, never read as this one's."""
-        if self.identity is not None and self.identity.token is None:
-            self.prefix = self.identity.take()
-        return keys.latest()
 
     def _address(self) -> str:
         """Where the others reach this launcher: --local-addr, else its address toward etcd's first member."""
@@ -232,8 +227,7 @@ class EtcdRendezvous(EtcdKV):
             if watch is None or (standing := watch.publish(mine)) is None:
                 raise
             return FailureRecord.decode(standing)
-        standing = self.get(key)
-        return FailureRecord.decode(standing) if standing else FailureRecord.decode(mine)
+        return FailureRecord.decode(self.get(key) or mine)
 
     def _written(self, key: str) -> bytes | None:
         """The record in etcd, once it refused our write for want of room: read for a lease's TTL at most. Read
