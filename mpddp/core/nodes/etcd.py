@@ -322,26 +322,21 @@ class EtcdRendezvous(EtcdKV):
         etcd full, the last round's store host first waits for the others to read a record on its store."""
         if self.identity is not None:
             self.identity.close()  # this launcher answers no probe from now on: it is done with the job
-        if not self.reached:  # no first contact: a lease taken by a put all the same stops refreshing
-            if self.kept is not None:
-                self.kept.stop()
-            return
         last = max(self.rounds, default=None)
-        if self.client.full is not None and last is not None and self.rounds[last].node_rank == 0 and (
+        if self.reached and self.client.full is not None and last is not None and self.rounds[last].node_rank == 0 and (
                 watch := self._watches.get(last)) is not None:  # before etcd's answers: the store needs none
             watch.until_read(self.rounds[last].nnodes - 1 - len(self.gone), self.config.timeout)
-        if self.client.unanswered:  # etcd did not answer the last call: the lease's TTL removes this one's keys
+        # No first contact (a lease taken by a put all the same stops refreshing), or etcd did not answer the last
+        # call: the lease's TTL removes this one's keys.
+        if not self.reached or self.client.unanswered:
             if self.kept is not None:
                 self.kept.stop()
             return
-        try:
-            last = max(self.rounds, default=None)
+        with contextlib.suppress(RendezvousGone):
             if last is not None:  # a launcher refused, or a spare never needed, was never one of the round's
                 self.client.call(lambda c: c.put(self.prefix + "left/" + self.me, "1"), timeout=2.0)
-            if last is not None and self.count(self.prefix + "left/") >= self.rounds[last].nnodes:
-                self._tidy(last, every=True)
-        except RendezvousGone:
-            pass
+                if self.count(self.prefix + "left/") >= self.rounds[last].nnodes:
+                    self._tidy(last, every=True)
         if self.kept is not None:
             self.kept.revoke()
 
