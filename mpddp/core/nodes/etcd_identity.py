@@ -54,14 +54,14 @@ def standing(answers: Iterable[Liveness]) -> Liveness:
     return Liveness.UNKNOWN if Liveness.UNKNOWN in seen else Liveness.GONE
 
 
-def reach(probe: str, host: str, here: str = "", wait: float = _PROBE_WAIT) -> Liveness:
+def reach(probe: str, host: str, here: str) -> Liveness:
     """A launcher on ``host`` that listens at ``probe`` (host:port), asked from the machine ``here``."""
     address, _, port = probe.rpartition(":")
     with contextlib.suppress(ValueError):
-        if ipaddress.ip_address(address.strip("[]")).is_loopback and host != (here or socket.gethostname()):
+        if ipaddress.ip_address(address.strip("[]")).is_loopback and host != here:
             return Liveness.UNKNOWN  # another machine's loopback: a refusal here says nothing of it
     try:
-        socket.create_connection((address.strip("[]"), int(port)), timeout=wait).close()
+        socket.create_connection((address.strip("[]"), int(port)), timeout=_PROBE_WAIT).close()
         return Liveness.LIVE
     except ConnectionRefusedError:
         return Liveness.GONE
