@@ -5,17 +5,13 @@ Owns: :class:`EtcdRendezvous`, core/nodes/api.py's interface on etcd's own means
 :class:`~mpddp.core.nodes.etcd_keys.EtcdRoundWatch`, beats on the round's own store: no write to etcd a beat,
 so a job that trains leaves etcd's Raft log and database still). Every key of a launch lies under
 ``/mpddp/<rdzv-id>/i/<incarnation>/`` (core/nodes/etcd_identity.py: a crashed launch's keys are never the next
-one's); a round's keys under ``r/<round>/``. Membership is decided per round: each launcher puts ``join/<its id>``;
-once ``MAX`` have joined, or ``MIN`` and no newcomer came for ``last_call_timeout``, the first launcher to
-see it writes ``members`` (a create-if-absent transaction: the first writer wins) and the order of that list
-is the round's node ranks: the last round's nodes first, in their old order, then ``--node-rank``, then
-arrival. So the ranks are compacted when a node is gone. The round's first node hosts its process-group
-store and publishes ``store``. Liveness is the launcher's lease: its ``join`` and ``alive/<node>`` keys are
-put with it, and a node whose keys vanished without ``ended/<node>`` was lost (its launcher, or its
-machine); the alive keys are counted, and read only when the count fell. The first failure is ``failure``,
-created only if absent, as under c10d. What a node costs is flat: core/nodes/etcd_keys.py. Each round's first
-node removes the keys of the round before the last and compacts etcd's history; the last launcher to leave
-removes the job's keys.
+one's); a round's keys under ``r/<round>/``. Membership is decided per round by core/nodes/membership.py's rule,
+over ``join/<launcher>`` and ``members`` (core/nodes/etcd_keys.py: what a node costs is flat); the round's first
+node hosts its process-group store and publishes ``store``. Liveness is the launcher's lease: its ``join`` and
+``alive/<node>`` keys are put with it, and a node whose keys vanished without ``ended/<node>`` was lost (its
+launcher, or its machine); the alive keys are counted, and read only when the count fell. The first failure is
+``failure``, created only if absent, as under c10d. Each round's first node removes the keys of the round before
+the last and compacts etcd's history; the last launcher to leave removes the job's keys.
 """
 
 from __future__ import annotations

@@ -2,8 +2,8 @@
 
 Owns: :class:`EtcdKeys`, core/nodes/membership.py's keys in etcd (arrivals put with the launcher's lease,
 counted without being read; only the launcher that decides reads them; a newcomer's admission, one transaction
-against the nodes' moves to WAITING and RETURNED), and :class:`EtcdRoundWatch`, a
-round's beat, on the round's own TCPStore (core/stores/store_beat.py): nothing written to etcd a beat.
+against the nodes' moves to WAITING and RETURNED), and :class:`EtcdRoundWatch`, a round's beat, on the round's
+own TCPStore (core/stores/store_beat.py): nothing written to etcd a beat.
 """
 
 from __future__ import annotations
