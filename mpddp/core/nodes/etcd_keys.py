@@ -145,10 +145,9 @@ class EtcdRoundWatch(BeatThread):
         self.admits = link.launched.min_nnodes < link.launched.nnodes
         self._store: Any = None  # the round's store, once connected; None again once an operation failed
         self._store_lock = threading.Lock()  # the beat's thread and share_now's caller
-        self._ever = False  # the store answered once (its host published it and listened)
         self._address: tuple[str, int] | None = None  # where it listens, read from etcd once
-        self._reached = threading.Event()  # set with _ever: a publish waits for it (only the beat connects: the
-        # caller's thread may be the round's first node itself, which publishes the store after this)
+        self._reached = threading.Event()  # the store answered once; a publish waits for it (only the beat connects
+        # at first: the caller's thread may be the round's first node itself, which publishes the store after this)
         self._record: bytes | None = None  # the round's record on the store, once read (then counted, and kept)
         self._record_lock = threading.Lock()  # the beat's thread and the settlement's looks: one read counted
         self._next_try = 0.0  # when the beat may try to connect to the round's store again
@@ -173,18 +172,18 @@ class EtcdRoundWatch(BeatThread):
                 self._address = self.link.store(self.attempt)
             else:
                 socket.create_connection(self._address, timeout=1.0).close()  # torch would retry till timeout
-            store: Any = connect(*self._address, self.link.config.timeout if not self._ever else self.link.ttl)
+            store: Any = connect(*self._address, self.link.ttl if self._reached.is_set() else self.link.config.timeout)
             store.set_timeout(timedelta(seconds=self.link.ttl))  # 64 nodes at once took more than 3 s to connect
             with self._store_lock:
-                self._store, self._ever = store, True
-            self._reached.set()
+                self._store = store
+                self._reached.set()
         except Exception:  # noqa: BLE001 - RendezvousError, OSError, torch's own types: etcd's key is read then
             pass
 
     def _on_store(self, op: Callable[[Any], Any], again: bool = False) -> Any:
         """``op(store)`` under the lock; None (and the client dropped) when the round's store does not answer.
         ``again``: a store that stopped answering is connected to once more first (a record to read or write)."""
-        if again and self._store is None and self._ever:
+        if again and self._store is None and self._reached.is_set():
             self._connect()
         with self._store_lock:
             if self._store is None:
