@@ -5,17 +5,13 @@ Owns: :class:`EtcdRendezvous`, core/nodes/api.py's interface on etcd's own means
 :class:`~mpddp.core.nodes.etcd_keys.EtcdRoundWatch`, beats on the round's own store: no write to etcd a beat,
 so a job that trains leaves etcd's Raft log and database still). Every key of a launch lies under
 ``/mpddp/<rdzv-id>/i/<incarnation>/`` (core/nodes/etcd_identity.py: a crashed launch's keys are never the next
-one's); a round's keys under ``r/<round>/``. Membership is decided per round: each launcher puts ``join/<its id>``;
-once ``MAX`` have joined, or ``MIN`` and no newcomer came for ``last_call_timeout``, the first launcher to
-see it writes ``members`` (a create-if-absent transaction: the first writer wins) and the order of that list
-is the round's node ranks: the last round's nodes first, in their old order, then ``--node-rank``, then
-arrival. So the ranks are compacted when a node is gone. The round's first node hosts its process-group
-store and publishes ``store``. Liveness is the launcher's lease: its ``join`` and ``alive/<node>`` keys are
-put with it, and a node whose keys vanished without ``ended/<node>`` was lost (its launcher, or its
-machine); the alive keys are counted, and read only when the count fell. The first failure is ``failure``,
-created only if absent, as under c10d. What a node costs is flat: core/nodes/etcd_keys.py. Each round's first
-node removes the keys of the round before the last and compacts etcd's history; the last launcher to leave
-removes the job's keys.
+one's); a round's keys under ``r/<round>/``. Membership is decided per round by core/nodes/membership.py's rule,
+over ``join/<launcher>`` and ``members`` (core/nodes/etcd_keys.py: what a node costs is flat); the round's first
+node hosts its process-group store and publishes ``store``. Liveness is the launcher's lease: its ``join`` and
+``alive/<node>`` keys are put with it, and a node whose keys vanished without ``ended/<node>`` was lost (its
+launcher, or its machine); the alive keys are counted, and read only when the count fell. The first failure is
+``failure``, created only if absent, as under c10d. Each round's first node removes the keys of the round before
+the last and compacts etcd's history; the last launcher to leave removes the job's keys.
 """
 
 from __future__ import annotations
@@ -85,8 +81,11 @@ class EtcdRendezvous(EtcdKV):
             self._first_contact()
         keys = EtcdKeys(self)
         try:
-            if attempt == 0:
-                attempt = self._clear_stale(keys)
+            if attempt == 0:  # the round the job is in, in this launch's incarnation (core/nodes/etcd_identity.py):
+                # the keys of a launch of this --rdzv-id that crashed or ended, leases alive or not, are another's
+                if self.identity is not None and self.identity.token is None:
+                    self.prefix = self.identity.take()
+                attempt = keys.latest()
             here, members = membership.join_round(
                 keys, attempt, self.me, low=self.launched.min_nnodes, high=self.launched.nnodes,
                 node_rank=self.launched.node_rank, last_call=self.last_call, timeout=self.config.timeout,
@@ -144,14 +143,6 @@ class EtcdRendezvous(EtcdKV):
             raise AddressError(f"no etcd member answers at --rdzv-endpoint {self.client.endpoints} (tried for "
                                f"{wait:g} s): start etcd there, or pass the members that run (host:port,...)") from None
         self.reached = True
-
-    def _clear_stale(self, keys: EtcdKeys) -> int:
-        """The round the job is in (0: a new launch), in this launch's incarnation (core/nodes/etcd_identity.py):
-        the keys of a launch of the same --rdzv-id that crashed or ended, leases still alive or not, are another
-        incarnation's, never read as this one's."""
-        if self.identity is not None and self.identity.token is None:
-            self.prefix = self.identity.take()
-        return keys.latest()
 
     def _address(self) -> str:
         """Where the others reach this launcher: --local-addr, else its address toward etcd's first member."""
@@ -232,8 +223,7 @@ class EtcdRendezvous(EtcdKV):
             if watch is None or (standing := watch.publish(mine)) is None:
                 raise
             return FailureRecord.decode(standing)
-        standing = self.get(key)
-        return FailureRecord.decode(standing) if standing else FailureRecord.decode(mine)
+        return FailureRecord.decode(self.get(key) or mine)
 
     def _written(self, key: str) -> bytes | None:
         """The record in etcd, once it refused our write for want of room: read for a lease's TTL at most. Read
@@ -251,7 +241,7 @@ class EtcdRendezvous(EtcdKV):
         round's store, which every node's next beat reads (core/stores/store_beat.py); through this launcher's
         watch of the round, else through a client of its own (a newcomer runs no rank in it)."""
         if (watch := self._watches.get(attempt)) is not None:
-            watch.tell_failed()  # False: its store is gone, and the nodes read etcd's key once theirs fails
+            watch.tell_failed()  # its store gone: the nodes read etcd's key once theirs fails
             return
         from ..wire.store import connect
 
@@ -328,26 +318,21 @@ class EtcdRendezvous(EtcdKV):
         etcd full, the last round's store host first waits for the others to read a record on its store."""
         if self.identity is not None:
             self.identity.close()  # this launcher answers no probe from now on: it is done with the job
-        if not self.reached:  # no first contact: a lease taken by a put all the same stops refreshing
-            if self.kept is not None:
-                self.kept.stop()
-            return
         last = max(self.rounds, default=None)
-        if self.client.full is not None and last is not None and self.rounds[last].node_rank == 0 and (
+        if self.reached and self.client.full is not None and last is not None and self.rounds[last].node_rank == 0 and (
                 watch := self._watches.get(last)) is not None:  # before etcd's answers: the store needs none
             watch.until_read(self.rounds[last].nnodes - 1 - len(self.gone), self.config.timeout)
-        if self.client.unanswered:  # etcd did not answer the last call: the lease's TTL removes this one's keys
+        # No first contact (a lease taken by a put all the same stops refreshing), or etcd did not answer the last
+        # call: the lease's TTL removes this one's keys.
+        if not self.reached or self.client.unanswered:
             if self.kept is not None:
                 self.kept.stop()
             return
-        try:
-            last = max(self.rounds, default=None)
+        with contextlib.suppress(RendezvousGone):
             if last is not None:  # a launcher refused, or a spare never needed, was never one of the round's
                 self.client.call(lambda c: c.put(self.prefix + "left/" + self.me, "1"), timeout=2.0)
-            if last is not None and self.count(self.prefix + "left/") >= self.rounds[last].nnodes:
-                self._tidy(last, every=True)
-        except RendezvousGone:
-            pass
+                if self.count(self.prefix + "left/") >= self.rounds[last].nnodes:
+                    self._tidy(last, every=True)
         if self.kept is not None:
             self.kept.revoke()
 

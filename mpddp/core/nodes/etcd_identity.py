@@ -54,14 +54,14 @@ def standing(answers: Iterable[Liveness]) -> Liveness:
     return Liveness.UNKNOWN if Liveness.UNKNOWN in seen else Liveness.GONE
 
 
-def reach(probe: str, host: str, here: str = "", wait: float = _PROBE_WAIT) -> Liveness:
+def reach(probe: str, host: str, here: str) -> Liveness:
     """A launcher on ``host`` that listens at ``probe`` (host:port), asked from the machine ``here``."""
     address, _, port = probe.rpartition(":")
     with contextlib.suppress(ValueError):
-        if ipaddress.ip_address(address.strip("[]")).is_loopback and host != (here or socket.gethostname()):
+        if ipaddress.ip_address(address.strip("[]")).is_loopback and host != here:
             return Liveness.UNKNOWN  # another machine's loopback: a refusal here says nothing of it
     try:
-        socket.create_connection((address.strip("[]"), int(port)), timeout=wait).close()
+        socket.create_connection((address.strip("[]"), int(port)), timeout=_PROBE_WAIT).close()
         return Liveness.LIVE
     except ConnectionRefusedError:
         return Liveness.GONE
@@ -149,10 +149,9 @@ class Identity:
     def _standing(self, token: str) -> Liveness:
         """Whether a launcher of incarnation ``token`` lives: the first few asked, all of them only when those
         are gone (one read, and one connection, for a live job)."""
-        under = self.prefix(token) + "launcher/"
         seen = []
         for limit in (_SAMPLE, 0):
-            cards = self._cards(under, limit)
+            cards = self._cards(token, limit)
             seen = [reach(c.get("probe", ""), str(c.get("host")), self.host) for c in cards]
             if Liveness.LIVE in seen or len(cards) < _SAMPLE:
                 break
@@ -161,7 +160,7 @@ class Identity:
     def sweep(self) -> None:
         """The keys of earlier incarnations none of whose launchers holds a lease any more: removed."""
         for token in self.kv.under(self.base + "old/", keys_only=True):
-            if not self._cards(self.prefix(token) + "launcher/", 1):
+            if not self._cards(token, 1):
                 self.kv.commit([], [delete(self.prefix(token), under=True), delete(self.base + "old/" + token)])
 
     def forget(self) -> None:
@@ -199,9 +198,10 @@ class Identity:
             else:
                 raise ConfigError(taken(self.rdzv_id, node_rank, holder, state, self.high, self.host))
 
-    def _cards(self, prefix: str, limit: int) -> list[dict[str, Any]]:
+    def _cards(self, token: str, limit: int) -> list[dict[str, Any]]:
+        """What the launchers of incarnation ``token`` put: who and where, at most ``limit`` of them (0: all)."""
         cards = []
-        for value in self.kv.under(prefix, limit).values():
+        for value in self.kv.under(self.prefix(token) + "launcher/", limit).values():
             with contextlib.suppress(ValueError):
                 cards.append(json.loads(value))
         return cards

@@ -2,8 +2,8 @@
 
 Owns: :class:`EtcdKeys`, core/nodes/membership.py's keys in etcd (arrivals put with the launcher's lease,
 counted without being read; only the launcher that decides reads them; a newcomer's admission, one transaction
-against the nodes' moves to WAITING and RETURNED), and :class:`EtcdRoundWatch`, a
-round's beat, on the round's own TCPStore (core/stores/store_beat.py): nothing written to etcd a beat.
+against the nodes' moves to WAITING and RETURNED), and :class:`EtcdRoundWatch`, a round's beat, on the round's
+own TCPStore (core/stores/store_beat.py): nothing written to etcd a beat.
 """
 
 from __future__ import annotations
@@ -145,10 +145,9 @@ class EtcdRoundWatch(BeatThread):
         self.admits = link.launched.min_nnodes < link.launched.nnodes
         self._store: Any = None  # the round's store, once connected; None again once an operation failed
         self._store_lock = threading.Lock()  # the beat's thread and share_now's caller
-        self._ever = False  # the store answered once (its host published it and listened)
         self._address: tuple[str, int] | None = None  # where it listens, read from etcd once
-        self._reached = threading.Event()  # set with _ever: a publish waits for it (only the beat connects: the
-        # caller's thread may be the round's first node itself, which publishes the store after this)
+        self._reached = threading.Event()  # the store answered once; a publish waits for it (only the beat connects
+        # at first: the caller's thread may be the round's first node itself, which publishes the store after this)
         self._record: bytes | None = None  # the round's record on the store, once read (then counted, and kept)
         self._record_lock = threading.Lock()  # the beat's thread and the settlement's looks: one read counted
         self._next_try = 0.0  # when the beat may try to connect to the round's store again
@@ -173,18 +172,18 @@ class EtcdRoundWatch(BeatThread):
                 self._address = self.link.store(self.attempt)
             else:
                 socket.create_connection(self._address, timeout=1.0).close()  # torch would retry till timeout
-            store: Any = connect(*self._address, self.link.config.timeout if not self._ever else self.link.ttl)
+            store: Any = connect(*self._address, self.link.ttl if self._reached.is_set() else self.link.config.timeout)
             store.set_timeout(timedelta(seconds=self.link.ttl))  # 64 nodes at once took more than 3 s to connect
             with self._store_lock:
-                self._store, self._ever = store, True
-            self._reached.set()
+                self._store = store
+                self._reached.set()
         except Exception:  # noqa: BLE001 - RendezvousError, OSError, torch's own types: etcd's key is read then
             pass
 
     def _on_store(self, op: Callable[[Any], Any], again: bool = False) -> Any:
         """``op(store)`` under the lock; None (and the client dropped) when the round's store does not answer.
         ``again``: a store that stopped answering is connected to once more first (a record to read or write)."""
-        if again and self._store is None and self._ever:
+        if again and self._store is None and self._reached.is_set():
             self._connect()
         with self._store_lock:
             if self._store is None:
@@ -213,14 +212,10 @@ class EtcdRoundWatch(BeatThread):
         with contextlib.suppress(exceptions.Etcd3Exception):
             self.link.put(self.link.key(self.attempt, "failing", self.link.config.node_rank), "1", leased=True)
 
-    def tell_failed(self) -> bool:
-        """This node wrote the round's record: every node's next beat reads it off the store's counter. False
-        when this watch has no store to tell it on."""
-        def tell(s: Any) -> bool:
-            self.beat.tell_failed(s)
-            return True
-
-        return self._on_store(tell) is not None
+    def tell_failed(self) -> None:
+        """This node wrote the round's record: every node's next beat reads it off the store's counter (where
+        this watch has one to tell it on)."""
+        self._on_store(self.beat.tell_failed)
 
     def publish(self, record: bytes) -> bytes | None:
         """The round's record on its store (etcd is full); the standing one, or None where the store is gone.
@@ -251,9 +246,8 @@ class EtcdRoundWatch(BeatThread):
         """The round's store host, leaving with the record on its store: stay until ``others`` nodes read it, or
         ``wait`` seconds (etcd full: the store is the only place the others can learn the truth)."""
         deadline = time.monotonic() + wait
-        attempt = self.attempt
-        while self._on_store(lambda s: record_of(s, attempt)) is not None and \
-                (self._on_store(lambda s: reads(s, attempt)) or 0) < others:
+        while self._on_store(lambda s: record_of(s, self.attempt)) is not None and \
+                (self._on_store(lambda s: reads(s, self.attempt)) or 0) < others:
             if time.monotonic() > deadline:
                 return
             time.sleep(INTERVAL / 5)

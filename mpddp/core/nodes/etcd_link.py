@@ -6,7 +6,6 @@ from __future__ import annotations
 from typing import Any, Protocol
 
 from ...config import LaunchConfig
-from ..stores.etcd_client import EtcdClient
 from ..wire.protocol import FailureRecord
 from .etcd_identity import Identity
 
@@ -14,7 +13,6 @@ from .etcd_identity import Identity
 class EtcdLink(Protocol):
     """What :class:`~mpddp.core.nodes.etcd_keys.EtcdKeys` and its round watch ask of the backend."""
 
-    client: EtcdClient
     config: LaunchConfig  # this round's
     launched: LaunchConfig  # as started: nnodes is MAX, min_nnodes MIN
     prefix: str  # every key of the job lies under it
@@ -26,7 +24,7 @@ class EtcdLink(Protocol):
     def get(self, key: str) -> bytes | None: ...
     def under(self, prefix: str) -> dict[str, bytes]: ...
     def count(self, prefix: str) -> int: ...
-    def create(self, key: str, value: str | bytes, leased: bool = False) -> bytes | None: ...
+    def create(self, key: str, value: str | bytes) -> bytes | None: ...
     def commit(self, compare: list[dict[str, Any]], success: list[dict[str, Any]],
                failure: list[dict[str, Any]] | None = None) -> dict[str, Any]: ...
     def lease(self) -> int: ...

@@ -54,7 +54,9 @@ def join_round(keys: Keys, attempt: int, me: str, *, low: int, high: int, node_r
         arrival = {"old": previous.node_rank if previous is not None and previous.number == attempt - 1 else None,
                    "rank": node_rank, "since": time.time(), "host": socket.gethostname()}
         if previous is None and node_rank is not None:  # before arriving: a refused one is never counted
-            _check_claim(keys.claim(attempt, node_rank, f"{me} on {arrival['host']}"), node_rank, arrival["host"])
+            if (other := keys.claim(attempt, node_rank, f"{me} on {arrival['host']}")) is not None:
+                raise ConfigError(f"--node-rank {node_rank} is taken: the launcher {other} came first with it; pass "
+                                  f"another --node-rank on this machine ({arrival['host']})")
         number = keys.arrive(attempt, me, json.dumps(arrival))
         members = _members(keys, attempt, number, low, high, last_call, timeout, start_them)
         if me in members:
@@ -66,13 +68,6 @@ def join_round(keys: Keys, attempt: int, me: str, *, low: int, high: int, node_r
     before = {m: n for n, m in enumerate(json.loads(keys.decided(attempt - 1) or "[]") if attempt else [])}
     old = tuple(before.get(m) for m in members)  # a dict: a list's index() is O(N) a member, O(N^2) a node
     return Round(attempt, len(members), members.index(me), old), members
-
-
-def _check_claim(other: str | None, node_rank: int, host: object) -> None:
-    """Bad input: another launcher came first to this round with this --node-rank."""
-    if other is not None:
-        raise ConfigError(f"--node-rank {node_rank} is taken: the launcher {other} came first with it; pass "
-                          f"another --node-rank on this machine ({host})")
 
 
 def _size(low: int, high: int) -> str:
