@@ -212,23 +212,18 @@ def until_read(link: C10dLink, attempt: int) -> None:
     every other launcher read why (:meth:`C10dRendezvous.record` counts each), or :data:`READ_WAIT`. Shielded
     from a second Ctrl-C by the caller: soon after the first, it ended the store before the others read the
     record, and they said "node 0 ... is gone" (measured: 2 of 6 runs, with the record written first)."""
-    if link.config.node_rank != 0:
-        return
-    others, deadline = link.config.nnodes - 1 - len(link.gone), time.monotonic() + READ_WAIT
-    with contextlib.suppress(RendezvousGone):
-        while link.client.call(lambda s: reads(s, attempt)) < others:
-            if time.monotonic() > deadline:
-                return
-            time.sleep(POLL)
+    if link.config.node_rank == 0:
+        with contextlib.suppress(RendezvousGone):
+            until_heard(link, attempt, link.config.nnodes - 1 - len(link.gone), POLL, READ_WAIT)
 
 
-def until_heard(link: C10dLink, attempt: int, readers: int, look: float) -> None:
+def until_heard(link: C10dLink, attempt: int, readers: int, look: float, wait: float = HEARD_WAIT) -> None:
     """Until ``readers`` nodes other than its writer have read round ``attempt``'s record (each counts its first read:
-    :func:`read`), or :data:`HEARD_WAIT` with the store up, looking every ``look`` seconds. RendezvousGone when node
+    :func:`read`), or ``wait`` with the store up, looking every ``look`` seconds. RendezvousGone when node
     0's store went first: a node that had not read the record then tells node 0's loss, and so must this one, so
     that every node tells one story (core/nodes/settle.py). A store that outlives the wait keeps the record for a
     node that reads it later."""
-    deadline = time.monotonic() + HEARD_WAIT
+    deadline = time.monotonic() + wait
     while link.client.call(lambda s: reads(s, attempt)) < readers:
         if time.monotonic() > deadline:
             return
