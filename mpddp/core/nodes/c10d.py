@@ -186,8 +186,7 @@ class C10dRendezvous:
         def move(s: Any) -> bool:
             standing = s.compare_set(key, ABSENT, ABSENT).decode()  # one operation: the record, or ABSENT
             for _ in range(3):  # a compare that failed: the record as it stands now, once more
-                current = NodeState.RUNNING if standing == ABSENT else NodeState(standing.partition("/")[0])
-                if (counters := rules.move(current, target)) is None:
+                if (counters := rules.move(_state(standing), target)) is None:
                     return False
                 standing = s.compare_set(key, "" if standing == ABSENT else standing, mine).decode()
                 if standing == mine:
@@ -318,14 +317,13 @@ class C10dRendezvous:
     def _not_ended(self, attempt: int, nodes: list[int]) -> list[int]:
         """Of ``nodes``, those that did not end the round: found lost from now on, their records moved to LOST
         (by the first node to find each: the others count it once)."""
-        lost = [n for n in nodes if self._move(attempt, n, NodeState.LOST) or self._state(attempt, n) is NodeState.LOST]
+        lost = [n for n in nodes if self._move(attempt, n, NodeState.LOST) or self.state(attempt, n) is NodeState.LOST]
         self.gone.update(lost)
         return lost
 
-    def _state(self, attempt: int, node: int) -> NodeState:
-        found = self.client.call(lambda s: s.compare_set(full_key(attempt, f"{protocol.STATE}/{node}"), ABSENT,
-                                                         ABSENT)).decode()
-        return NodeState.RUNNING if found == ABSENT else NodeState(found.partition("/")[0])
+    def state(self, attempt: int, node: int) -> NodeState:  # node ``node``'s record in round ``attempt``: one operation
+        key = full_key(attempt, f"{protocol.STATE}/{node}")
+        return _state(self.client.call(lambda s: s.compare_set(key, ABSENT, ABSENT)).decode())
 
     def count(self, attempt: int, counter: str) -> int:
         """How many nodes ``counter`` counts in round ``attempt``: one operation."""
@@ -350,6 +348,11 @@ class C10dRendezvous:
                 time.sleep(POLL)
         except RendezvousGone:
             pass
+
+
+def _state(standing: str) -> NodeState:
+    """A node's record as the store holds it (its state, "/", the move's token); ABSENT: it never moved."""
+    return NodeState.RUNNING if standing == ABSENT else NodeState(standing.partition("/")[0])
 
 
 class C10dView(ViewOf["C10dRendezvous"]):

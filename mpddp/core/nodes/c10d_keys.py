@@ -17,7 +17,7 @@ from typing import Any, Protocol
 from ...config import LaunchConfig
 from ...errors import RendezvousGone
 from ..stores.c10d_client import C10dClient
-from ..stores.store_beat import ABSENT, first_record, read_all, reads
+from ..stores.store_beat import first_record, peek, read_all, reads
 from ..wire import protocol
 from ..wire.protocol import FailureRecord, full_key
 from .api import POLL, ending
@@ -45,6 +45,7 @@ class C10dLink(Protocol):
     read: set[int]  # the rounds whose record, another node's, this launcher counted as read
 
     def record(self, attempt: int) -> FailureRecord | None: ...
+    def state(self, attempt: int, node: int) -> NodeState: ...
 
 
 def missing_ranks(s: Any, attempt: int, world_size: int) -> list[int]:
@@ -151,9 +152,7 @@ class C10dKeys:
         members = list(json.loads(decided))
         if (node := holder(members, arrivals, node_rank)) is None:
             return None
-        key = full_key(attempt, f"{protocol.STATE}/{node}")
-        state = self.link.client.call(lambda s: s.compare_set(key, ABSENT, ABSENT)).decode()  # one operation
-        if state.startswith(f"{NodeState.LOST.value}/"):
+        if self.link.state(attempt, node) is NodeState.LOST:
             return None  # found lost: its replacement takes its rank
         return f"{members[node]} on {arrivals[members[node]].get('host')}"
 
@@ -167,9 +166,8 @@ class C10dKeys:
         return dict(self.link.client.call(read))
 
     def decided(self, attempt: int) -> str | None:
-        key = full_key(attempt, _MEMBERS)
-        found = self.link.client.call(lambda s: s.compare_set(key, ABSENT, ABSENT)).decode()  # one operation
-        return found if found != ABSENT else None
+        found = self.link.client.call(lambda s: peek(s, full_key(attempt, _MEMBERS)))  # one operation
+        return None if found is None else found.decode()
 
     def look(self, nodes: int) -> float:
         return poll_interval(nodes)
