@@ -84,11 +84,15 @@ class C10dRendezvous:
         if self.config.node_rank is None:
             self.config = replace(self.config, node_rank=self._take_number())
         node, nnodes, timeout = self.config.node, self.config.nnodes, self.config.timeout
-        if attempt:
-            try:
-                self._join(attempt, node, nnodes, timeout)
-            except RendezvousGone:
-                raise self._no_round(attempt) from None
+        try:
+            missing = self.client.call(lambda s: join_barrier(s, attempt, node, nnodes, timeout)) if attempt else []
+        except RendezvousGone:
+            raise self._no_round(attempt) from None
+        if missing:
+            raise RendezvousError(
+                f"node(s) {names(missing)} did not join round {attempt} (restart {attempt} of "
+                f"{self.config.max_restarts}) within --timeout {timeout:g} s: their launchers are gone or stopped "
+                "(killed, preempted, machine lost); every node must be running to restart the group")
         return Round(attempt, nnodes, node, tuple(range(nnodes)), decided=self.launched.node_rank is None)
 
     def _take_number(self) -> int:
@@ -97,14 +101,17 @@ class C10dRendezvous:
         try:
             number = self.client.call(lambda s: take_number(s, self.me, nnodes))
         except RendezvousGone:
-            if self.client.reached:
-                raise self._no_round(0) from None
-            raise RendezvousError(self.client.gone_line()) from None
+            raise self._gone(0) from None
         if number is None:
             raise ConfigError(f"the job at {self.config.master_addr}:{self.port} has its --nnodes {nnodes} nodes "
                               f"already (node ranks 0-{nnodes - 1}, taken as the launchers came): this launcher is one "
                               f"too many; start every node with --nnodes {nnodes + 1} for one more, or stop this one")
         return int(number)
+
+    def _gone(self, attempt: int) -> RendezvousError:
+        """Node 0's store did not answer as this launcher joined: if it never did, no job there (not started, or
+        ended), not a loss."""
+        return self._no_round(attempt) if self.client.reached else RendezvousError(self.client.gone_line())
 
     def _no_round(self, attempt: int) -> StoreLost:
         return StoreLost(f"node 0's store at {self.launched.master_addr}:{self.port} is gone, so round {attempt} "
@@ -121,20 +128,11 @@ class C10dRendezvous:
                 start_them=f"start the missing launchers with --nnodes {launched.min_nnodes}:{launched.nnodes} "
                            f"--master-addr {launched.master_addr} --master-port {self.port}")
         except RendezvousGone:
-            if not self.client.reached:  # nobody answered: no job there (not started, or ended), not a loss
-                raise RendezvousError(self.client.gone_line()) from None
-            raise self._no_round(attempt) from None
+            raise self._gone(attempt) from None
         self.rounds[here.number] = here
         self.config = replace(launched, nnodes=here.nnodes, node_rank=here.node_rank)
         self.gone = set()  # node ranks are the new round's: those lost before are not among them
         return here
-
-    def _join(self, attempt: int, node: int, nnodes: int, timeout: float) -> None:
-        if missing := self.client.call(lambda s: join_barrier(s, attempt, node, nnodes, timeout)):
-            raise RendezvousError(
-                f"node(s) {names(missing)} did not join round {attempt} (restart {attempt} of "
-                f"{self.config.max_restarts}) within --timeout {timeout:g} s: their launchers are gone or stopped "
-                "(killed, preempted, machine lost); every node must be running to restart the group")
 
     def round_store(self, attempt: int, host: Callable[[str], int], script: bool = False) -> RoundStore:
         """Node 0's, at --master-addr and --master-port, for every round: no other node can take its place. A
