@@ -55,8 +55,9 @@ class C10dRendezvous:
         self.gone: set[int] = set()  # nodes found lost (no beat, no end): node 0 does not wait for them to leave
         self.absent: set[int] = set()  # nodes that never arrived in the first round: node 0 does not wait for them
         self.launched = config  # as started: nnodes is MAX, min_nnodes MIN (config is the round's)
+        self.elastic = config.min_nnodes < config.nnodes  # --nnodes MIN:MAX
         self.me = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
-        self.rounds: dict[int, Round] = {}
+        self._round: Round | None = None  # the last round this launcher joined, of an elastic job
         self._last = 0  # the last round this launcher ran
         self.read: set[int] = set()  # the rounds whose record, another node's, this launcher counted as read
         self._records: dict[int, FailureRecord] = {}  # each round's record, once read: it never changes
@@ -79,7 +80,7 @@ class C10dRendezvous:
         The first round needs none: the ranks meet in node 0's store (a launcher without --node-rank takes its
         number there first). The nodes never change, but in an elastic job (--nnodes MIN:MAX:
         core/nodes/membership.py decides each round's, node 0 always first)."""
-        if self.launched.min_nnodes < self.launched.nnodes:
+        if self.elastic:
             return self._join_elastic(attempt)
         if self.config.node_rank is None:
             self.config = replace(self.config, node_rank=self._take_number())
@@ -124,12 +125,12 @@ class C10dRendezvous:
             here, members = membership.join_round(
                 keys, keys.latest() if attempt == 0 else attempt, self.me, low=launched.min_nnodes,
                 high=launched.nnodes, node_rank=launched.node_rank, last_call=launched.rdzv_settings().last_call_timeout,
-                timeout=launched.timeout, previous=max(self.rounds.values(), key=lambda r: r.number, default=None),
+                timeout=launched.timeout, previous=self._round,
                 start_them=f"start the missing launchers with --nnodes {launched.min_nnodes}:{launched.nnodes} "
                            f"--master-addr {launched.master_addr} --master-port {self.port}")
         except RendezvousGone:
             raise self._gone(attempt) from None
-        self.rounds[here.number] = here
+        self._round = here
         self.config = replace(launched, nnodes=here.nnodes, node_rank=here.node_rank)
         self.gone = set()  # node ranks are the new round's: those lost before are not among them
         return here
@@ -160,7 +161,7 @@ class C10dRendezvous:
         gone meanwhile is none of its business, and node 0 stopped itself (Ctrl-C, a signal) keeps its store
         until the others read why (core/nodes/c10d_keys.py's ``until_read``; called shielded from a second one)."""
         me = self.config.node
-        if state in (NodeState.WAITING, NodeState.RETURNED) and self.launched.min_nnodes < self.launched.nnodes:
+        if state in (NodeState.WAITING, NodeState.RETURNED) and self.elastic:
             self.client.call(lambda s: close_door(s, attempt, state))  # first: no newcomer's admission hides a
             # failure, or restarts a job that is ending
         if state is not NodeState.ENDED:

@@ -40,7 +40,7 @@ class C10dLink(Protocol):
 
     client: C10dClient  # node 0's store
     config: LaunchConfig  # this round's: nnodes and node_rank may change from round to round
-    launched: LaunchConfig  # as started: nnodes is MAX, min_nnodes MIN
+    elastic: bool  # --nnodes MIN:MAX
     gone: set[int]  # nodes found lost
     read: set[int]  # the rounds whose record, another node's, this launcher counted as read
 

@@ -29,7 +29,7 @@ class C10dRoundWatch(BeatThread):
         super().__init__(attempt, share)
         self.link = link
         self.beat = StoreBeat(attempt, link.config.node)
-        self.admits = link.launched.min_nnodes < link.launched.nnodes
+        self.admits = link.elastic
         self._thread.start()
 
     def _turn(self, step: int, snapshot: bytes | None, beats: int) -> int:
