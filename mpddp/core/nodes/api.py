@@ -132,10 +132,10 @@ class RoundStore:
 class RoundWatch(Protocol):
     """One round's beat, as the attempt and its watchdog see it."""
 
-    remote_progress: int  # moves when a rank of another node made progress
-    remote_failure: FailureRecord | None  # the round's first failure, once another node wrote it
+    remote_progress: int  # moves when another node's rank progressed: no node tells a hang while others compute
+    remote_failure: FailureRecord | None  # the round's first failure, once another node wrote it: the attempt stops
 
-    def progressed(self) -> None: ...
+    def progressed(self) -> None: ...  # a local rank computed (core/launcher/watchdog.py)
     def others_calls(self) -> list[bytes]: ...
     def share_now(self) -> None: ...
     def failing(self) -> None: ...  # a rank of this node failed: no newcomer's admission may stand for it
