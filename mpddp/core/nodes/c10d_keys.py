@@ -131,7 +131,7 @@ class C10dKeys:
         return int(self.link.client.call(put))
 
     def count(self, attempt: int) -> int:
-        return int(self.link.client.call(lambda s: s.add(full_key(attempt, _ARRIVALS), 0)))
+        return int(self.link.client.call(lambda s: arrived(s, attempt)))
 
     def claim(self, attempt: int, node_rank: int, me: str) -> str | None:
         """A launcher's first round: its --node-rank is taken by a member of the job's last decided round that came
@@ -158,10 +158,8 @@ class C10dKeys:
 
     def arrivals(self, attempt: int) -> dict[str, str]:
         def read(s: Any) -> dict[str, str]:  # two operations, however many came (torch 2.1, 2.2: one a key)
-            count = s.add(full_key(attempt, _ARRIVALS), 0)
-            keys = [full_key(attempt, f"{_ARRIVALS}/{n}") for n in range(1, count + 1)]
-            values = read_all(s, keys)
-            return dict(json.loads(value) for value in values)
+            keys = [full_key(attempt, f"{_ARRIVALS}/{n}") for n in range(1, arrived(s, attempt) + 1)]
+            return dict(json.loads(value) for value in read_all(s, keys))
 
         return dict(self.link.client.call(read))
 
