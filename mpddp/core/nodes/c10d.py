@@ -288,18 +288,12 @@ class C10dRendezvous:
         return dict(zip(nodes, self.client.call(read)))
 
     def stalled(self, attempt: int, before: dict[int, int]) -> list[int] | None:
-        """Other nodes whose beat did not move since ``before`` although they did not end the round.
-
-        None when that cannot be told yet: no node's beat, this one's included, moved by
-        :data:`_LIVE_BEATS` meanwhile. Then the beats stood still everywhere (a loaded machine starves the
-        beating threads, or node 0's store), which says nothing about any one node. A node is lost only when
-        its beat stood still while another's moved.
-
+        """Other nodes whose beat did not move since ``before`` while another's did, and that did not end the
+        round. None when no beat, this one's included, moved by :data:`_LIVE_BEATS`: beats that stood still
+        everywhere (a loaded machine starves the beating threads, or node 0's store) say nothing of one node.
         A node that never beat in this round is not lost by that alone: its launcher may still be making its
-        first connection to node 0's store, which imports torch (the round watch connects once the ranks
-        run); on a loaded machine that takes longer than any window of beats. Such a node is lost only by
-        :meth:`silent`, after --timeout.
-        """
+        first connection to node 0's store, which imports torch (the round watch connects once the ranks run),
+        longer on a loaded machine than any window of beats; only :meth:`silent` finds it lost, after --timeout."""
         me = self.config.node_rank
         after = self.heartbeats(attempt)
         still = [n for n in before if n != me and after[n] == before[n]]
