@@ -101,15 +101,11 @@ class Round:
 
     def table(self, nprocs: int) -> list[str]:
         """The round's nodes and their ranks, old -> new: ``node 1 -> 0: ranks 2, 3 -> 0, 1``, ``a new node -> 1: ...``."""
-        lines = []
-        for new, old in enumerate(self.old):
-            ranks = names([rank_math.global_rank(new, i, nprocs) for i in range(nprocs)])
-            if old is None:
-                lines.append(f"  a new node -> {new}: ranks {ranks}")
-            else:
-                before = names([rank_math.global_rank(old, i, nprocs) for i in range(nprocs)])
-                lines.append(f"  node {old} -> {new}: ranks {before} -> {ranks}")
-        return lines
+        def ranks(node: int) -> str:
+            return names([rank_math.global_rank(node, i, nprocs) for i in range(nprocs)])
+
+        return [f"  a new node -> {new}: ranks {ranks(new)}" if old is None else
+                f"  node {old} -> {new}: ranks {ranks(old)} -> {ranks(new)}" for new, old in enumerate(self.old)]
 
 
 @dataclass(frozen=True)
