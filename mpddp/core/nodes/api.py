@@ -191,22 +191,17 @@ class BeatThread:
         says it waits for the round's record, so that a node that tells a hang once it waits reads them as
         they ended, not as a starved beat last shared them."""
         if self.share is not None and (snapshot := self.share(True)) is not None:
-            try:
+            with contextlib.suppress(RendezvousGone):  # the store is gone: what that means is settled after
                 self._put_calls(snapshot)
-            except RendezvousGone:  # the store is gone: what that means is settled after
-                return
 
     def failing(self) -> None:
         """A rank of this node failed or hung: the round's door shuts now, before its ranks are stopped and its
         record written (a second, more under load), so that no newcomer's admission stands for this failure
         (core/nodes/rules.py's :func:`~mpddp.core.nodes.rules.door`). A store that is gone is settled after; a
         job of a fixed size admits nobody, and costs nothing here."""
-        if not self.admits:
-            return
-        try:
-            self._shut()
-        except RendezvousGone:
-            return
+        if self.admits:
+            with contextlib.suppress(RendezvousGone):
+                self._shut()
 
     def _put_calls(self, snapshot: bytes) -> None:
         raise NotImplementedError
@@ -224,7 +219,7 @@ class BeatThread:
         put when they moved; another node's failure read once the counter says one is written. The backend gone
         (RendezvousGone): what that means is settled after the local ranks stop."""
         mine, beats = 0, 0
-        try:
+        with contextlib.suppress(RendezvousGone):
             while not self._stop.is_set():
                 beats += 1
                 step = 1 if self._progress.is_set() else 0
@@ -239,8 +234,6 @@ class BeatThread:
                     if (record := self.link.record(self.attempt)) is not None and record.node_rank != self.beat.node:
                         self.remote_failure = record
                 self._stop.wait(INTERVAL)
-        except RendezvousGone:
-            return
 
     def stop(self) -> None:
         self._stop.set()

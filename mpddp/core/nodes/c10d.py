@@ -332,15 +332,13 @@ class C10dRendezvous:
             came = max(nnodes, arrived(s, self._last))  # a spare that found the store gone said node 0 was lost
             return came - len(self.absent) - max(len(self.gone - self.absent), s.add(full_key(self._last, protocol.LOST), 0))
 
-        try:
+        with contextlib.suppress(RendezvousGone):
             self.client.call(lambda s: s.add(protocol.LEFT, 1), connect_timeout=2.0)
             if self.config.node_rank != 0:
                 return
             deadline = time.monotonic() + min(self.config.timeout, _LEAVE_WAIT)
             while self.client.call(lambda s: s.add(protocol.LEFT, 0) < waited_for(s)) and time.monotonic() < deadline:
                 time.sleep(POLL)
-        except RendezvousGone:
-            pass
 
 
 def _state(standing: str) -> NodeState:
