@@ -101,15 +101,11 @@ class Round:
 
     def table(self, nprocs: int) -> list[str]:
         """The round's nodes and their ranks, old -> new: ``node 1 -> 0: ranks 2, 3 -> 0, 1``, ``a new node -> 1: ...``."""
-        lines = []
-        for new, old in enumerate(self.old):
-            ranks = names([rank_math.global_rank(new, i, nprocs) for i in range(nprocs)])
-            if old is None:
-                lines.append(f"  a new node -> {new}: ranks {ranks}")
-            else:
-                before = names([rank_math.global_rank(old, i, nprocs) for i in range(nprocs)])
-                lines.append(f"  node {old} -> {new}: ranks {before} -> {ranks}")
-        return lines
+        def ranks(node: int) -> str:
+            return names([rank_math.global_rank(node, i, nprocs) for i in range(nprocs)])
+
+        return [f"  a new node -> {new}: ranks {ranks(new)}" if old is None else
+                f"  node {old} -> {new}: ranks {ranks(old)} -> {ranks(new)}" for new, old in enumerate(self.old)]
 
 
 @dataclass(frozen=True)
@@ -132,10 +128,10 @@ class RoundStore:
 class RoundWatch(Protocol):
     """One round's beat, as the attempt and its watchdog see it."""
 
-    remote_progress: int  # moves when a rank of another node made progress
-    remote_failure: FailureRecord | None  # the round's first failure, once another node wrote it
+    remote_progress: int  # moves when another node's rank progressed: no node tells a hang while others compute
+    remote_failure: FailureRecord | None  # the round's first failure, once another node wrote it: the attempt stops
 
-    def progressed(self) -> None: ...
+    def progressed(self) -> None: ...  # a local rank computed (core/launcher/watchdog.py)
     def others_calls(self) -> list[bytes]: ...
     def share_now(self) -> None: ...
     def failing(self) -> None: ...  # a rank of this node failed: no newcomer's admission may stand for it
@@ -195,22 +191,17 @@ class BeatThread:
         says it waits for the round's record, so that a node that tells a hang once it waits reads them as
         they ended, not as a starved beat last shared them."""
         if self.share is not None and (snapshot := self.share(True)) is not None:
-            try:
+            with contextlib.suppress(RendezvousGone):  # the store is gone: what that means is settled after
                 self._put_calls(snapshot)
-            except RendezvousGone:  # the store is gone: what that means is settled after
-                return
 
     def failing(self) -> None:
         """A rank of this node failed or hung: the round's door shuts now, before its ranks are stopped and its
         record written (a second, more under load), so that no newcomer's admission stands for this failure
         (core/nodes/rules.py's :func:`~mpddp.core.nodes.rules.door`). A store that is gone is settled after; a
         job of a fixed size admits nobody, and costs nothing here."""
-        if not self.admits:
-            return
-        try:
-            self._shut()
-        except RendezvousGone:
-            return
+        if self.admits:
+            with contextlib.suppress(RendezvousGone):
+                self._shut()
 
     def _put_calls(self, snapshot: bytes) -> None:
         raise NotImplementedError
@@ -228,7 +219,7 @@ class BeatThread:
         put when they moved; another node's failure read once the counter says one is written. The backend gone
         (RendezvousGone): what that means is settled after the local ranks stop."""
         mine, beats = 0, 0
-        try:
+        with contextlib.suppress(RendezvousGone):
             while not self._stop.is_set():
                 beats += 1
                 step = 1 if self._progress.is_set() else 0
@@ -243,8 +234,6 @@ class BeatThread:
                     if (record := self.link.record(self.attempt)) is not None and record.node_rank != self.beat.node:
                         self.remote_failure = record
                 self._stop.wait(INTERVAL)
-        except RendezvousGone:
-            return
 
     def stop(self) -> None:
         self._stop.set()

@@ -55,8 +55,9 @@ class C10dRendezvous:
         self.gone: set[int] = set()  # nodes found lost (no beat, no end): node 0 does not wait for them to leave
         self.absent: set[int] = set()  # nodes that never arrived in the first round: node 0 does not wait for them
         self.launched = config  # as started: nnodes is MAX, min_nnodes MIN (config is the round's)
+        self.elastic = config.min_nnodes < config.nnodes  # --nnodes MIN:MAX
         self.me = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
-        self.rounds: dict[int, Round] = {}
+        self._round: Round | None = None  # the last round this launcher joined, of an elastic job
         self._last = 0  # the last round this launcher ran
         self.read: set[int] = set()  # the rounds whose record, another node's, this launcher counted as read
         self._records: dict[int, FailureRecord] = {}  # each round's record, once read: it never changes
@@ -79,16 +80,20 @@ class C10dRendezvous:
         The first round needs none: the ranks meet in node 0's store (a launcher without --node-rank takes its
         number there first). The nodes never change, but in an elastic job (--nnodes MIN:MAX:
         core/nodes/membership.py decides each round's, node 0 always first)."""
-        if self.launched.min_nnodes < self.launched.nnodes:
+        if self.elastic:
             return self._join_elastic(attempt)
         if self.config.node_rank is None:
             self.config = replace(self.config, node_rank=self._take_number())
         node, nnodes, timeout = self.config.node, self.config.nnodes, self.config.timeout
-        if attempt:
-            try:
-                self._join(attempt, node, nnodes, timeout)
-            except RendezvousGone:
-                raise self._no_round(attempt) from None
+        try:
+            missing = self.client.call(lambda s: join_barrier(s, attempt, node, nnodes, timeout)) if attempt else []
+        except RendezvousGone:
+            raise self._no_round(attempt) from None
+        if missing:
+            raise RendezvousError(
+                f"node(s) {names(missing)} did not join round {attempt} (restart {attempt} of "
+                f"{self.config.max_restarts}) within --timeout {timeout:g} s: their launchers are gone or stopped "
+                "(killed, preempted, machine lost); every node must be running to restart the group")
         return Round(attempt, nnodes, node, tuple(range(nnodes)), decided=self.launched.node_rank is None)
 
     def _take_number(self) -> int:
@@ -97,14 +102,17 @@ class C10dRendezvous:
         try:
             number = self.client.call(lambda s: take_number(s, self.me, nnodes))
         except RendezvousGone:
-            if self.client.reached:
-                raise self._no_round(0) from None
-            raise RendezvousError(self.client.gone_line()) from None
+            raise self._gone(0) from None
         if number is None:
             raise ConfigError(f"the job at {self.config.master_addr}:{self.port} has its --nnodes {nnodes} nodes "
                               f"already (node ranks 0-{nnodes - 1}, taken as the launchers came): this launcher is one "
                               f"too many; start every node with --nnodes {nnodes + 1} for one more, or stop this one")
         return int(number)
+
+    def _gone(self, attempt: int) -> RendezvousError:
+        """Node 0's store did not answer as this launcher joined: if it never did, no job there (not started, or
+        ended), not a loss."""
+        return self._no_round(attempt) if self.client.reached else RendezvousError(self.client.gone_line())
 
     def _no_round(self, attempt: int) -> StoreLost:
         return StoreLost(f"node 0's store at {self.launched.master_addr}:{self.port} is gone, so round {attempt} "
@@ -117,24 +125,15 @@ class C10dRendezvous:
             here, members = membership.join_round(
                 keys, keys.latest() if attempt == 0 else attempt, self.me, low=launched.min_nnodes,
                 high=launched.nnodes, node_rank=launched.node_rank, last_call=launched.rdzv_settings().last_call_timeout,
-                timeout=launched.timeout, previous=max(self.rounds.values(), key=lambda r: r.number, default=None),
+                timeout=launched.timeout, previous=self._round,
                 start_them=f"start the missing launchers with --nnodes {launched.min_nnodes}:{launched.nnodes} "
                            f"--master-addr {launched.master_addr} --master-port {self.port}")
         except RendezvousGone:
-            if not self.client.reached:  # nobody answered: no job there (not started, or ended), not a loss
-                raise RendezvousError(self.client.gone_line()) from None
-            raise self._no_round(attempt) from None
-        self.rounds[here.number] = here
+            raise self._gone(attempt) from None
+        self._round = here
         self.config = replace(launched, nnodes=here.nnodes, node_rank=here.node_rank)
         self.gone = set()  # node ranks are the new round's: those lost before are not among them
         return here
-
-    def _join(self, attempt: int, node: int, nnodes: int, timeout: float) -> None:
-        if missing := self.client.call(lambda s: join_barrier(s, attempt, node, nnodes, timeout)):
-            raise RendezvousError(
-                f"node(s) {names(missing)} did not join round {attempt} (restart {attempt} of "
-                f"{self.config.max_restarts}) within --timeout {timeout:g} s: their launchers are gone or stopped "
-                "(killed, preempted, machine lost); every node must be running to restart the group")
 
     def round_store(self, attempt: int, host: Callable[[str], int], script: bool = False) -> RoundStore:
         """Node 0's, at --master-addr and --master-port, for every round: no other node can take its place. A
@@ -162,7 +161,7 @@ class C10dRendezvous:
         gone meanwhile is none of its business, and node 0 stopped itself (Ctrl-C, a signal) keeps its store
         until the others read why (core/nodes/c10d_keys.py's ``until_read``; called shielded from a second one)."""
         me = self.config.node
-        if state in (NodeState.WAITING, NodeState.RETURNED) and self.launched.min_nnodes < self.launched.nnodes:
+        if state in (NodeState.WAITING, NodeState.RETURNED) and self.elastic:
             self.client.call(lambda s: close_door(s, attempt, state))  # first: no newcomer's admission hides a
             # failure, or restarts a job that is ending
         if state is not NodeState.ENDED:
@@ -186,8 +185,7 @@ class C10dRendezvous:
         def move(s: Any) -> bool:
             standing = s.compare_set(key, ABSENT, ABSENT).decode()  # one operation: the record, or ABSENT
             for _ in range(3):  # a compare that failed: the record as it stands now, once more
-                current = NodeState.RUNNING if standing == ABSENT else NodeState(standing.partition("/")[0])
-                if (counters := rules.move(current, target)) is None:
+                if (counters := rules.move(_state(standing), target)) is None:
                     return False
                 standing = s.compare_set(key, "" if standing == ABSENT else standing, mine).decode()
                 if standing == mine:
@@ -290,18 +288,12 @@ class C10dRendezvous:
         return dict(zip(nodes, self.client.call(read)))
 
     def stalled(self, attempt: int, before: dict[int, int]) -> list[int] | None:
-        """Other nodes whose beat did not move since ``before`` although they did not end the round.
-
-        None when that cannot be told yet: no node's beat, this one's included, moved by
-        :data:`_LIVE_BEATS` meanwhile. Then the beats stood still everywhere (a loaded machine starves the
-        beating threads, or node 0's store), which says nothing about any one node. A node is lost only when
-        its beat stood still while another's moved.
-
+        """Other nodes whose beat did not move since ``before`` while another's did, and that did not end the
+        round. None when no beat, this one's included, moved by :data:`_LIVE_BEATS`: beats that stood still
+        everywhere (a loaded machine starves the beating threads, or node 0's store) say nothing of one node.
         A node that never beat in this round is not lost by that alone: its launcher may still be making its
-        first connection to node 0's store, which imports torch (the round watch connects once the ranks
-        run); on a loaded machine that takes longer than any window of beats. Such a node is lost only by
-        :meth:`silent`, after --timeout.
-        """
+        first connection to node 0's store, which imports torch (the round watch connects once the ranks run),
+        longer on a loaded machine than any window of beats; only :meth:`silent` finds it lost, after --timeout."""
         me = self.config.node_rank
         after = self.heartbeats(attempt)
         still = [n for n in before if n != me and after[n] == before[n]]
@@ -318,14 +310,13 @@ class C10dRendezvous:
     def _not_ended(self, attempt: int, nodes: list[int]) -> list[int]:
         """Of ``nodes``, those that did not end the round: found lost from now on, their records moved to LOST
         (by the first node to find each: the others count it once)."""
-        lost = [n for n in nodes if self._move(attempt, n, NodeState.LOST) or self._state(attempt, n) is NodeState.LOST]
+        lost = [n for n in nodes if self._move(attempt, n, NodeState.LOST) or self.state(attempt, n) is NodeState.LOST]
         self.gone.update(lost)
         return lost
 
-    def _state(self, attempt: int, node: int) -> NodeState:
-        found = self.client.call(lambda s: s.compare_set(full_key(attempt, f"{protocol.STATE}/{node}"), ABSENT,
-                                                         ABSENT)).decode()
-        return NodeState.RUNNING if found == ABSENT else NodeState(found.partition("/")[0])
+    def state(self, attempt: int, node: int) -> NodeState:  # node ``node``'s record in round ``attempt``: one operation
+        key = full_key(attempt, f"{protocol.STATE}/{node}")
+        return _state(self.client.call(lambda s: s.compare_set(key, ABSENT, ABSENT)).decode())
 
     def count(self, attempt: int, counter: str) -> int:
         """How many nodes ``counter`` counts in round ``attempt``: one operation."""
@@ -341,15 +332,18 @@ class C10dRendezvous:
             came = max(nnodes, arrived(s, self._last))  # a spare that found the store gone said node 0 was lost
             return came - len(self.absent) - max(len(self.gone - self.absent), s.add(full_key(self._last, protocol.LOST), 0))
 
-        try:
+        with contextlib.suppress(RendezvousGone):
             self.client.call(lambda s: s.add(protocol.LEFT, 1), connect_timeout=2.0)
             if self.config.node_rank != 0:
                 return
             deadline = time.monotonic() + min(self.config.timeout, _LEAVE_WAIT)
             while self.client.call(lambda s: s.add(protocol.LEFT, 0) < waited_for(s)) and time.monotonic() < deadline:
                 time.sleep(POLL)
-        except RendezvousGone:
-            pass
+
+
+def _state(standing: str) -> NodeState:
+    """A node's record as the store holds it (its state, "/", the move's token); ABSENT: it never moved."""
+    return NodeState.RUNNING if standing == ABSENT else NodeState(standing.partition("/")[0])
 
 
 class C10dView(ViewOf["C10dRendezvous"]):

@@ -17,7 +17,7 @@ from typing import Any, Protocol
 from ...config import LaunchConfig
 from ...errors import RendezvousGone
 from ..stores.c10d_client import C10dClient
-from ..stores.store_beat import ABSENT, first_record, read_all, reads
+from ..stores.store_beat import first_record, peek, read_all, reads
 from ..wire import protocol
 from ..wire.protocol import FailureRecord, full_key
 from .api import POLL, ending
@@ -40,11 +40,12 @@ class C10dLink(Protocol):
 
     client: C10dClient  # node 0's store
     config: LaunchConfig  # this round's: nnodes and node_rank may change from round to round
-    launched: LaunchConfig  # as started: nnodes is MAX, min_nnodes MIN
+    elastic: bool  # --nnodes MIN:MAX
     gone: set[int]  # nodes found lost
     read: set[int]  # the rounds whose record, another node's, this launcher counted as read
 
     def record(self, attempt: int) -> FailureRecord | None: ...
+    def state(self, attempt: int, node: int) -> NodeState: ...
 
 
 def missing_ranks(s: Any, attempt: int, world_size: int) -> list[int]:
@@ -130,7 +131,7 @@ class C10dKeys:
         return int(self.link.client.call(put))
 
     def count(self, attempt: int) -> int:
-        return int(self.link.client.call(lambda s: s.add(full_key(attempt, _ARRIVALS), 0)))
+        return int(self.link.client.call(lambda s: arrived(s, attempt)))
 
     def claim(self, attempt: int, node_rank: int, me: str) -> str | None:
         """A launcher's first round: its --node-rank is taken by a member of the job's last decided round that came
@@ -151,25 +152,20 @@ class C10dKeys:
         members = list(json.loads(decided))
         if (node := holder(members, arrivals, node_rank)) is None:
             return None
-        key = full_key(attempt, f"{protocol.STATE}/{node}")
-        state = self.link.client.call(lambda s: s.compare_set(key, ABSENT, ABSENT)).decode()  # one operation
-        if state.startswith(f"{NodeState.LOST.value}/"):
+        if self.link.state(attempt, node) is NodeState.LOST:
             return None  # found lost: its replacement takes its rank
         return f"{members[node]} on {arrivals[members[node]].get('host')}"
 
     def arrivals(self, attempt: int) -> dict[str, str]:
         def read(s: Any) -> dict[str, str]:  # two operations, however many came (torch 2.1, 2.2: one a key)
-            count = s.add(full_key(attempt, _ARRIVALS), 0)
-            keys = [full_key(attempt, f"{_ARRIVALS}/{n}") for n in range(1, count + 1)]
-            values = read_all(s, keys)
-            return dict(json.loads(value) for value in values)
+            keys = [full_key(attempt, f"{_ARRIVALS}/{n}") for n in range(1, arrived(s, attempt) + 1)]
+            return dict(json.loads(value) for value in read_all(s, keys))
 
         return dict(self.link.client.call(read))
 
     def decided(self, attempt: int) -> str | None:
-        key = full_key(attempt, _MEMBERS)
-        found = self.link.client.call(lambda s: s.compare_set(key, ABSENT, ABSENT)).decode()  # one operation
-        return found if found != ABSENT else None
+        found = self.link.client.call(lambda s: peek(s, full_key(attempt, _MEMBERS)))  # one operation
+        return None if found is None else found.decode()
 
     def look(self, nodes: int) -> float:
         return poll_interval(nodes)
@@ -212,23 +208,18 @@ def until_read(link: C10dLink, attempt: int) -> None:
     every other launcher read why (:meth:`C10dRendezvous.record` counts each), or :data:`READ_WAIT`. Shielded
     from a second Ctrl-C by the caller: soon after the first, it ended the store before the others read the
     record, and they said "node 0 ... is gone" (measured: 2 of 6 runs, with the record written first)."""
-    if link.config.node_rank != 0:
-        return
-    others, deadline = link.config.nnodes - 1 - len(link.gone), time.monotonic() + READ_WAIT
-    with contextlib.suppress(RendezvousGone):
-        while link.client.call(lambda s: reads(s, attempt)) < others:
-            if time.monotonic() > deadline:
-                return
-            time.sleep(POLL)
+    if link.config.node_rank == 0:
+        with contextlib.suppress(RendezvousGone):
+            until_heard(link, attempt, link.config.nnodes - 1 - len(link.gone), POLL, READ_WAIT)
 
 
-def until_heard(link: C10dLink, attempt: int, readers: int, look: float) -> None:
+def until_heard(link: C10dLink, attempt: int, readers: int, look: float, wait: float = HEARD_WAIT) -> None:
     """Until ``readers`` nodes other than its writer have read round ``attempt``'s record (each counts its first read:
-    :func:`read`), or :data:`HEARD_WAIT` with the store up, looking every ``look`` seconds. RendezvousGone when node
+    :func:`read`), or ``wait`` with the store up, looking every ``look`` seconds. RendezvousGone when node
     0's store went first: a node that had not read the record then tells node 0's loss, and so must this one, so
     that every node tells one story (core/nodes/settle.py). A store that outlives the wait keeps the record for a
     node that reads it later."""
-    deadline = time.monotonic() + HEARD_WAIT
+    deadline = time.monotonic() + wait
     while link.client.call(lambda s: reads(s, attempt)) < readers:
         if time.monotonic() > deadline:
             return

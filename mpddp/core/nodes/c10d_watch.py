@@ -13,23 +13,15 @@ from .rules import NodeState
 
 
 class C10dRoundWatch(BeatThread):
-    """One round's heartbeat, from a daemon thread: a beat, progress between nodes, another node's failure.
-
-    The watchdog (core/launcher/watchdog.py) calls :meth:`progressed` when a local rank
-    computed and reads :attr:`remote_progress`, which moves when a rank on
-    another node did, so that no node declares a hang while another node's
-    ranks compute. :attr:`remote_failure` is set when another node wrote the
-    round's first failure: the attempt then stops this node's ranks.
-    """
+    """One round's beat on node 0's store (api.BeatThread), from a daemon thread."""
 
     link: C10dLink
 
-    def __init__(self, link: C10dLink, attempt: int,
-                 share: Callable[[bool], bytes | None] | None = None) -> None:
+    def __init__(self, link: C10dLink, attempt: int, share: Callable[[bool], bytes | None] | None) -> None:
         super().__init__(attempt, share)
         self.link = link
         self.beat = StoreBeat(attempt, link.config.node)
-        self.admits = link.launched.min_nnodes < link.launched.nnodes
+        self.admits = link.elastic
         self._thread.start()
 
     def _turn(self, step: int, snapshot: bytes | None, beats: int) -> int:
