@@ -302,3 +302,38 @@ def test_a_record_read_once_is_kept_once_node_0s_store_is_gone() -> None:
     del host  # node 0 leaves
     refused(port)
     assert link.record(0) == record  # as the settlement looks, after
+
+
+def test_a_record_read_as_node_0s_store_goes_is_kept(monkeypatch) -> None:
+    """Node 0's store gone between the record's read and the count of that read: the count raised, and the record
+    read was lost with it (the settlement then told node 0's loss). Now the record stands, and is kept."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+    from proxies import refused
+
+    from mpddp.config import LaunchConfig
+    from mpddp.core.nodes import c10d_keys
+    from mpddp.core.nodes.c10d import C10dRendezvous
+    from mpddp.core.stores.store_beat import first_record
+    from mpddp.core.wire.protocol import FailureRecord
+    from mpddp.errors import Outcome
+
+    port = free_port()
+    hosted = [dist.TCPStore("127.0.0.1", port, None, True, timedelta(seconds=30))]  # node 0's store
+    link = C10dRendezvous(LaunchConfig(nnodes=3, node_rank=1, master_addr="127.0.0.1", master_port=port,
+                                       timeout=10), port, 1)
+    record = FailureRecord(rank=2, node_rank=2, local_rank=0, outcome=Outcome.RAISED, exit_code=1,
+                           line="mpddp: rank 2 (node 2, local rank 0) failed first", wall_time=time.time(), writer=2)
+    first_record(hosted[0], 0, record.encode())
+    counted = c10d_keys.reads
+
+    def store_goes_first(s, attempt, mine=0):  # node 0 leaves just before the read is counted
+        if hosted:
+            hosted.clear()
+            refused(port)
+        return counted(s, attempt, mine=mine)
+
+    monkeypatch.setattr(c10d_keys, "reads", store_goes_first)
+    assert link.record(0) == record and not hosted  # read, then the store went: the count could not be made
+    assert link.record(0) == record  # as the settlement looks, after

@@ -227,8 +227,10 @@ def until_heard(link: C10dLink, attempt: int, readers: int, look: float, wait: f
 
 
 def read(link: C10dLink, attempt: int, record: FailureRecord) -> FailureRecord:
-    """``record``, just read from the store: counted once for :func:`until_read` when another node wrote it."""
+    """``record``, just read from the store: counted once for :func:`until_read` when another node wrote it. A store
+    gone before the count waits for none, and the record read stands (it raised, and the record was not kept)."""
     if record.writer != link.config.node_rank and attempt not in link.read:
         link.read.add(attempt)
-        link.client.call(lambda s: reads(s, attempt, mine=1))
+        with contextlib.suppress(RendezvousGone):
+            link.client.call(lambda s: reads(s, attempt, mine=1))
     return record
