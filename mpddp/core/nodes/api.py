@@ -1,39 +1,30 @@
 """The seam between the launcher and what the nodes of a job agree on: one interface, a backend behind it.
 
-Owns: :class:`Rendezvous`, what a launcher asks of the other nodes of its
-job, whichever backend keeps it (``c10d``: node 0's TCPStore,
-core/nodes/c10d.py; ``etcd``: core/nodes/etcd.py), :class:`RoundView`, one look
-at a round, and :class:`RoundWatch`, the beat of one round seen from the
-attempt; the error a backend raises when it stops answering
-(:class:`RendezvousGone`) and the beat's timing; core/nodes/backends.py
-picks a backend by name. What crosses the seam is plain values,
-core/nodes/rules.py's :class:`~mpddp.core.nodes.rules.NodeState` and
-:class:`~mpddp.core.wire.protocol.FailureRecord`. Above core/nodes/ nothing
-names a backend: the launcher and the settlement (core/nodes/settle.py) use
-this module only, and a test keeps it so.
+Owns: :class:`Rendezvous`, what a launcher asks of the other nodes of its job, whichever backend keeps it (``c10d``:
+node 0's TCPStore, core/nodes/c10d.py; ``etcd``: core/nodes/etcd.py; core/nodes/backends.py picks one by name);
+:class:`RoundWatch`, one round's beat as the attempt sees it, and :class:`BeatThread`, its loop; the beat's timing.
+What crosses the seam is plain values: core/nodes/rules.py's :class:`~mpddp.core.nodes.rules.NodeState` and
+:class:`~mpddp.core.nodes.rules.RoundView` (one look at a round), and :class:`~mpddp.core.wire.protocol.FailureRecord`;
+a backend that stops answering raises :class:`~mpddp.errors.RendezvousGone`. Above core/nodes/ nothing names a
+backend: the launcher and the settlement (core/nodes/settle.py) use this module only, and a test keeps it so.
 
 A backend is storage, liveness and a watch, in ten methods:
 
-* a round: :meth:`~Rendezvous.join` it (its :class:`Round` says who), where
-  its stores listen (:meth:`~Rendezvous.round_store`, a :class:`RoundStore`:
-  node 0's for the whole job, or one per round that its first node hosts; and
-  a restarted env:// script's own), :meth:`~Rendezvous.watch` it (the beat), and :meth:`~Rendezvous.move` this
-  node's record in it (waiting, returned, ended: the one transition function);
-* its first failure: :meth:`~Rendezvous.publish` (the first writer wins), and
-  :meth:`~Rendezvous.until_heard` (told once every node can tell it: a store
-  that can go with a node waits for the others to read it);
-* one look at it: :meth:`~Rendezvous.view` (the record, who is busy, whose
-  ranks returned, who waits, who never arrived), and who is
-  :meth:`~Rendezvous.lost` (by the backend's own means: beats, or leases);
-* what a node hears when the backend itself is gone: :meth:`~Rendezvous.last_word`
-  (node 0's, where it hosts the store; etcd full, the record on the round's
-  store); why it went is worded by the client that found it gone
+* a round: :meth:`~Rendezvous.join` it (its :class:`Round` says who), where its stores listen
+  (:meth:`~Rendezvous.round_store`, a :class:`RoundStore`: node 0's for the whole job, or one per round that its first
+  node hosts; and a restarted env:// script's own), :meth:`~Rendezvous.watch` it (the beat), and
+  :meth:`~Rendezvous.move` this node's record in it (waiting, returned, ended: the one transition function);
+* its first failure: :meth:`~Rendezvous.publish` (the first writer wins), and :meth:`~Rendezvous.until_heard` (told
+  once every node can tell it: a store that can go with a node waits for the others to read it);
+* one look at it: :meth:`~Rendezvous.view` (the record, who is busy, whose ranks returned, who waits, who never
+  arrived), and who is :meth:`~Rendezvous.lost` (by the backend's own means: beats, or leases);
+* what a node hears when the backend itself is gone: :meth:`~Rendezvous.last_word` (node 0's, where it hosts the
+  store; etcd full, the record on the round's store); why it went is worded by the client that found it gone
   (:class:`~mpddp.errors.RendezvousGone`'s ``line``);
 * :meth:`~Rendezvous.leave` the job.
 
-What is not a backend's is above it: :func:`stopped` (a record like any
-other), core/nodes/settle.py's wait for the record and :func:`~mpddp.core.nodes.settle.finish`
-(loops over views, by the rules), and the error a gone backend means.
+What is not a backend's is above it: :func:`stopped` (a record like any other), core/nodes/settle.py's wait for the
+record and :func:`~mpddp.core.nodes.settle.finish` (loops over views, by the rules), and the error a gone backend means.
 """
 
 from __future__ import annotations
