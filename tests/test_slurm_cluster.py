@@ -16,6 +16,7 @@ import re
 import shutil
 import socket
 import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -53,7 +54,9 @@ class SlurmCI:
         self.work = work
         self.mode: str | None = None
         self.env = {**os.environ, "CI_SLURM_DIR": str(work / "slurm"), "CI_SLURM_PORT": str(_free_port_pair()),
-                    "FAKE_GPUS": "2", "SLURM_CONF": str(work / "slurm" / "slurm.conf"), "PYTHONPATH": str(REPO)}
+                    "FAKE_GPUS": "2", "SLURM_CONF": str(work / "slurm" / "slurm.conf"), "PYTHONPATH": str(REPO),
+                    # the jobs' "python", as in a user's batch script, is this run's (a venv not activated too)
+                    "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])}
         for name in [n for n in self.env if n.startswith("SLURM_") and n != "SLURM_CONF"]:
             del self.env[name]  # a test run inside a SLURM job must not pass its own job's layout on
 
