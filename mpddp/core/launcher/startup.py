@@ -42,7 +42,6 @@ TRAINING_PRELOAD = ("torch._dynamo",)
 TRAIN_COMMAND_PRELOAD = (*TRAINING_PRELOAD, "mpddp.trainer.loop")
 _in_forkserver = False  # True in the forkserver only; each child it forks sets it back at once
 _START_LOCK = threading.Lock()  # launches from several threads: one forkserver, started once, with our variables
-_FIRST_CACHE: list[str] = []  # torch's compile cache the first forkserver makes (core/rank/forkserver.py)
 
 
 def refuse_bootstrap() -> None:
@@ -105,7 +104,9 @@ def start_forkserver(method: str = "forkserver", preload: Sequence[str] = ()) ->
     # the stdlib's context: importing torch.multiprocessing would import all of torch first
     multiprocessing.get_context(method).set_forkserver_preload([*FORKSERVER_PRELOAD, *preload])
     if forkserver_pid() is None and (cache := new_inductor_cache()) is not None:
-        _FIRST_CACHE.append(cache)  # the forkserver makes it, and removes it as it exits
+        # the forkserver makes it and removes it as it exits; this process too, at its exit, for a forkserver that
+        # could not (killed as it imported, by stop_helpers or from outside)
+        atexit.register(_remove_if_empty, cache)
     _ensure_running()
 
 
@@ -113,9 +114,8 @@ def restart_forkserver() -> int | None:
     """A new forkserver in place of the job's, killed from outside while its ranks ran, before the next round
     starts: with mpddp's duties (core/rank/forkserver.py) and the modules the first one preloaded. Left to
     multiprocessing, the next start made one silently, without either. Its pid. The compile cache the lost one
-    made, it could not remove: the new one finds it there, and this process removes it at exit, if empty."""
-    for cache in _FIRST_CACHE:
-        atexit.register(_remove_if_empty, cache)
+    made, it could not remove: the new one finds it there, and this process removes it at exit, if empty
+    (:func:`start_forkserver`)."""
     _ensure_running()
     return forkserver_pid()
 
@@ -168,16 +168,12 @@ def stop_helpers(timeout: float = 3.0) -> None:
     server = forkserver_pid()
     worker = _stopping_helpers()
     worker.join(_HELPER_PATIENCE)
-    killed = worker.is_alive() and server is not None and teardown.alive(server)
-    if killed and server is not None:
+    if worker.is_alive() and server is not None and teardown.alive(server):
         # still importing torch (a Ctrl-C during start-up, bad input): it notices its closed pipe only once the
         # import is done, seconds later; it has started nothing yet that needs it, so it is stopped now
         with contextlib.suppress(OSError):
             os.kill(server, signal.SIGKILL)
     worker.join(timeout)  # a helper that does not exit must not hold the launcher
-    if killed:  # the compile cache its import made, which it could not remove (once in CI: mpddp train, bad input)
-        for cache in _FIRST_CACHE:
-            _remove_if_empty(cache)
 
 
 def exits_after_launch() -> None:
