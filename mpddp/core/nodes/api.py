@@ -36,11 +36,11 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Generic, Protocol, TypeVar
+from typing import Protocol
 
 from ... import rank_math
 from ...config import LaunchConfig
-from ...errors import Outcome, RendezvousGone, StoreLost
+from ...errors import NeverArrived, Outcome, RendezvousGone, StoreLost
 from ..stores.store_beat import WATCHED_FOR, StoreBeat
 from ..wire import protocol
 from ..wire.protocol import FailureRecord
@@ -135,19 +135,53 @@ class _Records(Protocol):
     def record(self, attempt: int) -> FailureRecord | None: ...
 
 
-_Link = TypeVar("_Link", bound=_Records)
+class Tally(_Records, Protocol):
+    """What :class:`View` reads of a round in a backend's store: its record, and core/nodes/rules.py's counters
+    (a key a node, counted without being read; each entry numbered, or under a prefix)."""
+
+    config: LaunchConfig
+
+    def counted(self, attempt: int, counter: str) -> int: ...  # its nodes (and the lost that could not enter it)
+    def entries(self, attempt: int, counter: str) -> dict[int, float]: ...  # each and when it entered: read once
+    def marked(self, attempt: int, counter: str, nodes: set[int]) -> bool: ...  # every one of ``nodes`` is in it
+    def arrived(self, attempt: int) -> int: ...  # the launchers that came to the round (elastic: 0 else)
+    def never_arrived(self, attempt: int) -> NeverArrived | None: ...  # the nodes whose ranks never came
 
 
-class ViewOf(Generic[_Link]):
-    """What both backends' looks at a round (:class:`~mpddp.core.nodes.rules.RoundView`) share: their link and
-    round, and the round's record, read when first asked and once (as each of their other values)."""
+class View:
+    """One look at a round (core/nodes/rules.py's :class:`~mpddp.core.nodes.rules.RoundView`) on either backend:
+    each value read when first asked, and once, as a count while no node's key needs reading."""
 
-    def __init__(self, link: _Link, attempt: int) -> None:
+    def __init__(self, link: Tally, attempt: int) -> None:
         self.link, self.attempt = link, attempt
 
     @functools.cached_property
     def record(self) -> FailureRecord | None:
         return self.link.record(self.attempt)
+
+    @functools.cached_property
+    def busy(self) -> bool:
+        return self.link.counted(self.attempt, protocol.QUIET) < self.link.config.nnodes
+
+    @functools.cached_property
+    def pending(self) -> bool:
+        return self.link.counted(self.attempt, protocol.DONE) < self.link.config.nnodes
+
+    @functools.cached_property
+    def returned(self) -> dict[int, float]:
+        me = self.link.config.node_rank
+        return {n: when for n, when in self.link.entries(self.attempt, protocol.RETURNED).items() if n != me}
+
+    @functools.cached_property
+    def never_arrived(self) -> NeverArrived | None:
+        return self.link.never_arrived(self.attempt)
+
+    @functools.cached_property
+    def arrived(self) -> int:
+        return self.link.arrived(self.attempt)
+
+    def waiting(self, nodes: set[int]) -> bool:
+        return bool(nodes) and self.link.marked(self.attempt, protocol.WAITING, nodes)
 
 
 class BeatThread:

@@ -11,7 +11,6 @@ that never beat for --timeout. Its cost: node 0 is special; when its machine is 
 from __future__ import annotations
 
 import contextlib
-import functools
 import json
 import os
 import socket
@@ -31,7 +30,7 @@ from ..stores.store_beat import ABSENT, first_record, read_all, record_of
 from ..wire import protocol
 from ..wire.protocol import FailureRecord, full_key
 from . import c10d_keys, membership, rules
-from .api import POLL, STALLED_AFTER, Lost, Round, RoundStore, ViewOf, names
+from .api import POLL, STALLED_AFTER, Lost, Round, RoundStore, View, names
 from .c10d_keys import C10dKeys, arrived, close_door, join_barrier, missing_ranks, take_number
 from .c10d_watch import C10dRoundWatch
 from .rules import NodeState
@@ -249,11 +248,11 @@ class C10dRendezvous:
             return
         came = [n for n in range(self.config.nnodes) if n not in self.absent]  # 1 of 100,000: 1 key, not 100,000
         beaten = [n for n, beat in self.heartbeats(attempt, came).items() if beat > 0 and n != record.writer]
-        c10d_keys.until_heard(self, attempt, len(beaten) - self.count(attempt, protocol.LOST),
+        c10d_keys.until_heard(self, attempt, len(beaten) - self.counted(attempt, protocol.LOST),
                               max(0.01, membership.poll_interval(self.config.nnodes) / 10))
 
-    def view(self, attempt: int) -> C10dView:
-        return C10dView(self, attempt)
+    def view(self, attempt: int) -> View:
+        return View(self, attempt)
 
     def lost(self, attempt: int, since: float) -> Lost | None:
         """The other nodes found lost since this node began to wait (``since``): a beat that stood still over a
@@ -318,9 +317,26 @@ class C10dRendezvous:
         key = full_key(attempt, f"{protocol.STATE}/{node}")
         return _state(self.client.call(lambda s: s.compare_set(key, ABSENT, ABSENT)).decode())
 
-    def count(self, attempt: int, counter: str) -> int:
-        """How many nodes ``counter`` counts in round ``attempt``: one operation."""
+    def counted(self, attempt: int, counter: str) -> int:
+        """How many nodes ``counter`` counts in round ``attempt``: one operation (a lost node is moved to LOST by
+        the node that found it, and so counted)."""
         return int(self.client.call(lambda s: s.add(full_key(attempt, counter), 0)))
+
+    def entries(self, attempt: int, counter: str) -> dict[int, float]:
+        """The nodes ``counter`` counts, and when each came in: one operation while it counts none, two else (its
+        entries, numbered)."""
+        def read(s: Any) -> list[bytes]:
+            count = s.add(full_key(attempt, counter), 0)
+            return read_all(s, [full_key(attempt, f"{counter}#{n}") for n in range(1, count + 1)])
+
+        return {int(node): float(when) for node, when in map(json.loads, self.client.call(read))}
+
+    def marked(self, attempt: int, counter: str, nodes: set[int]) -> bool:
+        keys = [full_key(attempt, f"{counter}/{n}") for n in sorted(nodes)]
+        return bool(self.client.call(lambda s: s.check(keys)))
+
+    def arrived(self, attempt: int) -> int:
+        return int(self.client.call(lambda s: arrived(s, attempt)))  # one operation (0 where --nnodes is fixed)
 
     def leave(self) -> None:
         """Done with the store. Node 0 keeps it until every other launcher has left too (or a short while), a spare
@@ -344,40 +360,3 @@ class C10dRendezvous:
 def _state(standing: str) -> NodeState:
     """A node's record as the store holds it (its state, "/", the move's token); ABSENT: it never moved."""
     return NodeState.RUNNING if standing == ABSENT else NodeState(standing.partition("/")[0])
-
-
-class C10dView(ViewOf["C10dRendezvous"]):
-    """One look at a round in node 0's store (api.RoundView): each value read when first asked, and once."""
-
-    @functools.cached_property
-    def busy(self) -> bool:
-        """One operation: QUIET counts the nodes that wait, returned, ended or were found lost."""
-        return self.link.count(self.attempt, protocol.QUIET) < self.link.config.nnodes
-
-    @functools.cached_property
-    def pending(self) -> bool:
-        return self.link.count(self.attempt, protocol.DONE) < self.link.config.nnodes
-
-    @functools.cached_property
-    def arrived(self) -> int:
-        return C10dKeys(self.link).count(self.attempt)  # one operation (0 where --nnodes is fixed)
-
-    @functools.cached_property
-    def returned(self) -> dict[int, float]:
-        """One operation while no other node's ranks returned, two once some did (their entries, numbered)."""
-        attempt, me = self.attempt, self.link.config.node_rank
-
-        def read(s: Any) -> list[bytes]:
-            count = s.add(full_key(attempt, protocol.RETURNED), 0)
-            return read_all(s, [full_key(attempt, f"{protocol.RETURNED}#{n}") for n in range(1, count + 1)])
-
-        entries = [json.loads(value) for value in self.link.client.call(read)]
-        return {int(node): float(when) for node, when in entries if node != me}
-
-    @functools.cached_property
-    def never_arrived(self) -> NeverArrived | None:
-        return self.link.never_arrived(self.attempt)
-
-    def waiting(self, nodes: set[int]) -> bool:
-        keys = [full_key(self.attempt, f"{protocol.WAITING}/{n}") for n in sorted(nodes)]
-        return bool(keys) and bool(self.link.client.call(lambda s: s.check(keys)))

@@ -17,7 +17,6 @@ the last and compacts etcd's history; the last launcher to leave removes the job
 from __future__ import annotations
 
 import contextlib
-import functools
 import os
 import socket
 import time
@@ -34,7 +33,7 @@ from ..stores.etcd_kv import EtcdKV, absent, equal, found, put, read
 from ..stores.store_beat import StoreBeat
 from ..wire.protocol import FailureRecord
 from . import membership
-from .api import Lost, Round, RoundLost, RoundStore, ViewOf
+from .api import Lost, Round, RoundLost, RoundStore, View
 from .etcd_identity import Identity
 from .etcd_keys import EtcdKeys, EtcdRoundWatch, etcd_interval
 from .rules import NodeState, move
@@ -268,8 +267,8 @@ class EtcdRendezvous(EtcdKV):
         HTTP gateway serves a few hundred streams at once (etcd_keys.py's await_decided)."""
         return etcd_interval(self.config.nnodes)
 
-    def view(self, attempt: int) -> EtcdView:
-        return EtcdView(self, attempt)
+    def view(self, attempt: int) -> View:
+        return View(self, attempt)
 
     def lost(self, attempt: int, since: float) -> Lost | None:
         """The nodes whose lease ran out before they ended the round (:meth:`stalled`): known as soon as etcd
@@ -297,11 +296,25 @@ class EtcdRendezvous(EtcdKV):
         self.gone.update(lost)
         return sorted(set(lost) | (known & self.gone))
 
-    def short_of(self, attempt: int, mark: str) -> bool:
-        """Fewer nodes have put ``mark`` (or are lost without it) than the round has: counted, not read."""
+    def counted(self, attempt: int, counter: str) -> int:
+        """The nodes that have put ``counter``'s mark, and those lost without it: a count, no key read."""
         lost = self.stalled(attempt)
-        unmarked = sum(self.get(self.key(attempt, mark, n)) is None for n in lost)
-        return self.count(self.key(attempt, mark + "/")) + unmarked < self.config.nnodes
+        unmarked = sum(self.get(self.key(attempt, counter, n)) is None for n in lost)
+        return self.count(self.key(attempt, counter + "/")) + unmarked
+
+    def entries(self, attempt: int, counter: str) -> dict[int, float]:
+        """One request (a count) while no node put ``counter``'s mark; their keys once some did."""
+        key = self.key(attempt, counter + "/")
+        return {int(n): float(v) for n, v in self.under(key).items()} if self.count(key) else {}
+
+    def marked(self, attempt: int, counter: str, nodes: set[int]) -> bool:
+        return all(self.get(self.key(attempt, counter, n)) is not None for n in sorted(nodes))
+
+    def arrived(self, attempt: int) -> int:
+        return self.count(self.key(attempt, "join/"))  # one request, a count
+
+    def never_arrived(self, attempt: int) -> None:
+        return None  # a round starts with the nodes that joined it: none can be missing from it
 
     def last_word(self, attempt: int) -> FailureRecord | None:
         """etcd full, and then no answer to this node (a slow member on a loaded machine, in CI): the round's
@@ -346,35 +359,3 @@ class EtcdRendezvous(EtcdKV):
         port = host(address)
         self.set_store(attempt, address, port)
         return RoundStore(address, port)
-
-
-
-class EtcdView(ViewOf["EtcdRendezvous"]):
-    """One look at a round in etcd (api.RoundView): each value read when first asked, and once; a count while
-    no key needs reading."""
-
-    @functools.cached_property
-    def busy(self) -> bool:
-        return self.link.short_of(self.attempt, "quiet")
-
-    @functools.cached_property
-    def pending(self) -> bool:
-        return self.link.short_of(self.attempt, "done")
-
-    @functools.cached_property
-    def returned(self) -> dict[int, float]:
-        """One request (a count) while no node's ranks returned; their keys once some did."""
-        link, me, key = self.link, self.link.config.node_rank, self.link.key(self.attempt, "returned/")
-        if not link.count(key):
-            return {}
-        return {int(n): float(v) for n, v in link.under(key).items() if int(n) != me}
-
-    never_arrived = None  # a round starts with the nodes that joined it: none can be missing from it
-
-    @functools.cached_property
-    def arrived(self) -> int:
-        return self.link.count(self.link.key(self.attempt, "join/"))  # one request, a count
-
-    def waiting(self, nodes: set[int]) -> bool:
-        link = self.link
-        return bool(nodes) and all(link.get(link.key(self.attempt, "waiting", n)) is not None for n in sorted(nodes))
