@@ -313,8 +313,8 @@ def test_a_record_read_as_node_0s_store_goes_is_kept(monkeypatch) -> None:
     from proxies import refused
 
     from mpddp.config import LaunchConfig
-    from mpddp.core.nodes import c10d_keys
     from mpddp.core.nodes.c10d import C10dRendezvous
+    from mpddp.core.stores import store_beat
     from mpddp.core.stores.store_beat import first_record
     from mpddp.core.wire.protocol import FailureRecord
     from mpddp.errors import Outcome
@@ -326,7 +326,7 @@ def test_a_record_read_as_node_0s_store_goes_is_kept(monkeypatch) -> None:
     record = FailureRecord(rank=2, node_rank=2, local_rank=0, outcome=Outcome.RAISED, exit_code=1,
                            line="mpddp: rank 2 (node 2, local rank 0) failed first", wall_time=time.time(), writer=2)
     first_record(hosted[0], 0, record.encode())
-    counted = c10d_keys.reads
+    counted = store_beat.reads
 
     def store_goes_first(s, attempt, mine=0):  # node 0 leaves just before the read is counted
         if hosted:
@@ -334,6 +334,6 @@ def test_a_record_read_as_node_0s_store_goes_is_kept(monkeypatch) -> None:
             refused(port)
         return counted(s, attempt, mine=mine)
 
-    monkeypatch.setattr(c10d_keys, "reads", store_goes_first)
+    monkeypatch.setattr(store_beat, "reads", store_goes_first)
     assert link.record(0) == record and not hosted  # read, then the store went: the count could not be made
     assert link.record(0) == record  # as the settlement looks, after

@@ -147,7 +147,7 @@ def test_a_record_the_watch_read_is_kept_once_its_store_is_gone(etcd_cluster) ->
         assert reads(host, 0) == 1
         del host  # the store's host leaves: every read it waited for was counted
         refused(port)
-        assert watch.record() == record  # as the settlement looks, after
+        assert watch.record() == FailureRecord.decode(record)  # as the settlement looks, after
     finally:
         if watch is not None:
             _ended(watch)
@@ -189,7 +189,7 @@ def test_a_round_watch_reads_the_record_after_its_connection_to_the_store_was_cu
         while (read := watch.record()) is None:
             assert time.monotonic() < deadline, "the watch never read the record on its store again"
             time.sleep(0.1)
-        assert read == record
+        assert read == FailureRecord.decode(record)
         assert reads(host, 0) == 1  # counted once as read: its host may leave
     finally:
         if watch is not None:

@@ -14,7 +14,6 @@ import contextlib
 import json
 import os
 import socket
-import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -26,16 +25,18 @@ from ...config import LaunchConfig
 from ...errors import ConfigError, NeverArrived, Outcome, RendezvousError, RendezvousGone, StoreLost
 from ..stores import last_word
 from ..stores.c10d_client import C10dClient
-from ..stores.store_beat import ABSENT, first_record, read_all, record_of
+from ..stores.store_beat import ABSENT, KeptRecord, first_record, read_all
 from ..wire import protocol
 from ..wire.protocol import FailureRecord, full_key
-from . import c10d_keys, membership, rules
+from . import membership, rules
 from .api import POLL, STALLED_AFTER, Lost, Round, RoundStore, View, names
 from .c10d_keys import C10dKeys, arrived, close_door, join_barrier, missing_ranks, take_number
 from .c10d_watch import C10dRoundWatch
 from .rules import NodeState
 
 _LIVE_BEATS = 12  # ... by at least this many beats (3 s of them): a starved launcher beats again before that
+READ_WAIT = 3.0  # seconds node 0, stopped itself, keeps its store for the others to read why, at most
+HEARD_WAIT = 2.0  # seconds a node waits for the others to read the round's record before it tells it, at most
 _LEAVE_WAIT = 10.0  # seconds node 0 keeps the store for the other launchers to read the last round
 _NODE0_ONLY = ("not restarted: node 0 hosted the job's store (--rdzv-backend c10d), and no other node can take its "
                "place; with --rdzv-backend etcd the job survives the loss of any node, node 0 included")
@@ -58,9 +59,7 @@ class C10dRendezvous:
         self.me = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self._round: Round | None = None  # the last round this launcher joined, of an elastic job
         self._last = 0  # the last round this launcher ran
-        self.read: set[int] = set()  # the rounds whose record, another node's, this launcher counted as read
-        self._records: dict[int, FailureRecord] = {}  # each round's record, once read: it never changes
-        self._record_lock = threading.Lock()  # the beat's thread and the settlement's looks: one read counted
+        self._kept: dict[int, KeptRecord] = {}  # each round's record, as this launcher read it
         self.stopped_in: set[int] = set()  # the rounds whose record this launcher wrote as it was stopped
         self._window: tuple[tuple[int, float], dict[int, int], float] | None = None  # lost(): (wait, beats, since)
         self._moves = 0  # this launcher's moves of a record, for a token of its own
@@ -158,7 +157,7 @@ class C10dRendezvous:
     def move(self, attempt: int, state: NodeState) -> None:
         """This node's record in round ``attempt`` moved to ``state`` (:meth:`_move`). Its end is no loss: a store
         gone meanwhile is none of its business, and node 0 stopped itself (Ctrl-C, a signal) keeps its store
-        until the others read why (core/nodes/c10d_keys.py's ``until_read``; called shielded from a second one)."""
+        until the others read why (called shielded from a second one)."""
         me = self.config.node
         if state in (NodeState.WAITING, NodeState.RETURNED) and self.elastic:
             self.client.call(lambda s: close_door(s, attempt, state))  # first: no newcomer's admission hides a
@@ -168,9 +167,12 @@ class C10dRendezvous:
             return
         with contextlib.suppress(RendezvousGone):
             self._move(attempt, me, state, connect_timeout=2.0)
-        if attempt in self.stopped_in:  # once: the attempt's end moves it again, to no effect
-            self.stopped_in.discard(attempt)
-            c10d_keys.until_read(self, attempt)
+        if attempt in self.stopped_in and self.config.node_rank == 0:  # once: the attempt's end moves it again
+            self.stopped_in.discard(attempt)  # node 0 stopped itself: its store stays until every other launcher
+            with contextlib.suppress(RendezvousGone):  # read why, or READ_WAIT (a second Ctrl-C soon after the
+                # first ended the store before they read it, and they said "node 0 ... is gone": 2 of 6 runs)
+                KeptRecord.until_read(self.client.call, attempt, self.config.nnodes - 1 - len(self.gone), READ_WAIT,
+                                      POLL)
 
     def _move(self, attempt: int, node: int, target: NodeState, connect_timeout: float | None = None) -> bool:
         """Node ``node``'s record in round ``attempt`` moved to ``target`` by compare-and-set (core/nodes/rules.py's
@@ -220,36 +222,32 @@ class C10dRendezvous:
 
     def record(self, attempt: int) -> FailureRecord | None:
         """The round's record, once written; read once as another node's, it is counted for node 0's wait until the
-        others read why (core/nodes/c10d_keys.py's ``until_read``). Kept once read: node 0 stopped itself leaves
-        once every node counted its read, and a read the beat's thread counted must not be looked for again in a
-        store that may be gone by then (as it was under etcd's round store, measured)."""
-        with self._record_lock:
-            if (kept := self._records.get(attempt)) is not None:
-                return kept
-            if (data := self.client.call(lambda s: record_of(s, attempt))) is None:
-                return None
-            self._records[attempt] = c10d_keys.read(self, attempt, FailureRecord.decode(data))
-            return self._records[attempt]
+        others read why (:meth:`move`), and kept (core/stores/store_beat.py's ``KeptRecord``)."""
+        return self._kept_in(attempt).read(self.client.call)
+
+    def _kept_in(self, attempt: int) -> KeptRecord:
+        return self._kept.setdefault(attempt, KeptRecord(attempt, self.config.node_rank))  # None: a spare
 
     def publish(self, attempt: int, record: FailureRecord) -> FailureRecord:
-        """Write the round's first failure unless another node did first; the record that stands. Its writer
-        also adds :data:`~mpddp.core.wire.protocol.FAILED` to the progress counter: every node's next beat sees it."""
+        """Write the round's first failure unless another node did first; the record that stands (read, where another
+        node's). Its writer also adds :data:`~mpddp.core.wire.protocol.FAILED` to the progress counter: every node's
+        next beat sees it."""
         if record.outcome is Outcome.STOPPED and record.node_rank == self.config.node:
             self.stopped_in.add(attempt)
         standing = FailureRecord.decode(self.client.call(lambda s: first_record(
             s, attempt, replace(record, writer=self.config.node).encode())))
-        with self._record_lock:  # another's that stands: read, and counted once
-            return c10d_keys.read(self, attempt, standing)
+        return self._kept_in(attempt).standing(self.client.call, standing)
 
     def until_heard(self, attempt: int) -> None:
-        """Until every other node that beat in round ``attempt`` and was not found lost has read its record, or a
-        short while (core/nodes/c10d_keys.py's ``until_heard``); RendezvousGone when node 0's store went first."""
+        """Until every other node that beat in round ``attempt`` and was not found lost has read its record, or
+        HEARD_WAIT. RendezvousGone when node 0's store went first: a node that had not read the record then tells
+        node 0's loss, and so must this one, so that every node tells one story (core/nodes/settle.py)."""
         if (record := self.record(attempt)) is None:
             return
         came = [n for n in range(self.config.nnodes) if n not in self.absent]  # 1 of 100,000: 1 key, not 100,000
         beaten = [n for n, beat in self.heartbeats(attempt, came).items() if beat > 0 and n != record.writer]
-        c10d_keys.until_heard(self, attempt, len(beaten) - self.counted(attempt, protocol.LOST),
-                              max(0.01, membership.poll_interval(self.config.nnodes) / 10))
+        KeptRecord.until_read(self.client.call, attempt, len(beaten) - self.counted(attempt, protocol.LOST),
+                              HEARD_WAIT, max(0.01, membership.poll_interval(self.config.nnodes) / 10))
 
     def view(self, attempt: int) -> View:
         return View(self, attempt)

@@ -1,26 +1,22 @@
 """What the ``c10d`` backend keeps in node 0's store beyond the round's own keys: core/nodes/membership.py's, for
-an elastic job, and a round's door (a newcomer is admitted until a node waits for a failure or returned); a fixed-size job's
-numbers for the launchers that come without ``--node-rank``; a restarted round's barrier; the ranks that never
-came; and the waits of a store that goes with its host (node 0's): every node's until the others read the round's
-record before it tells it (:func:`until_heard`), and node 0's, stopped itself, until they read why
-(:func:`until_read`), each read counted once (:func:`read`). Also :class:`C10dLink`, what this module and
-core/nodes/c10d_watch.py use of the backend (core/nodes/c10d.py), which imports them."""
+an elastic job, and a round's door (a newcomer is admitted until a node waits for a failure or returned); a
+fixed-size job's numbers for the launchers that come without ``--node-rank``; a restarted round's barrier; and the
+ranks that never came. Also :class:`C10dLink`, what this module and core/nodes/c10d_watch.py use of the backend
+(core/nodes/c10d.py), which imports them."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import time
 from datetime import timedelta
 from typing import Any, Protocol
 
 from ...config import LaunchConfig
-from ...errors import RendezvousGone
 from ..stores.c10d_client import C10dClient
-from ..stores.store_beat import first_record, peek, read_all, reads
+from ..stores.store_beat import first_record, peek, read_all
 from ..wire import protocol
 from ..wire.protocol import FailureRecord, full_key
-from .api import POLL, ending
+from .api import ending
 from .membership import poll_interval
 from .rules import Door, NodeState, door, holder
 
@@ -31,8 +27,6 @@ _MARKS = (FAILING.encode(), CLOSED.encode())
 _DOOR_MARKS = {NodeState.WAITING: FAILING, NodeState.RETURNED: CLOSED}  # the moves that shut a round's door, and how
 _ROUND = "mpddp/job/round"  # the round an elastic job is in now, for a launcher that comes late
 _NUMBERED = "mpddp/job/numbered"  # a counter: the launchers of a fixed-size job numbered as they came (1, 2, ...)
-READ_WAIT = 3.0  # seconds node 0, stopped itself, keeps its store for the others to read why, at most
-HEARD_WAIT = 2.0  # seconds a node waits for the others to read the round's record before it tells it, at most
 
 
 class C10dLink(Protocol):
@@ -42,7 +36,6 @@ class C10dLink(Protocol):
     config: LaunchConfig  # this round's: nnodes and node_rank may change from round to round
     elastic: bool  # --nnodes MIN:MAX
     gone: set[int]  # nodes found lost
-    read: set[int]  # the rounds whose record, another node's, this launcher counted as read
 
     def record(self, attempt: int) -> FailureRecord | None: ...
     def state(self, attempt: int, node: int) -> NodeState: ...
@@ -201,36 +194,3 @@ class C10dKeys:
 
     def alive(self, attempt: int, members: list[str]) -> bool:
         return True  # a member lost is named in the round's record by the others: the wait ends there
-
-
-def until_read(link: C10dLink, attempt: int) -> None:
-    """In node 0's launcher, stopped itself (Ctrl-C, a signal) and its ranks stopped: its store stays until
-    every other launcher read why (:meth:`C10dRendezvous.record` counts each), or :data:`READ_WAIT`. Shielded
-    from a second Ctrl-C by the caller: soon after the first, it ended the store before the others read the
-    record, and they said "node 0 ... is gone" (measured: 2 of 6 runs, with the record written first)."""
-    if link.config.node_rank == 0:
-        with contextlib.suppress(RendezvousGone):
-            until_heard(link, attempt, link.config.nnodes - 1 - len(link.gone), POLL, READ_WAIT)
-
-
-def until_heard(link: C10dLink, attempt: int, readers: int, look: float, wait: float = HEARD_WAIT) -> None:
-    """Until ``readers`` nodes other than its writer have read round ``attempt``'s record (each counts its first read:
-    :func:`read`), or ``wait`` with the store up, looking every ``look`` seconds. RendezvousGone when node
-    0's store went first: a node that had not read the record then tells node 0's loss, and so must this one, so
-    that every node tells one story (core/nodes/settle.py). A store that outlives the wait keeps the record for a
-    node that reads it later."""
-    deadline = time.monotonic() + wait
-    while link.client.call(lambda s: reads(s, attempt)) < readers:
-        if time.monotonic() > deadline:
-            return
-        time.sleep(look)
-
-
-def read(link: C10dLink, attempt: int, record: FailureRecord) -> FailureRecord:
-    """``record``, just read from the store: counted once for :func:`until_read` when another node wrote it. A store
-    gone before the count waits for none, and the record read stands (it raised, and the record was not kept)."""
-    if record.writer != link.config.node_rank and attempt not in link.read:
-        link.read.add(attempt)
-        with contextlib.suppress(RendezvousGone):
-            link.client.call(lambda s: reads(s, attempt, mine=1))
-    return record

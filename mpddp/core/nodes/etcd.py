@@ -254,10 +254,9 @@ class EtcdRendezvous(EtcdKV):
         there; a node whose etcd requests were slow on a loaded machine read it too late, in CI), then etcd (one
         written before it filled: :meth:`publish` lets no other stand on the store beside it)."""
         watch = self._watches.get(attempt)
-        data = watch.record() if self.client.full is not None and watch is not None else None
-        if data is None:
-            data = self.get(self.key(attempt, "failure"))
-        return FailureRecord.decode(data) if data else None
+        if self.client.full is not None and watch is not None and (kept := watch.record()) is not None:
+            return kept
+        return FailureRecord.decode(data) if (data := self.get(self.key(attempt, "failure"))) else None
 
     # ---- liveness ---------------------------------------------------------------------------------------------
 
@@ -323,8 +322,7 @@ class EtcdRendezvous(EtcdKV):
         loss where the others named the rank that failed. None otherwise: no node hosts etcd."""
         if self.client.full is None or (watch := self._watches.get(attempt)) is None:
             return None
-        data = watch.last_record(self.config.timeout)
-        return FailureRecord.decode(data) if data else None
+        return watch.last_record(self.config.timeout)
 
     def leave(self) -> None:
         """Done with the job: this launcher's lease goes, and the last launcher to leave removes the job's keys.

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from ..stores.etcd_kv import absent, counted, found, number, put, read
-from ..stores.store_beat import StoreBeat, first_record, reads, record_of
+from ..stores.store_beat import KeptRecord, StoreBeat, first_record, record_of
 from ..wire.protocol import FailureRecord
 from .api import INTERVAL, BeatThread, ending
 from .rules import Door, door
@@ -148,8 +148,7 @@ class EtcdRoundWatch(BeatThread):
         self._address: tuple[str, int] | None = None  # where it listens, read from etcd once
         self._reached = threading.Event()  # the store answered once; a publish waits for it (only the beat connects
         # at first: the caller's thread may be the round's first node itself, which publishes the store after this)
-        self._record: bytes | None = None  # the round's record on the store, once read (then counted, and kept)
-        self._record_lock = threading.Lock()  # the beat's thread and the settlement's looks: one read counted
+        self._kept = KeptRecord(attempt, link.config.node)  # the round's record on the store, once read
         self._next_try = 0.0  # when the beat may try to connect to the round's store again
         from ..wire.store import load_torch
 
@@ -223,34 +222,23 @@ class EtcdRoundWatch(BeatThread):
         self._reached.wait(self.link.ttl)
         return self._on_store(lambda s: first_record(s, self.attempt, record), again=True)
 
-    def record(self) -> bytes | None:
+    def record(self) -> FailureRecord | None:
         """The round's record on its store (etcd is full), counted once as read when another node wrote it, and
-        kept from then on: a record never changes, and the store's host leaves once every node counted its read.
-        Read again, a record the beat's thread had counted was gone with the store before the settlement looked
-        (measured: 2 of 25 runs, four jobs at once on 2 cores), and that node told etcd's state instead."""
-        with self._record_lock:
-            if self._record is None and (data := self._on_store(lambda s: record_of(s, self.attempt), again=True)):
-                self._record = data
-                if FailureRecord.decode(data).writer != self.beat.node:
-                    self._on_store(lambda s: reads(s, self.attempt, mine=1))
-            return self._record
+        kept from then on (core/stores/store_beat.py's ``KeptRecord``)."""
+        return self._kept.read(functools.partial(self._on_store, again=True))
 
-    def last_record(self, wait: float) -> bytes | None:
+    def last_record(self, wait: float) -> FailureRecord | None:
         """The round's record on its store, waited for ``wait`` seconds at most while the store answers."""
         deadline = time.monotonic() + wait
-        while (data := self.record()) is None and self._store is not None and time.monotonic() < deadline:
+        while (record := self.record()) is None and self._store is not None and time.monotonic() < deadline:
             time.sleep(INTERVAL)
-        return data
+        return record
 
     def until_read(self, others: int, wait: float) -> None:
         """The round's store host, leaving with the record on its store: stay until ``others`` nodes read it, or
         ``wait`` seconds (etcd full: the store is the only place the others can learn the truth)."""
-        deadline = time.monotonic() + wait
-        while self._on_store(lambda s: record_of(s, self.attempt)) is not None and \
-                (self._on_store(lambda s: reads(s, self.attempt)) or 0) < others:
-            if time.monotonic() > deadline:
-                return
-            time.sleep(INTERVAL / 5)
+        if self._on_store(lambda s: record_of(s, self.attempt)) is not None:
+            KeptRecord.until_read(self._on_store, self.attempt, others, wait, INTERVAL / 5)
 
     def others_calls(self) -> list[bytes]:
         """The other nodes' last collectives, read once a hang is suspected (three store operations)."""
