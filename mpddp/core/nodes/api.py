@@ -321,5 +321,4 @@ def names(items: list[int]) -> str:
             runs[-1][1] = item
         else:
             runs.append([item, item])
-    parts = [f"{a}-{b}" if b - a >= 2 else ", ".join(map(str, range(a, b + 1))) for a, b in runs]
-    return ", ".join(parts)
+    return ", ".join(f"{a}-{b}" if b - a >= 2 else ", ".join(map(str, range(a, b + 1))) for a, b in runs)
