@@ -112,7 +112,6 @@ class RoundStore:
 
     @property
     def serves_every_round(self) -> bool:
-        """The same store serves every round of the job."""
         return self.lost is not None
 
 
@@ -294,20 +293,15 @@ class Rendezvous(Protocol):
 
 def stopped(link: Rendezvous, attempt: int, cause: BaseException) -> None:
     """This launcher was stopped (Ctrl-C, SIGTERM, ...) while its ranks ran: the round's failure, if first."""
-    with contextlib.suppress(RendezvousGone):
-        link.publish(attempt, stopped_record(link.config, link.nprocs, cause))
-
-
-def stopped_record(config: LaunchConfig, nprocs: int, cause: BaseException) -> FailureRecord:
-    """The round's failure when this launcher was stopped (Ctrl-C, SIGTERM, ...) while its ranks ran."""
-    node = config.node
-    ranks = [s.rank for s in rank_math.layout(config.nnodes, nprocs) if s.node_rank == node]
+    node = link.config.node
+    ranks = [s.rank for s in rank_math.layout(link.config.nnodes, link.nprocs) if s.node_rank == node]
     signum = getattr(cause, "signum", None)  # the CLI's Terminated carries the signal
     code = 130 if isinstance(cause, KeyboardInterrupt) else 128 + signum if isinstance(signum, int) else 1
     how = "interrupted (SIGINT)" if isinstance(cause, KeyboardInterrupt) else (
         f"stopped by {signal.Signals(signum).name}" if isinstance(signum, int) else f"stopped ({type(cause).__name__})")
     line = f"mpddp: node {node}'s launcher was {how} while its ranks ran, taking rank(s) {names(ranks)} with it"
-    return FailureRecord(ranks[0], node, 0, Outcome.STOPPED, code, line, time.time())
+    with contextlib.suppress(RendezvousGone):
+        link.publish(attempt, FailureRecord(ranks[0], node, 0, Outcome.STOPPED, code, line, time.time()))
 
 
 def resized_record(newcomer: str, nnodes: int) -> FailureRecord:
@@ -327,5 +321,4 @@ def names(items: list[int]) -> str:
             runs[-1][1] = item
         else:
             runs.append([item, item])
-    parts = [f"{a}-{b}" if b - a >= 2 else ", ".join(map(str, range(a, b + 1))) for a, b in runs]
-    return ", ".join(parts)
+    return ", ".join(f"{a}-{b}" if b - a >= 2 else ", ".join(map(str, range(a, b + 1))) for a, b in runs)

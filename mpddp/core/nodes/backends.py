@@ -1,9 +1,8 @@
-"""The rendezvous backends by name, as a launcher picks one (``c10d`` today).
+"""The rendezvous backends by name, as --rdzv-backend picks one (LaunchConfig checked the name before anything starts).
 
-Owns: the one table from a backend's name to its class, each implementing
-core/nodes/api.py's :class:`~mpddp.core.nodes.api.Rendezvous`, and the one
-question a launcher asks of a backend before the job's rendezvous opens
-(:func:`hosts_round_store`).
+Owns: the one table from a backend's name to its class (``static`` is ``c10d`` at a fixed size), each implementing
+core/nodes/api.py's :class:`~mpddp.core.nodes.api.Rendezvous`, and the one question a launcher asks of a backend
+before the job's rendezvous opens (:func:`hosts_round_store`).
 """
 
 from __future__ import annotations
@@ -33,19 +32,12 @@ BACKENDS: dict[str, Callable[[], type[C10dRendezvous | EtcdRendezvous]]] = {"c10
                                                                             "etcd": _etcd}
 
 
-def _backend(config: LaunchConfig) -> type[C10dRendezvous | EtcdRendezvous]:
-    backend = config.rdzv_backend
-    if backend not in BACKENDS:
-        raise ValueError(f"unknown rendezvous backend {backend!r}: one of {', '.join(BACKENDS)}")
-    return BACKENDS[backend]()
-
-
 def open_rendezvous(config: LaunchConfig, port: int, nprocs: int) -> Rendezvous:
     """This launcher's rendezvous for the job, by --rdzv-backend (``c10d``: node 0's store at ``port``)."""
-    return _backend(config)(config, port, nprocs)
+    return BACKENDS[config.rdzv_backend]()(config, port, nprocs)
 
 
 def hosts_round_store(config: LaunchConfig) -> bool:
     """Each round's first node hosts the round's store (else node 0 one for the whole job, which its launcher binds
     before anything starts: core/launcher/api.py). Asked of the backend's class: its rendezvous is not open yet."""
-    return _backend(config).hosts_round_store
+    return BACKENDS[config.rdzv_backend]().hosts_round_store

@@ -1,11 +1,9 @@
 """Who is in a round of an elastic job (``--nnodes MIN:MAX``), decided the same way on every backend.
 
-Owns: :func:`join_round`, the rule, over a backend's few keys (:class:`Keys`): every launcher puts its
-arrival; once ``MAX`` have arrived, or ``MIN`` and no newcomer came for ``last_call_timeout``, the first
-launcher to see it writes the round's member list, created only if absent (the first writer wins), and its
-order is the round's node ranks: the last round's nodes first, in their old order, then ``--node-rank``, then
-arrival, so the ranks are compacted when a node is gone. A launcher that comes to a round already decided
-without it has the group restart to admit it (below ``MAX``: a record of :data:`~mpddp.errors.Outcome.RESIZED`,
+Owns: :func:`join_round`, core/nodes/rules.py's membership rules carried out over a backend's few keys (:class:`Keys`):
+every launcher puts its arrival, the first to see the round complete writes its member list, created only if absent
+(the first writer wins), and the list's order is the round's node ranks. A launcher that comes to a round already
+decided without it has the group restart to admit it (below ``MAX``: a record of :data:`~mpddp.errors.Outcome.RESIZED`,
 which no restart count pays for) or waits as a spare for the next round.
 """
 

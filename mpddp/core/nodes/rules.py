@@ -1,15 +1,11 @@
 """The rules of a round as pure functions: what a launcher does next, from what it has seen and now.
 
-Owns: :class:`NodeState`, a node's life in a round, and :func:`move`, the one transition function (which moves
-are allowed, and which counters a move newly enters the node in); the membership's rules: :func:`join_step` (decide
-the member list now, or look again), :func:`member_order` (the order of the list, which is the round's node ranks),
-:func:`holder` (the member that holds a --node-rank), :func:`outside` (a launcher that came to a round decided
-without it: admitted by a restart, or a spare) and :func:`door` (whether that restart may still be); and
-the end's: :func:`wait_step` (a node whose ranks stopped on a failure, waiting for the round's record),
-:func:`finish_step` (a node whose ranks returned, waiting for the others'), over a :class:`RoundView`, one look at
-the round, and :func:`unheard` (what a node tells when the store went before every node had the round's record). Each takes plain values (counts, a view, seconds from the caller's clock) and returns a value: no store,
-no sleep, so tests/test_rules.py checks them in milliseconds with injected time. core/nodes/membership.py and
-core/nodes/settle.py carry them out over a backend.
+Owns a node's life in a round (:class:`NodeState`, moved only by :func:`move`); the membership's rules
+(:func:`join_step`, :func:`member_order`, :func:`holder`, :func:`outside`, :func:`door`); and the end's, over a
+:class:`RoundView`, one look at the round (:func:`wait_step`, :func:`finish_step`, :func:`unheard`). Each takes plain
+values (counts, a view, seconds from the caller's clock) and returns a value: no store, no sleep, so
+tests/test_rules.py checks them in milliseconds with injected time. core/nodes/membership.py and core/nodes/settle.py
+carry them out over a backend.
 """
 
 from __future__ import annotations
@@ -82,19 +78,17 @@ def join_step(*, came: int, seen: int, since: float, now: float, look: float, lo
 
 
 def member_order(arrival: dict[str, object]) -> tuple[float, float, float]:
-    """A launcher's place in the member list: its old node rank first (the last round's nodes keep their order, so
-    the ranks are compacted when a node is gone), then its --node-rank (none: after those given), then when it
-    came."""
+    """A launcher's place in the member list: its old node rank first (the last round's nodes keep their order, so the
+    ranks are compacted when a node is gone), then its --node-rank (none: after those given), then when it came."""
     old, rank, since = arrival.get("old"), arrival.get("rank"), arrival.get("since")
     return (float(old) if isinstance(old, int) else float("inf"), float(rank) if isinstance(rank, int) else float("inf"),
             float(since) if isinstance(since, (int, float)) else 0.0)
 
 
 def holder(members: list[str], arrivals: dict[str, dict[str, object]], node_rank: int) -> int | None:
-    """The place in a decided round (its node rank there) of the member that came to the job with ``--node-rank
-    node_rank``, if one did: it holds that rank in every round after, until it is found lost. A round's claims are
-    only its newcomers' (a member goes on to the next round without claiming again), so a twin that comes after a
-    restart is told by the members' arrivals, each of which carries the --node-rank it was started with."""
+    """The place (node rank) in a decided round of the member that came to the job with ``--node-rank node_rank``,
+    if one did: it holds that rank in every round after, until found lost. A member goes on to the next round without
+    claiming again, so a twin that comes after a restart is told by the members' arrivals, each with its --node-rank."""
     return next((n for n, m in enumerate(members) if arrivals.get(m, {}).get("rank") == node_rank), None)
 
 
@@ -113,13 +107,12 @@ class Door(enum.Enum):
 
 
 def door(*, record: bool, waiting: bool, returned: bool) -> Door:
-    """A newcomer's admission to a round that has a ``record`` or not, where a node ``waiting`` for the record of a
-    failure or not, where a node's ranks ``returned`` or not (its exit barrier). The record comes first: the round
-    ends with it whoever returned. A failure whose record is on its way comes next: an admission written first
-    would stand as the round's record, and the failure would restart the group unreported, its restart not
-    counted. Else a node that returned closes the door, since a restart would run a finished job again. A backend
-    decides it in one compare-and-set with the nodes' moves to WAITING and RETURNED, so that no node ends the job
-    while another restarts it."""
+    """A newcomer's admission to a round with a ``record`` or not, a node ``waiting`` for the record of a failure or
+    not, and a node whose ranks ``returned`` (its exit barrier) or not. The record comes first: the round ends with it
+    whoever returned. A failure whose record is on its way comes next: an admission written first would stand as the
+    round's record, and the failure would restart the group unreported, its restart not counted. Else a node that
+    returned closes the door: a restart would run a finished job again. A backend decides it in one compare-and-set
+    with the nodes' moves to WAITING and RETURNED, so that no node ends the job while another restarts it."""
     if record:
         return Door.RECORD
     if waiting:
@@ -170,13 +163,12 @@ def wait_step(view: RoundView, lost: Lost | None, *, culprits: set[int], early_e
     """The next step of a node whose ranks stopped on a failure, ``waited`` seconds into its wait.
 
     ``culprits``: the other nodes whose ranks this node's report blames (a hang or a mismatch seen through the
-    collectives the nodes share): their own nodes tell them better, unless they wait too (then they see no
-    better; with ``retell``, this node tells its report again once no node is busy, since each shared its
-    collectives before it waited). ``early_exit``: this node's ranks waited in a collective for other nodes'
-    ranks, so a node whose ranks returned meanwhile is the cause. A node whose ranks failed by itself writes the
-    record after its teardown, which takes seconds on a loaded machine: so this node waits ``least`` seconds
-    while any node is busy, and never past ``timeout`` (and ``lost``, the nodes found lost, ends it at once).
-    """
+    collectives the nodes share): their own nodes tell them better, unless they wait too (then they see no better; with
+    ``retell``, this node tells its report again once no node is busy, since each shared its collectives before it
+    waited). ``early_exit``: this node's ranks waited in a collective for other nodes' ranks, so a node whose ranks
+    returned meanwhile is the cause. A node whose ranks failed by itself writes the record after its teardown, which
+    takes seconds on a loaded machine: so this node waits ``least`` seconds while any node is busy, and never past
+    ``timeout`` (and ``lost``, the nodes found lost, ends it at once)."""
     if view.record is not None:
         return Wait.RECORD
     if early_exit and view.returned:

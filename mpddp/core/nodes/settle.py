@@ -1,31 +1,25 @@
 """How a failed round of several nodes is settled: the same first failure, named on every node.
 
-Owns: :func:`settle`, which decides what this node reports once its round
-failed, from its own report, the round's record in the store, and what it
-knows of the other nodes (:class:`Blame`). The rule, so that every node
-names the same rank:
+Owns: :func:`settle`, which decides what this node reports once its round failed, from its own report, the round's
+record in the store, and what it knows of the other nodes (:class:`Blame`); and :func:`finish`, the wait of a node
+whose ranks returned. The rule, so that every node names the same rank:
 
-* a node whose own rank failed by itself (raised, exited, died, hung)
-  writes a :class:`~mpddp.core.wire.protocol.FailureRecord` into the store; the
-  first node to write one wins, and every node's report starts with its
-  line and exits with its code;
-* a node whose ranks only saw a peer vanish (an error inside a collective)
-  writes nothing at first: it waits for the record of the node where the
-  failure started, and says "node N went away" only when node N's launcher
-  stopped beating without ending its round (killed, machine lost), or never
-  beat in it for --timeout; when another node's ranks all returned while its
-  own waited for them, it names one of those as the cause (it returned early);
-* so does a node whose watchdog found a hang or a mismatch that names other
-  nodes' ranks, with or without its own (seen through the collectives the
-  nodes share every beat): their own node sees them better (their stacks, a
-  flight recorder not a beat old), and its record stands unless it never
-  comes, or that node waits for the record itself; then this node tells its
-  report again from the collectives shared by then (those it named may have
-  been entered while the snapshot it read was old: a starved launcher's).
+* a node whose own rank failed by itself (raised, exited, died, hung) writes a
+  :class:`~mpddp.core.wire.protocol.FailureRecord` into the store; the first node to write one wins, and every node's
+  report starts with its line and exits with its code;
+* a node whose ranks only saw a peer vanish (an error inside a collective) writes nothing at first: it waits for the
+  record of the node where the failure started, and says "node N went away" only when node N's launcher stopped
+  beating without ending its round (killed, machine lost), or never beat in it for --timeout; when another node's
+  ranks all returned while its own waited for them, it names one of those as the cause (it returned early);
+* so does a node whose watchdog found a hang or a mismatch that names other nodes' ranks, with or without its own
+  (seen through the collectives the nodes share every beat): their own node sees them better (their stacks, a flight
+  recorder not a beat old), and its record stands unless it never comes, or that node waits for the record itself;
+  then this node tells its report again from the collectives shared by then (those it named may have been entered
+  while the snapshot it read was old: a starved launcher's).
 
-The one-node half of blame is core/launcher/classify.py's ``classify``. Leaves
-the store's client, the beat and the other nodes' liveness to
-core/nodes/c10d.py, and the words of a report to core/launcher/report.py.
+core/nodes/rules.py decides each step; the one-node half of blame is core/launcher/classify.py's ``classify``. Leaves
+the store's client, the beat and the other nodes' liveness to the backend (core/nodes/api.py), and the words of a
+report to core/launcher/report.py.
 """
 
 from __future__ import annotations
@@ -46,10 +40,10 @@ _RECORD_WAIT = 10.0  # seconds a node whose ranks only saw a peer vanish waits f
 
 @dataclass(frozen=True)
 class Blame:
-    """What this node's report blames, for :func:`settle`: ``culprits``, the ranks of other nodes that a hang or
-    a mismatch names (seen through the collectives the nodes share); ``early_exit``, the first line that names
-    a rank of another node that returned while this node's ranks still waited for it; ``again``, this node's
-    report told once more from the other nodes' collectives as they are now, and its cause."""
+    """What this node's report blames, for :func:`settle`: ``culprits``, the ranks of other nodes that a hang or a
+    mismatch names (seen through the collectives the nodes share); ``early_exit``, the first line that names a rank of
+    another node that returned while this node's ranks still waited for it; ``again``, this node's report told once more
+    from the other nodes' collectives as they are now, and its cause."""
 
     culprits: frozenset[int] = frozenset()
     early_exit: Callable[[int], str] | None = None
@@ -58,14 +52,15 @@ class Blame:
     @classmethod
     def of(cls, culprits: Iterable[int], here: Iterable[int], early_exit: Callable[[int], str] | None = None,
            again: Callable[[], tuple[WorkerFailed, Outcome | None]] | None = None) -> Blame:
-        """A verdict's ``culprits`` that are not this node's ranks (``here``): their node tells them better,
-        also when some of this node's are named beside them (the snapshot they were seen in may be old)."""
+        """A verdict's ``culprits`` that are not this node's ranks (``here``): their node tells them better, also when
+        some of this node's are named beside them (the snapshot they were seen in may be old)."""
         return cls(frozenset(culprits) - set(here), early_exit, again)
 
 
 @dataclass(frozen=True)
 class Retold:
-    """This node's report told again once the culprits' nodes waited (``Blame.again``), and the round's record."""
+    """This node's report as the round's record (told again once the culprits' nodes waited, where ``Blame.again``),
+    and the record that stands (another node's, if it wrote first)."""
 
     error: WorkerFailed
     record: FailureRecord
@@ -76,12 +71,11 @@ def settle(link: Rendezvous, attempt: int, local: WorkerFailed | None, cause: Ou
            missing: Callable[[], NeverArrived | None], blame: Blame = Blame()) -> WorkerFailed | RendezvousError:
     """What this node reports for a failed round of several nodes, the same first failure on every node.
 
-    ``local``: this node's own report (None when only another node failed), ``cause`` the outcome of its
-    first failure; ``remote``: the round's record as this node's beat read it, if it did (the store may be
-    gone by now: node 0's launcher interrupted twice leaves once the others read it); ``remote_error`` turns
-    a record into this node's report; ``missing``: the error that names the ranks that never arrived, if any (node 0 asks);
-    ``blame``: what this node's report blames on other nodes.
-    """
+    ``local``: this node's own report (None when only another node failed), ``cause`` the outcome of its first failure;
+    ``remote``: the round's record as this node's beat read it, if it did (the store may be gone by now: node 0's
+    launcher interrupted twice leaves once the others read it); ``remote_error`` turns a record into this node's report;
+    ``missing``: the error that names the ranks that never arrived, if any (node 0 asks); ``blame``: what this node's
+    report blames on other nodes."""
     told: WorkerFailed | RendezvousError | None = None
     try:
         if local is None:
@@ -99,11 +93,11 @@ def _unheard(link: Rendezvous, attempt: int, local: WorkerFailed | None, cause: 
              remote: FailureRecord | None, remote_error: Callable[[FailureRecord], WorkerFailed],
              blame: Blame, told: WorkerFailed | RendezvousError | None, went: str) -> WorkerFailed | RendezvousError:
     """This node's report when the backend went before every node had the round's record (core/nodes/rules.py's
-    :func:`~mpddp.core.nodes.rules.unheard` decides; node 0's last word, where its launcher lives to say it, is
-    heard alike on every node). A node that knows the cause (its rank failed by itself, or it read the record) while
-    another live node may not have heard of it tells the store's loss first, as that node must: one story, and
-    what it knew follows (measured: node 0's launcher killed 0.1 s after a rank of node 1 raised, node 1 named its
-    rank and node 2 node 0's loss)."""
+    :func:`~mpddp.core.nodes.rules.unheard` decides; node 0's last word, where its launcher lives to say it, is heard
+    alike on every node). A node that knows the cause (its rank failed by itself, or it read the record) while another
+    live node may not have heard of it tells the store's loss first, as that node must: one story, and what it knew
+    follows (measured: node 0's launcher killed 0.1 s after a rank of node 1 raised, node 1 named its rank and node 2
+    node 0's loss)."""
     config, by_itself = link.config, local is not None and _by_itself(cause, blame)
     others = not link.hosts_round_store and bool(set(range(config.nnodes)) - {config.node, 0} - link.gone)
     step = rules.unheard(others=others, knew=told is not None, read=remote is not None, by_itself=by_itself)
@@ -133,25 +127,20 @@ def _unheard(link: Rendezvous, attempt: int, local: WorkerFailed | None, cause: 
 
 def gone_error(link: Rendezvous, went: str, local: WorkerFailed | RendezvousError,
                why: str = "the failures below are consequences") -> RendezvousError:
-    """This node's report when the backend went away (``went``: why, as its client worded it) before it learned
-    what the others saw: node 0's store (which it reached: its loss, :class:`StoreLost`), or etcd (the failures
-    are what this node saw)."""
-    if not link.hosts_round_store:
-        kind = StoreLost if link.reached else RendezvousError
-        error = kind(f"{went}; {why}\n{local}")
-    else:
+    """This node's report when the backend went away (``went``: why, as its client worded it) before it learned what
+    the others saw: node 0's store (which it reached: its loss, :class:`StoreLost`), or etcd."""
+    if link.hosts_round_store:
         error = RendezvousError(f"{went}; the failures below are what this node saw\n{local}")
+    else:
+        error = (StoreLost if link.reached else RendezvousError)(f"{went}; {why}\n{local}")
     error.__cause__ = local
     return error
 
 
 def _told(record: FailureRecord, remote_error: Callable[[FailureRecord], WorkerFailed]) -> WorkerFailed | RendezvousError:
-    """Another node's record as this node's report: nodes that never arrived are told as node 0 tells them."""
-    if record.outcome is Outcome.ABSENT:
-        return RendezvousError(record.line.removeprefix(ERROR_LINE))
-    if record.outcome is Outcome.STORE_LOST:
-        return StoreLost(record.line.removeprefix(ERROR_LINE))
-    return remote_error(record)
+    """Another node's record as this node's report: ranks that never arrived, or a store lost, as its writer told."""
+    kind = {Outcome.ABSENT: RendezvousError, Outcome.STORE_LOST: StoreLost}.get(record.outcome)
+    return remote_error(record) if kind is None else kind(record.line.removeprefix(ERROR_LINE))
 
 
 def _settle_local(link: Rendezvous, attempt: int, local: WorkerFailed, cause: Outcome | None,
@@ -202,15 +191,11 @@ def _by_itself(cause: Outcome | None, blame: Blame) -> bool:
 
 def _wait_for(link: Rendezvous, attempt: int, local: WorkerFailed, outcome: Outcome | None,
               blame: Blame) -> FailureRecord | Lost | Retold:
-    """The round's record, once another node writes it; or the nodes found lost; or ours, once no other node
-    can still write a better one: core/nodes/rules.py's :func:`~mpddp.core.nodes.rules.wait_step` decides each
-    look, and this loop carries its steps out.
-
-    The node whose rank failed by itself writes the record after its teardown, which takes seconds on a busy
-    machine (measured: more than 10 s with 8 launchers and 16 ranks on 2 loaded cores, and a victim's own
-    record then won): so a victim waits :data:`_RECORD_WAIT` while another node is busy, whatever --timeout (a
-    hang's of a few seconds is no time for another node's teardown on a loaded machine).
-    """
+    """The round's record, once another node writes it; or the nodes found lost; or ours, once no other node can
+    still write a better one: core/nodes/rules.py's :func:`~mpddp.core.nodes.rules.wait_step` decides each look, and
+    this loop carries its steps out. While another node is busy it waits :data:`_RECORD_WAIT` at least, whatever
+    --timeout (a hang's of a few seconds): the node whose rank failed by itself writes the record after its teardown
+    (measured: more than 10 s with 8 launchers and 16 ranks on 2 loaded cores, and a victim's own record then won)."""
     nprocs = link.nprocs
     link.move(attempt, NodeState.WAITING)
     start = time.monotonic()
@@ -233,7 +218,8 @@ def _wait_for(link: Rendezvous, attempt: int, local: WorkerFailed, outcome: Outc
             return link.publish(attempt, FailureRecord(rank, node, rank - node * nprocs, Outcome.EARLY_EXIT, 1,
                                                        blame.early_exit(rank), time.time()))
         if step is Wait.OURS:  # their nodes see no better, and every node shared; or nobody has a better cause
-            return _ours(link, attempt, local, outcome, blame)
+            error, cause = blame.again() if blame.again is not None else (local, outcome)
+            return Retold(error, link.publish(attempt, _record_of(error, cause or outcome, link)))
         if step is Wait.LOST:
             assert lost is not None
             return lost
@@ -241,14 +227,11 @@ def _wait_for(link: Rendezvous, attempt: int, local: WorkerFailed, outcome: Outc
 
 
 def finish(link: Rendezvous, attempt: int) -> FailureRecord | None:
-    """This node's ranks all returned: say so, and wait until every other node's ranks returned too, or it
-    ended the round (or was found lost). The round's record if one is written meanwhile: a node whose ranks
-    still waited for ours in a collective names one of ours (they returned too early), or its own failure
-    is the round's. None: the round ended well on every node.
-
-    torchrun's agents wait so too (their exit barrier): a rank of node 0 that saves the checkpoint alone
-    after the others returned keeps them waiting, and its failure is still every node's.
-    """
+    """This node's ranks all returned: say so, and wait until every other node's ranks returned too, or it ended the
+    round (or was found lost). The round's record if one is written meanwhile: a node whose ranks still waited for ours
+    in a collective names one of ours (they returned too early), or its own failure is the round's. None: the round
+    ended well on every node. torchrun's agents wait so too (their exit barrier): a rank of node 0 that saves the
+    checkpoint alone after the others returned keeps them waiting, and its failure is still every node's."""
     try:
         link.move(attempt, NodeState.RETURNED)
         start = time.monotonic()  # after the move: a first connection to the store (torch's import) is no wait
@@ -260,13 +243,6 @@ def finish(link: Rendezvous, attempt: int) -> FailureRecord | None:
         logger.warning("mpddp: %s before every node ended round %d; node %d's ranks had all returned", e.went,
                        attempt, link.config.node)
         return None
-
-
-def _ours(link: Rendezvous, attempt: int, local: WorkerFailed, outcome: Outcome | None, blame: Blame) -> Retold:
-    """This node's report as the round's record, told again first from the collectives the nodes shared by now
-    when it named other nodes' ranks; the record that stands (another node's, if it wrote first)."""
-    error, cause = blame.again() if blame.again is not None else (local, outcome)
-    return Retold(error, link.publish(attempt, _record_of(error, cause or outcome, link)))
 
 
 def _record_of(error: WorkerFailed, cause: Outcome | None, link: Rendezvous) -> FailureRecord:
