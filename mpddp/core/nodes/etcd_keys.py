@@ -35,7 +35,7 @@ def etcd_interval(nodes: int) -> float:
 
 
 class EtcdKeys:
-    """core/nodes/membership.py's keys, in etcd: arrivals put with the launcher's lease."""
+    """core/nodes/membership.py's :class:`~mpddp.core.nodes.membership.Keys`, in etcd."""
 
     def __init__(self, link: EtcdLink) -> None:
         self.link = link
@@ -61,8 +61,8 @@ class EtcdKeys:
         return {m: v.decode() for m, v in self.link.under(self.link.key(attempt, "join/")).items()}
 
     def claim(self, attempt: int, node_rank: int, me: str) -> str | None:
-        """None: this launcher holds ``--node-rank`` for as long as it lives in its launch's incarnation, whatever
-        the round (core/nodes/etcd_identity.py, which raises the line itself for a live launcher that holds it)."""
+        """None: this launcher holds ``--node-rank`` for as long as it lives in its incarnation, whatever the round
+        (core/nodes/etcd_identity.py raises the line itself for a live launcher that holds it)."""
         if self.link.identity is not None:
             self.link.identity.claim(node_rank)
         return None
@@ -97,12 +97,11 @@ class EtcdKeys:
         return int(found) if found else 0
 
     def admit(self, attempt: int, record: FailureRecord) -> None:
-        """The round's record, created only while it has none, no node's rank failed (``failing/``: its record is
-        on its way), no node waits for a failure's and no node's ranks returned (core/nodes/rules.py's
-        :func:`door`): one transaction, which etcd orders with each of those writes (also one), so a node that
-        writes after it reads the record as it waits (core/nodes/settle.py) and restarts with the others. A
-        failure's record on its way ends the round anyway: this launcher comes to the next; after a node returned
-        the job is ending, and this launcher is not needed."""
+        """The round's record, created only while it has none, no node's rank failed (``failing/``: its record is on
+        its way), none waits for a failure's and none's ranks returned (core/nodes/rules.py's :func:`door`): one
+        transaction, which etcd orders with each of those writes (also one), so a node that writes after it reads the
+        record as it waits (core/nodes/settle.py) and restarts with the others. Refused, this launcher comes to the
+        next round (a failure's record on its way ends this one anyway), or is not needed once a node returned."""
         link = self.link
         key = link.key(attempt, "failure")
         shut = [link.key(attempt, "failing/"), link.key(attempt, "waiting/"), link.key(attempt, "returned/")]
@@ -127,13 +126,11 @@ class EtcdKeys:
 
 
 class EtcdRoundWatch(BeatThread):
-    """One round's beat on the round's own TCPStore (its first node hosts it; core/stores/store_beat.py): no
-    request to etcd a beat, so a job that trains for a week writes nothing to etcd's Raft log meanwhile (a put a
-    beat was two Raft writes a node a second and 4 KB of etcd's database a node a second, measured with
-    scripts/bench_etcd_writes.py). The round's first failure is still created in etcd; its writer adds FAILED to
-    the store's progress counter too, which every node's next beat reads. Where the round's store cannot be
-    reached (its node lost), each beat reads the failure key in etcd instead: a read, not a write. Liveness is
-    the lease's (core/stores/etcd_client.py), never a beat."""
+    """One round's beat on the round's own TCPStore (its first node hosts it): no request to etcd a beat, so a job
+    that trains for a week writes nothing to etcd's Raft log (a put a beat was two Raft writes and 4 KB of etcd's
+    database a node a second, measured with scripts/bench_etcd_writes.py). The round's first failure is still
+    created in etcd; its writer adds FAILED to the store's progress counter, which every node's next beat reads.
+    Where the store cannot be reached (its node lost), each beat reads etcd's failure key instead: a read."""
 
     link: EtcdLink
 
@@ -156,11 +153,10 @@ class EtcdRoundWatch(BeatThread):
         self._thread.start()  # a record on meanwhile), and once raced the caller's own import of it
 
     def _connect(self) -> None:
-        """A client of the round's store, its operations' timeout a lease's TTL (torch 2.13 does not apply it
-        to a frozen host's answers, measured: an add still waited after 20 s; etcd's lease then tells the other
-        nodes, and --timeout this one). Again after an operation failed: a failed one (a reset connection) left
-        this node blind to the round's record for good, so that it could not tell the rank that failed. A host
-        that is gone refuses at once; one whose machine is lost costs a second, and its lease tells the rest."""
+        """A client of the round's store, its operations' timeout a lease's TTL (torch 2.13 does not apply it to a
+        frozen host's answers, measured: an add still waited after 20 s; etcd's lease then tells the other nodes, and
+        --timeout this one). Again after an operation failed: a failed one (a reset connection) left this node blind
+        to the round's record for good. A gone host refuses at once; a lost machine costs a second (its lease tells)."""
         from datetime import timedelta
 
         from ..wire.store import connect
