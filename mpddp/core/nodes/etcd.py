@@ -147,10 +147,6 @@ class EtcdRendezvous(EtcdKV):
         member, member_port = parse_endpoints(self.launched.rdzv_endpoint or "")[0]
         return self.config.local_addr or source_address(resolve(member), member_port)
 
-    def set_store(self, attempt: int, host: str, port: int) -> None:
-        """The round's first node: where its process-group store listens, for the others."""
-        self.put(self.key(attempt, "store"), f"{host}:{port}")
-
     def store(self, attempt: int) -> tuple[str, int]:
         """Where the round's process-group store listens, once its first node has published it; :class:`RoundLost`
         when that node's lease ran out first (the others start the next round without it)."""
@@ -208,8 +204,8 @@ class EtcdRendezvous(EtcdKV):
         try:
             if self.client.call(lambda c: c.create(key, mine)):
                 self.tell_failed(attempt)
-        except EtcdFull:  # etcd takes no write: one written before it filled stands, else the round's store keeps it
-            watch = self._watches.get(attempt)  # (the first writer wins there)
+        except EtcdFull:  # etcd full: a record written before stands, else the first one on the round's store does
+            watch = self._watches.get(attempt)
             standing = self._written(key) or (watch.publish(mine) if watch is not None else None)
             if standing is None:
                 raise
@@ -344,5 +340,5 @@ class EtcdRendezvous(EtcdKV):
             return RoundStore(*self.store(attempt))
         address = self._address()
         port = host(address)
-        self.set_store(attempt, address, port)
+        self.put(self.key(attempt, "store"), f"{address}:{port}")  # for the others (:meth:`store`)
         return RoundStore(address, port)
