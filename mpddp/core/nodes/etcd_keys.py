@@ -134,8 +134,7 @@ class EtcdRoundWatch(BeatThread):
 
     link: EtcdLink
 
-    def __init__(self, link: EtcdLink, attempt: int,
-                 share: Callable[[bool], bytes | None] | None = None) -> None:
+    def __init__(self, link: EtcdLink, attempt: int, share: Callable[[bool], bytes | None] | None = None) -> None:
         super().__init__(attempt, share)
         self.link = link
         self.beat = StoreBeat(attempt, link.config.node)
@@ -162,7 +161,7 @@ class EtcdRoundWatch(BeatThread):
         from ..wire.store import connect
 
         self._next_try = time.monotonic() + 1.0  # a store not reached costs one try a second, at most
-        try:
+        with contextlib.suppress(Exception):  # RendezvousError, OSError, torch's own types: etcd's key is read then
             if self._address is None:
                 self._address = self.link.store(self.attempt)
             else:
@@ -172,8 +171,6 @@ class EtcdRoundWatch(BeatThread):
             with self._store_lock:
                 self._store = store
                 self._reached.set()
-        except Exception:  # noqa: BLE001 - RendezvousError, OSError, torch's own types: etcd's key is read then
-            pass
 
     def _on_store(self, op: Callable[[Any], Any], again: bool = False) -> Any:
         """``op(store)`` under the lock; None (and the client dropped) when the round's store does not answer.
@@ -208,8 +205,7 @@ class EtcdRoundWatch(BeatThread):
             self.link.put(self.link.key(self.attempt, "failing", self.link.config.node_rank), "1", leased=True)
 
     def tell_failed(self) -> None:
-        """This node wrote the round's record: every node's next beat reads it off the store's counter (where
-        this watch has one to tell it on)."""
+        """This node wrote the round's record: every node's next beat reads it off the store's counter."""
         self._on_store(self.beat.tell_failed)
 
     def publish(self, record: bytes) -> bytes | None:
