@@ -271,7 +271,7 @@ class EtcdRendezvous(EtcdKV):
         known = self._known_gone.setdefault(attempt, set())
         alive = self.count(self.key(attempt, "alive/"))
         if alive + len(known) >= len(members):
-            return sorted(n for n in known if n in self.gone)
+            return sorted(known & self.gone)
         here = {int(n) for n in self.under(self.key(attempt, "alive/"))}
         ended = {int(n) for n in self.under(self.key(attempt, "ended/"))}
         joined = set(self.under(self.key(attempt, "join/")))  # put with the same lease: alive too, till then
