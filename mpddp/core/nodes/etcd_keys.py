@@ -1,9 +1,10 @@
 """The ``etcd`` backend's membership keys and its beat of one round (core/nodes/etcd.py is the backend).
 
-Owns: :class:`EtcdKeys`, core/nodes/membership.py's keys in etcd (arrivals put with the launcher's lease,
-counted without being read; only the launcher that decides reads them; a newcomer's admission, one transaction
-against the nodes' moves to WAITING and RETURNED), and :class:`EtcdRoundWatch`, a round's beat, on the round's
-own TCPStore (core/stores/store_beat.py): nothing written to etcd a beat.
+Owns: :class:`EtcdLink`, what they ask of the backend (a Protocol, not core/nodes/etcd.py's class: it imports this
+one); :class:`EtcdKeys`, core/nodes/membership.py's keys in etcd (arrivals put with the launcher's lease, counted
+without being read; only the launcher that decides reads them; a newcomer's admission, one transaction against the
+nodes' moves to WAITING and RETURNED), and :class:`EtcdRoundWatch`, a round's beat, on the round's own TCPStore
+(core/stores/store_beat.py): nothing written to etcd a beat.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ..stores.etcd_kv import absent, counted, found, number, put, read
 from ..stores.store_beat import KeptRecord, StoreBeat, first_record, record_of
@@ -23,7 +24,8 @@ from .api import INTERVAL, BeatThread, ending
 from .rules import Door, door
 
 if TYPE_CHECKING:
-    from .etcd_link import EtcdLink
+    from ...config import LaunchConfig
+    from .etcd_identity import Identity
 
 
 def etcd_interval(nodes: int) -> float:
@@ -32,6 +34,29 @@ def etcd_interval(nodes: int) -> float:
     etcd about a millisecond of CPU (measured: 0.34 CPU-seconds a second for 316 requests a second), and the
     beats already take 4 a node a second; past that the leases' refreshes queue and run out."""
     return min(4.0, max(0.1, nodes / 250))
+
+
+class EtcdLink(Protocol):
+    """What :class:`EtcdKeys` and :class:`EtcdRoundWatch` ask of the backend."""
+
+    config: LaunchConfig  # this round's
+    launched: LaunchConfig  # as started: nnodes is MAX, min_nnodes MIN
+    prefix: str  # every key of the job lies under it
+    ttl: int  # the lease's seconds: how long a frozen launcher may hold a round's store
+    identity: Identity | None  # which launch of the job this launcher is part of (once it reached etcd)
+
+    def key(self, attempt: int, *parts: object) -> str: ...
+    def put(self, key: str, value: str | bytes, leased: bool = False) -> None: ...
+    def get(self, key: str) -> bytes | None: ...
+    def under(self, prefix: str) -> dict[str, bytes]: ...
+    def count(self, prefix: str) -> int: ...
+    def create(self, key: str, value: str | bytes) -> bytes | None: ...
+    def commit(self, compare: list[dict[str, Any]], success: list[dict[str, Any]],
+               failure: list[dict[str, Any]] | None = None) -> dict[str, Any]: ...
+    def lease(self) -> int: ...
+    def record(self, attempt: int) -> FailureRecord | None: ...
+    def tell_failed(self, attempt: int) -> None: ...
+    def store(self, attempt: int) -> tuple[str, int]: ...
 
 
 class EtcdKeys:
