@@ -39,16 +39,13 @@ _UNTOLD = {NodeState.ENDED: (RendezvousGone,), NodeState.WAITING: (EtcdFull,)}  
 
 
 class EtcdRendezvous(EtcdKV):
-    """The ``etcd`` backend of :class:`~mpddp.core.nodes.api.Rendezvous`, for the whole job; thread-safe.
-
-    ``config`` is this round's: its ``nnodes`` and ``node_rank`` are the round's, set by :meth:`join`.
-    """
+    """The ``etcd`` backend of :class:`~mpddp.core.nodes.api.Rendezvous`, for the whole job; thread-safe."""
 
     hosts_round_store = True  # each round's first node hosts that round's store (api.Rendezvous)
 
     def __init__(self, config: LaunchConfig, port: int, nprocs: int) -> None:
         settings = config.rdzv_settings()
-        self.config, self.nprocs = config, nprocs
+        self.config, self.nprocs = config, nprocs  # config: this round's, from each join on
         self.launched = config  # as the user started it: nnodes is MAX, min_nnodes MIN
         client = EtcdClient(config.rdzv_endpoint or "", settings.tls, timeout=config.timeout,
                             start=config.node_rank or None)  # 0 or not given: arrival numbers it; any member
