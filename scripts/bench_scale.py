@@ -174,7 +174,7 @@ def one_size(backend: str, nodes: int, where: str, store_procs: list[psutil.Proc
     _parallel([lambda link=link: link.join(0) for link in links])
     join_s = time.monotonic() - started
     if round_store is not None:  # etcd: the round's first node publishes its store (here the bench's)
-        links[0].set_store(0, "127.0.0.1", int(round_store))
+        links[0].put(links[0].key(0, "store"), f"127.0.0.1:{int(round_store)}")
     watches = [link.watch(0) for link in links]
     time.sleep(1.0)  # the beats settle
     etcd0 = _etcd_counters(etcd_ports) if etcd_ports else None

@@ -1,17 +1,13 @@
-"""The ``etcd`` rendezvous backend: what the nodes of a job agree on, kept by an etcd cluster, so that no node
-is special.
+"""The ``etcd`` rendezvous backend: what the nodes of a job agree on, kept by an etcd cluster: no node is special.
 
-Owns: :class:`EtcdRendezvous`, core/nodes/api.py's interface on etcd's own means (its round watch,
-:class:`~mpddp.core.nodes.etcd_keys.EtcdRoundWatch`, beats on the round's own store: no write to etcd a beat,
-so a job that trains leaves etcd's Raft log and database still). Every key of a launch lies under
-``/mpddp/<rdzv-id>/i/<incarnation>/`` (core/nodes/etcd_identity.py: a crashed launch's keys are never the next
-one's); a round's keys under ``r/<round>/``. Membership is decided per round by core/nodes/membership.py's rule,
-over ``join/<launcher>`` and ``members`` (core/nodes/etcd_keys.py: what a node costs is flat); the round's first
-node hosts its process-group store and publishes ``store``. Liveness is the launcher's lease: its ``join`` and
-``alive/<node>`` keys are put with it, and a node whose keys vanished without ``ended/<node>`` was lost (its
-launcher, or its machine); the alive keys are counted, and read only when the count fell. The first failure is
-``failure``, created only if absent, as under c10d. Each round's first node removes the keys of the round before
-the last and compacts etcd's history; the last launcher to leave removes the job's keys.
+Owns: :class:`EtcdRendezvous`, core/nodes/api.py's interface on etcd's own means; its round watch beats on the round's
+own store (core/nodes/etcd_keys.py: no write to etcd a beat). Every key of a launch lies under
+``/mpddp/<rdzv-id>/i/<incarnation>/`` (core/nodes/etcd_identity.py), a round's under ``r/<round>/``. Membership is
+decided per round by core/nodes/membership.py's rule, over ``join/<launcher>`` and ``members``; the round's first node
+hosts its process-group store and publishes ``store``. Liveness is the launcher's lease: its ``join`` and
+``alive/<node>`` keys are put with it, and a node whose keys vanished without ``ended/<node>`` was lost (its launcher,
+or its machine). The first failure is ``failure``, created only if absent. Each round's first node removes the keys of
+the round before the last and compacts etcd's history; the last launcher to leave removes the job's keys.
 """
 
 from __future__ import annotations
@@ -39,19 +35,17 @@ from .etcd_keys import EtcdKeys, EtcdRoundWatch, etcd_interval
 from .rules import NodeState, move
 
 _FIRST_CONTACT = 5.0  # seconds the first contact with etcd may take, at most
+_UNTOLD = {NodeState.ENDED: (RendezvousGone,), NodeState.WAITING: (EtcdFull,)}  # what a move may leave unwritten
 
 
 class EtcdRendezvous(EtcdKV):
-    """The ``etcd`` backend of :class:`~mpddp.core.nodes.api.Rendezvous`, for the whole job; thread-safe.
-
-    ``config`` is this round's: its ``nnodes`` and ``node_rank`` are the round's, set by :meth:`join`.
-    """
+    """The ``etcd`` backend of :class:`~mpddp.core.nodes.api.Rendezvous`, for the whole job; thread-safe."""
 
     hosts_round_store = True  # each round's first node hosts that round's store (api.Rendezvous)
 
     def __init__(self, config: LaunchConfig, port: int, nprocs: int) -> None:
         settings = config.rdzv_settings()
-        self.config, self.nprocs = config, nprocs
+        self.config, self.nprocs = config, nprocs  # config: this round's, from each join on
         self.launched = config  # as the user started it: nnodes is MAX, min_nnodes MIN
         client = EtcdClient(config.rdzv_endpoint or "", settings.tls, timeout=config.timeout,
                             start=config.node_rank or None)  # 0 or not given: arrival numbers it; any member
@@ -62,7 +56,7 @@ class EtcdRendezvous(EtcdKV):
         self.identity: Identity | None = None  # which launch of the job this launcher is part of (from first contact)
         self.gone: set[int] = set()
         self.reached = False
-        self.rounds: dict[int, Round] = {}
+        self.last_round: Round | None = None  # the last round this launcher joined (None: refused, or a spare)
         self._members_of: dict[int, list[str]] = {}  # each round's launchers, by node rank
         self._known_gone: dict[int, set[int]] = {}  # a round's nodes whose lease is known gone (lost, or left)
         self._states: dict[int, NodeState] = {}  # this node's state in each round, as last written
@@ -80,15 +74,14 @@ class EtcdRendezvous(EtcdKV):
             self._first_contact()
         keys = EtcdKeys(self)
         try:
-            if attempt == 0:  # the round the job is in, in this launch's incarnation (core/nodes/etcd_identity.py):
-                # the keys of a launch of this --rdzv-id that crashed or ended, leases alive or not, are another's
+            if attempt == 0:  # the round the job is in, in this launch's incarnation (a crashed launch's are another's)
                 if self.identity is not None and self.identity.token is None:
                     self.prefix = self.identity.take()
                 attempt = keys.latest()
             here, members = membership.join_round(
                 keys, attempt, self.me, low=self.launched.min_nnodes, high=self.launched.nnodes,
                 node_rank=self.launched.node_rank, last_call=self.last_call, timeout=self.config.timeout,
-                previous=max(self.rounds.values(), key=lambda r: r.number, default=None),
+                previous=self.last_round,
                 start_them=f"start the missing launchers with --rdzv-backend etcd --rdzv-endpoint "
                            f"{self.client.endpoints} --rdzv-id {self.launched.rdzv_id}",
                 job=f"the job --rdzv-id {self.launched.rdzv_id}", apart="a second job needs a --rdzv-id of its own")
@@ -98,7 +91,7 @@ class EtcdRendezvous(EtcdKV):
             raise RendezvousError(f"{e}: round {attempt} cannot start; start etcd there, or pass the members "
                                   "that run with --rdzv-endpoint host:port,host:port") from None
         self.client.running = True  # from now on a full etcd is told once, and the ranks go on
-        self.rounds[here.number], self._members_of[here.number] = here, members
+        self.last_round, self._members_of[here.number] = here, members
         self.config = replace(self.launched, nnodes=here.nnodes, node_rank=here.node_rank)
         self.gone = set()  # node ranks are the new round's: those lost before are not among them
         self.put(self.key(here.number, "state", here.node_rank), NodeState.RUNNING.value)  # its record
@@ -108,10 +101,10 @@ class EtcdRendezvous(EtcdKV):
         return here
 
     def _tidy(self, number: int, every: bool = False) -> None:
-        """Round ``number``'s first node, as it starts: round ``number - 2``'s keys go (every node of the job
-        has left it), or ``every`` key of the job (the last launcher to leave), and etcd's history up to now is
-        compacted, so that a job's keys and etcd's revisions stay flat however long it runs (one compaction a
-        round, never a beat). A refusal (another client compacted further) leaves it to the next round."""
+        """Round ``number``'s first node, as it starts: round ``number - 2``'s keys go (every node has left it), or
+        ``every`` key of the job (the last launcher to leave), and etcd's history is compacted: keys and revisions stay
+        flat however long a job runs (one compaction a round, never a beat). A refusal (another client compacted
+        further) leaves it to the next round."""
         from etcd3gw import exceptions
 
         def tidy(c: Any) -> None:
@@ -151,10 +144,6 @@ class EtcdRendezvous(EtcdKV):
         member, member_port = parse_endpoints(self.launched.rdzv_endpoint or "")[0]
         return self.config.local_addr or source_address(resolve(member), member_port)
 
-    def set_store(self, attempt: int, host: str, port: int) -> None:
-        """The round's first node: where its process-group store listens, for the others."""
-        self.put(self.key(attempt, "store"), f"{host}:{port}")
-
     def store(self, attempt: int) -> tuple[str, int]:
         """Where the round's process-group store listens, once its first node has published it; :class:`RoundLost`
         when that node's lease ran out first (the others start the next round without it)."""
@@ -180,12 +169,9 @@ class EtcdRendezvous(EtcdKV):
         """This node's record in round ``attempt`` moved to ``state``, with its counters (:meth:`move_to`). Its end
         is no loss: etcd that did not answer, or is gone, is none of its business then; unmarked as waiting on a
         full etcd, the record on the round's store still tells the others."""
-        if state is NodeState.ENDED:
-            if not self.client.unanswered:  # etcd just did not answer: the mark would only wait for it again
-                with contextlib.suppress(RendezvousGone):
-                    self.move_to(attempt, state)
-            return
-        with contextlib.suppress(*((EtcdFull,) if state is NodeState.WAITING else ())):
+        if state is NodeState.ENDED and self.client.unanswered:
+            return  # etcd just did not answer: the mark would only wait for it again
+        with contextlib.suppress(*_UNTOLD.get(state, ())):
             self.move_to(attempt, state)
 
     def move_to(self, attempt: int, target: NodeState) -> None:
@@ -215,19 +201,18 @@ class EtcdRendezvous(EtcdKV):
         try:
             if self.client.call(lambda c: c.create(key, mine)):
                 self.tell_failed(attempt)
-        except EtcdFull:  # etcd takes no write: the round's store keeps the record (the first writer wins there),
-            if (standing := self._written(key)) is not None:  # unless one was written before etcd filled: it stands
-                return FailureRecord.decode(standing)
+        except EtcdFull:  # etcd full: a record written before stands, else the first one on the round's store does
             watch = self._watches.get(attempt)
-            if watch is None or (standing := watch.publish(mine)) is None:
+            standing = self._written(key) or (watch.publish(mine) if watch is not None else None)
+            if standing is None:
                 raise
             return FailureRecord.decode(standing)
         return FailureRecord.decode(self.get(key) or mine)
 
     def _written(self, key: str) -> bytes | None:
-        """The record in etcd, once it refused our write for want of room: read for a lease's TTL at most. Read
-        with --timeout and let fail, the read of a full etcd that did not answer (slow members, in CI) held a
-        failing node that long (180 s by default; a Ctrl-C too), then failed it, its record never on the store."""
+        """The record in etcd, once it refused our write for want of room: read for a lease's TTL at most. Read with
+        --timeout and let fail, the read of a full etcd that did not answer (slow members, in CI) held a failing node
+        that long (180 s by default; a Ctrl-C too), then failed it, its record never on the store."""
         with contextlib.suppress(RendezvousGone):
             return self.get(key, timeout=self.ttl)
         return None
@@ -240,11 +225,11 @@ class EtcdRendezvous(EtcdKV):
         round's store, which every node's next beat reads (core/stores/store_beat.py); through this launcher's
         watch of the round, else through a client of its own (a newcomer runs no rank in it)."""
         if (watch := self._watches.get(attempt)) is not None:
-            watch.tell_failed()  # its store gone: the nodes read etcd's key once theirs fails
+            watch.tell_failed()
             return
         from ..wire.store import connect
 
-        with contextlib.suppress(Exception):  # no store: the nodes read etcd's key once theirs fails
+        with contextlib.suppress(Exception):  # no store (either way): the nodes read etcd's key once theirs fails
             host, port = self.store(attempt)
             socket.create_connection((host, port), timeout=1.0).close()  # a gone host refuses at once; torch
             StoreBeat(attempt, -1).tell_failed(connect(host, port, 2.0))  # would retry until its timeout
@@ -262,16 +247,14 @@ class EtcdRendezvous(EtcdKV):
 
     @property
     def interval(self) -> float:
-        """A moment between two looks, longer the more nodes look (:func:`etcd_interval`). Not a watch: etcd's
-        HTTP gateway serves a few hundred streams at once (etcd_keys.py's await_decided)."""
+        """A moment between two looks, longer the more nodes look (:func:`etcd_interval`; not a watch: etcd_keys.py)."""
         return etcd_interval(self.config.nnodes)
 
     def view(self, attempt: int) -> View:
         return View(self, attempt)
 
     def lost(self, attempt: int, since: float) -> Lost | None:
-        """The nodes whose lease ran out before they ended the round (:meth:`stalled`): known as soon as etcd
-        knows, whatever the wait."""
+        """The nodes whose lease ran out before they ended the round (:meth:`stalled`): known as soon as etcd knows."""
         if self.client.full is not None:  # a node that ended could not say so, and a lease may not be renewed:
             return None  # a key gone tells nothing; the record, on the round's store, and --timeout still do
         return Lost(lost) if (lost := self.stalled(attempt)) else None
@@ -285,7 +268,7 @@ class EtcdRendezvous(EtcdKV):
         known = self._known_gone.setdefault(attempt, set())
         alive = self.count(self.key(attempt, "alive/"))
         if alive + len(known) >= len(members):
-            return sorted(n for n in known if n in self.gone)
+            return sorted(known & self.gone)
         here = {int(n) for n in self.under(self.key(attempt, "alive/"))}
         ended = {int(n) for n in self.under(self.key(attempt, "ended/"))}
         joined = set(self.under(self.key(attempt, "join/")))  # put with the same lease: alive too, till then
@@ -316,10 +299,10 @@ class EtcdRendezvous(EtcdKV):
         return None  # a round starts with the nodes that joined it: none can be missing from it
 
     def last_word(self, attempt: int) -> FailureRecord | None:
-        """etcd full, and then no answer to this node (a slow member on a loaded machine, in CI): the round's
-        store is where a record goes now, so it is looked for there, while the store answers, up to
-        --timeout (its host stays as long for the others to read it). Before, such a node told etcd's
-        loss where the others named the rank that failed. None otherwise: no node hosts etcd."""
+        """etcd full, and then no answer to this node (a slow member on a loaded machine, in CI): the round's store
+        is where a record goes now, so it is looked for there, while the store answers, up to --timeout (its host
+        stays as long for the others to read it). Before, such a node told etcd's loss where the others named the
+        rank that failed. None otherwise: no node hosts etcd."""
         if self.client.full is None or (watch := self._watches.get(attempt)) is None:
             return None
         return watch.last_record(self.config.timeout)
@@ -329,10 +312,10 @@ class EtcdRendezvous(EtcdKV):
         etcd full, the last round's store host first waits for the others to read a record on its store."""
         if self.identity is not None:
             self.identity.close()  # this launcher answers no probe from now on: it is done with the job
-        last = max(self.rounds, default=None)
-        if self.reached and self.client.full is not None and last is not None and self.rounds[last].node_rank == 0 and (
-                watch := self._watches.get(last)) is not None:  # before etcd's answers: the store needs none
-            watch.until_read(self.rounds[last].nnodes - 1 - len(self.gone), self.config.timeout)
+        last = self.last_round
+        if last is not None and last.node_rank == 0 and self.client.full is not None and (
+                watch := self._watches.get(last.number)) is not None:  # before etcd's answers: the store needs none
+            watch.until_read(last.nnodes - 1 - len(self.gone), self.config.timeout)
         # No first contact (a lease taken by a put all the same stops refreshing), or etcd did not answer the last
         # call: the lease's TTL removes this one's keys.
         if not self.reached or self.client.unanswered:
@@ -340,20 +323,19 @@ class EtcdRendezvous(EtcdKV):
                 self.kept.stop()
             return
         with contextlib.suppress(RendezvousGone):
-            if last is not None:  # a launcher refused, or a spare never needed, was never one of the round's
+            if last is not None:
                 self.client.call(lambda c: c.put(self.prefix + "left/" + self.me, "1"), timeout=2.0)
-                if self.count(self.prefix + "left/") >= self.rounds[last].nnodes:
-                    self._tidy(last, every=True)
+                if self.count(self.prefix + "left/") >= last.nnodes:
+                    self._tidy(last.number, every=True)
         if self.kept is not None:
             self.kept.revoke()
 
     def round_store(self, attempt: int, host: Callable[[str], int], script: bool = False) -> RoundStore:
-        """A fresh store each round (a restarted env:// ``script`` finds no dead rank's keys in it): the round's first
-        node hosts it, at --local-addr or its address toward etcd's first member (the interface the others reach
-        too)."""
+        """A fresh store each round (a restarted env:// ``script`` finds no dead rank's keys in it), hosted by the
+        round's first node at :meth:`_address` (the interface the others reach too)."""
         if self.config.node_rank != 0:
             return RoundStore(*self.store(attempt))
         address = self._address()
         port = host(address)
-        self.set_store(attempt, address, port)
+        self.put(self.key(attempt, "store"), f"{address}:{port}")  # for the others (:meth:`store`)
         return RoundStore(address, port)

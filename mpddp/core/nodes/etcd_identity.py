@@ -149,7 +149,6 @@ class Identity:
     def _standing(self, token: str) -> Liveness:
         """Whether a launcher of incarnation ``token`` lives: the first few asked, all of them only when those
         are gone (one read, and one connection, for a live job)."""
-        seen = []
         for limit in (_SAMPLE, 0):
             cards = self._cards(token, limit)
             seen = [reach(c.get("probe", ""), str(c.get("host")), self.host) for c in cards]

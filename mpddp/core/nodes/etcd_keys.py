@@ -1,9 +1,10 @@
 """The ``etcd`` backend's membership keys and its beat of one round (core/nodes/etcd.py is the backend).
 
-Owns: :class:`EtcdKeys`, core/nodes/membership.py's keys in etcd (arrivals put with the launcher's lease,
-counted without being read; only the launcher that decides reads them; a newcomer's admission, one transaction
-against the nodes' moves to WAITING and RETURNED), and :class:`EtcdRoundWatch`, a round's beat, on the round's
-own TCPStore (core/stores/store_beat.py): nothing written to etcd a beat.
+Owns: :class:`EtcdLink`, what they ask of the backend (a Protocol, not core/nodes/etcd.py's class: it imports this
+one); :class:`EtcdKeys`, core/nodes/membership.py's keys in etcd (arrivals put with the launcher's lease, counted
+without being read; only the launcher that decides reads them; a newcomer's admission, one transaction against the
+nodes' moves to WAITING and RETURNED), and :class:`EtcdRoundWatch`, a round's beat, on the round's own TCPStore
+(core/stores/store_beat.py): nothing written to etcd a beat.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ..stores.etcd_kv import absent, counted, found, number, put, read
 from ..stores.store_beat import KeptRecord, StoreBeat, first_record, record_of
@@ -23,7 +24,8 @@ from .api import INTERVAL, BeatThread, ending
 from .rules import Door, door
 
 if TYPE_CHECKING:
-    from .etcd_link import EtcdLink
+    from ...config import LaunchConfig
+    from .etcd_identity import Identity
 
 
 def etcd_interval(nodes: int) -> float:
@@ -34,8 +36,31 @@ def etcd_interval(nodes: int) -> float:
     return min(4.0, max(0.1, nodes / 250))
 
 
+class EtcdLink(Protocol):
+    """What :class:`EtcdKeys` and :class:`EtcdRoundWatch` ask of the backend."""
+
+    config: LaunchConfig  # this round's
+    launched: LaunchConfig  # as started: nnodes is MAX, min_nnodes MIN
+    prefix: str  # every key of the job lies under it
+    ttl: int  # the lease's seconds: how long a frozen launcher may hold a round's store
+    identity: Identity | None  # which launch of the job this launcher is part of (once it reached etcd)
+
+    def key(self, attempt: int, *parts: object) -> str: ...
+    def put(self, key: str, value: str | bytes, leased: bool = False) -> None: ...
+    def get(self, key: str) -> bytes | None: ...
+    def under(self, prefix: str) -> dict[str, bytes]: ...
+    def count(self, prefix: str) -> int: ...
+    def create(self, key: str, value: str | bytes) -> bytes | None: ...
+    def commit(self, compare: list[dict[str, Any]], success: list[dict[str, Any]],
+               failure: list[dict[str, Any]] | None = None) -> dict[str, Any]: ...
+    def lease(self) -> int: ...
+    def record(self, attempt: int) -> FailureRecord | None: ...
+    def tell_failed(self, attempt: int) -> None: ...
+    def store(self, attempt: int) -> tuple[str, int]: ...
+
+
 class EtcdKeys:
-    """core/nodes/membership.py's keys, in etcd: arrivals put with the launcher's lease."""
+    """core/nodes/membership.py's :class:`~mpddp.core.nodes.membership.Keys`, in etcd."""
 
     def __init__(self, link: EtcdLink) -> None:
         self.link = link
@@ -61,8 +86,8 @@ class EtcdKeys:
         return {m: v.decode() for m, v in self.link.under(self.link.key(attempt, "join/")).items()}
 
     def claim(self, attempt: int, node_rank: int, me: str) -> str | None:
-        """None: this launcher holds ``--node-rank`` for as long as it lives in its launch's incarnation, whatever
-        the round (core/nodes/etcd_identity.py, which raises the line itself for a live launcher that holds it)."""
+        """None: this launcher holds ``--node-rank`` for as long as it lives in its incarnation, whatever the round
+        (core/nodes/etcd_identity.py raises the line itself for a live launcher that holds it)."""
         if self.link.identity is not None:
             self.link.identity.claim(node_rank)
         return None
@@ -97,12 +122,11 @@ class EtcdKeys:
         return int(found) if found else 0
 
     def admit(self, attempt: int, record: FailureRecord) -> None:
-        """The round's record, created only while it has none, no node's rank failed (``failing/``: its record is
-        on its way), no node waits for a failure's and no node's ranks returned (core/nodes/rules.py's
-        :func:`door`): one transaction, which etcd orders with each of those writes (also one), so a node that
-        writes after it reads the record as it waits (core/nodes/settle.py) and restarts with the others. A
-        failure's record on its way ends the round anyway: this launcher comes to the next; after a node returned
-        the job is ending, and this launcher is not needed."""
+        """The round's record, created only while it has none, no node's rank failed (``failing/``: its record is on
+        its way), none waits for a failure's and none's ranks returned (core/nodes/rules.py's :func:`door`): one
+        transaction, which etcd orders with each of those writes (also one), so a node that writes after it reads the
+        record as it waits (core/nodes/settle.py) and restarts with the others. Refused, this launcher comes to the
+        next round (a failure's record on its way ends this one anyway), or is not needed once a node returned."""
         link = self.link
         key = link.key(attempt, "failure")
         shut = [link.key(attempt, "failing/"), link.key(attempt, "waiting/"), link.key(attempt, "returned/")]
@@ -127,18 +151,15 @@ class EtcdKeys:
 
 
 class EtcdRoundWatch(BeatThread):
-    """One round's beat on the round's own TCPStore (its first node hosts it; core/stores/store_beat.py): no
-    request to etcd a beat, so a job that trains for a week writes nothing to etcd's Raft log meanwhile (a put a
-    beat was two Raft writes a node a second and 4 KB of etcd's database a node a second, measured with
-    scripts/bench_etcd_writes.py). The round's first failure is still created in etcd; its writer adds FAILED to
-    the store's progress counter too, which every node's next beat reads. Where the round's store cannot be
-    reached (its node lost), each beat reads the failure key in etcd instead: a read, not a write. Liveness is
-    the lease's (core/stores/etcd_client.py), never a beat."""
+    """One round's beat on the round's own TCPStore (its first node hosts it): no request to etcd a beat, so a job
+    that trains for a week writes nothing to etcd's Raft log (a put a beat was two Raft writes and 4 KB of etcd's
+    database a node a second, measured with scripts/bench_etcd_writes.py). The round's first failure is still
+    created in etcd; its writer adds FAILED to the store's progress counter, which every node's next beat reads.
+    Where the store cannot be reached (its node lost), each beat reads etcd's failure key instead: a read."""
 
     link: EtcdLink
 
-    def __init__(self, link: EtcdLink, attempt: int,
-                 share: Callable[[bool], bytes | None] | None = None) -> None:
+    def __init__(self, link: EtcdLink, attempt: int, share: Callable[[bool], bytes | None] | None = None) -> None:
         super().__init__(attempt, share)
         self.link = link
         self.beat = StoreBeat(attempt, link.config.node)
@@ -156,17 +177,16 @@ class EtcdRoundWatch(BeatThread):
         self._thread.start()  # a record on meanwhile), and once raced the caller's own import of it
 
     def _connect(self) -> None:
-        """A client of the round's store, its operations' timeout a lease's TTL (torch 2.13 does not apply it
-        to a frozen host's answers, measured: an add still waited after 20 s; etcd's lease then tells the other
-        nodes, and --timeout this one). Again after an operation failed: a failed one (a reset connection) left
-        this node blind to the round's record for good, so that it could not tell the rank that failed. A host
-        that is gone refuses at once; one whose machine is lost costs a second, and its lease tells the rest."""
+        """A client of the round's store, its operations' timeout a lease's TTL (torch 2.13 does not apply it to a
+        frozen host's answers, measured: an add still waited after 20 s; etcd's lease then tells the other nodes, and
+        --timeout this one). Again after an operation failed: a failed one (a reset connection) left this node blind
+        to the round's record for good. A gone host refuses at once; a lost machine costs a second (its lease tells)."""
         from datetime import timedelta
 
         from ..wire.store import connect
 
         self._next_try = time.monotonic() + 1.0  # a store not reached costs one try a second, at most
-        try:
+        with contextlib.suppress(Exception):  # RendezvousError, OSError, torch's own types: etcd's key is read then
             if self._address is None:
                 self._address = self.link.store(self.attempt)
             else:
@@ -176,8 +196,6 @@ class EtcdRoundWatch(BeatThread):
             with self._store_lock:
                 self._store = store
                 self._reached.set()
-        except Exception:  # noqa: BLE001 - RendezvousError, OSError, torch's own types: etcd's key is read then
-            pass
 
     def _on_store(self, op: Callable[[Any], Any], again: bool = False) -> Any:
         """``op(store)`` under the lock; None (and the client dropped) when the round's store does not answer.
@@ -212,8 +230,7 @@ class EtcdRoundWatch(BeatThread):
             self.link.put(self.link.key(self.attempt, "failing", self.link.config.node_rank), "1", leased=True)
 
     def tell_failed(self) -> None:
-        """This node wrote the round's record: every node's next beat reads it off the store's counter (where
-        this watch has one to tell it on)."""
+        """This node wrote the round's record: every node's next beat reads it off the store's counter."""
         self._on_store(self.beat.tell_failed)
 
     def publish(self, record: bytes) -> bytes | None:
