@@ -31,8 +31,8 @@ if TYPE_CHECKING:
 def etcd_interval(nodes: int) -> float:
     """Seconds between two looks of a waiting launcher on etcd: 0.1 s up to 25 nodes, then longer, so that all
     of them together look about 250 times a second (4 s at 1,000 nodes). A fourth of c10d's: each request costs
-    etcd about a millisecond of CPU (measured: 0.34 CPU-seconds a second for 316 requests a second), and the
-    beats already take 4 a node a second; past that the leases' refreshes queue and run out."""
+    etcd about a millisecond of CPU (measured: 0.34 CPU-seconds a second for 316 requests a second, when the beats
+    still took 4 a node a second); past that the leases' refreshes queue and run out."""
     return min(4.0, max(0.1, nodes / 250))
 
 
