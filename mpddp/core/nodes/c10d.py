@@ -43,8 +43,7 @@ _NODE0_ONLY = ("not restarted: node 0 hosted the job's store (--rdzv-backend c10
 
 
 class C10dRendezvous:
-    """The ``c10d`` backend of :class:`~mpddp.core.nodes.api.Rendezvous`: this launcher's client of node 0's
-    store, for the whole job; every call is thread-safe."""
+    """The ``c10d`` backend of :class:`~mpddp.core.nodes.api.Rendezvous` (see the header); every call is thread-safe."""
 
     hosts_round_store = False  # node 0's store serves every round
     interval = POLL  # a store has no watch: look again soon
@@ -120,7 +119,7 @@ class C10dRendezvous:
         launched = self.launched
         keys = C10dKeys(self)
         try:
-            here, members = membership.join_round(
+            here, _ = membership.join_round(
                 keys, keys.latest() if attempt == 0 else attempt, self.me, low=launched.min_nnodes,
                 high=launched.nnodes, node_rank=launched.node_rank, last_call=launched.rdzv_settings().last_call_timeout,
                 timeout=launched.timeout, previous=self._round,
