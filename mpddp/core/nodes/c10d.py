@@ -43,8 +43,7 @@ _NODE0_ONLY = ("not restarted: node 0 hosted the job's store (--rdzv-backend c10
 
 
 class C10dRendezvous:
-    """The ``c10d`` backend of :class:`~mpddp.core.nodes.api.Rendezvous`: this launcher's client of node 0's
-    store, for the whole job; every call is thread-safe."""
+    """The ``c10d`` backend of :class:`~mpddp.core.nodes.api.Rendezvous` (see the header); every call is thread-safe."""
 
     hosts_round_store = False  # node 0's store serves every round
     interval = POLL  # a store has no watch: look again soon
@@ -120,7 +119,7 @@ class C10dRendezvous:
         launched = self.launched
         keys = C10dKeys(self)
         try:
-            here, members = membership.join_round(
+            here, _ = membership.join_round(
                 keys, keys.latest() if attempt == 0 else attempt, self.me, low=launched.min_nnodes,
                 high=launched.nnodes, node_rank=launched.node_rank, last_call=launched.rdzv_settings().last_call_timeout,
                 timeout=launched.timeout, previous=self._round,
@@ -158,21 +157,20 @@ class C10dRendezvous:
         """This node's record in round ``attempt`` moved to ``state`` (:meth:`_move`). Its end is no loss: a store
         gone meanwhile is none of its business, and node 0 stopped itself (Ctrl-C, a signal) keeps its store
         until the others read why (called shielded from a second one)."""
-        me = self.config.node
-        if state in (NodeState.WAITING, NodeState.RETURNED) and self.elastic:
-            self.client.call(lambda s: close_door(s, attempt, state))  # first: no newcomer's admission hides a
-            # failure, or restarts a job that is ending
+        if state in (NodeState.WAITING, NodeState.RETURNED) and self.elastic:  # first: no newcomer's admission
+            self.client.call(lambda s: close_door(s, attempt, state))  # hides a failure, or restarts a job that ends
         if state is not NodeState.ENDED:
-            self._move(attempt, me, state)
+            self._move(attempt, self.config.node, state)
             return
         with contextlib.suppress(RendezvousGone):
-            self._move(attempt, me, state, connect_timeout=2.0)
+            self._move(attempt, self.config.node, state, connect_timeout=2.0)
         if attempt in self.stopped_in and self.config.node_rank == 0:  # once: the attempt's end moves it again
-            self.stopped_in.discard(attempt)  # node 0 stopped itself: its store stays until every other launcher
-            with contextlib.suppress(RendezvousGone):  # read why, or READ_WAIT (a second Ctrl-C soon after the
-                # first ended the store before they read it, and they said "node 0 ... is gone": 2 of 6 runs)
-                KeptRecord.until_read(self.client.call, attempt, self.config.nnodes - 1 - len(self.gone), READ_WAIT,
-                                      POLL)
+            self.stopped_in.discard(attempt)
+            # node 0's store stays until every other launcher read why, or READ_WAIT (a second Ctrl-C soon after the
+            # first ended the store before they read it, and they said "node 0 ... is gone": 2 of 6 runs)
+            with contextlib.suppress(RendezvousGone):
+                readers = self.config.nnodes - 1 - len(self.gone)
+                KeptRecord.until_read(self.client.call, attempt, readers, READ_WAIT, POLL)
 
     def _move(self, attempt: int, node: int, target: NodeState, connect_timeout: float | None = None) -> bool:
         """Node ``node``'s record in round ``attempt`` moved to ``target`` by compare-and-set (core/nodes/rules.py's
@@ -221,17 +219,16 @@ class C10dRendezvous:
         return last_word.hear(self.config.master_addr, self.port, attempt)
 
     def record(self, attempt: int) -> FailureRecord | None:
-        """The round's record, once written; read once as another node's, it is counted for node 0's wait until the
-        others read why (:meth:`move`), and kept (core/stores/store_beat.py's ``KeptRecord``)."""
+        """The round's record, once written, as core/stores/store_beat.py's ``KeptRecord`` keeps it and counts its read
+        (for the waits of :meth:`move` and :meth:`until_heard`)."""
         return self._kept_in(attempt).read(self.client.call)
 
     def _kept_in(self, attempt: int) -> KeptRecord:
         return self._kept.setdefault(attempt, KeptRecord(attempt, self.config.node_rank))  # None: a spare
 
     def publish(self, attempt: int, record: FailureRecord) -> FailureRecord:
-        """Write the round's first failure unless another node did first; the record that stands (read, where another
-        node's). Its writer also adds :data:`~mpddp.core.wire.protocol.FAILED` to the progress counter: every node's
-        next beat sees it."""
+        """Write the round's first failure unless another node did first (store_beat.first_record); the record that
+        stands (read, where another node's)."""
         if record.outcome is Outcome.STOPPED and record.node_rank == self.config.node:
             self.stopped_in.add(attempt)
         standing = FailureRecord.decode(self.client.call(lambda s: first_record(

@@ -22,9 +22,8 @@ from .rules import Door, NodeState, door, holder
 
 _ARRIVALS, _MEMBERS, _CLAIMS = "arrivals", "members", "claims"  # an elastic job's round
 _ADMISSION = "admission"  # a round's door: a newcomer's record of admission, or a node's mark (FAILING, CLOSED)
-FAILING, CLOSED = "failing", "closed"  # a node waits for a failure's record; a node's ranks returned
-_MARKS = (FAILING.encode(), CLOSED.encode())
-_DOOR_MARKS = {NodeState.WAITING: FAILING, NodeState.RETURNED: CLOSED}  # the moves that shut a round's door, and how
+_FAILING, _CLOSED = b"failing", b"closed"  # a node waits for a failure's record; a node's ranks returned
+_DOOR_MARKS = {NodeState.WAITING: _FAILING, NodeState.RETURNED: _CLOSED}  # the moves that shut a round's door, and how
 _ROUND = "mpddp/job/round"  # the round an elastic job is in now, for a launcher that comes late
 _NUMBERED = "mpddp/job/numbered"  # a counter: the launchers of a fixed-size job numbered as they came (1, 2, ...)
 
@@ -35,7 +34,6 @@ class C10dLink(Protocol):
     client: C10dClient  # node 0's store
     config: LaunchConfig  # this round's: nnodes and node_rank may change from round to round
     elastic: bool  # --nnodes MIN:MAX
-    gone: set[int]  # nodes found lost
 
     def record(self, attempt: int) -> FailureRecord | None: ...
     def state(self, attempt: int, node: int) -> NodeState: ...
@@ -61,15 +59,13 @@ def arrived(s: Any, attempt: int) -> int:
 
 def admitted(s: Any, attempt: int, record: bytes) -> Door:
     """A newcomer's admission to round ``attempt``, which its nodes restart for (``record``, of RESIZED): OPEN once it
-    is the round's record; else what stood at the round's door first (core/nodes/rules.py's :func:`door`): another
-    newcomer's admission (RECORD: the round restarts with that one), a node that waits for a failure's record
-    (FAILING) or one whose ranks had all returned (CLOSED: the job is ending, and a restart would run a finished
-    job again)."""
+    is the round's record; else what stood at the round's door first, as core/nodes/rules.py's :func:`door` reads
+    it: another newcomer's admission, or a node's mark (:func:`close_door`)."""
     standing = bytes(s.compare_set(full_key(attempt, _ADMISSION), "", record))
     if standing == record:
         first_record(s, attempt, record)
         return Door.OPEN
-    return door(record=standing not in _MARKS, waiting=standing == FAILING.encode(), returned=standing == CLOSED.encode())
+    return door(record=standing not in (_FAILING, _CLOSED), waiting=standing == _FAILING, returned=standing == _CLOSED)
 
 
 def close_door(s: Any, attempt: int, state: NodeState) -> None:
@@ -78,7 +74,7 @@ def close_door(s: Any, attempt: int, state: NodeState) -> None:
     admission made the round's record here too (it writes the record after the door): every node sees the
     restart, none ends the job or tells a failure without it."""
     standing = bytes(s.compare_set(full_key(attempt, _ADMISSION), "", _DOOR_MARKS[state]))
-    if standing not in _MARKS:
+    if standing not in (_FAILING, _CLOSED):
         first_record(s, attempt, standing)
 
 
@@ -143,10 +139,8 @@ class C10dKeys:
             return None
         arrivals = {m: json.loads(a) for m, a in self.arrivals(attempt).items()}
         members = list(json.loads(decided))
-        if (node := holder(members, arrivals, node_rank)) is None:
-            return None
-        if self.link.state(attempt, node) is NodeState.LOST:
-            return None  # found lost: its replacement takes its rank
+        if (node := holder(members, arrivals, node_rank)) is None or self.link.state(attempt, node) is NodeState.LOST:
+            return None  # a holder found lost: its replacement takes its rank
         return f"{members[node]} on {arrivals[members[node]].get('host')}"
 
     def arrivals(self, attempt: int) -> dict[str, str]:
@@ -179,11 +173,10 @@ class C10dKeys:
         return int(found) if found else 0
 
     def admit(self, attempt: int, record: FailureRecord) -> None:
-        """The round restarts for this newcomer, unless it ends anyway (a record, or a failure's on its way: this
-        launcher comes to the next round) or a node's ranks had returned (:func:`admitted`): then the job is
-        ending, and this launcher is not needed."""
-        if self.link.client.call(lambda s: admitted(s, attempt, record.encode())) is Door.CLOSED:
-            client = self.link.client
+        """The round restarts for this newcomer (:func:`admitted`), unless it ends anyway (RECORD, FAILING: this
+        launcher comes to the next round) or the job is ending (CLOSED: this launcher is not needed)."""
+        client = self.link.client
+        if client.call(lambda s: admitted(s, attempt, record.encode())) is Door.CLOSED:
             raise ending(f"the job at {client.config.master_addr}:{client.port}", attempt)
 
     def record(self, attempt: int) -> FailureRecord | None:

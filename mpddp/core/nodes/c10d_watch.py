@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 
 from ...errors import RendezvousGone
@@ -26,7 +25,7 @@ class C10dRoundWatch(BeatThread):
 
     def _turn(self, step: int, snapshot: bytes | None, beats: int) -> int:
         """On node 0's store; its beat count too, which the other nodes read for liveness. Node 0 gone raises."""
-        return int(self.link.client.call(functools.partial(self.beat.turn, step=step, snapshot=snapshot, beats=beats)))
+        return int(self.link.client.call(lambda s: self.beat.turn(s, step, snapshot, beats)))
 
     def _put_calls(self, snapshot: bytes) -> None:
         self.link.client.call(lambda s: self.beat.put_calls(s, snapshot))
