@@ -422,7 +422,7 @@ def test_every_backend_implements_the_whole_interface():
                                (api.Rendezvous, etcd.EtcdRendezvous), (api.RoundWatch, etcd.EtcdRoundWatch)):
         wanted = {name for name, _ in inspect.getmembers(interface, inspect.isfunction) if not name.startswith("_")}
         missing = {name for name in wanted if not callable(getattr(backend, name, None))}
-        assert not missing, (backend.__name__, missing)
+        assert not missing and not getattr(backend, "__abstractmethods__", None), (backend.__name__, missing)
         for name in wanted:  # the same parameters, by name
             want = list(inspect.signature(getattr(interface, name)).parameters)
             have = list(inspect.signature(getattr(backend, name)).parameters)

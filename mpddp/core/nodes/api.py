@@ -2,7 +2,7 @@
 
 Owns: :class:`Rendezvous`, what a launcher asks of the other nodes of its job, whichever backend keeps it (``c10d``:
 node 0's TCPStore, core/nodes/c10d.py; ``etcd``: core/nodes/etcd.py; core/nodes/backends.py picks one by name);
-:class:`RoundWatch`, one round's beat as the attempt sees it, and :class:`BeatThread`, its loop; the beat's timing.
+:class:`RoundWatch`, one round's beat as the attempt sees it, its loop written once; the beat's timing.
 What crosses the seam is plain values: core/nodes/rules.py's :class:`~mpddp.core.nodes.rules.NodeState` and
 :class:`~mpddp.core.nodes.rules.RoundView` (one look at a round), and :class:`~mpddp.core.wire.protocol.FailureRecord`;
 a backend that stops answering raises :class:`~mpddp.errors.RendezvousGone`. Above core/nodes/ nothing names a
@@ -29,6 +29,7 @@ record and :func:`~mpddp.core.nodes.settle.finish` (loops over views, by the rul
 
 from __future__ import annotations
 
+import abc
 import contextlib
 import functools
 import signal
@@ -115,21 +116,6 @@ class RoundStore:
         return self.lost is not None
 
 
-class RoundWatch(Protocol):
-    """One round's beat, as the attempt and its watchdog see it."""
-
-    remote_progress: int  # moves when another node's rank progressed: no node tells a hang while others compute
-    remote_failure: FailureRecord | None  # the round's first failure, once another node wrote it: the attempt stops
-
-    def progressed(self) -> None: ...  # a local rank computed (core/launcher/watchdog.py)
-    def others_calls(self) -> list[bytes]: ...
-    def share_now(self) -> None: ...
-    def failing(self) -> None: ...  # a rank of this node failed: no newcomer's admission may stand for it
-    def stop(self) -> None: ...
-    def look(self) -> None: ...  # this node is watched (mpddp top): every node hears it within a second
-    def watched(self) -> bool: ...  # some node was watched in the last WATCHED_FOR seconds
-
-
 class _Records(Protocol):
     def record(self, attempt: int) -> FailureRecord | None: ...
 
@@ -183,10 +169,10 @@ class View:
         return bool(nodes) and self.link.marked(self.attempt, protocol.WAITING, nodes)
 
 
-class BeatThread:
-    """What every backend's round watch shares: the two values the attempt reads, the flag the watchdog sets,
-    and the beat, from a daemon thread until :meth:`stop` (:meth:`_run`: a backend's watch says how a beat
-    reaches its store, :meth:`_turn`)."""
+class RoundWatch(abc.ABC):
+    """One round's beat, as the attempt and its watchdog see it, on every backend: the two values the attempt reads,
+    the flag the watchdog sets, and the beat, from a daemon thread until :meth:`stop` (:meth:`_run`: a backend's
+    watch says how a beat reaches its store, :meth:`_turn`, and reads the others' collectives, :meth:`others_calls`)."""
 
     beat: StoreBeat  # the round's keys on its store, set by each backend's watch
     link: _Records  # the backend, set by each backend's watch: the round's record, once the beat says it is written
@@ -195,8 +181,9 @@ class BeatThread:
     def __init__(self, attempt: int, share: Callable[[bool], bytes | None] | None) -> None:
         self.attempt = attempt
         self.share = share  # this node's ranks' collectives when they moved (core/launcher/board.py's snapshot)
-        self.remote_progress = 0  # the other nodes' progress, as last read
-        self.remote_failure: FailureRecord | None = None  # the round's first failure, once another node wrote it
+        self.remote_progress = 0  # the other nodes' progress as last read: no node tells a hang while others compute
+        self.remote_failure: FailureRecord | None = None  # the round's first failure, once another node wrote it: the
+        # attempt stops
         self._progress = threading.Event()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="mpddp-round-watch", daemon=True)
@@ -227,16 +214,20 @@ class BeatThread:
             with contextlib.suppress(RendezvousGone):
                 self._shut()
 
-    def _put_calls(self, snapshot: bytes) -> None:
-        raise NotImplementedError
+    @abc.abstractmethod
+    def others_calls(self) -> list[bytes]:
+        """The other nodes' last snapshots of their ranks' collectives, read once a hang is suspected."""
 
-    def _shut(self) -> None:
-        raise NotImplementedError
+    @abc.abstractmethod
+    def _put_calls(self, snapshot: bytes) -> None: ...
 
+    @abc.abstractmethod
+    def _shut(self) -> None: ...
+
+    @abc.abstractmethod
     def _turn(self, step: int, snapshot: bytes | None, beats: int) -> int | None:
         """One beat on the round's store (core/stores/store_beat.py's ``turn``): every node's progress back, or None
         where the store did not answer (etcd's round store: its record is read in etcd then)."""
-        raise NotImplementedError
 
     def _run(self) -> None:
         """Every :data:`INTERVAL`: this node's progress added and every node's read back, this node's collectives

@@ -6,13 +6,13 @@ from collections.abc import Callable
 
 from ...errors import RendezvousGone
 from ..stores.store_beat import StoreBeat
-from .api import BeatThread
+from .api import RoundWatch
 from .c10d_keys import C10dLink, close_door
 from .rules import NodeState
 
 
-class C10dRoundWatch(BeatThread):
-    """One round's beat on node 0's store (api.BeatThread), from a daemon thread."""
+class C10dRoundWatch(RoundWatch):
+    """One round's beat on node 0's store (api.RoundWatch), from a daemon thread."""
 
     link: C10dLink
 

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from ..stores.etcd_kv import absent, counted, found, number, put, read
 from ..stores.store_beat import KeptRecord, StoreBeat, first_record, record_of
 from ..wire.protocol import FailureRecord
-from .api import INTERVAL, BeatThread, ending
+from .api import INTERVAL, RoundWatch, ending
 from .rules import Door, door
 
 if TYPE_CHECKING:
@@ -150,7 +150,7 @@ class EtcdKeys:
         return bool(set(members) & set(self.arrivals(attempt)))
 
 
-class EtcdRoundWatch(BeatThread):
+class EtcdRoundWatch(RoundWatch):
     """One round's beat on the round's own TCPStore (its first node hosts it): no request to etcd a beat, so a job
     that trains for a week writes nothing to etcd's Raft log (a put a beat was two Raft writes and 4 KB of etcd's
     database a node a second, measured with scripts/bench_etcd_writes.py). The round's first failure is still
