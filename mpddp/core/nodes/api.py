@@ -182,8 +182,7 @@ class RoundWatch(abc.ABC):
         self.attempt = attempt
         self.share = share  # this node's ranks' collectives when they moved (core/launcher/board.py's snapshot)
         self.remote_progress = 0  # the other nodes' progress as last read: no node tells a hang while others compute
-        self.remote_failure: FailureRecord | None = None  # the round's first failure, once another node wrote it: the
-        # attempt stops
+        self.remote_failure: FailureRecord | None = None  # the round's first failure, once another wrote it: it stops
         self._progress = threading.Event()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="mpddp-round-watch", daemon=True)
