@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import re
 import shutil
 import tempfile
 import time
@@ -84,3 +85,11 @@ def short_dir(prefix: str = "t-") -> Path:
     path = Path(tempfile.mkdtemp(prefix=prefix))
     atexit.register(shutil.rmtree, path, ignore_errors=True)
     return path
+
+
+def told_hung(report: str, head: str, timeout: float) -> bool:
+    """``report`` starts with a hang's line ``head``, its ``{s}`` the seconds without progress: any at or above
+    ``timeout``, since they are the watchdog's at its first look past --timeout, later on a loaded machine (one more
+    second, twice beside a second suite)."""
+    found = re.match(re.escape(head).replace(re.escape("{s}"), r"(\d+)"), report)
+    return found is not None and int(found[1]) >= timeout
