@@ -135,6 +135,49 @@ def test_a_rank_that_computes_is_never_a_hang(no_leftovers, capfd):
     assert err.count("has computed for") == 1  # told once
 
 
+HOG = """
+import os, sys, time
+if os.fork():
+    sys.exit(0)  # the hog is the grandchild: in the rank's session and process group, not among its descendants
+os.sched_setaffinity(0, {{{cpu}}})
+print(os.getpid(), flush=True)
+end = time.monotonic() + 60
+while time.monotonic() < end:
+    pass
+"""
+
+
+def starved(ctx):
+    """Rank 0 computes for 8 s at nice 19, on one CPU with a busy process at nice 0 in its own session (a machine
+    too busy to give it a tenth of a core); rank 1 waits in barrier. Its share of a core."""
+    if ctx.rank != 0:
+        dist.barrier()
+        return None
+    cpu = min(os.sched_getaffinity(0))
+    with subprocess.Popen([sys.executable, "-c", HOG.format(cpu=cpu)], stdout=subprocess.PIPE, text=True) as fork:
+        hog_pid = int(fork.stdout.readline())  # type: ignore[union-attr]
+    try:
+        os.sched_setaffinity(0, {cpu})
+        os.nice(19)
+        wall, used = time.monotonic(), time.process_time()
+        while time.monotonic() - wall < 8.0:
+            sum(range(1000))
+        share = (time.process_time() - used) / (time.monotonic() - wall)
+    finally:
+        os.kill(hog_pid, signal.SIGKILL)
+    dist.barrier()
+    return share
+
+
+def test_a_rank_starved_of_cpu_computes_and_is_no_hang(no_leftovers):
+    """Progress is also a rank the machine kept from the CPU (core/launcher/watchdog.py's ``_starved``): main
+    declared rank 0 hung after 2 s, its stack in its own loop, as on a CI runner with every core taken."""
+    from mpddp.core.launcher.watchdog import BUSY
+
+    share, _ = mpddp.launch(starved, nprocs=2, timeout=2)
+    assert share < BUSY, f"rank 0 got {share:.2f} of a core: it was not starved, the test shows nothing"
+
+
 @pytest.mark.parametrize("mode", ["sleep_outside", "own_timeout"])
 def test_a_script_is_watched_even_with_its_own_collective_timeout(tmp_path, mode):
     out = subprocess.run([sys.executable, "-m", "mpddp", "run", "--nprocs", "2", "--timeout", "4", SCRIPT, mode],

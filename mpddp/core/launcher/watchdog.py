@@ -3,7 +3,8 @@
 Owns: deciding that a group hangs, without relying on any collective's timeout (frameworks pass their own, and a
 rank stuck outside a collective never trips one). Progress is any of: a rank entered or completed a collective (its
 flight recorder moved, core/launcher/board.py); it wrote output (a rank held back by the relay spends its time in
-``write()``, not on the CPU); it used more than :data:`BUSY` of a core (its whole process tree) outside a wait.
+``write()``, not on the CPU); it used more than :data:`BUSY` of a core (its whole process tree) outside a wait, or it
+wanted to and the machine was too busy to let it (:func:`_starved`).
 Busy *at* a wait is still waiting: a stack last seen inside a collective, or, on a GPU rank, any CPU while a
 collective it entered has not completed (NCCL returns at once, and the rank spins at its next sync). A GPU rank in
 ``torch.cuda.synchronize`` with no collective open waits for its own GPU, which computes: that is progress. Other
@@ -27,12 +28,13 @@ from .board import Board, Mismatch, Standing
 from .classify import Hang, RankState
 
 BUSY = 0.1  # fraction of one core over a sample: more is computing
+STARVED = 2  # times a rank's threads of Python were preempted over a sample, at least as often as they slept
 
 
 @dataclass
 class _Rank:
     proc: Any
-    cpu: float
+    use: _Use
     busy_since: float | None = None
     spinning: bool = False  # busy, but its stack was inside torch.distributed
     told: bool = False
@@ -150,11 +152,11 @@ class Watchdog:
                 proc = psutil.Process(state.process.pid)
             except psutil.NoSuchProcess:  # it exited just now: the watch loop sees to it
                 return False
-            self._ranks[state.slot.rank] = _Rank(proc, _tree_cpu(proc))
+            self._ranks[state.slot.rank] = _Rank(proc, _tree_use(proc))
             return True  # a rank just started is busy starting
-        cpu = _tree_cpu(rank.proc)
-        used, rank.cpu = cpu - rank.cpu, cpu
-        busy = dt > 0 and used > BUSY * dt
+        use = _tree_use(rank.proc)
+        before, rank.use = rank.use, use
+        busy = dt > 0 and (use.cpu - before.cpu > BUSY * dt or _starved(before, use))
         rank.busy_since = (rank.busy_since or now) if busy else None
         if not busy:
             rank.spinning = False
@@ -192,17 +194,38 @@ class Watchdog:
                            "goes on", s.slot.rank, now - (rank.busy_since or now), others)
 
 
-def _tree_cpu(proc: Any) -> float:
-    """CPU seconds of a process and all its descendants (children that exited are in its own counts)."""
+@dataclass(frozen=True)
+class _Use:
+    """What a rank's process tree used so far: CPU seconds, and how often the main thread of each of its processes
+    gave the CPU up (``slept``: it waited for something) or had it taken (``preempted``: it wanted more)."""
+
+    cpu: float = 0.0
+    slept: int = 0
+    preempted: int = 0
+
+
+def _starved(before: _Use, after: _Use) -> bool:
+    """The rank computes on a machine too busy to give it :data:`BUSY` of a core: preempted (at least
+    :data:`STARVED` times) as often as it slept or more. A rank that waits (a collective, a lock, a sleep) gives
+    the CPU up and is not preempted. Measured on 2 cores with 20 busy processes, each in a session of its own (a
+    shared login node; a CI runner): a Python loop got 0.1 of a core and 54 preemptions in 2 s, no sleep; one
+    waiting on an event or in ``time.sleep``, none of either; and two such loops as ranks were declared hung."""
+    preempted = after.preempted - before.preempted
+    return preempted >= STARVED and preempted >= after.slept - before.slept
+
+
+def _tree_use(proc: Any) -> _Use:
+    """:class:`_Use` of a process and all its descendants (children that exited are in its CPU, not its switches)."""
     try:
         tree = [proc, *proc.children(recursive=True)]
     except psutil.NoSuchProcess:
-        return 0.0
-    total = 0.0
+        return _Use()
+    cpu, slept, preempted = 0.0, 0, 0
     for p in tree:
         try:
-            times = p.cpu_times()
-            total += times.user + times.system + times.children_user + times.children_system
+            times, switches = p.cpu_times(), p.num_ctx_switches()
         except psutil.NoSuchProcess:
             continue
-    return total
+        cpu += times.user + times.system + times.children_user + times.children_system
+        slept, preempted = slept + switches.voluntary, preempted + switches.involuntary
+    return _Use(cpu, slept, preempted)
