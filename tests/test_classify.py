@@ -171,3 +171,21 @@ def test_the_rule_is_checked_on_real_assignments(tmp_path: Path) -> None:
     sample = tmp_path / "x.py"
     sample.write_text("def f(s):\n    s.stopped = True\n    s.tail += []\n")
     assert _assigned_attributes(sample) == {"stopped", "tail"}
+
+
+def test_the_culprits_own_node_shows_where_it_was_when_another_node_told_the_hang() -> None:
+    """A hang told first by another node (through the collectives the nodes share): only the culprit's node can
+    take its stack. CI, 8 nodes: rank 14's node named it 'the one to look at', and no place."""
+    from mpddp.core.launcher.report import remote_error
+    from mpddp.core.wire.protocol import FailureRecord
+
+    states = [RankState(slot=slot, process=None, messages=None) for slot in layout(8, 2) if slot.node_rank == 7]
+    for s in states:
+        stopped(s)
+    states[0].location = Location("wait_for_nfs at train.py:12 (os.stat(path))", False, "")
+    line = "mpddp: rank 14 made no progress for 21 s while ranks 0-13, 15 waited for it in all_gather #1"
+    record = FailureRecord(14, 7, 0, Out.HUNG, 1, line, 0.0, writer=5)
+    report = str(remote_error(record, states, classify(states), 7)).splitlines()
+    assert report[:4] == [line, "mpddp: node 5 saw it through the collectives the nodes share; rank 14 is this "
+                          "node's, and the one to look at", "mpddp: where rank 14 was:",
+                          "  rank 14 is at wait_for_nfs at train.py:12 (os.stat(path))"], report

@@ -132,6 +132,9 @@ def test_a_rank_hung_on_node_1_is_named_by_collective_on_both_nodes(cluster: Clu
     hung = next(n for n in nodes if "the collectives each rank reached" in n.stderr)  # the node that told it first
     assert re.search(r"  ranks 0, 1, 2 entered all_reduce #(\d+) \(float32\[5\]\) [0-9.]+ s ago; rank 3 is still at "
                      r"#\d+ \(all_reduce\): it is the one to look at", hung.stderr), hung.stderr
+    # where rank 3 was: its node shows it, whichever node told the hang first (else: rank 3's node only named it)
+    assert re.search(r"rank 3 is (at|elsewhere:) work at rounds_job\.py:\d+ \(time\.sleep", nodes[1].stderr), \
+        nodes[1].stderr
 
 
 @pytest.mark.timeout(120)

@@ -299,6 +299,9 @@ def remote_error(record: FailureRecord, states: list[RankState], verdict: Verdic
     else:
         lines = [record.line, f"mpddp: node {record.writer} saw it through the collectives the nodes share; "
                  f"rank {record.rank} is this node's, and the one to look at"]
+        if named.location is not None:  # taken as it was stopped (watch.locate): only this node can show it
+            lines += [f"mpddp: where rank {record.rank} was:", *(f"  {row}" for row in
+                                                                 stacks.grouped({record.rank: named.location}))]
         lines += _tail_block(named)
     others = _others(states, verdict, named, record.rank)
     if others:
