@@ -139,9 +139,16 @@ class EtcdClient:
 
 
 class KeptLease:
-    """A lease of ``ttl`` seconds, refreshed every third of it from a daemon thread until :meth:`revoke`."""
+    """A lease of ``ttl`` seconds, refreshed every third of it from a daemon thread until :meth:`revoke`.
+
+    torch is imported before the lease is taken: its first import holds the GIL for seconds at a time on a starved
+    machine (measured: 3.4 s, 20 busy processes on 2 cores), and a launcher that imported it later, as its first
+    round started, refreshed nothing meanwhile: etcd revoked the lease of a launcher alive and well."""
 
     def __init__(self, client: EtcdClient, ttl: int, timeout: float | None = None) -> None:
+        from ..wire.store import load_torch
+
+        load_torch()
         self.client, self.ttl = client, ttl
         self.id: int = client.call(lambda c: int(c.lease(ttl).id), timeout=timeout)
         self.lost = False  # a refresh found the lease gone: etcd took this launcher for lost
