@@ -51,15 +51,19 @@ class Run:
     def stderr(self) -> str:
         return self.err_path.read_text(errors="replace")
 
-    def wait_for(self, pattern: str, count: int = 1, timeout: float = 60.0) -> list[re.Match[str]]:
-        """Wait until ``pattern`` matched ``count`` times in stdout; fail if the launcher exits first."""
+    def wait_for(self, pattern: str, count: int = 1, timeout: float = 60.0,
+                 also: tuple[Run, ...] = ()) -> list[re.Match[str]]:
+        """Wait until ``pattern`` matched ``count`` times in stdout; fail if the launcher exits first, telling its
+        output and that of the launchers ``also`` (the other nodes: one of them may hold the cause)."""
         deadline = time.monotonic() + timeout
         while True:
             found = list(re.finditer(pattern, self.stdout))
             if len(found) >= count:
                 return found
             if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise AssertionError(f"no {count}× {pattern!r} (rc={self.proc.poll()}):\n{self.stdout}\n{self.stderr}")
+                others = "".join(f"\n--- another launcher (rc={r.proc.poll()}):\n{r.stdout}\n{r.stderr}" for r in also)
+                raise AssertionError(f"no {count}× {pattern!r} (rc={self.proc.poll()}):\n{self.stdout}\n{self.stderr}"
+                                     f"{others}")
             time.sleep(0.02)
 
     def list_tree(self) -> set[int]:

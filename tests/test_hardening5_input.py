@@ -298,7 +298,7 @@ def test_a_survivor_below_min_tells_the_min_story_within_timeout(tmp_path, backe
             runs.append(Run(["-m", "mpddp", "run", "--nnodes", "2:3", "--node-rank", str(node), "--nproc-per-node", "1",
                              "--max-restarts", "1", *where, "--timeout", "15", str(tmp_path / "steps.py")],
                             tmp_path / f"node{node}"))
-        runs[0].wait_for(r"STEP 5\b", timeout=90)
+        runs[0].wait_for(r"STEP 5\b", timeout=90, also=(runs[1],))
         for run in runs:
             run.list_tree()
         lost = [psutil.Process(runs[1].proc.pid), *psutil.Process(runs[1].proc.pid).children(recursive=True)]
