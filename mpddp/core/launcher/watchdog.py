@@ -28,7 +28,7 @@ from .board import Board, Mismatch, Standing
 from .classify import Hang, RankState
 
 BUSY = 0.1  # fraction of one core over a sample: more is computing
-STARVED = 2  # times a rank's threads of Python were preempted over a sample, at least as often as they slept
+STARVED = 2  # times the main threads of a rank's processes were preempted over a sample (and no fewer than they slept)
 
 
 @dataclass
