@@ -170,7 +170,9 @@ def test_one_restart_recovers_both_nodes_with_the_weights_of_a_run_that_never_fa
 def test_a_killed_launcher_is_named_lost_on_the_other_node(cluster: Cluster, restarts: int) -> None:
     timeout = 10.0
     port = free_port()
-    nodes = start(cluster, 2, port, "--steps", "400", "--pause", "0.05", "--timeout", str(timeout),
+    # steps for 200 s or more: under load, READY and the beats came after 400 steps' 20 s, the job ended well
+    # before the kill, and node 0 rightly exited 0
+    nodes = start(cluster, 2, port, "--steps", "4000", "--pause", "0.05", "--timeout", str(timeout),
                   "--max-restarts", str(restarts))
     cluster.wait_for("READY rank", 4, timeout=60)
     cluster.wait_for_beats(port, 2, timeout=60)  # lost while it beat (a launcher that never beat: --timeout)
@@ -187,7 +189,7 @@ def test_a_killed_launcher_is_named_lost_on_the_other_node(cluster: Cluster, res
 
 @pytest.mark.timeout(120)
 def test_a_killed_store_server_ends_the_job_on_both_nodes(cluster: Cluster) -> None:
-    nodes = start(cluster, 2, free_port(), "--steps", "400", "--pause", "0.05", "--timeout", "10",
+    nodes = start(cluster, 2, free_port(), "--steps", "4000", "--pause", "0.05", "--timeout", "10",
                   "--max-restarts", "1")
     cluster.wait_for("READY rank", 4, timeout=60)
     time.sleep(random.uniform(0.0, 1.0))
