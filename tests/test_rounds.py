@@ -275,12 +275,13 @@ def test_a_launcher_stopped_by_ctrl_c_is_named_by_the_other_node(cluster: Cluste
     time.sleep(random.uniform(0.0, 1.0))
     nodes[1].proc.send_signal(signal.SIGINT)
     started = time.monotonic()
-    codes = finish(nodes, 60)
+    codes = [nodes[0].wait(60)]
+    took = time.monotonic() - started  # node 0 told it at once, not after --timeout for a record that never comes
+    codes.append(nodes[1].wait(60))  # (node 1's own stop is not timed: under load its ranks take long to go)
     assert codes[0] == 130 and codes[1] != 0, (codes, nodes[0].stderr)
     assert first_report_line(nodes[0]) == ("mpddp: node 1's launcher was interrupted (SIGINT) while its ranks ran, "
                                            "taking rank(s) 2, 3 with it"), nodes[0].stderr
-    took = time.monotonic() - started  # told at once, not after --timeout for a record that never comes
-    assert took < 30, (took, "\n\n".join(n.stderr for n in nodes))  # 40.7 s once in CI, three suites at once
+    assert took < 30, (took, "\n\n".join(n.stderr for n in nodes))  # both nodes: 40.7 s, 45.5 s under 2-3 suites
     assert cluster.leftovers(wait=5) == []
 
 
