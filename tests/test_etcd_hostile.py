@@ -67,7 +67,6 @@ def test_a_rank_of_the_last_node_that_fails_early_on_a_full_etcd_is_named_on_eve
                 run.kill()
 
 
-
 GIL_HELD = Path(__file__).parent / "scripts" / "gil_held"  # its sitecustomize holds the GIL at torch's first import
 STEPS = """
 import time, torch, torch.distributed as dist

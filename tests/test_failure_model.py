@@ -151,9 +151,10 @@ while time.monotonic() < end:
 
 
 def starved(ctx):
-    """Rank 0 computes for 12 s at nice 15, on one CPU with a busy process at nice 0 in its own session (a machine
-    too busy to give it a tenth of a core: 3% of it, idle); rank 1 waits in barrier. Its share of a core. (At nice
-    19 it got 1.9%, run too seldom to be preempted twice a sample once other tests shared that CPU.)"""
+    """Rank 0 computes for 12 s at nice 15, on one CPU with a busy process at nice 0 in its own session, so in its
+    share of the machine (a machine too busy to give it a tenth of a core: 3% of it, idle); rank 1 waits in barrier.
+    Its share of a core. (At nice 19 it got 1.9%, run too seldom to be preempted twice a sample once other tests
+    shared that CPU.)"""
     if ctx.rank != 0:
         dist.barrier()
         return None
