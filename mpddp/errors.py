@@ -116,6 +116,7 @@ class RendezvousGone(StoreLost):
     node's report tells it (core/nodes/settle.py), worded by the client that raised it; else the message."""
 
     went = "the rendezvous went away"  # what went, for a line: each backend's client raises its own kind
+    silent = False  # it stopped answering, its connection open (a machine cut off or frozen): it says no last word
 
     def __init__(self, message: str, line: str | None = None) -> None:
         super().__init__(message)

@@ -20,7 +20,13 @@ script (``init_process_group("gloo")`` from the environment).
     python scripts/bench_recovery.py                   # 3 interleaved reps, 1, 2, 4 and 8 nodes
     python scripts/bench_recovery.py --nodes 1,2 --reps 5 --json recovery.json
 
-It ends with a whole node's machine lost in a ``--nnodes N-1:N`` job (every process of it SIGKILLed at step 20;
+``--machines``: only a machine killed, cut off (its link down: no RST, no FIN) or frozen (SIGSTOP of all its
+processes), side by side, on three network-namespace hosts (tests/machines.py; root), etcd and c10d, the default
+--timeout: from the fault to the survivors' first step of the next round (goal: 8 s).
+
+    python scripts/bench_recovery.py --machines --reps 3
+
+Otherwise it ends with a whole node's machine lost in a ``--nnodes N-1:N`` job (every process of it SIGKILLed at step 20;
 N is 3, or each of ``--loss-nodes 3,16``):
 node 1 under c10d, node 0 under etcd (a real 3-member etcd on loopback), timed from the loss to the survivors'
 first step of the next round; the etcd lease's TTL bounds how soon the loss is known.
@@ -243,6 +249,69 @@ def node_loss_rows(reps: int, limit: float, tmp: Path, sizes: list[int]) -> tupl
     return rows, results
 
 
+MACHINE_FAULTS = [("etcd", "kill", 1), ("etcd", "cut", 1), ("etcd", "freeze", 1), ("etcd", "cut", 0),
+                  ("etcd", "freeze", 0), ("c10d", "kill", 2), ("c10d", "cut", 2), ("c10d", "freeze", 2),
+                  ("c10d", "cut", 0), ("c10d", "freeze", 0)]
+MACHINE_GOAL = 8.0  # seconds from a machine's fault to the survivors' first step (c10d's node 0: to their end)
+
+
+def machine_run(backend: str, fault: str, victim: int, workdir: Path, limit: float) -> float | None:
+    """Three namespace hosts (tests/machines.py), a 2:3 job at the default --timeout, one rank a node; host
+    ``victim`` killed, cut off or frozen at step 20: the seconds to the survivors' first step of the next round (c10d's
+    node 0: to the survivors' end, which its loss is). None when they did not within ``limit``."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+    from machines import Hosts
+
+    workdir.mkdir(parents=True)
+    job = workdir / "node_loss_job.py"
+    job.write_text(NODE_LOSS_JOB)
+    with Hosts(workdir / "hosts", 3, etcd=backend == "etcd") as hosts:
+        where = (["--rdzv-backend", "etcd", "--rdzv-endpoint", hosts.endpoints, "--rdzv-id", "bench"]
+                 if backend == "etcd" else ["--master-addr", "n1", "--master-port", str(_free_port())])
+        runs = [host.launch(["-m", "mpddp", "run", "--nnodes", "2:3", "--node-rank", str(n), "--nprocs", "1",
+                             "--max-restarts", "1", *where, str(job)], workdir / host.name)
+                for n, host in enumerate(hosts)]
+        runs[victim].wait_for(r"STEP 0 20 ", timeout=limit)
+        for run in runs:
+            run.list_tree()
+        host, at = hosts[victim], time.time()
+        {"kill": lambda: host.kill(runs[victim]), "cut": host.cut, "freeze": lambda: host.freeze(runs[victim])}[fault]()
+        survivors = [run for n, run in enumerate(runs) if n != victim]
+        deadline = time.monotonic() + limit
+        while time.monotonic() < deadline:
+            if backend == "c10d" and victim == 0:
+                if all(run.proc.poll() is not None for run in survivors):
+                    return time.time() - at
+            elif all(re.search(r"STEP 1 0 ", run.stdout) for run in survivors):
+                return max(float(re.search(r"STEP 1 0 ([\d.]+)", run.stdout).group(1))  # type: ignore[union-attr]
+                           for run in survivors) - at
+            time.sleep(0.05)
+    return None
+
+
+def machine_rows(reps: int, limit: float, tmp: Path) -> tuple[list[list[str]], dict[str, Any]]:
+    """Kill, cut and freeze side by side, on each backend, on namespace hosts (root, iproute2; etcd for its rows)."""
+    rows, results = [], {}
+    for backend, fault, victim in MACHINE_FAULTS:
+        label = f"{backend}: node {victim} {fault}" + (" (ends the job)" if backend == "c10d" and victim == 0 else "")
+        times = []
+        for rep in range(reps):
+            try:
+                took = machine_run(backend, fault, victim, tmp / f"{backend}-{fault}-{victim}-{rep}", limit)
+            except BaseException as e:  # noqa: BLE001 - pytest's Skipped: no namespaces (or no etcd) here
+                if type(e).__name__ != "Skipped":
+                    raise
+                rows.append([label, f"skipped: {e}", "-"])
+                break
+            if took is None:
+                raise RuntimeError(f"{label}: the survivors did not go on within {limit:g} s: see {tmp}")
+            times.append(took)
+        if times:
+            results[label] = times
+            rows.append([label, f"{statistics.median(times):.1f}", f"{min(times):.1f}-{max(times):.1f}"])
+    return rows, results
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--nodes", default="1,2,4,8", help="node counts, e.g. 1,2,4,8")
@@ -255,6 +324,8 @@ def main() -> None:
     parser.add_argument("--quiet", type=float, default=60.0, help="wait until the CPUs are at most this %% busy")
     parser.add_argument("--no-node-loss", action="store_true", help="skip the rows of a whole node's machine lost")
     parser.add_argument("--loss-nodes", default="3", help="launchers of the node-loss jobs, e.g. 3,16")
+    parser.add_argument("--machines", action="store_true",
+                        help="only the rows of a machine killed, cut off or frozen, on three namespace hosts (root)")
     parser.add_argument("--json")
     parser.add_argument("--node", type=int)
     parser.add_argument("--nnodes", type=int)
@@ -265,6 +336,8 @@ def main() -> None:
         return torchrun_main(args.fail_after)
     if args.node is not None:
         return node_main(args.node, args.nnodes, args.port, args.fail_after)
+    if args.machines:
+        return machines_main(args)
     nodes = [1] if args.tiny else [int(n) for n in args.nodes.split(",")]
     reps = 1 if args.tiny else args.reps
     kinds = [("mpddp", n) for n in nodes]
@@ -315,6 +388,20 @@ def main() -> None:
         print("goal: under 10 s with the default settings (NVRx's in-job restart: about a minute; torchrun with "
               "c10d: the job ends when node 0 is lost)")
     benchlib.write_json(args.json, {"results": results, "goal": GOAL})
+
+
+def machines_main(args: argparse.Namespace) -> None:
+    benchlib.wait_for_quiet(args.quiet, patience=30.0)
+    with tempfile.TemporaryDirectory(prefix="mpddp-bench-machines-") as tmp:
+        rows, results = machine_rows(args.reps, args.limit, Path(tmp))
+    print(f"\n{benchlib.machine()}; load {benchlib.load():.1f}; {args.reps} rep(s), medians")
+    print("three namespace hosts, --nnodes 2:3, 1 rank a node, the default --timeout; from the fault to the "
+          "survivors' first step of the next round (c10d's node 0: to their end)\n")
+    print(benchlib.table(["fault", "seconds", "range"], rows))
+    worst = max((max(t) for t in results.values()), default=0.0)
+    print(f"\ngoal: at most {MACHINE_GOAL:g} s for every fault: {worst:.1f} s at most "
+          f"({'met' if worst <= MACHINE_GOAL else 'not met'})")
+    benchlib.write_json(args.json, {"machines": results, "goal": MACHINE_GOAL})
 
 
 if __name__ == "__main__":

@@ -33,11 +33,13 @@ FAST = ["--heartbeat-interval", "50", "--election-timeout", "500", "--logger", "
 
 
 class EtcdCluster:
-    """``members`` etcd processes on 127.0.0.1 that form one cluster; a context manager."""
+    """``members`` etcd processes on one address (127.0.0.1 unless given) that form one cluster; a context manager."""
 
     def __init__(self, members: int = 3, base_dir: str | Path | None = None, timeout: float = 15.0,
-                 quota_bytes: int | None = None) -> None:
-        """``quota_bytes``: etcd's --quota-backend-bytes (its NOSPACE alarm is raised past it; default 2 GiB)."""
+                 quota_bytes: int | None = None, host: str = "127.0.0.1") -> None:
+        """``quota_bytes``: etcd's --quota-backend-bytes (its NOSPACE alarm is raised past it; default 2 GiB);
+        ``host``: the address its members listen on (a namespace hosts' bridge, tests/machines.py)."""
+        self.host = host
         self.members = members
         self.extra = ["--quota-backend-bytes", str(quota_bytes)] if quota_bytes else []
         self.base_dir = base_dir
@@ -49,7 +51,7 @@ class EtcdCluster:
 
     @property
     def endpoints(self) -> str:
-        return ",".join(f"127.0.0.1:{port}" for port in self.client_ports)
+        return ",".join(f"{self.host}:{port}" for port in self.client_ports)
 
     @property
     def pids(self) -> list[int]:
@@ -66,20 +68,20 @@ class EtcdCluster:
 
         session = requests.Session()
         session.trust_env = False
-        return Etcd3Client(host="127.0.0.1", port=self.client_ports[index], timeout=timeout, session=session)
+        return Etcd3Client(host=self.host, port=self.client_ports[index], timeout=timeout, session=session)
 
     def start(self) -> None:
         deadline = time.monotonic() + self.timeout
         self.dir = Path(tempfile.mkdtemp(prefix="etcd-", dir=self.base_dir))
         token = f"mpddp-test-{uuid.uuid4().hex[:12]}"
-        initial = ",".join(f"m{i}=http://127.0.0.1:{port}" for i, port in enumerate(self.peer_ports))
+        initial = ",".join(f"m{i}=http://{self.host}:{port}" for i, port in enumerate(self.peer_ports))
         env = {k: v for k, v in os.environ.items() if not k.startswith("ETCD_")}  # flags only
         for i, (client, peer) in enumerate(zip(self.client_ports, self.peer_ports)):
             argv = ["etcd", "--name", f"m{i}", "--data-dir", str(self.dir / f"m{i}"),
-                    "--listen-client-urls", f"http://127.0.0.1:{client}",
-                    "--advertise-client-urls", f"http://127.0.0.1:{client}",
-                    "--listen-peer-urls", f"http://127.0.0.1:{peer}",
-                    "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
+                    "--listen-client-urls", f"http://{self.host}:{client}",
+                    "--advertise-client-urls", f"http://{self.host}:{client}",
+                    "--listen-peer-urls", f"http://{self.host}:{peer}",
+                    "--initial-advertise-peer-urls", f"http://{self.host}:{peer}",
                     "--initial-cluster", initial, "--initial-cluster-state", "new",
                     "--initial-cluster-token", token, *FAST, *self.extra]  # fmt: skip
             with open(self.log(i), "wb") as log:
@@ -102,7 +104,7 @@ class EtcdCluster:
 
     def peer_serves(self, index: int) -> bool:
         try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{self.peer_ports[index]}/version", timeout=0.2):
+            with urllib.request.urlopen(f"http://{self.host}:{self.peer_ports[index]}/version", timeout=0.2):
                 return True
         except OSError:  # refused, timed out (bound, not serving yet), or an HTTP error
             return False

@@ -27,8 +27,10 @@ SCRIPTS = REPO / "tests" / "scripts"
 
 
 class Run:
-    def __init__(self, argv: list[str], tmp_path: Path, env: dict[str, str] | None = None) -> None:
-        """Start ``python *argv`` (e.g. ``["-m", "mpddp", "run", ...]``) in ``tmp_path``."""
+    def __init__(self, argv: list[str], tmp_path: Path, env: dict[str, str] | None = None,
+                 prefix: list[str] | None = None) -> None:
+        """Start ``python *argv`` (e.g. ``["-m", "mpddp", "run", ...]``) in ``tmp_path``, behind ``prefix`` (a
+        namespace host's, tests/machines.py)."""
         self.marker = uuid.uuid4().hex
         self.tmpdir = short_dir("run-")
         self.go_file = tmp_path / "go"
@@ -38,7 +40,7 @@ class Run:
         full_env.update(env or {})
         with open(self.out_path, "wb") as out, open(self.err_path, "wb") as err:
             # its own session, SIGINT at its default action (tests/conftest.py): as from a terminal
-            self.proc = subprocess.Popen([sys.executable, *argv], stdout=out, stderr=err, env=full_env, cwd=tmp_path,
+            self.proc = subprocess.Popen([*(prefix or []), sys.executable, *argv], stdout=out, stderr=err, env=full_env, cwd=tmp_path,
                                          start_new_session=True, restore_signals=True)
         self.pids: set[int] = set()
         self.exited_at: float | None = None

@@ -69,11 +69,11 @@ def test_a_rounds_first_node_lost_before_its_store_listened_is_a_restart_not_the
         _end(runs)
 
 
-def test_a_frozen_machine_is_named_after_the_timeout_and_the_others_go_on(tmp_path, etcd_cluster):
+def test_a_frozen_machine_is_named_within_seconds_and_the_others_go_on(tmp_path, etcd_cluster):
     """Every process of node 2's machine stopped (SIGSTOP: a hung kernel, a frozen VM) mid-run. Its lease runs out
-    after its TTL, but the others act after --timeout, when their ranks' collectives hang (docs/machines.rst says
-    why: a lease that runs out while the ranks still step is a starved launcher as often as a lost machine). Then
-    they name node 2 alone, and go on without it."""
+    after its TTL, and the others find it while their ranks run (their collectives would wait until --timeout): they
+    name node 2 alone, within seconds, and go on without it. Before liveness was watched while the ranks ran, after
+    --timeout; the namespace hosts' version of this story is tests/test_lost_machine.py's."""
     import signal
 
     import psutil
@@ -92,7 +92,7 @@ def test_a_frozen_machine_is_named_after_the_timeout_and_the_others_go_on(tmp_pa
         stopped_at = time.monotonic()
         told = [_said(run, r"mpddp: node\(s\) 2 went away", timeout=TIMEOUT + 30) for run in runs[:2]]
         took = time.monotonic() - stopped_at
-        assert TIMEOUT <= took < TIMEOUT + 15.0, took  # after --timeout, within its bound
+        assert took < TIMEOUT, took  # the lease's 3 s and a look (measured: 3.5 s), well before --timeout (20 s)
         codes = [run.finish(120) for run in runs[:2]]
         assert codes == [0, 0], [run.stderr for run in runs[:2]]
         for run in runs[:2]:

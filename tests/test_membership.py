@@ -34,6 +34,9 @@ class MemoryKeys:
         with self.lock:
             return len(self.joined.get(attempt, {}))
 
+    def lived(self, attempt):  # nobody is lost here: a restart expects every launcher of the round before
+        return self.count(attempt)
+
     def arrivals(self, attempt):
         with self.lock:
             return dict(self.joined.get(attempt, {}))

@@ -36,6 +36,35 @@ def test_who_decides_the_member_list_and_when(came, seen, waited, low, high, ste
                      last_call=LAST_CALL) is step
 
 
+@pytest.mark.parametrize("came, seen, waited, low, high, expected, step", [
+    (2, 2, 0.0, 2, 3, 2, Step.DECIDE),    # a restart: both launchers of the last round that live on came, at once
+    (2, 2, 0.0, 2, 3, 3, Step.LOOK),      # one of the last round's three has not come yet: the last call runs
+    (2, 2, 3.0, 2, 3, 3, Step.DECIDE),    # ... and ends as before
+    (1, 1, 0.0, 2, 3, 1, Step.LOOK),      # below MIN, however few are expected: never decided by it
+    (3, 3, 0.0, 2, 3, 2, Step.DECIDE),    # a newcomer came with them: MAX
+    (2, 2, 0.0, 2, 4, 5, Step.LOOK),      # more expected than MAX (a count that includes spares): the last call
+    (1, 2, 0.5, 2, 3, 2, Step.DECIDE),    # not the last to come, the count still for two looks: decides too
+])
+def test_a_restart_decides_once_every_launcher_that_lives_on_came(came, seen, waited, low, high, expected, step):
+    """Measured on namespace hosts, etcd, 2:3, one node cut: the survivors' first step 6.4 s after the loss with the
+    last call (3 s of it), 3.5 s without."""
+    now = 1000.0
+    assert rules.join_step(came=came, seen=seen, since=now - waited, now=now, look=LOOK, low=low, high=high,
+                           last_call=LAST_CALL, expected=expected) is step
+
+
+@pytest.mark.parametrize("moved_at, clock, silent", [
+    ({0: 100, 1: 100, 2: 100}, 100, []),         # every beat moved at the last look
+    ({0: 112, 1: 100, 2: 111}, 112, [1]),        # node 1 stood still for 12 of the looker's beats: lost
+    ({0: 111, 1: 100, 2: 111}, 111, []),         # 11: not yet
+    ({0: 100, 1: 90, 2: 95}, 100, []),           # the looker's clock is its own beat: starved, it moved no further
+    ({0: 130, 1: 100, 2: 100}, 130, [1, 2]),     # two machines lost at once
+    ({}, 50, []),                                # nobody has beaten yet
+])
+def test_a_beat_that_stood_still_while_the_lookers_moved_is_silent(moved_at, clock, silent):
+    assert rules.silent(moved_at, clock, beats=12) == silent
+
+
 def test_the_last_call_is_timed_from_the_last_arrival_not_the_first():
     """A newcomer every 2 s keeps the round open (last_call 3 s); the step after the last one's 3 s decides."""
     arrivals = [0.0, 2.0, 4.0, 6.0]

@@ -22,7 +22,7 @@ from typing import Any
 
 import cloudpickle
 
-from ...errors import ConfigError, MainGuardError, Outcome, RendezvousError, StoreLost, WorkerFailed
+from ...errors import ConfigError, MainGuardError, Outcome, RendezvousError, RendezvousGone, StoreLost, WorkerFailed
 from ..nodes import settle
 from ..nodes.api import RoundWatch, stopped
 from ..nodes.rules import NodeState
@@ -141,6 +141,9 @@ class Attempt:
             if self.failed_here and not lost else None
         remote = self.round_watch is not None and self.round_watch.remote_failure is not None and not all(
             s.succeeded for s in states)
+        if (gone := self._gone()) is not None and job.link is not None and error is None and not remote and not lost:
+            raise settle.gone_while_running(job.link, self.number, gone, [s.slot.rank for s in states],
+                                            lambda record: remote_error(record, states, verdict, job.config.node))
         doubt = _doubt(states, verdict, self.mismatch, job.config.nnodes * job.plan.nprocs)
         settled = _settle(job, self.number, states, verdict, error, self.round_watch, self._again,
                           doubt) if job.link and (error or remote) else error
@@ -153,6 +156,13 @@ class Attempt:
                 s.tail = self.relay.tail(s.slot.rank)
             raise remote_error(record, states, verdict, job.config.node)
         return [_value(s) for s in states]
+
+    def _gone(self) -> RendezvousGone | None:
+        """The backend stopped answering while this node's ranks ran, and stopped them (not all had returned)."""
+        watch = self.round_watch
+        if watch is None or watch.gone is None or all(s.succeeded for s in self.states):
+            return None
+        return watch.gone
 
     def _refused(self) -> None:
         """Bad input found when the nodes met (core/rank/worker.py's roll call), here or on another node: its one

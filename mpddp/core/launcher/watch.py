@@ -3,9 +3,9 @@
 Owns: the loop that waits on every rank's channel and process (reading
 while waiting: reading only after join deadlocks past the 64 KiB pipe
 buffer), and what ends it: every rank succeeded, a failure window closed,
-node 0's store server is gone, another node wrote the round's first failure,
-the watchdog found a hang, or two ranks called different collectives at one
-number. Also SIGUSR1's "where is every rank", the stacks of a straggler
+node 0's store server is gone, another node wrote the round's first failure
+(or a node was found lost), the backend stopped answering, the watchdog
+found a hang, or two ranks called different collectives at one number. Also SIGUSR1's "where is every rank", the stacks of a straggler
 while the others wait, and where each rank is before it is stopped. Leaves
 hangs to core/launcher/watchdog.py, the collectives to core/launcher/board.py,
 stragglers to core/launcher/stragglers.py and stacks to core/wire/stacks.py.
@@ -61,8 +61,9 @@ def watch(states: list[RankState], watchdog: Watchdog, lags: stragglers.Straggle
             return None
         if store is not None and store.lost:
             return None  # the ranks' errors, if any yet, are its consequences
-        if first_failure is None and round_watch is not None and round_watch.remote_failure is not None:
-            return None  # another node's rank failed first: ours stop now
+        if first_failure is None and round_watch is not None and (
+                round_watch.remote_failure is not None or round_watch.gone is not None):
+            return None  # another node's rank failed first, or a node was lost, or the backend: ours stop now
         if first_failure is not None and (now - first_failure > _FAILURE_WINDOW or all(
                 s.exitcode is not None for s in states)):
             return None

@@ -2,7 +2,9 @@
 
 Owns: :class:`Rendezvous`, what a launcher asks of the other nodes of its job, whichever backend keeps it (``c10d``:
 node 0's TCPStore, core/nodes/c10d.py; ``etcd``: core/nodes/etcd.py; core/nodes/backends.py picks one by name);
-:class:`RoundWatch`, one round's beat as the attempt sees it, its loop written once; the beat's timing.
+:class:`RoundWatch`, one round's beat as the attempt sees it, its loop written once, and the look at the other
+nodes' liveness while the ranks run (a node found lost ends the round on every node at once: :func:`went_away`, the
+round's record); the beat's timing.
 What crosses the seam is plain values: core/nodes/rules.py's :class:`~mpddp.core.nodes.rules.NodeState` and
 :class:`~mpddp.core.nodes.rules.RoundView` (one look at a round), and :class:`~mpddp.core.wire.protocol.FailureRecord`;
 a backend that stops answering raises :class:`~mpddp.errors.RendezvousGone`. Above core/nodes/ nothing names a
@@ -50,6 +52,7 @@ from .rules import Lost, NodeState, RoundView
 INTERVAL = 0.25  # seconds between two beats (and two looks for another node's failure)
 STALLED_AFTER = 6 * INTERVAL  # a beat that did not move for this long, while others moved: its launcher is gone
 POLL = 0.05  # seconds between two looks of a launcher that waits for the other nodes
+LOOK_EVERY = 0.5  # seconds between two looks at the other nodes' liveness while the ranks run
 
 
 class NotNeeded(Exception):  # noqa: N818 - not an error: the job ended well without this node
@@ -178,14 +181,25 @@ class RoundWatch(abc.ABC):
     link: _Records  # the backend, set by each backend's watch: the round's record, once the beat says it is written
     admits = False  # newcomers may be admitted to the round (--nnodes MIN:MAX), set by each backend's watch
 
-    def __init__(self, attempt: int, share: Callable[[bool], bytes | None] | None) -> None:
+    def __init__(self, attempt: int, share: Callable[[bool], bytes | None] | None,
+                 tell: Callable[[Lost], FailureRecord] | None = None) -> None:
         self.attempt = attempt
         self.share = share  # this node's ranks' collectives when they moved (core/launcher/board.py's snapshot)
+        self.tell = tell  # nodes found lost, published as the round's record (:func:`went_away`): the one standing
         self.remote_progress = 0  # the other nodes' progress as last read: no node tells a hang while others compute
         self.remote_failure: FailureRecord | None = None  # the round's first failure, once another wrote it: it stops
+        self.gone: RendezvousGone | None = None  # the backend stopped answering while the ranks ran: they stop
         self._progress = threading.Event()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="mpddp-round-watch", daemon=True)
+        self._looker = threading.Thread(target=self._look, name="mpddp-liveness", daemon=True)
+
+    def _begin(self) -> None:
+        """The beat, and where this node looks at the others' liveness (:meth:`_lost`), the look: each backend's
+        watch starts them once it is set up."""
+        self._thread.start()
+        if self.looks:
+            self._looker.start()
 
     def progressed(self) -> None:
         self._progress.set()
@@ -213,6 +227,27 @@ class RoundWatch(abc.ABC):
             with contextlib.suppress(RendezvousGone):
                 self._shut()
 
+    looks = False  # this node looks at the other nodes' liveness while the ranks run (set by each backend's watch)
+
+    def _lost(self) -> Lost | None:
+        """The other nodes of the round found lost now, by the backend's own means (beats, leases): one look, from the
+        liveness thread, every :data:`LOOK_EVERY` s while the ranks run. A backend whose node looks overrides it."""
+        return None
+
+
+    def _look(self) -> None:
+        """While the ranks run: a node found lost ends the round on every node at once (its record, which every
+        node's beat reads), never a collective's timeout: a machine cut off or frozen closes no connection, and
+        its peers' ranks would wait in gloo until --timeout. The backend gone: the beat tells it."""
+        with contextlib.suppress(RendezvousGone):
+            while not self._stop.wait(LOOK_EVERY) and self.remote_failure is None:
+                if (lost := self._lost()) is not None:
+                    assert self.tell is not None
+                    standing = self.tell(lost)
+                    if self.remote_failure is None:
+                        self.remote_failure = standing
+                    return
+
     @abc.abstractmethod
     def others_calls(self) -> list[bytes]:
         """The other nodes' last snapshots of their ranks' collectives, read once a hang is suspected."""
@@ -233,7 +268,7 @@ class RoundWatch(abc.ABC):
         put when they moved; another node's failure read once the counter says one is written. The backend gone
         (RendezvousGone): what that means is settled after the local ranks stop."""
         mine, beats = 0, 0
-        with contextlib.suppress(RendezvousGone):
+        try:
             while not self._stop.is_set():
                 beats += 1
                 step = 1 if self._progress.is_set() else 0
@@ -245,13 +280,18 @@ class RoundWatch(abc.ABC):
                     mine += step
                     self.remote_progress = total % protocol.FAILED - mine
                 if (total is None or total >= protocol.FAILED) and self.remote_failure is None:  # once
-                    if (record := self.link.record(self.attempt)) is not None and record.node_rank != self.beat.node:
+                    if (record := self.link.record(self.attempt)) is not None and (
+                            record.node_rank != self.beat.node or went(record)):  # another's, or this node cut off
                         self.remote_failure = record
                 self._stop.wait(INTERVAL)
+        except RendezvousGone as e:  # its store silent or gone: the ranks stop now, and what it means is settled
+            self.gone = e
 
     def stop(self) -> None:
         self._stop.set()
         self._thread.join(1.0)
+        if self._looker.is_alive():
+            self._looker.join(1.0)
 
 
 class Rendezvous(Protocol):
@@ -292,6 +332,23 @@ def stopped(link: Rendezvous, attempt: int, cause: BaseException) -> None:
     line = f"mpddp: node {node}'s launcher was {how} while its ranks ran, taking rank(s) {names(ranks)} with it"
     with contextlib.suppress(RendezvousGone):
         link.publish(attempt, FailureRecord(ranks[0], node, 0, Outcome.STOPPED, code, line, time.time()))
+
+
+def went_away(config: LaunchConfig, nprocs: int, lost: Lost) -> FailureRecord:
+    """The round's record when nodes were found lost (their launcher killed or stopped, their machine crashed, cut
+    off or frozen): the same line on every node, whoever found them."""
+    ranks = [s.rank for s in rank_math.layout(config.nnodes, nprocs) if s.node_rank in lost.nodes]
+    how = ("stopped beating without ending its round" if lost.beat else
+           f"never beat in this round within --timeout {config.timeout:g} s, nor ended it")
+    line = (f"mpddp: node(s) {names(lost.nodes)} went away (the launcher {how}: killed, preempted or its machine "
+            f"lost), taking rank(s) {names(ranks)}")
+    return FailureRecord(ranks[0], lost.nodes[0], 0, Outcome.DIED, 1, line, time.time())
+
+
+def went(record: FailureRecord) -> bool:
+    """The record says its node went away, found by another node (:func:`went_away`): its ranks' own death is told
+    by the node itself."""
+    return record.outcome is Outcome.DIED and record.writer not in (-1, record.node_rank)
 
 
 def resized_record(newcomer: str, nnodes: int) -> FailureRecord:

@@ -25,16 +25,16 @@ from ...config import LaunchConfig
 from ...errors import ConfigError, NeverArrived, Outcome, RendezvousError, RendezvousGone, StoreLost
 from ..stores import last_word
 from ..stores.c10d_client import C10dClient
-from ..stores.store_beat import ABSENT, KeptRecord, first_record, read_all
+from ..stores.store_beat import ABSENT, KeptRecord, first_record, read_all, record_of
 from ..wire import protocol
 from ..wire.protocol import FailureRecord, full_key
 from . import membership, rules
-from .api import POLL, STALLED_AFTER, Lost, Round, RoundStore, View, names
+from .api import POLL, STALLED_AFTER, Lost, Round, RoundStore, View, names, went_away
 from .c10d_keys import C10dKeys, arrived, close_door, join_barrier, missing_ranks, take_number
-from .c10d_watch import C10dRoundWatch
+from .c10d_watch import LIVE_BEATS, C10dRoundWatch
 from .rules import NodeState
 
-_LIVE_BEATS = 12  # ... by at least this many beats (3 s of them): a starved launcher beats again before that
+ONCE_MORE = 1.5  # seconds a node gives node 0's store once more, on a fresh connection, after it went silent
 READ_WAIT = 3.0  # seconds node 0, stopped itself, keeps its store for the others to read why, at most
 HEARD_WAIT = 2.0  # seconds a node waits for the others to read the round's record before it tells it, at most
 _LEAVE_WAIT = 10.0  # seconds node 0 keeps the store for the other launchers to read the last round
@@ -83,7 +83,8 @@ class C10dRendezvous:
             self.config = replace(self.config, node_rank=self._take_number())
         node, nnodes, timeout = self.config.node, self.config.nnodes, self.config.timeout
         try:
-            missing = self.client.call(lambda s: join_barrier(s, attempt, node, nnodes, timeout)) if attempt else []
+            missing = self.client.call(lambda s: join_barrier(s, attempt, node, nnodes, timeout),
+                                       wait=timeout) if attempt else []
         except RendezvousGone:
             raise self._no_round(attempt) from None
         if missing:
@@ -145,13 +146,14 @@ class C10dRendezvous:
             port = host(self.config.master_addr)
             self.client.call(lambda s: s.set(key, str(port)))
         else:
-            port = int(self.client.call(lambda s: s.get(key)))
+            port = int(self.client.call(lambda s: s.get(key), wait=self.config.timeout))
         return replace(store, script_port=port)
 
     def watch(self, attempt: int, share: Callable[[bool], bytes | None] | None = None) -> C10dRoundWatch:
         """The round's beat, from a thread of its own, until it is stopped."""
         self._last = attempt
-        return C10dRoundWatch(self, attempt, share)
+        return C10dRoundWatch(self, attempt, share, lambda lost: self.publish(attempt, went_away(self.config,
+                                                                                         self.nprocs, lost)))
 
     def move(self, attempt: int, state: NodeState) -> None:
         """This node's record in round ``attempt`` moved to ``state`` (:meth:`_move`). Its end is no loss: a store
@@ -215,7 +217,15 @@ class C10dRendezvous:
             f"--nnodes {config.nnodes} --master-addr {config.master_addr} --master-port {port} --node-rank N", missing)
 
     def last_word(self, attempt: int) -> FailureRecord | None:
-        """Node 0's store stopped answering: the record its launcher says last, if it holds the port still."""
+        """Node 0's store stopped answering: the record its launcher says last, if it holds the port still. Silent
+        (its connection open): asked once more on a fresh connection, :data:`ONCE_MORE` s at most: a node 0 that
+        answers now was not lost, this node was (frozen, or cut off), and the round's record says what the others
+        did meanwhile; one still silent is lost, or this machine still cut off."""
+        if self.client.silent:
+            with contextlib.suppress(RendezvousGone):
+                data = self.client.once(lambda s: record_of(s, attempt), ONCE_MORE)
+                return FailureRecord.decode(data) if data is not None else None
+            return None
         return last_word.hear(self.config.master_addr, self.port, attempt)
 
     def record(self, attempt: int) -> FailureRecord | None:
@@ -281,9 +291,17 @@ class C10dRendezvous:
 
         return dict(zip(nodes, self.client.call(read)))
 
+    def every_beat(self, attempt: int) -> dict[int, int] | None:
+        """Every node's beat count once each has beaten, one batch read (and its check); None while one has not: a
+        node that never beats is --timeout's (never arrived), and reading 100,000 absent keys one by one is not a
+        look (measured: --nnodes 100000 with one node, whose looks then outlasted their deadline)."""
+        keys = [full_key(attempt, protocol.heartbeat_key(n)) for n in range(self.config.nnodes)]
+        found = self.client.call(lambda s: read_all(s, keys) if s.check(keys) else None)
+        return None if found is None else {n: int(v) for n, v in enumerate(found)}
+
     def stalled(self, attempt: int, before: dict[int, int]) -> list[int] | None:
         """Other nodes whose beat did not move since ``before`` while another's did, and that did not end the
-        round. None when no beat, this one's included, moved by :data:`_LIVE_BEATS`: beats that stood still
+        round. None when no beat, this one's included, moved by :data:`LIVE_BEATS`: beats that stood still
         everywhere (a loaded machine starves the beating threads, or node 0's store) say nothing of one node.
         A node that never beat in this round is not lost by that alone: its launcher may still be making its
         first connection to node 0's store, which imports torch (the round watch connects once the ranks run),
@@ -291,17 +309,17 @@ class C10dRendezvous:
         me = self.config.node_rank
         after = self.heartbeats(attempt)
         still = [n for n in before if n != me and after[n] == before[n]]
-        if max((after[n] - before[n] for n in before if n not in still), default=0) < _LIVE_BEATS:
+        if max((after[n] - before[n] for n in before if n not in still), default=0) < LIVE_BEATS:
             return None
-        return self._not_ended(attempt, [n for n in still if after[n] > 0])
+        return self.found_lost(attempt, [n for n in still if after[n] > 0])
 
     def silent(self, attempt: int) -> list[int]:
         """Other nodes that never beat in this round and did not end it: lost, once this node waited --timeout
         for them (the time every other wait of a launcher for another node is given)."""
         me = self.config.node_rank
-        return self._not_ended(attempt, [n for n, beat in self.heartbeats(attempt).items() if n != me and beat == 0])
+        return self.found_lost(attempt, [n for n, beat in self.heartbeats(attempt).items() if n != me and beat == 0])
 
-    def _not_ended(self, attempt: int, nodes: list[int]) -> list[int]:
+    def found_lost(self, attempt: int, nodes: list[int]) -> list[int]:
         """Of ``nodes``, those that did not end the round: found lost from now on, their records moved to LOST
         (by the first node to find each: the others count it once)."""
         lost = [n for n in nodes if self._move(attempt, n, NodeState.LOST) or self.state(attempt, n) is NodeState.LOST]

@@ -37,6 +37,8 @@ class C10dLink(Protocol):
 
     def record(self, attempt: int) -> FailureRecord | None: ...
     def state(self, attempt: int, node: int) -> NodeState: ...
+    def every_beat(self, attempt: int) -> dict[int, int] | None: ...  # every node's beat count, once each beat
+    def found_lost(self, attempt: int, nodes: list[int]) -> list[int]: ...  # those that did not end it, moved to LOST
 
 
 def missing_ranks(s: Any, attempt: int, world_size: int) -> list[int]:
@@ -121,6 +123,10 @@ class C10dKeys:
 
     def count(self, attempt: int) -> int:
         return int(self.link.client.call(lambda s: arrived(s, attempt)))
+
+    def lived(self, attempt: int) -> int:
+        """Two operations: the arrivals, less the nodes found lost (moved to LOST by the node that found them)."""
+        return int(self.link.client.call(lambda s: arrived(s, attempt) - s.add(full_key(attempt, protocol.LOST), 0)))
 
     def claim(self, attempt: int, node_rank: int, me: str) -> str | None:
         """A launcher's first round: its --node-rank is taken by a member of the job's last decided round that came

@@ -6,22 +6,44 @@ from collections.abc import Callable
 
 from ...errors import RendezvousGone
 from ..stores.store_beat import StoreBeat
-from .api import RoundWatch
+from ..wire.protocol import FailureRecord
+from .api import Lost, RoundWatch
 from .c10d_keys import C10dLink, close_door
-from .rules import NodeState
+from .rules import NodeState, silent
+
+LIVE_BEATS = 12  # a node whose beat stood still while node 0's moved this many times (3 s of beats) is lost
 
 
 class C10dRoundWatch(RoundWatch):
-    """One round's beat on node 0's store (api.RoundWatch), from a daemon thread."""
+    """One round's beat on node 0's store (api.RoundWatch), from a daemon thread; node 0 also looks at the others'
+    beats while the ranks run (the store is its own, and its loss is the job's end: every node's beat finds it)."""
 
     link: C10dLink
 
-    def __init__(self, link: C10dLink, attempt: int, share: Callable[[bool], bytes | None] | None) -> None:
-        super().__init__(attempt, share)
+    def __init__(self, link: C10dLink, attempt: int, share: Callable[[bool], bytes | None] | None,
+                 tell: Callable[[Lost], FailureRecord] | None = None) -> None:
+        super().__init__(attempt, share, tell)
         self.link = link
         self.beat = StoreBeat(attempt, link.config.node)
         self.admits = link.elastic
-        self._thread.start()
+        self.looks = link.config.node == 0 and link.config.nnodes > 1
+        self._beats: dict[int, int] = {}  # each node's beat count, as last seen
+        self._moved_at: dict[int, int] = {}  # node 0's own beat count when each node's beat was last seen to move
+        self._begin()
+
+    def _lost(self) -> Lost | None:
+        """Two operations (a check and a batch read of every beat), twice a second, on node 0 only: one more a second,
+        whatever the job's size. None until every node has beaten: one that never beats is --timeout's (a first
+        connection imports torch; a node never started is named as never arrived)."""
+        if (beats := self.link.every_beat(self.attempt)) is None:
+            return None
+        clock = beats.get(self.beat.node, 0)
+        for node, count in beats.items():
+            if count > 0 and self._beats.get(node) != count:
+                self._beats[node], self._moved_at[node] = count, clock
+        still = silent(self._moved_at, clock, beats=LIVE_BEATS)
+        lost = self.link.found_lost(self.attempt, still) if still else []
+        return Lost(lost) if lost else None
 
     def _turn(self, step: int, snapshot: bytes | None, beats: int) -> int:
         """On node 0's store; its beat count too, which the other nodes read for liveness. Node 0 gone raises."""

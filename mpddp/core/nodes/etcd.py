@@ -24,12 +24,13 @@ from typing import Any
 from ...config import LaunchConfig
 from ...errors import AddressError, RendezvousError, RendezvousGone
 from ..stores import etcd_probe
+from ..stores.deadline import SILENT, within
 from ..stores.etcd_client import EtcdClient, EtcdFull, KeptLease
 from ..stores.etcd_kv import EtcdKV, absent, equal, found, put, read
 from ..stores.store_beat import StoreBeat
 from ..wire.protocol import FailureRecord
 from . import membership
-from .api import Lost, Round, RoundLost, RoundStore, View
+from .api import Lost, Round, RoundLost, RoundStore, View, went_away
 from .etcd_identity import Identity
 from .etcd_keys import EtcdKeys, EtcdRoundWatch, etcd_interval
 from .rules import NodeState, move
@@ -162,7 +163,8 @@ class EtcdRendezvous(EtcdKV):
         return host, int(port)
 
     def watch(self, attempt: int, share: Callable[[bool], bytes | None] | None = None) -> EtcdRoundWatch:
-        self._watches[attempt] = EtcdRoundWatch(self, attempt, share)
+        self._watches[attempt] = EtcdRoundWatch(self, attempt, share, lambda lost: self.publish(
+            attempt, went_away(self.config, self.nprocs, lost)))
         return self._watches[attempt]
 
     def move(self, attempt: int, state: NodeState) -> None:
@@ -224,6 +226,8 @@ class EtcdRendezvous(EtcdKV):
         """The first writer of round ``attempt``'s record (a failure, or a newcomer's admission): FAILED on the
         round's store, which every node's next beat reads (core/stores/store_beat.py); through this launcher's
         watch of the round, else through a client of its own (a newcomer runs no rank in it)."""
+        if 0 in self.gone:  # the round's first node, its store's host, was lost: nobody can reach its store
+            return  # (a call to a host cut off costs its deadline); every node's beat reads etcd's record then
         if (watch := self._watches.get(attempt)) is not None:
             watch.tell_failed()
             return
@@ -232,7 +236,8 @@ class EtcdRendezvous(EtcdKV):
         with contextlib.suppress(Exception):  # no store (either way): the nodes read etcd's key once theirs fails
             host, port = self.store(attempt)
             socket.create_connection((host, port), timeout=1.0).close()  # a gone host refuses at once; torch
-            StoreBeat(attempt, -1).tell_failed(connect(host, port, 2.0))  # would retry until its timeout
+            StoreBeat(attempt, -1).tell_failed(within(SILENT + 2.0, lambda: connect(host, port, 2.0)))  # would
+            # retry until its timeout; a frozen host accepts, and answers nothing
 
     def record(self, attempt: int) -> FailureRecord | None:
         """The round's record. etcd full: the round's store first, at no request to etcd (a record written since is

@@ -17,10 +17,12 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
+from ...errors import RendezvousGone
+from ..stores.deadline import SILENT, within
 from ..stores.etcd_kv import absent, counted, found, number, put, read
 from ..stores.store_beat import KeptRecord, StoreBeat, first_record, record_of
 from ..wire.protocol import FailureRecord
-from .api import INTERVAL, RoundWatch, ending
+from .api import INTERVAL, Lost, RoundWatch, ending
 from .rules import Door, door
 
 if TYPE_CHECKING:
@@ -57,6 +59,7 @@ class EtcdLink(Protocol):
     def record(self, attempt: int) -> FailureRecord | None: ...
     def tell_failed(self, attempt: int) -> None: ...
     def store(self, attempt: int) -> tuple[str, int]: ...
+    def lost(self, attempt: int, since: float) -> Lost | None: ...
 
 
 class EtcdKeys:
@@ -80,6 +83,10 @@ class EtcdKeys:
         """The count the last look read along, once; else one request."""
         if (counted := self._counted.pop(attempt, None)) is not None:
             return counted
+        return self.link.count(self.link.key(attempt, "join/"))
+
+    def lived(self, attempt: int) -> int:
+        """One request: a lost launcher's arrival went with its lease."""
         return self.link.count(self.link.key(attempt, "join/"))
 
     def arrivals(self, attempt: int) -> dict[str, str]:
@@ -159,11 +166,13 @@ class EtcdRoundWatch(RoundWatch):
 
     link: EtcdLink
 
-    def __init__(self, link: EtcdLink, attempt: int, share: Callable[[bool], bytes | None] | None = None) -> None:
-        super().__init__(attempt, share)
+    def __init__(self, link: EtcdLink, attempt: int, share: Callable[[bool], bytes | None] | None = None,
+                 tell: Callable[[Lost], FailureRecord] | None = None) -> None:
+        super().__init__(attempt, share, tell)
         self.link = link
         self.beat = StoreBeat(attempt, link.config.node)
         self.admits = link.launched.min_nnodes < link.launched.nnodes
+        self.looks = link.config.nnodes > 1  # every node: no node is special, the round's store host neither
         self._store: Any = None  # the round's store, once connected; None again once an operation failed
         self._store_lock = threading.Lock()  # the beat's thread and share_now's caller
         self._address: tuple[str, int] | None = None  # where it listens, read from etcd once
@@ -171,10 +180,22 @@ class EtcdRoundWatch(RoundWatch):
         # at first: the caller's thread may be the round's first node itself, which publishes the store after this)
         self._kept = KeptRecord(attempt, link.config.node)  # the round's record on the store, once read
         self._next_try = 0.0  # when the beat may try to connect to the round's store again
+        self.host_lost = False  # the round's first node, its store's host, was found lost: its store is not called
         from ..wire.store import load_torch
 
         load_torch()  # here, not in the beat's thread: a first import of torch there took 2-9 s (no store to tell
-        self._thread.start()  # a record on meanwhile), and once raced the caller's own import of it
+        self._begin()  # a record on meanwhile), and once raced the caller's own import of it
+
+    def _lost(self) -> Lost | None:
+        """The nodes whose lease ran out before they ended the round: one request to etcd (a count, no write), twice
+        a second. etcd that does not answer finds nobody lost: the next look asks again."""
+        from etcd3gw import exceptions
+
+        with contextlib.suppress(RendezvousGone, exceptions.Etcd3Exception):
+            lost = self.link.lost(self.attempt, 0.0)
+            self.host_lost = lost is not None and 0 in lost.nodes  # the round's first node hosts its store
+            return lost
+        return None
 
     def _connect(self) -> None:
         """A client of the round's store, its operations' timeout a lease's TTL (torch 2.13 does not apply it to a
@@ -191,7 +212,8 @@ class EtcdRoundWatch(RoundWatch):
                 self._address = self.link.store(self.attempt)
             else:
                 socket.create_connection(self._address, timeout=1.0).close()  # torch would retry till timeout
-            store: Any = connect(*self._address, self.link.ttl if self._reached.is_set() else self.link.config.timeout)
+            address, wait = self._address, self.link.ttl if self._reached.is_set() else self.link.config.timeout
+            store: Any = within(SILENT + wait, lambda: connect(*address, wait))  # a frozen host accepts, then is mute
             store.set_timeout(timedelta(seconds=self.link.ttl))  # 64 nodes at once took more than 3 s to connect
             with self._store_lock:
                 self._store = store
@@ -200,15 +222,18 @@ class EtcdRoundWatch(RoundWatch):
     def _on_store(self, op: Callable[[Any], Any], again: bool = False) -> Any:
         """``op(store)`` under the lock; None (and the client dropped) when the round's store does not answer.
         ``again``: a store that stopped answering is connected to once more first (a record to read or write)."""
+        if self.host_lost:  # its machine: a call to it would wait for its deadline, for nothing
+            return None
         if again and self._store is None and self._reached.is_set():
             self._connect()
         with self._store_lock:
             if self._store is None:
                 return None
-            try:
-                return op(self._store)
-            except Exception:  # noqa: BLE001 - torch raises several types for a store that is gone or slow
-                self._store = None
+            store = self._store
+            try:  # within a deadline: torch's client ignores its timeout against a host cut off or frozen
+                return within(SILENT, lambda: op(store))
+            except Exception:  # noqa: BLE001 - torch raises several types for a store that is gone or slow; Silent
+                self._store = None  # never used again (a silent call's thread may still be blocked in it)
                 return None
 
     def _turn(self, step: int, snapshot: bytes | None, beats: int) -> int | None:

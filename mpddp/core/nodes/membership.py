@@ -28,6 +28,7 @@ class Keys(Protocol):
 
     def arrive(self, attempt: int, me: str, arrival: str) -> int: ...  # how many had come, this one included
     def count(self, attempt: int) -> int: ...  # how many have come (one cheap operation: no arrival is read)
+    def lived(self, attempt: int) -> int: ...  # how many came and were not found lost: one or two operations
     def arrivals(self, attempt: int) -> dict[str, str]: ...  # launcher id -> its arrival, for those still there
     def claim(self, attempt: int, node_rank: int, me: str) -> str | None: ...  # None, or who came first with it
     def decided(self, attempt: int) -> str | None: ...  # the member list, once written
@@ -55,8 +56,10 @@ def join_round(keys: Keys, attempt: int, me: str, *, low: int, high: int, node_r
             if (other := keys.claim(attempt, node_rank, f"{me} on {arrival['host']}")) is not None:
                 raise ConfigError(f"--node-rank {node_rank} is taken: the launcher {other} came first with it; pass "
                                   f"another --node-rank on this machine ({arrival['host']})")
+        # a restart: the launchers of the round before that live on, spares and newcomers included; None: the first
+        expected = keys.lived(attempt - 1) if previous is not None and previous.number == attempt - 1 else None
         number = keys.arrive(attempt, me, json.dumps(arrival))
-        members = _members(keys, attempt, number, low, high, last_call, timeout, start_them)
+        members = _members(keys, attempt, number, low, high, last_call, timeout, start_them, expected)
         if me in members:
             break
         _wait_outside(keys, attempt, members, high, _size(low, high), job, apart)
@@ -73,7 +76,7 @@ def _size(low: int, high: int) -> str:
 
 
 def _members(keys: Keys, attempt: int, number: int, low: int, high: int, last_call: float, timeout: float,
-             start_them: str) -> list[str]:
+             start_them: str, expected: int | None = None) -> list[str]:
     """The round's launchers once decided (who decides when: core/nodes/rules.py's :func:`join_step`). Only the
     one that decides reads the arrivals, once; the others look at the member list and count the arrivals every
     fourth look, less often the more launchers there are: flat per node."""
@@ -84,7 +87,7 @@ def _members(keys: Keys, attempt: int, number: int, low: int, high: int, last_ca
         look, now = keys.look(seen), time.monotonic()
         latest = number == seen  # the last to come: it counts as often as it looks
         if join_step(came=number, seen=seen, since=since, now=now, look=look, low=low, high=high,
-                     last_call=last_call) is Step.DECIDE:
+                     last_call=last_call, expected=expected) is Step.DECIDE:
             arrivals = {m: json.loads(a) for m, a in keys.arrivals(attempt).items()}
             keys.decide(attempt, json.dumps(sorted(arrivals, key=lambda m: member_order(arrivals[m]))[:high]))
         if (decided := keys.await_decided(attempt, look)) is not None:

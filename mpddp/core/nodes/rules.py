@@ -64,15 +64,18 @@ class Outside(enum.Enum):
 
 
 def join_step(*, came: int, seen: int, since: float, now: float, look: float, low: int, high: int,
-              last_call: float) -> Step:
+              last_call: float, expected: int | None = None) -> Step:
     """One launcher decides, by the arrival counter alone: the one whose arrival made ``MAX`` (``high``), or the last
     to come once ``MIN`` (``low``) came and nobody else for ``last_call`` seconds; the others too, once the count
     stood still for two looks, in case the last to come is gone. ``came``: how many had come with this launcher's
-    arrival; ``seen``: how many have come, as last counted, ``since`` when that count last changed."""
+    arrival; ``seen``: how many have come, as last counted, ``since`` when that count last changed. ``expected``: a
+    restarted round's, the launchers of the round before that live on (spares and newcomers included): once they all
+    came, no last call is waited for a newcomer that may never come (one that comes later is admitted then)."""
     latest = came == seen  # the last to come: it times the last call
     if not (latest or now - since >= 2 * look):
         return Step.LOOK
-    if seen >= high or (seen >= low and now - since >= last_call):
+    if seen >= min(high, high if expected is None else max(low, expected)) or (
+            seen >= low and now - since >= last_call):
         return Step.DECIDE
     return Step.LOOK
 
@@ -156,6 +159,14 @@ class Wait(enum.Enum):
     OURS = "ours"  # no node can tell better now: this node's report is the record (told again first, if it can)
     LOST = "lost"  # nodes were found lost: the record names them
     LOOK = "look"  # look again after a pause
+
+
+def silent(moved_at: dict[int, int], clock: int, *, beats: int) -> list[int]:
+    """The nodes whose beat stood still while the looking node's own beat moved ``beats`` times: ``moved_at[n]`` is the
+    looker's beat count (``clock``) when it last saw node ``n``'s beat move. The looker's clock is its own beat through
+    the same store: a looker or a store starved of CPU beats no more either, and finds nobody silent (c10d's rule
+    while the ranks run; etcd's is the lease, which etcd applies)."""
+    return sorted(n for n, at in moved_at.items() if clock - at >= beats)
 
 
 def wait_step(view: RoundView, lost: Lost | None, *, culprits: set[int], early_exit: bool, retell: bool,

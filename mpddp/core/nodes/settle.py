@@ -33,7 +33,7 @@ from ...errors import NeverArrived, Outcome, RendezvousError, RendezvousGone, St
 from ...log import logger
 from ..wire.protocol import ERROR_LINE, FailureRecord
 from . import rules
-from .api import Lost, Rendezvous, names
+from .api import Lost, Rendezvous, names, went, went_away
 from .rules import Finish, NodeState, Unheard, Wait
 
 _RECORD_WAIT = 10.0  # seconds a node whose ranks only saw a peer vanish waits for the record of the cause, at least
@@ -125,6 +125,18 @@ def _unheard(link: Rendezvous, attempt: int, local: WorkerFailed | None, cause: 
     return gone_error(link, went, local)
 
 
+def gone_while_running(link: Rendezvous, attempt: int, gone: RendezvousGone, ranks: list[int],
+                       remote_error: Callable[[FailureRecord], WorkerFailed]) -> WorkerFailed | RendezvousError:
+    """This node's report when the backend stopped answering while its ranks ran and none had failed: node 0's store
+    (c10d) closed, cut off or frozen, found by the beat within a deadline (core/stores/deadline.py), where the ranks
+    would have waited in gloo for --timeout. Node 0's last word where its launcher lives to say it; else its loss."""
+    if (word := link.last_word(attempt)) is not None:  # node 0's own; or, silent, the record once it answers again
+        return _told(word, remote_error)
+    line = (f"{gone.line}; node {link.config.node} stopped its rank(s) {names(ranks)}, which could not go on "
+            "without it")
+    return (StoreLost if link.reached else RendezvousError)(line)
+
+
 def gone_error(link: Rendezvous, went: str, local: WorkerFailed | RendezvousError,
                why: str = "the failures below are consequences") -> RendezvousError:
     """This node's report when the backend went away (``went``: why, as its client worded it) before it learned what
@@ -155,19 +167,15 @@ def _settle_local(link: Rendezvous, attempt: int, local: WorkerFailed, cause: Ou
     found = _wait_for(link, attempt, local, cause if blame.culprits else Outcome.COLLECTIVE, blame)
     if isinstance(found, Retold):
         local, found = found.error, found.record
-    if isinstance(found, FailureRecord):  # ours stands, unless it names another node's rank that returned early
-        mine = found.writer == config.node_rank and found.outcome is not Outcome.EARLY_EXIT
+    if isinstance(found, FailureRecord):  # ours stands, unless it names another node's rank that returned early,
+        # or a node this node's liveness look found lost (the same line on every node: went_away's)
+        mine = found.writer == config.node_rank and found.outcome is not Outcome.EARLY_EXIT and not went(found)
         return local if mine else _told(found, remote_error)
     if not found.beat and attempt == 0 and (never := link.view(attempt).never_arrived) is not None and \
             set(found.nodes) == {rank_math.split_rank(r, link.nprocs)[0] for r in never.ranks}:
         return _absent(link, attempt, never, remote_error)  # they never came: node 0's story, told by whoever is first
-    lost_ranks = [s.rank for s in rank_math.layout(config.nnodes, link.nprocs) if s.node_rank in found.nodes]
-    how = ("stopped beating without ending its round" if found.beat else
-           f"never beat in this round within --timeout {config.timeout:g} s, nor ended it")
-    line = (f"mpddp: node(s) {names(found.nodes)} went away (the launcher {how}: killed, preempted or its machine "
-            f"lost), taking rank(s) {names(lost_ranks)}")
-    went = FailureRecord(lost_ranks[0], found.nodes[0], 0, Outcome.DIED, 1, line, time.time())
-    winner = link.publish(attempt, went)
+    line = (record := went_away(config, link.nprocs, found)).line
+    winner = link.publish(attempt, record)
     if winner.line != line:
         return _told(winner, remote_error)
     local.args = (f"{line}; the failures below are consequences\n{local}",)

@@ -1,13 +1,15 @@
 """The ``c10d`` backend's one client of node 0's store, for the whole job (core/nodes/c10d.py is the backend).
 
 Owns: :class:`C10dClient`, which connects once, trying again until node 0's launcher serves its store or
---timeout ran out, then runs every operation under one lock, and turns any failure of torch's client into
-:class:`~mpddp.errors.RendezvousGone`; after a failed first connection it fails fast. Leaves the
-store's keys to the backend and its helpers, and torch's client to core/wire/store.py.
+--timeout ran out, then runs every operation under one lock, each within a deadline that a silent or frozen node 0
+cannot take away (core/stores/deadline.py), and turns any failure of torch's client into
+:class:`~mpddp.errors.RendezvousGone`; after a failed first connection, or a call node 0 left unanswered, it fails
+fast. Leaves the store's keys to the backend and its helpers, and torch's client to core/wire/store.py.
 """
 
 from __future__ import annotations
 
+import functools
 import socket
 import threading
 import time
@@ -17,12 +19,20 @@ from typing import Any
 
 from ...config import LaunchConfig
 from ...errors import RendezvousGone
+from .deadline import SILENT, Silent, within
 
 
 class StoreGone(RendezvousGone):
     """Node 0's store does not answer."""
 
     went = "node 0's store went away"
+
+
+class StoreSilent(StoreGone):
+    """Node 0's store left a call unanswered past its deadline, its connection open: cut off, or frozen."""
+
+    went = "node 0's store went silent"
+    silent = True
 
 
 class C10dClient:
@@ -34,29 +44,62 @@ class C10dClient:
         self.config, self.port = config, port
         self.reached = False  # node 0's store answered once, this launcher or one of its ranks
         self._unreachable = False  # a connection failed, after retrying for as long as asked: fail fast from now
+        self._silent = False  # a call went unanswered past its deadline: node 0 is silent, its client never used again
         self._store: Any = None
         self._lock = threading.Lock()  # one operation at a time on the client
         self._connecting = threading.Lock()
 
-    def call(self, op: Callable[[Any], Any], connect_timeout: float | None = None) -> Any:
-        """``op(store)`` under the lock; :class:`RendezvousGone` when node 0's store cannot be reached."""
+    def call(self, op: Callable[[Any], Any], connect_timeout: float | None = None, wait: float = 0.0) -> Any:
+        """``op(store)`` under the lock, within :data:`~mpddp.core.stores.deadline.SILENT` s (plus ``wait``: an
+        operation that waits for a key); :class:`RendezvousGone` when node 0's store cannot be reached, or did not
+        answer in time (silent: cut off or frozen; torch's client would wait for it for many minutes)."""
+        address = f"{self.config.master_addr}:{self.port}"
         try:
             with self._connecting:  # one connection at a time: it retries until node 0 is up, or the timeout
+                if self._silent:
+                    raise StoreSilent(f"node 0's store at {address} did not answer", self.silent_line(SILENT))
                 if self._unreachable:
-                    raise StoreGone(f"node 0's store at {self.config.master_addr}:{self.port} did not answer",
-                                    self.gone_line())
+                    raise StoreGone(f"node 0's store at {address} did not answer", self.gone_line())
                 if self._store is None:
                     self._store = self._connect(connect_timeout if connect_timeout is not None else self.config.timeout)
                     self.reached = True
             with self._lock:
-                return op(self._store)
+                store = self._store
+                return within(SILENT + wait, lambda: op(store))
         except RendezvousGone:
             raise
+        except Silent as e:
+            self._silent, self._store = True, None  # its thread may be blocked in it for minutes: never again
+            raise StoreSilent(f"node 0's store at {address} left a call unanswered for {SILENT + wait:g} s (cut off, "
+                              "or frozen)", self.silent_line(SILENT + wait)) from e
         except Exception as e:  # noqa: BLE001 - torch raises several types for a store that is gone
             if self._store is None:
                 self._unreachable = True
-            raise StoreGone(f"node 0's store at {self.config.master_addr}:{self.port} does not answer "
-                            f"({type(e).__name__})", self.gone_line()) from e
+            raise StoreGone(f"node 0's store at {address} does not answer ({type(e).__name__})",
+                            self.gone_line()) from e
+
+    @property
+    def silent(self) -> bool:
+        """A call went unanswered past its deadline: every call fails fast until :meth:`once` hears node 0 again."""
+        return self._silent
+
+    def once(self, op: Callable[[Any], Any], seconds: float) -> Any:
+        """``op(store)`` on a fresh connection, the connection's time included, within ``seconds``; the client again
+        once it answered (a machine thawed or healed: this node's or node 0's). :class:`StoreGone` when it did not."""
+        from ..wire.store import connect
+
+        def fresh() -> Any:
+            socket.create_connection((self.config.master_addr, self.port), timeout=seconds).close()
+            return op(connect(self.config.master_addr, self.port, seconds))
+
+        try:
+            answer = within(seconds, fresh)
+        except Exception as e:  # noqa: BLE001 - OSError, torch's own types, Silent: it still does not answer
+            raise StoreGone(f"node 0's store at {self.config.master_addr}:{self.port} still does not answer",
+                            self.gone_line()) from e
+        with self._connecting:
+            self._silent = False  # the next call connects anew (the silent one's thread keeps the old client)
+        return answer
 
     def gone_line(self) -> str:
         """Node 0's store does not answer: never reached (not started, wrong address), or gone since."""
@@ -69,6 +112,12 @@ class C10dClient:
                     "and --master-port")
         return (f"node 0, which hosts the rendezvous at {config.master_addr}:{self.port}, is gone (its launcher was "
                 "killed, or its machine lost)")
+
+    def silent_line(self, seconds: float) -> str:
+        """Node 0's store left a call unanswered, its connection open: this node cannot tell whether node 0's machine
+        was lost, froze or was cut off, or this one was cut off from it."""
+        return (f"node 0, which hosts the rendezvous at {self.config.master_addr}:{self.port}, did not answer for "
+                f"{seconds:g} s (its machine lost, frozen or cut off, or this machine cut off from it)")
 
     def _connect(self, timeout: float) -> Any:
         """A client, trying again every second until ``timeout``: torch's own retries wait up to several
@@ -86,7 +135,8 @@ class C10dClient:
                 # accepted as soon as node 0's launcher listens, before its store server serves the store, and torch's
                 # client, once stuck in that window, can wait out its whole timeout: so short tries, again.
                 socket.create_connection((self.config.master_addr, self.port), timeout=1.0).close()
-                store: Any = connect(self.config.master_addr, self.port, max(0.5, min(2.0, deadline - time.monotonic())))
+                wait = max(0.5, min(2.0, deadline - time.monotonic()))  # a frozen node 0 accepts, and answers nothing
+                store: Any = within(SILENT + wait, functools.partial(connect, self.config.master_addr, self.port, wait))
                 store.set_timeout(timedelta(seconds=self.config.timeout))  # each operation's, once connected
                 return store
             except Exception as e:  # noqa: BLE001 - OSError from the socket, torch's own types from its client

@@ -7,7 +7,8 @@ lives (killed from outside, the out-of-memory killer), and how another node's la
 or :data:`WAIT` passed (:func:`heard`). Another launcher (:func:`hear`) connects to node 0's port: a connection
 accepted is node 0's last word, read within :data:`WAIT`; one refused is tried again for :data:`LISTEN_WAIT`
 (node 0's launcher stops its ranks first, then listens again), after which, or after a second without any answer
-(a machine lost drops what it is sent), node 0's launcher or its machine is gone, as that node then says. Leaves
+(a machine lost drops what it is sent), or once an accepted connection goes unanswered (a frozen machine's kernel
+accepts), node 0's launcher or its machine is gone, as that node then says. Leaves
 the store's client to core/wire/store.py, and telling the record to core/nodes/settle.py.
 """
 
@@ -20,6 +21,7 @@ from typing import Any
 
 from ..wire.protocol import FailureRecord
 from ..wire.store import connect
+from .deadline import SILENT, within
 from .store_beat import first_record, record_of
 
 WAIT = 5.0  # seconds node 0 keeps its last word up for the others, and seconds they wait for it, at most
@@ -62,16 +64,20 @@ def hear(addr: str, port: int, attempt: int) -> FailureRecord | None:
         except OSError:  # unreachable, or no answer for a second: its machine is lost
             return None
     deadline = time.monotonic() + WAIT
-    try:
+
+    def read() -> FailureRecord | None:
         store = _client(addr, port)
         while time.monotonic() < deadline:
             if (data := record_of(store, attempt)) is not None:
                 store.add(_READ, 1)
                 return FailureRecord.decode(data)
             time.sleep(_POLL)
-    except Exception:  # noqa: BLE001 - torch raises several types: node 0's launcher went meanwhile
         return None
-    return None
+
+    try:  # within a deadline: a frozen node 0's kernel accepts the connection, and its store answers nothing
+        return within(WAIT + SILENT, read)
+    except Exception:  # noqa: BLE001 - torch raises several types: node 0's launcher went meanwhile; Silent
+        return None
 
 
 def _client(addr: str, port: int) -> Any:

@@ -1,0 +1,119 @@
+"""Every call to a store keeps its deadline against a host that went silent (core/stores/deadline.py).
+
+torch's TCPStore client ignores its own timeout against a frozen server: measured here first (the test that shows the
+problem), then each client of mpddp's that talks to another machine's store, against a real store server in a process
+of its own, frozen with SIGSTOP. The cut link (no RST, no FIN) is tests/test_lost_machine.py's, on namespace hosts.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from datetime import timedelta
+
+import pytest
+from multinode import free_port
+
+from mpddp.config import LaunchConfig
+from mpddp.core.stores import last_word
+from mpddp.core.stores.c10d_client import C10dClient, StoreSilent
+from mpddp.core.stores.deadline import SILENT, Silent, within
+
+SERVER = """
+import sys, time, torch.distributed as dist
+from datetime import timedelta
+store = dist.TCPStore("127.0.0.1", int(sys.argv[1]), is_master=True, timeout=timedelta(seconds=60),
+                      wait_for_workers=False)
+print("serving", flush=True)
+time.sleep(300)
+"""
+
+
+@pytest.fixture
+def frozen_store() -> Iterator[tuple[int, subprocess.Popen[str]]]:
+    """A TCPStore server in a process of its own, on a free port: the test freezes it (SIGSTOP) when it likes."""
+    port = free_port()
+    server = subprocess.Popen([sys.executable, "-c", SERVER, str(port)], stdout=subprocess.PIPE, text=True,
+                              start_new_session=True)
+    try:
+        assert server.stdout is not None and server.stdout.readline().strip() == "serving"
+        yield port, server
+    finally:
+        server.send_signal(signal.SIGCONT)
+        server.kill()
+        server.wait(10)
+
+
+def test_within_returns_the_value_or_the_error_of_the_call() -> None:
+    assert within(1.0, lambda: 42) == 42
+    with pytest.raises(KeyError, match="missing"):
+        within(1.0, lambda: {}["missing"])
+
+
+def test_within_stops_waiting_at_the_deadline_for_a_call_that_blocks() -> None:
+    release = threading.Event()
+    start = time.monotonic()
+    with pytest.raises(Silent):
+        within(0.3, release.wait)
+    assert time.monotonic() - start < 0.3 + 2.0  # the margin: a loaded machine's thread wake-up
+    release.set()
+
+
+@pytest.mark.timeout(60)
+def test_torchs_client_ignores_its_timeout_against_a_frozen_server(frozen_store) -> None:
+    """Why mpddp wraps every call: a 1 s timeout, a frozen server, and the add still waits 4 s later (it returns only
+    once the server thaws). If a torch release mends this, the test fails, and core/stores/deadline.py can go."""
+    import torch.distributed as dist
+
+    port, server = frozen_store
+    client = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=1))
+    client.set_timeout(timedelta(seconds=1))
+    assert client.add("k", 1) == 1
+    os.kill(server.pid, signal.SIGSTOP)
+    with pytest.raises(Silent):
+        within(5.0, lambda: client.add("k", 1))
+
+
+@pytest.mark.timeout(60)
+def test_a_c10d_client_tells_a_frozen_node_0_within_its_deadline_then_fails_fast(frozen_store) -> None:
+    port, server = frozen_store
+    config = LaunchConfig(nnodes=2, node_rank=1, master_addr="127.0.0.1", master_port=port, timeout=30)
+    client = C10dClient(config, port)
+    assert client.call(lambda s: s.add("k", 1)) == 1
+    os.kill(server.pid, signal.SIGSTOP)
+    start = time.monotonic()
+    with pytest.raises(StoreSilent) as told:
+        client.call(lambda s: s.add("k", 1))
+    took = time.monotonic() - start
+    assert SILENT <= took < SILENT + 3.0, took  # its deadline, and a loaded machine's thread wake-up
+    assert told.value.silent
+    assert "did not answer for 5 s" in told.value.line and "cut off" in told.value.line, told.value.line
+    start = time.monotonic()
+    with pytest.raises(StoreSilent):  # never the blocked client again: at once
+        client.call(lambda s: s.add("k", 1))
+    assert time.monotonic() - start < 1.0
+
+
+@pytest.mark.timeout(60)
+def test_a_c10d_client_waits_for_a_waiting_call_past_the_deadline(frozen_store) -> None:
+    """An operation that waits for a key (a restarted round's barrier) is given its own wait on top of the deadline."""
+    port, _ = frozen_store
+    config = LaunchConfig(nnodes=2, node_rank=1, master_addr="127.0.0.1", master_port=port, timeout=30)
+    client = C10dClient(config, port)
+    threading.Timer(SILENT + 1.0, lambda: C10dClient(config, port).call(lambda s: s.set("late", "1"))).start()
+    assert client.call(lambda s: s.get("late"), wait=10.0) == b"1"
+
+
+@pytest.mark.timeout(60)
+def test_node_0s_last_word_is_not_waited_for_on_a_frozen_node_0(frozen_store) -> None:
+    """A frozen machine's kernel accepts the connection, and its store answers nothing."""
+    port, server = frozen_store
+    os.kill(server.pid, signal.SIGSTOP)
+    start = time.monotonic()
+    assert last_word.hear("127.0.0.1", port, 0) is None
+    assert time.monotonic() - start < last_word.WAIT + SILENT + 3.0
