@@ -211,7 +211,8 @@ class LaunchConfig:
         self._take_endpoint()
         self._check_node_rank()
         check_int("master_port", self.master_port, 0, 65535, "; pick a TCP port such as 29500 (0: let the OS choose)")
-        if self.nnodes > 1 and self.master_port == 0 and self.hosts is None and self.rdzv_backend != "etcd":
+        if self.nnodes > 1 and self.master_port == 0 and self.hosts is None and \
+                rendezvous_options.node_0_hosts_store(self.rdzv_backend):
             raise ConfigError(
                 "master_port=0 with nnodes>1: every node must know the port in advance; "
                 "pass the same --master-port (e.g. 29500) to every node"

@@ -37,6 +37,16 @@ class _Options(Protocol):
     def hosts(self) -> tuple[str, ...] | None: ...
 
 RDZV_BACKENDS = ("c10d", "static", "etcd")  # static: torchrun's name for c10d's fixed membership
+# whether node 0's launcher hosts the job's store for every round at --master-addr:--master-port (else each round's
+# first node hosts that round's, on a port of its own): asked before any backend is open, and kept equal to each
+# backend's ``hosts_round_store`` by tests/test_architecture.py
+_NODE_0_HOSTS = {"c10d": True, "static": True, "etcd": False}
+
+
+def node_0_hosts_store(backend: str) -> bool:
+    """Node 0's launcher hosts the job's store at a port every node knows in advance (``--master-port``); else the
+    backend places each round's store, and node 0 is no node in particular."""
+    return _NODE_0_HOSTS[backend]
 C10D_PORT = 29400  # torchrun's port for a c10d --rdzv-endpoint without one
 DEFAULT_TTL = 3  # seconds: a lost node's keys are gone this long after its last refresh (every TTL/3)
 DEFAULT_LAST_CALL = 3.0  # seconds a round of MIN..MAX nodes waits for a newcomer before it starts without

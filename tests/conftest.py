@@ -18,8 +18,8 @@ if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
 
 # Files whose tests use this machine's namespace hosts or SLURM daemons (tests/multinode.py's machine_lock):
 # one xdist worker runs them all, one after another, so that the other never waits for the lock.
-MACHINE_FILES = {"test_hosts.py", "test_lost_machine.py", "test_mpirun.py", "test_multinode.py",
-                 "test_slurm_cluster.py"}
+MACHINE_FILES = {"test_hosts.py", "test_lost_machine.py", "test_machine_order.py", "test_mpirun.py",
+                 "test_multinode.py", "test_slurm_cluster.py"}
 
 # The groups that take longest (a worker's seconds, 2 cores under load, --durations): they start first, so that the
 # run does not end with one worker on a long file and the other idle. A stale figure costs balance, never a result;

@@ -404,12 +404,33 @@ def test_an_upward_import_planted_in_core_is_found(module, is_package, source, u
 def test_above_the_nodes_no_module_names_a_rendezvous_backend():
     """The launcher asks core/nodes/api.py's interface; which backend runs (c10d today) is the nodes' business."""
     backends = {"mpddp.core.nodes.c10d", "mpddp.core.nodes.c10d_watch", "mpddp.core.nodes.c10d_keys", "mpddp.core.nodes.etcd",
+                "mpddp.core.nodes.etcd_keys", "mpddp.core.nodes.etcd_identity",
                 "mpddp.core.stores.etcd_client", "mpddp.core.stores.etcd_kv", "mpddp.core.stores.etcd_probe",
-                "mpddp.core.stores.c10d_client"}
+                "mpddp.core.stores.c10d_client"}  # not yet core/stores/last_word.py: core/launcher/job_state.py's
     for module, targets in GRAPH.items():
         below = module.startswith(("mpddp.core.nodes.", "mpddp.core.stores."))
         if module.startswith("mpddp.") and not below or module == "mpddp.core.nodes.settle":
             assert not targets & backends, module
+
+
+def test_what_the_options_say_of_a_backends_store_is_what_the_backend_does():
+    """config.py and the trainer ask rendezvous_options (no backend is open yet, and above the nodes none is named)."""
+    from mpddp import rendezvous_options
+    from mpddp.core.nodes import backends
+
+    for name in rendezvous_options.RDZV_BACKENDS:
+        assert rendezvous_options.node_0_hosts_store(name) is not backends.BACKENDS[name]().hosts_round_store, name
+
+
+def test_above_the_seam_no_module_compares_the_backends_name():
+    """A ``rdzv_backend == "etcd"`` above core/nodes/ is a backend named where it must not be (issue 59)."""
+    for path in sorted(PACKAGE.rglob("*.py")):
+        relative = path.relative_to(PACKAGE.parent).as_posix()
+        if relative.startswith(("mpddp/core/nodes/", "mpddp/core/stores/")) or relative == "mpddp/rendezvous_options.py":
+            continue
+        found = [line for line in path.read_text().splitlines()
+                 if "rdzv_backend" in line and re.search(r"""[!=]=\s*["'](c10d|etcd)["']""", line)]
+        assert not found, (relative, found)
 
 
 def test_every_backend_implements_the_whole_interface():

@@ -148,3 +148,53 @@ def test_c10d_node_0_lost_silently_is_told_on_every_survivor_within_seconds(tmp_
             assert f"node {node} stopped its rank(s) {node}" in first
             assert "not restarted: node 0 hosted the job's store" in run.stderr
             run.assert_nothing_left()
+
+
+LOADED_JOB = textwrap.dedent("""
+    import os, time, torch, torch.distributed as dist
+    dist.init_process_group("gloo")
+    step, go = 0, torch.ones(1)
+    while go.item():  # every rank stops at the same step: when rank 0 sees the test's stop file
+        go = torch.zeros(1) if dist.get_rank() == 0 and os.path.exists(os.environ["STOP"]) else torch.ones(1)
+        dist.all_reduce(go, op=dist.ReduceOp.MIN)
+        step += 1
+        if step % 20 == 0:
+            print(f"STEP {step} world={dist.get_world_size()} at {time.time():.3f}", flush=True)
+        time.sleep(0.05)
+    print(f"DONE step={step} world={dist.get_world_size()}", flush=True)
+    dist.destroy_process_group()
+""")
+LOADED_FOR = 60.0  # seconds of 8 busy processes on the machine's 2 cores (docs/failures.rst's no-false-alarm rule)
+
+
+@pytest.mark.timeout(300)
+def test_a_loaded_machine_loses_no_node(tmp_path):
+    """Two 3-node jobs at once, one on etcd and one on c10d, on the namespace hosts, while 8 busy processes (each in a
+    session of its own: the kernel shares the CPU by session) take the machine's 2 cores for a minute: no node is
+    found lost, no round restarts, and both jobs end well at world 3."""
+    (tmp_path / "job.py").write_text(LOADED_JOB)
+    with Hosts(tmp_path / "hosts", 3, etcd=True) as hosts:
+        jobs = {}
+        for backend in ("etcd", "c10d"):
+            rdzv = (["--rdzv-backend", "etcd", "--rdzv-endpoint", hosts.endpoints, "--rdzv-id", "loaded"]
+                    if backend == "etcd" else ["--master-addr", hosts[0].name, "--master-port", "29555"])
+            env = {"STOP": str(tmp_path / f"stop-{backend}")}
+            jobs[backend] = [host.launch(["-m", "mpddp", "run", "--nnodes", "2:3", "--node-rank", str(n), "--nprocs",
+                                          "1", *rdzv, "--max-restarts", "1", str(tmp_path / "job.py")],
+                                         tmp_path / backend / host.name, env=env) for n, host in enumerate(hosts)]
+        everyone = tuple(run for runs in jobs.values() for run in runs)
+        for runs in jobs.values():
+            runs[0].wait_for(r"STEP 20 world=3", timeout=120, also=everyone)
+        hosts[0].busy(8)
+        time.sleep(LOADED_FOR)
+        hosts[0].idle()
+        for backend in jobs:
+            (tmp_path / f"stop-{backend}").write_text("stop")
+        for backend, runs in jobs.items():
+            codes = [run.finish(120) for run in runs]
+            told = [line for run in runs for line in _mpddp_lines(run)
+                    if "went away" in line or "restarting" in line or "did not answer" in line]
+            assert codes == [0, 0, 0] and told == [], (backend, codes, [run.stderr for run in runs])
+            assert all(re.search(r"DONE step=\d+ world=3", run.stdout) for run in runs), backend
+            for run in runs:
+                run.assert_nothing_left()

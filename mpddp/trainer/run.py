@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 import mpddp
 
 from ..config import LaunchConfig
+from ..rendezvous_options import node_0_hosts_store
 from . import checkpoint, rundir
 from .config import TrainConfig
 from .curves import prefetch
@@ -120,7 +121,7 @@ def taken_by(launch_config: LaunchConfig | None, options: dict[str, Any]) -> Tak
     """
     if _option("hosts", launch_config, options, None) or _option("hostfile", launch_config, options, None):
         return TakenBy.RANK_0
-    if _option("rdzv_backend", launch_config, options, "c10d") == "etcd":
+    if not node_0_hosts_store(_option("rdzv_backend", launch_config, options, "c10d")):  # no node is node 0 for good
         return TakenBy.RANK_0
     if launch_config is None and options.get("node_rank") is None and options.get("nnodes") != 1:
         return TakenBy.RANK_0

@@ -125,7 +125,8 @@ class C10dRendezvous:
                 high=launched.nnodes, node_rank=launched.node_rank, last_call=launched.rdzv_settings().last_call_timeout,
                 timeout=launched.timeout, previous=self._round,
                 start_them=f"start the missing launchers with --nnodes {launched.min_nnodes}:{launched.nnodes} "
-                           f"--master-addr {launched.master_addr} --master-port {self.port}")
+                           f"--master-addr {launched.master_addr} --master-port {self.port}",
+                decides=launched.node_rank == 0)  # the store's host, first in every round (its --node-rank 0)
         except RendezvousGone:
             raise self._gone(attempt) from None
         self._round = here

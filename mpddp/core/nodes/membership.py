@@ -43,12 +43,14 @@ class Keys(Protocol):
 
 def join_round(keys: Keys, attempt: int, me: str, *, low: int, high: int, node_rank: int | None, last_call: float,
                timeout: float, previous: Round | None, start_them: str, job: str = "the job",
-               apart: str = "") -> tuple[Round, list[str]]:
+               apart: str = "", decides: bool = True) -> tuple[Round, list[str]]:
     """This launcher's round from ``attempt`` on (later, if it comes to a job that runs without it) and the
     round's launchers by node rank. ``node_rank``: the launcher's --node-rank, claimed (c10d: node 0's, the
     store's host); None: numbered as it comes. ``start_them`` ends the line that names missing nodes: how to
     start them. ``job`` names the job in a spare's lines, ``apart`` how a second job keeps apart from it (two
-    launches of one job are one job with spares to the backend: a spare's line says so)."""
+    launches of one job are one job with spares to the backend: a spare's line says so). ``decides``: this launcher
+    may write the member list (c10d: only node 0, the store's host, which every round needs first, whichever
+    launcher came first: measured, a 1:2 job whose other launcher came first ran without the store's host)."""
     while True:
         arrival = {"old": previous.node_rank if previous is not None and previous.number == attempt - 1 else None,
                    "rank": node_rank, "since": time.time(), "host": socket.gethostname()}
@@ -59,7 +61,7 @@ def join_round(keys: Keys, attempt: int, me: str, *, low: int, high: int, node_r
         # a restart: the launchers of the round before that live on, spares and newcomers included; None: the first
         expected = keys.lived(attempt - 1) if previous is not None and previous.number == attempt - 1 else None
         number = keys.arrive(attempt, me, json.dumps(arrival))
-        members = _members(keys, attempt, number, low, high, last_call, timeout, start_them, expected)
+        members = _members(keys, attempt, number, low, high, last_call, timeout, start_them, expected, decides)
         if me in members:
             break
         _wait_outside(keys, attempt, members, high, _size(low, high), job, apart)
@@ -76,7 +78,7 @@ def _size(low: int, high: int) -> str:
 
 
 def _members(keys: Keys, attempt: int, number: int, low: int, high: int, last_call: float, timeout: float,
-             start_them: str, expected: int | None = None) -> list[str]:
+             start_them: str, expected: int | None = None, decides: bool = True) -> list[str]:
     """The round's launchers once decided (who decides when: core/nodes/rules.py's :func:`join_step`). Only the
     one that decides reads the arrivals, once; the others look at the member list and count the arrivals every
     fourth look, less often the more launchers there are: flat per node."""
@@ -86,8 +88,8 @@ def _members(keys: Keys, attempt: int, number: int, low: int, high: int, last_ca
     while True:
         look, now = keys.look(seen), time.monotonic()
         latest = number == seen  # the last to come: it counts as often as it looks
-        if join_step(came=number, seen=seen, since=since, now=now, look=look, low=low, high=high,
-                     last_call=last_call, expected=expected) is Step.DECIDE:
+        if decides and join_step(came=number, seen=seen, since=since, now=now, look=look, low=low, high=high,
+                                 last_call=last_call, expected=expected) is Step.DECIDE:
             arrivals = {m: json.loads(a) for m, a in keys.arrivals(attempt).items()}
             keys.decide(attempt, json.dumps(sorted(arrivals, key=lambda m: member_order(arrivals[m]))[:high]))
         if (decided := keys.await_decided(attempt, look)) is not None:

@@ -18,10 +18,11 @@ from typing import Any, TypeVar
 
 T = TypeVar("T")
 
-# Seconds a store's host may leave one call unanswered before it counts as silent. A call takes milliseconds; a host
-# starved of CPU answers in well under a second (8 busy processes on 2 cores: 0.1 s at most, measured), and the
-# caller's own thread may wait out a stretch of another thread's GIL (3.4 s at most, measured under the heaviest load,
-# during a first import of torch that no round watch overlaps).
+# Seconds a store's host may leave one call unanswered before it counts as silent. A call takes milliseconds, on a
+# starved machine too (measured: an add every 0.25 s for 30 s, its server and client each in a session of their own
+# beside busy processes on 2 cores: 5 ms at most beside 8, 12 ms beside 20); the caller's own thread may wait out a
+# stretch of another thread's GIL (3.4 s at most, measured beside 20, during a first import of torch, which no round
+# watch overlaps).
 SILENT = 5.0
 
 
