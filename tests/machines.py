@@ -23,6 +23,7 @@ import subprocess
 import sys
 from pathlib import Path
 from types import TracebackType
+from typing import Any
 
 import psutil
 import pytest
@@ -115,7 +116,7 @@ class Hosts:
         self.work, self.count, self.with_etcd = work, count, etcd
         self.hosts = [Host(self, n) for n in range(1, count + 1)]
         self.runs: list[Run] = []
-        self.etcd: object = None
+        self.etcd: Any = None  # tests/etcd_cluster.py's EtcdCluster, where asked for
         self._stack = contextlib.ExitStack()
 
     def __getitem__(self, index: int) -> Host:
@@ -126,7 +127,7 @@ class Hosts:
 
     @property
     def endpoints(self) -> str:
-        return self.etcd.endpoints  # type: ignore[attr-defined]
+        return str(self.etcd.endpoints)
 
     def __enter__(self) -> Hosts:
         if os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("nsenter") is None:
@@ -134,18 +135,21 @@ class Hosts:
         if self.with_etcd and shutil.which("etcd") is None:
             pytest.skip("etcd is not installed (scripts/ci_etcd.sh install)")
         self._stack.enter_context(machine_lock())
-        self.work.mkdir(parents=True, exist_ok=True)
-        up = subprocess.run([str(NETNS), "up", str(self.work), str(self.count)], capture_output=True, text=True,
-                            timeout=30)
-        if up.returncode == 3:
-            self._stack.close()
-            pytest.skip(f"cannot make network namespaces here: {up.stderr.strip()}")
-        self._stack.callback(subprocess.run, [str(NETNS), "down"], timeout=30, check=False)
-        assert up.returncode == 0, up.stderr
-        if self.with_etcd:
-            from etcd_cluster import EtcdCluster
+        try:  # __exit__ runs only once __enter__ returned: what it made so far goes here otherwise
+            self.work.mkdir(parents=True, exist_ok=True)
+            up = subprocess.run([str(NETNS), "up", str(self.work), str(self.count)], capture_output=True, text=True,
+                                timeout=30)
+            if up.returncode == 3:
+                pytest.skip(f"cannot make network namespaces here: {up.stderr.strip()}")
+            self._stack.callback(subprocess.run, [str(NETNS), "down"], timeout=30, check=False)
+            assert up.returncode == 0, up.stderr
+            if self.with_etcd:
+                from etcd_cluster import EtcdCluster
 
-            self.etcd = self._stack.enter_context(EtcdCluster(host=BRIDGE))
+                self.etcd = self._stack.enter_context(EtcdCluster(host=BRIDGE))
+        except BaseException:
+            self._stack.close()
+            raise
         return self
 
     def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,

@@ -237,3 +237,30 @@ def test_finish_reads_pending_before_the_record():
 ])
 def test_a_node_whose_store_went_before_every_node_heard_tells_one_story(others, knew, read, by_itself, step):
     assert rules.unheard(others=others, knew=knew, read=read, by_itself=by_itself) is step
+
+
+@pytest.mark.parametrize("outcome, node, writer, lost", [
+    (Outcome.DIED, 1, 0, True),       # node 0's look found node 1 lost (api.went_away's record)
+    (Outcome.DIED, 1, 1, False),      # node 1 told its own rank's death (killed by a signal)
+    (Outcome.DIED, 1, -1, False),     # no writer recorded: never taken for a lost node
+    (Outcome.STOPPED, 1, 0, False),   # a launcher stopped by a signal
+    (Outcome.RAISED, 1, 0, False),
+])
+def test_a_record_names_a_lost_node_when_another_node_found_it(outcome, node, writer, lost):
+    from mpddp.core.nodes.api import is_lost_node
+
+    record = FailureRecord(rank=2 * node, node_rank=node, local_rank=0, outcome=outcome, exit_code=1, line="x",
+                           wall_time=0.0, writer=writer)
+    assert is_lost_node(record) is lost
+
+
+def test_the_lost_nodes_record_names_their_first_rank_and_every_rank_in_one_line():
+    from mpddp.config import LaunchConfig
+    from mpddp.core.nodes.api import is_lost_node, went_away
+
+    config = LaunchConfig(nnodes=4, node_rank=0, master_addr="127.0.0.1", master_port=29500)
+    record = went_away(config, 2, Lost([1, 2]))
+    assert (record.rank, record.node_rank, record.outcome, record.exit_code) == (2, 1, Outcome.DIED, 1)
+    assert record.line == ("mpddp: node(s) 1, 2 went away (the launcher stopped beating without ending its round: "
+                           "killed, preempted or its machine lost), taking rank(s) 2-5")
+    assert not is_lost_node(record)  # not until a node publishes it (its writer)

@@ -99,6 +99,8 @@ class Attempt:
         nodes = (stragglers.AcrossNodes(config.nnodes) if self.round_watch and config.node_rank == 0 < config.nnodes - 1
                  else None)
         stall = watch(self.states, watchdog, self.job.lags, store, self.round_watch, nodes)
+        if self.round_watch is not None:
+            self.round_watch.ranks_done()  # a node lost from now on is the settlement's (or finish's) business
         if self.job.link is not None and any(s.joined for s in self.states):  # its store answered our ranks
             self.job.link.reached = True  # a refusal from now on is its loss, not a node 0 still to come
         if store is not None and store.lost:  # before the teardown: the other nodes hear why soon

@@ -17,7 +17,7 @@ from __future__ import annotations
 import time
 
 from ...errors import CollectiveMismatch, HangError, Outcome, RankFailure, WorkerFailed
-from ..nodes.api import went
+from ..nodes.api import is_lost_node
 from ..procs import teardown
 from ..wire import stacks
 from ..wire.protocol import FailureRecord
@@ -294,14 +294,16 @@ def remote_error(record: FailureRecord, states: list[RankState], verdict: Verdic
     """
     ranks = [s.slot.rank for s in states]
     named = next((s for s in states if s.slot.rank == record.rank), None)
-    if named is not None and went(record):  # the others found this node lost: cut off or frozen, now back. Its own
-        # side first (the line every node tells, second): a restart says the first line only
+    if named is not None and is_lost_node(record):  # the others found this node lost: cut off or frozen, now
+        # back. Its own side first (the line every node tells, second): a restart says the first line only
         lines = [f"mpddp: this node (node {node_rank}) was found lost by node {record.writer}: its launcher did not "
                  "beat for seconds (its machine frozen, or cut off from the others); the job went on without it, and "
                  f"its rank(s) {', '.join(map(str, ranks))} were stopped before another step", record.line]
-    elif named is None:
+    elif named is None:  # a lost node's report, if any, is on a machine that went
+        rest = "" if is_lost_node(record) else \
+            f" (node {record.node_rank}'s own report has the rest: traceback, last lines)"
         lines = [record.line, f"mpddp: node {node_rank} stopped its rank(s) {', '.join(map(str, ranks))} because "
-                 f"of it (node {record.node_rank}'s own report has the rest: traceback, last lines)"]
+                 f"of it{rest}"]
     else:
         lines = [record.line, f"mpddp: node {record.writer} saw it through the collectives the nodes share; "
                  f"rank {record.rank} is this node's, and the one to look at"]

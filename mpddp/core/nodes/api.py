@@ -180,6 +180,7 @@ class RoundWatch(abc.ABC):
     beat: StoreBeat  # the round's keys on its store, set by each backend's watch
     link: _Records  # the backend, set by each backend's watch: the round's record, once the beat says it is written
     admits = False  # newcomers may be admitted to the round (--nnodes MIN:MAX), set by each backend's watch
+    looks = False  # this node looks at the other nodes' liveness while the ranks run (set by each backend's watch)
 
     def __init__(self, attempt: int, share: Callable[[bool], bytes | None] | None,
                  tell: Callable[[Lost], FailureRecord] | None = None) -> None:
@@ -191,6 +192,7 @@ class RoundWatch(abc.ABC):
         self.gone: RendezvousGone | None = None  # the backend stopped answering while the ranks ran: they stop
         self._progress = threading.Event()
         self._stop = threading.Event()
+        self._done = threading.Event()  # this node's ranks no longer run: no more looks
         self._thread = threading.Thread(target=self._run, name="mpddp-round-watch", daemon=True)
         self._looker = threading.Thread(target=self._look, name="mpddp-liveness", daemon=True)
 
@@ -227,26 +229,28 @@ class RoundWatch(abc.ABC):
             with contextlib.suppress(RendezvousGone):
                 self._shut()
 
-    looks = False  # this node looks at the other nodes' liveness while the ranks run (set by each backend's watch)
-
     def _lost(self) -> Lost | None:
         """The other nodes of the round found lost now, by the backend's own means (beats, leases): one look, from the
         liveness thread, every :data:`LOOK_EVERY` s while the ranks run. A backend whose node looks overrides it."""
         return None
 
-
     def _look(self) -> None:
         """While the ranks run: a node found lost ends the round on every node at once (its record, which every
         node's beat reads), never a collective's timeout: a machine cut off or frozen closes no connection, and
-        its peers' ranks would wait in gloo until --timeout. The backend gone: the beat tells it."""
+        its peers' ranks would wait in gloo until --timeout. The backend gone: the beat tells it. Once this node's
+        ranks stopped (:meth:`ranks_done`), a lost node is the settlement's business (a node whose ranks all
+        returned counts a node lost meanwhile as done: core/nodes/settle.py's ``finish``)."""
         with contextlib.suppress(RendezvousGone):
-            while not self._stop.wait(LOOK_EVERY) and self.remote_failure is None:
-                if (lost := self._lost()) is not None:
-                    assert self.tell is not None
+            while not self._stop.wait(LOOK_EVERY) and self.remote_failure is None and self.tell is not None:
+                if (lost := self._lost()) is not None and not self._done.is_set():
                     standing = self.tell(lost)
                     if self.remote_failure is None:
                         self.remote_failure = standing
                     return
+
+    def ranks_done(self) -> None:
+        """This node's ranks no longer run (returned, failed or stopped): the look ends (the beat goes on)."""
+        self._done.set()
 
     @abc.abstractmethod
     def others_calls(self) -> list[bytes]:
@@ -280,8 +284,8 @@ class RoundWatch(abc.ABC):
                     mine += step
                     self.remote_progress = total % protocol.FAILED - mine
                 if (total is None or total >= protocol.FAILED) and self.remote_failure is None:  # once
-                    if (record := self.link.record(self.attempt)) is not None and (
-                            record.node_rank != self.beat.node or went(record)):  # another's, or this node cut off
+                    if (record := self.link.record(self.attempt)) is not None and (  # another's, or this node's
+                            record.node_rank != self.beat.node or is_lost_node(record)):  # loss (back: thawed, healed)
                         self.remote_failure = record
                 self._stop.wait(INTERVAL)
         except RendezvousGone as e:  # its store silent or gone: the ranks stop now, and what it means is settled
@@ -345,7 +349,7 @@ def went_away(config: LaunchConfig, nprocs: int, lost: Lost) -> FailureRecord:
     return FailureRecord(ranks[0], lost.nodes[0], 0, Outcome.DIED, 1, line, time.time())
 
 
-def went(record: FailureRecord) -> bool:
+def is_lost_node(record: FailureRecord) -> bool:
     """The record says its node went away, found by another node (:func:`went_away`): its ranks' own death is told
     by the node itself."""
     return record.outcome is Outcome.DIED and record.writer not in (-1, record.node_rank)

@@ -33,7 +33,7 @@ from ...errors import NeverArrived, Outcome, RendezvousError, RendezvousGone, St
 from ...log import logger
 from ..wire.protocol import ERROR_LINE, FailureRecord
 from . import rules
-from .api import Lost, Rendezvous, names, went, went_away
+from .api import Lost, Rendezvous, is_lost_node, names, went_away
 from .rules import Finish, NodeState, Unheard, Wait
 
 _RECORD_WAIT = 10.0  # seconds a node whose ranks only saw a peer vanish waits for the record of the cause, at least
@@ -169,7 +169,8 @@ def _settle_local(link: Rendezvous, attempt: int, local: WorkerFailed, cause: Ou
         local, found = found.error, found.record
     if isinstance(found, FailureRecord):  # ours stands, unless it names another node's rank that returned early,
         # or a node this node's liveness look found lost (the same line on every node: went_away's)
-        mine = found.writer == config.node_rank and found.outcome is not Outcome.EARLY_EXIT and not went(found)
+        mine = found.writer == config.node_rank and found.outcome is not Outcome.EARLY_EXIT and \
+            not is_lost_node(found)
         return local if mine else _told(found, remote_error)
     if not found.beat and attempt == 0 and (never := link.view(attempt).never_arrived) is not None and \
             set(found.nodes) == {rank_math.split_rank(r, link.nprocs)[0] for r in never.ranks}:
