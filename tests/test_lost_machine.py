@@ -1,5 +1,5 @@
-"""A machine lost as machines are lost: on three namespace hosts (tests/machines.py), one host is killed, cut off (its
-link down: no RST, no FIN) or frozen (SIGSTOP of all its processes) while a 2:3 job trains, at the default --timeout.
+"""A machine lost as machines are lost: on three namespace hosts (tests/machines.py), one host is cut off (its link
+down: no RST, no FIN) or frozen (SIGSTOP of all its processes) while a 2:3 job trains, at the default --timeout.
 
 The survivors find it through liveness watched while the ranks run (etcd: the lease; c10d: node 0 reads the beats),
 never through a collective's timeout; every survivor tells the same line, takes its first step at world 2 within
@@ -81,7 +81,10 @@ def _fault(hosts: Hosts, runs: list[Run], fault: str, victim: int) -> None:
     host = hosts[victim]
     for run in runs:
         run.list_tree()  # every process, for the leftover check
-    {"cut": host.cut, "freeze": lambda: host.freeze(runs[victim]), "kill": lambda: host.kill(runs[victim])}[fault]()
+    if fault == "cut":
+        host.cut()
+    else:
+        host.freeze(runs[victim])
 
 
 def _mpddp_lines(run: Run) -> list[str]:
@@ -89,9 +92,9 @@ def _mpddp_lines(run: Run) -> list[str]:
 
 
 @pytest.mark.parametrize("backend, fault, victim", [
-    ("etcd", "cut", 1), ("etcd", "cut", 0), ("etcd", "freeze", 0), ("etcd", "freeze", 2), ("etcd", "kill", 1),
+    ("etcd", "cut", 1), ("etcd", "cut", 0), ("etcd", "freeze", 0), ("etcd", "freeze", 2),
     ("c10d", "cut", 2), ("c10d", "freeze", 1),
-])
+])  # a machine killed: tests/test_elastic.py and tests/test_node0_lost.py (their sockets close at once)
 def test_a_lost_machine_costs_seconds_and_the_one_that_comes_back_rejoins(tmp_path, backend, fault, victim):
     with Hosts(tmp_path / "hosts", 3, etcd=backend == "etcd") as hosts:
         runs = _launch(hosts, tmp_path, backend)
@@ -108,14 +111,11 @@ def test_a_lost_machine_costs_seconds_and_the_one_that_comes_back_rejoins(tmp_pa
         assert all(any(line.startswith(went) for line in told) for told in lines), lines
         if fault == "cut":
             hosts[victim].heal()
-        elif fault == "freeze":
+        else:
             hosts[victim].thaw()
         codes = [run.finish(120) for run in runs]
         for run in survivors:
             assert re.search(rf"DONE step={STEPS} world=[23] restart=1", run.stdout), run.stdout[-2000:] + run.stderr
-        if fault == "kill":
-            assert codes[:victim] + codes[victim + 1:] == [0, 0], [run.stderr for run in runs]
-            return
         # the machine that came back: its ranks took no step of the old round once the others went on, and it
         # rejoined as a newcomer (admitted: the job ran below MAX), or ended saying it was cut off
         back = runs[victim]

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
 from ...errors import RendezvousGone
-from ..stores.deadline import SILENT, within
+from ..stores.deadline import SILENT, answered, within
 from ..stores.etcd_kv import absent, counted, found, number, put, read
 from ..stores.store_beat import KeptRecord, StoreBeat, first_record, record_of
 from ..wire.protocol import FailureRecord
@@ -229,9 +229,8 @@ class EtcdRoundWatch(RoundWatch):
         with self._store_lock:
             if self._store is None:
                 return None
-            store = self._store
             try:  # within a deadline: torch's client ignores its timeout against a host cut off or frozen
-                return within(SILENT, lambda: op(store))
+                return answered(SILENT, op, self._store)
             except Exception:  # noqa: BLE001 - torch raises several types for a store that is gone or slow; Silent
                 self._store = None  # never used again (a silent call's thread may still be blocked in it)
                 return None

@@ -19,7 +19,7 @@ from typing import Any
 
 from ...config import LaunchConfig
 from ...errors import RendezvousGone
-from .deadline import SILENT, Silent, within
+from .deadline import SILENT, Silent, answered, within
 
 
 class StoreGone(RendezvousGone):
@@ -64,8 +64,7 @@ class C10dClient:
                     self._store = self._connect(connect_timeout if connect_timeout is not None else self.config.timeout)
                     self.reached = True
             with self._lock:
-                store = self._store
-                return within(SILENT + wait, lambda: op(store))
+                return answered(SILENT + wait, op, self._store)
         except RendezvousGone:
             raise
         except Silent as e:

@@ -1,7 +1,8 @@
 """A call to a store that keeps its deadline against a host that went silent or froze.
 
-Owns: :func:`within`, which runs a call on a thread of its own and stops waiting for it at a deadline, and
-:data:`SILENT`, how long a store's host may leave one call unanswered. Why a thread: torch 2.13's TCPStore client
+Owns: :func:`within`, which runs a call on a thread of its own and stops waiting for it at a deadline,
+:func:`answered`, the same for a call of many store operations (the deadline is each operation's), and
+:data:`SILENT`, how long a store's host may leave one operation unanswered. Why a thread: torch 2.13's TCPStore client
 ignores its own timeout against a host that is frozen (SIGSTOP, a paused VM) or cut off (no RST, no FIN); measured
 here, an ``add`` with a 2 s timeout waited 15 s on a frozen host and returned only at the thaw, and on a cut link TCP
 gives up after many minutes. Its socket is not ours to give ``TCP_USER_TIMEOUT``. A call that missed its deadline
@@ -13,6 +14,7 @@ them.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -32,6 +34,38 @@ class Silent(TimeoutError):
 
 def within(seconds: float, call: Callable[[], T]) -> T:
     """``call()``'s value, or its exception, if it returns within ``seconds``; else :class:`Silent`."""
+    return _run(seconds, call, None)
+
+
+def answered(seconds: float, op: Callable[[Any], T], store: Any) -> T:
+    """``op(store)``'s value, or its exception, so long as the store answers each of its operations within
+    ``seconds``: an op of many operations (a beat read one key a node, 100,000 nodes) takes as long as they take,
+    and one operation left unanswered for ``seconds`` is :class:`Silent`."""
+    answers = _Answers(store)
+    return _run(seconds, lambda: op(answers), answers)
+
+
+class _Answers:
+    """A store whose every operation, once answered, says when (:func:`answered`'s clock)."""
+
+    def __init__(self, store: Any) -> None:
+        self._store, self.last = store, time.monotonic()
+
+    def __getattr__(self, name: str) -> Any:
+        found = getattr(self._store, name)
+        if not callable(found):
+            return found
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return found(*args, **kwargs)
+            finally:
+                self.last = time.monotonic()
+
+        return timed
+
+
+def _run(seconds: float, call: Callable[[], T], answers: _Answers | None) -> T:
     done = threading.Event()
     outcome: list[Any] = []  # [True, value] or [False, exception]
 
@@ -43,9 +77,11 @@ def within(seconds: float, call: Callable[[], T]) -> T:
         finally:
             done.set()
 
+    start = time.monotonic()
     threading.Thread(target=run, name="mpddp-store-call", daemon=True).start()
-    if not done.wait(seconds):
-        raise Silent(f"no answer within {seconds:g} s")
+    while not done.wait(max(0.0, (answers.last if answers is not None else start) + seconds - time.monotonic())):
+        if time.monotonic() - (answers.last if answers is not None else start) >= seconds:
+            raise Silent(f"no answer within {seconds:g} s")
     ok, result = outcome
     if not ok:
         raise result
