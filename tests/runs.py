@@ -103,10 +103,10 @@ class Run:
 
     def kill(self) -> None:
         """Last resort in a failing test: nothing of the run may outlive it."""
-        for p in [*marked(self.marker), *(psutil.Process(pid) for pid in running(self.pids))]:
+        for pid in [*(p.pid for p in marked(self.marker)), *running(self.pids)]:
             try:
-                p.kill()
-            except psutil.NoSuchProcess:
+                psutil.Process(pid).kill()
+            except psutil.NoSuchProcess:  # gone since it was listed
                 pass
         if self.proc.poll() is None:
             self.proc.kill()

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 from machines import Hosts
+from test_elastic import JOB
 
 from runs import Run
 
@@ -30,51 +31,29 @@ pytestmark = [pytest.mark.netns, pytest.mark.timeout(240)]
 SOON = 20.0  # seconds from the fault to the survivors' first step at world 2 (quiet: 2.7 to 4.9 s), or their end
 STEPS = 240  # the job's steps, about 13 s of them: it outlives the fault, the restart and the victim's return
 
-JOB = textwrap.dedent("""
-    import json, os, time, torch, torch.distributed as dist
-    dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    restart = os.environ["TORCHELASTIC_RESTART_COUNT"]
-    path = os.path.join(os.environ["CKPT"], "step.json")
-    step = json.load(open(path))["step"] if os.path.exists(path) else 0
-    while step < int(os.environ["STEPS"]):
-        t = torch.ones(1)
-        dist.all_reduce(t)
-        assert t.item() == world
-        step += 1
-        if rank == 0 and step % 5 == 0:
-            with open(path + ".tmp", "w") as f:
-                json.dump({"step": step}, f)
-            os.replace(path + ".tmp", path)
-        print(f"STEP {step} world={world} restart={restart} at {time.time():.3f}", flush=True)
-        time.sleep(0.05)
-    print(f"DONE step={step} world={world} restart={restart}", flush=True)
-    dist.destroy_process_group()
-""")
-
-
 def _launch(hosts: Hosts, tmp_path: Path, backend: str) -> list[Run]:
     """The job on every host, node ranks 0, 1, 2 (default --timeout: a lost machine is never its business)."""
     (tmp_path / "job.py").write_text(JOB)
     (tmp_path / "ckpt").mkdir()
     rdzv = (["--rdzv-backend", "etcd", "--rdzv-endpoint", hosts.endpoints, "--rdzv-id", "lost-machine"]
             if backend == "etcd" else ["--master-addr", hosts[0].name, "--master-port", "29555"])
-    env = {"CKPT": str(tmp_path / "ckpt"), "STEPS": str(STEPS)}
+    env = {"CKPT": str(tmp_path / "ckpt"), "STEPS": str(STEPS)}  # test_elastic's job: a checkpoint every 5 steps
     return [host.launch(["-m", "mpddp", "run", "--nnodes", "2:3", "--node-rank", str(n), "--nprocs", "1", *rdzv,
                          "--max-restarts", "1", str(tmp_path / "job.py")], tmp_path / host.name, env=env)
             for n, host in enumerate(hosts)]
 
 
 def _first_step(run: Run, world: int, restart: int, timeout: float, others: tuple[Run, ...]) -> float:
-    """The wall time of ``run``'s first step at ``world`` in round ``restart``."""
-    found = run.wait_for(rf"STEP \d+ world={world} restart={restart} at ([0-9.]+)", timeout=timeout, also=others)
+    """The wall time of ``run``'s first step at ``world`` in round ``restart`` (after it resumed there)."""
+    found = run.wait_for(rf"RESUMED step=\d+ world={world} restart={restart}[^\n]*\n(?:[^\n]*\n)*?[^\n]*"
+                         r"STEP \d+ at ([0-9.]+)", timeout=timeout, also=others)
     return float(found[0].group(1))
 
 
-def _steps_after(run: Run, restart: int, after: float) -> list[str]:
-    """Steps of round ``restart`` that ``run``'s ranks took after the wall time ``after``."""
-    return [m.group(0) for m in re.finditer(rf"STEP \d+ world=\d restart={restart} at ([0-9.]+)", run.stdout)
-            if float(m.group(1)) > after]
+def _old_steps_after(run: Run, after: float) -> list[str]:
+    """The steps of ``run``'s first round (before it resumed in another) taken after the wall time ``after``."""
+    first = run.stdout.split("RESUMED", 1)[0]
+    return [m.group(0) for m in re.finditer(r"STEP \d+ at ([0-9.]+)", first) if float(m.group(1)) > after]
 
 
 def _fault(hosts: Hosts, runs: list[Run], fault: str, victim: int) -> None:
@@ -99,7 +78,7 @@ def test_a_lost_machine_costs_seconds_and_the_one_that_comes_back_rejoins(tmp_pa
     with Hosts(tmp_path / "hosts", 3, etcd=backend == "etcd") as hosts:
         runs = _launch(hosts, tmp_path, backend)
         survivors = [run for n, run in enumerate(runs) if n != victim]
-        runs[0 if victim else 1].wait_for(r"STEP 30 world=3", timeout=120, also=tuple(runs))
+        runs[0 if victim else 1].wait_for(r"STEP 30 ", timeout=120, also=tuple(runs))
         at = time.time()
         _fault(hosts, runs, fault, victim)
         firsts = [_first_step(run, 2, 1, 90, tuple(runs)) for run in survivors]
@@ -115,11 +94,11 @@ def test_a_lost_machine_costs_seconds_and_the_one_that_comes_back_rejoins(tmp_pa
             hosts[victim].thaw()
         codes = [run.finish(120) for run in runs]
         for run in survivors:
-            assert re.search(rf"DONE step={STEPS} world=[23] restart=1", run.stdout), run.stdout[-2000:] + run.stderr
+            assert re.search(r"DONE world=[23] restart=1", run.stdout), run.stdout[-2000:] + run.stderr
         # the machine that came back: its ranks took no step of the old round once the others went on, and it
         # rejoined as a newcomer (admitted: the job ran below MAX), or ended saying it was cut off
         back = runs[victim]
-        assert _steps_after(back, 0, min(firsts)) == [], back.stdout[-3000:]
+        assert _old_steps_after(back, min(firsts)) == [], back.stdout[-3000:]
         assert codes == [0, 0, 0] or codes[victim] != 0 and codes.count(0) == 2, [run.stderr for run in runs]
         assert any(f"this node (node {victim}) was found lost" in line for line in _mpddp_lines(back)), (
             back.stderr + back.stdout[-3000:])
@@ -136,7 +115,7 @@ def test_c10d_node_0_lost_silently_is_told_on_every_survivor_within_seconds(tmp_
     node, found by the beat's deadline (a call to a silent store never returns by itself)."""
     with Hosts(tmp_path / "hosts", 3) as hosts:
         runs = _launch(hosts, tmp_path, "c10d")
-        runs[1].wait_for(r"STEP 30 world=3", timeout=120, also=tuple(runs))
+        runs[1].wait_for(r"STEP 30 ", timeout=120, also=tuple(runs))
         at = time.monotonic()
         _fault(hosts, runs, fault, 0)
         codes = [run.finish(60) for run in runs[1:]]
