@@ -22,7 +22,7 @@ from multinode import free_port
 from mpddp.config import LaunchConfig
 from mpddp.core.stores import last_word
 from mpddp.core.stores.c10d_client import C10dClient, StoreSilent
-from mpddp.core.stores.deadline import SILENT, Silent, answered, within
+from mpddp.core.stores.deadline import PER_KEY, SILENT, Silent, answered, within
 
 SERVER = """
 import sys, time, torch.distributed as dist
@@ -84,6 +84,16 @@ def test_a_call_of_many_answered_operations_takes_as_long_as_they_take() -> None
     launcher of --nnodes 100000 say node 0's store went silent beside 8 busy processes)."""
     store = SlowStore(0.05)
     assert answered(0.3, lambda s: sum(s.add("k", 1) for _ in range(20)), store) == 20  # 1 s in all
+
+
+def test_an_operation_on_many_keys_is_given_a_moment_a_key() -> None:
+    """A check of 100,000 keys took 12.8 s beside 12 busy processes (a launcher of --nnodes 100000 then said its own
+    node 0's store was silent): such an operation gets PER_KEY more a key; a beat's operations do not."""
+    store = SlowStore(0.4)
+    keys = [f"k{n}" for n in range(int(0.6 / PER_KEY))]
+    assert answered(0.2, lambda s: s.add(keys, 1), store) == 1  # 0.4 s, given 0.2 + 0.6
+    with pytest.raises(Silent):
+        answered(0.2, lambda s: s.add("k", 1), store)  # 0.4 s, given 0.2
 
 
 def test_a_call_one_of_whose_operations_is_unanswered_is_silent() -> None:

@@ -293,11 +293,12 @@ class C10dRendezvous:
         return dict(zip(nodes, self.client.call(read)))
 
     def every_beat(self, attempt: int) -> dict[int, int] | None:
-        """Every node's beat count once each has beaten, one batch read (and its check); None while one has not: a
-        node that never beats is --timeout's (never arrived), and reading 100,000 absent keys one by one is not a
-        look (measured: --nnodes 100000 with one node, whose looks then outlasted their deadline)."""
+        """Every node's beat count once each has beaten, one batch read; None while one has not (one operation, a
+        counter): a node that never beats is --timeout's (never arrived). Measured with --nnodes 100000 and node 0
+        alone: a check of every beat key a look took 2.9 s of the store's time, 12.8 s beside 12 busy processes."""
         keys = [full_key(attempt, protocol.heartbeat_key(n)) for n in range(self.config.nnodes)]
-        found = self.client.call(lambda s: read_all(s, keys) if s.check(keys) else None)
+        beating = full_key(attempt, protocol.BEATING)
+        found = self.client.call(lambda s: read_all(s, keys) if s.add(beating, 0) >= len(keys) else None)
         return None if found is None else {n: int(v) for n, v in enumerate(found)}
 
     def stalled(self, attempt: int, before: dict[int, int]) -> list[int] | None:

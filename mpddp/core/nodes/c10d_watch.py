@@ -32,9 +32,9 @@ class C10dRoundWatch(RoundWatch):
         self._begin()
 
     def _lost(self) -> Lost | None:
-        """Two operations (a check and a batch read of every beat), twice a second, on node 0 only: one more a second,
-        whatever the job's size. None until every node has beaten: one that never beats is --timeout's (a first
-        connection imports torch; a node never started is named as never arrived)."""
+        """Two operations (a counter and a batch read of every beat), twice a second, on node 0 only, whatever the
+        job's size. None until every node has beaten: one that never beats is --timeout's (a first connection imports
+        torch; a node never started is named as never arrived)."""
         if (beats := self.link.every_beat(self.attempt)) is None:
             return None
         clock = beats.get(self.beat.node, 0)

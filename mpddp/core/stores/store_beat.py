@@ -127,7 +127,7 @@ class StoreBeat:
     def turn(self, s: Any, step: int, snapshot: bytes | None, beats: int | None) -> int:
         """This node's ``step`` (0 or 1) added; every node's total back (with FAILED once a record is written).
         ``snapshot``: this node's collectives, when they moved; ``beats``: its beat count (c10d reads beats for
-        liveness; etcd has leases, and sets none)."""
+        liveness, and the round's first beat counts the node among the BEATING; etcd has leases, and sets none)."""
         watched, total = divmod(int(s.add(self.progress, step + self._watched())), protocol.WATCHED)
         if watched:
             self.watched_at = time.monotonic()
@@ -142,6 +142,8 @@ class StoreBeat:
                 s.set(key, value)
         if snapshot is not None:
             self._list(s)
+        if beats == 1:  # once a round, after its beat key is there: node 0 reads every beat once every node beat
+            s.add(full_key(self.attempt, protocol.BEATING), 1)
         return total
 
     def _watched(self) -> int:

@@ -178,6 +178,7 @@ SHAPE = "shape"  # set once, by the first rank to come: the --nnodes and --nproc
 
 
 ARRIVED = "arrived"  # a counter: the ranks that reached the round's store, numbering their arrived_entry
+BEATING = "beating"  # a counter: the nodes that beat in the round (c10d): node 0 reads the beats once all did
 
 
 def arrived_entry(number: int) -> str:
