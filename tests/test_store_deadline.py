@@ -107,7 +107,7 @@ def test_a_call_one_of_whose_operations_is_unanswered_is_silent() -> None:
 
 @pytest.mark.timeout(60)
 def test_torchs_client_ignores_its_timeout_against_a_frozen_server(frozen_store) -> None:
-    """Why mpddp wraps every call: a 1 s timeout, a frozen server, and the add still waits 4 s later (it returns only
+    """Why mpddp wraps every call: a 1 s timeout, a frozen server, and the add still waits 5 s later (it returns only
     once the server thaws). If a torch release mends this, the test fails, and core/stores/deadline.py can go."""
     import torch.distributed as dist
 

@@ -4,11 +4,11 @@ Owns: :func:`within`, which runs a call on a thread of its own and stops waiting
 :func:`answered`, the same for a call of many store operations (the deadline is each operation's, longer for one on
 many keys: :data:`PER_KEY`); and :data:`SILENT`, how long a store's host may leave one operation unanswered. Why a
 thread: torch 2.13's TCPStore client ignores its own timeout against a host that is frozen (SIGSTOP, a paused VM) or
-cut off (no RST, no FIN); measured here, an ``add`` with a 1 s timeout still waited after 15 s on a frozen host and
-returned only at the thaw, and on a cut link TCP gives up after many minutes. Its socket is not ours to give ``TCP_USER_TIMEOUT``. A call that missed its deadline
-leaves its thread blocked in torch's client (a daemon thread; it holds no lock of ours): the caller must never use
-that client again (core/stores/c10d_client.py, core/nodes/etcd_keys.py drop it). Leaves what a silent host means to
-them.
+cut off (no RST, no FIN); measured here, an ``add`` with a 2 s timeout still waited 15 s later on a frozen host, and
+returned only at the thaw, and on a cut link TCP gives up after many minutes. Its socket is not ours to give
+``TCP_USER_TIMEOUT``. A call that missed its deadline leaves its thread blocked in torch's client (a daemon thread;
+it holds no lock of ours): the caller must never use that client again (core/stores/c10d_client.py and
+core/nodes/etcd_keys.py drop it). Leaves what a silent host means to them.
 """
 
 from __future__ import annotations
