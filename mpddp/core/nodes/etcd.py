@@ -226,8 +226,6 @@ class EtcdRendezvous(EtcdKV):
         """The first writer of round ``attempt``'s record (a failure, or a newcomer's admission): FAILED on the
         round's store, which every node's next beat reads (core/stores/store_beat.py); through this launcher's
         watch of the round, else through a client of its own (a newcomer runs no rank in it)."""
-        if 0 in self.gone:  # the round's first node, its store's host, was lost: nobody can reach its store
-            return  # (a call to a host cut off costs its deadline); every node's beat reads etcd's record then
         if (watch := self._watches.get(attempt)) is not None:
             watch.tell_failed()
             return

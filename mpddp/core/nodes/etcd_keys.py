@@ -157,6 +157,9 @@ class EtcdKeys:
         return bool(set(members) & set(self.arrivals(attempt)))
 
 
+LOOKERS = 3  # the nodes of a round that look at its leases while the ranks run
+
+
 class EtcdRoundWatch(RoundWatch):
     """One round's beat on the round's own TCPStore (its first node hosts it): no request to etcd a beat, so a job
     that trains for a week writes nothing to etcd's Raft log (a put a beat was two Raft writes and 4 KB of etcd's
@@ -172,7 +175,10 @@ class EtcdRoundWatch(RoundWatch):
         self.link = link
         self.beat = StoreBeat(attempt, link.config.node)
         self.admits = link.launched.min_nnodes < link.launched.nnodes
-        self.looks = link.config.nnodes > 1  # every node: no node is special, the round's store host neither
+        # the round's first LOOKERS nodes: any of them that finds a node lost writes the record every node reads, so
+        # that etcd serves a few reads a second, not two a node (64 nodes in one process of bench_scale.py, each
+        # looking, starved their beats); the loss of all of them at once is told as before, by the collectives
+        self.looks = 1 < link.config.nnodes and link.config.node < LOOKERS
         self._store: Any = None  # the round's store, once connected; None again once an operation failed
         self._store_lock = threading.Lock()  # the beat's thread and share_now's caller
         self._address: tuple[str, int] | None = None  # where it listens, read from etcd once
