@@ -103,3 +103,29 @@ def etcd_cluster():
 
     with EtcdCluster() as cluster:
         yield cluster
+
+
+# Each file's worker-seconds (setup, call and teardown of its tests, summed over xdist's workers): the suite's budget
+# is kept per file (docs/development.rst), and --durations names tests, not files. Printed at the end of every run.
+_FILE_SECONDS: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    name = report.nodeid.split("::", 1)[0]
+    _FILE_SECONDS[name] = _FILE_SECONDS.get(name, 0.0) + report.duration
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config: pytest.Config) -> None:
+    shown = config.getoption("file_seconds")
+    if not _FILE_SECONDS or shown == 0:
+        return
+    ranked = sorted(_FILE_SECONDS.items(), key=lambda item: -item[1])
+    total = sum(_FILE_SECONDS.values())
+    terminalreporter.write_sep("=", f"worker-seconds per file: {total:.0f} in all, the {min(shown, len(ranked))} longest")
+    for name, seconds in ranked[:shown]:
+        terminalreporter.write_line(f"{seconds:8.1f}  {name}")
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--file-seconds", type=int, default=12, metavar="N",
+                     help="print the N test files that took the most worker-seconds (0: none; default 12)")

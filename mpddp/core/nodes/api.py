@@ -44,6 +44,7 @@ from typing import Protocol
 from ... import rank_math
 from ...config import LaunchConfig
 from ...errors import NeverArrived, Outcome, RendezvousGone, StoreLost
+from ..stores.clock import Clock
 from ..stores.store_beat import WATCHED_FOR, StoreBeat
 from ..wire import protocol
 from ..wire.protocol import FailureRecord
@@ -307,6 +308,7 @@ class Rendezvous(Protocol):
     gone: set[int]  # nodes found lost
     me: str  # this launcher, for the others: its host, pid and a random tail
     hosts_round_store: bool  # each round's first node hosts its store (else node 0's serves every round)
+    clock: Clock  # what the waits read and sleep on: the machine's (core/stores/clock.py), or a test's
 
     @property
     def interval(self) -> float: ...  # seconds between two looks of a launcher that waits for the others

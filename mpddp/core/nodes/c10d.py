@@ -25,6 +25,7 @@ from ...config import LaunchConfig
 from ...errors import ConfigError, NeverArrived, Outcome, RendezvousError, RendezvousGone, StoreLost
 from ..stores import last_word
 from ..stores.c10d_client import C10dClient
+from ..stores.clock import MACHINE
 from ..stores.store_beat import ABSENT, KeptRecord, first_record, read_all, record_of
 from ..wire import protocol
 from ..wire.protocol import FailureRecord, full_key
@@ -47,6 +48,7 @@ class C10dRendezvous:
 
     hosts_round_store = False  # node 0's store serves every round
     interval = POLL  # a store has no watch: look again soon
+    clock = MACHINE  # what its waits read and sleep on (a test's own, injected)
 
     def __init__(self, config: LaunchConfig, port: int, nprocs: int) -> None:
         self.config, self.port, self.nprocs = config, port, nprocs
@@ -126,7 +128,7 @@ class C10dRendezvous:
                 timeout=launched.timeout, previous=self._round,
                 start_them=f"start the missing launchers with --nnodes {launched.min_nnodes}:{launched.nnodes} "
                            f"--master-addr {launched.master_addr} --master-port {self.port}",
-                decides=launched.node_rank == 0)  # the store's host, first in every round (its --node-rank 0)
+                decides=launched.node_rank == 0, clock=self.clock)  # the store's host, first in every round (its --node-rank 0)
         except RendezvousGone:
             raise self._gone(attempt) from None
         self._round = here
@@ -173,7 +175,7 @@ class C10dRendezvous:
             # first ended the store before they read it, and they said "node 0 ... is gone": 2 of 6 runs)
             with contextlib.suppress(RendezvousGone):
                 readers = self.config.nnodes - 1 - len(self.gone)
-                KeptRecord.until_read(self.client.call, attempt, readers, READ_WAIT, POLL)
+                KeptRecord.until_read(self.client.call, attempt, readers, READ_WAIT, POLL, self.clock)
 
     def _move(self, attempt: int, node: int, target: NodeState, connect_timeout: float | None = None) -> bool:
         """Node ``node``'s record in round ``attempt`` moved to ``target`` by compare-and-set (core/nodes/rules.py's
@@ -255,7 +257,7 @@ class C10dRendezvous:
         came = [n for n in range(self.config.nnodes) if n not in self.absent]  # 1 of 100,000: 1 key, not 100,000
         beaten = [n for n, beat in self.heartbeats(attempt, came).items() if beat > 0 and n != record.writer]
         KeptRecord.until_read(self.client.call, attempt, len(beaten) - self.counted(attempt, protocol.LOST),
-                              HEARD_WAIT, max(0.01, membership.poll_interval(self.config.nnodes) / 10))
+                              HEARD_WAIT, max(0.01, membership.poll_interval(self.config.nnodes) / 10), self.clock)
 
     def view(self, attempt: int) -> View:
         return View(self, attempt)
@@ -264,7 +266,7 @@ class C10dRendezvous:
         """The other nodes found lost since this node began to wait (``since``): a beat that stood still over a
         window of :data:`~mpddp.core.nodes.api.STALLED_AFTER` while others beat (:meth:`stalled`; a new window
         when every node beat), or none at all for --timeout (:meth:`silent`)."""
-        now = time.monotonic()
+        now = self.clock.now()
         if self._window is None or self._window[0] != (attempt, since):
             self._window = ((attempt, since), self.heartbeats(attempt), now)
         wait, beats, opened = self._window
@@ -367,9 +369,9 @@ class C10dRendezvous:
             self.client.call(lambda s: s.add(protocol.LEFT, 1), connect_timeout=2.0)
             if self.config.node_rank != 0:
                 return
-            deadline = time.monotonic() + min(self.config.timeout, _LEAVE_WAIT)
-            while self.client.call(lambda s: s.add(protocol.LEFT, 0) < waited_for(s)) and time.monotonic() < deadline:
-                time.sleep(POLL)
+            deadline = self.clock.now() + min(self.config.timeout, _LEAVE_WAIT)
+            while self.client.call(lambda s: s.add(protocol.LEFT, 0) < waited_for(s)) and self.clock.now() < deadline:
+                self.clock.sleep(POLL)
 
 
 def _state(standing: str) -> NodeState:

@@ -7,12 +7,12 @@ ranks that never came. Also :class:`C10dLink`, what this module and core/nodes/c
 from __future__ import annotations
 
 import json
-import time
 from datetime import timedelta
 from typing import Any, Protocol
 
 from ...config import LaunchConfig
 from ..stores.c10d_client import C10dClient
+from ..stores.clock import Clock
 from ..stores.store_beat import first_record, peek, read_all
 from ..wire import protocol
 from ..wire.protocol import FailureRecord, full_key
@@ -34,6 +34,7 @@ class C10dLink(Protocol):
     client: C10dClient  # node 0's store
     config: LaunchConfig  # this round's: nnodes and node_rank may change from round to round
     elastic: bool  # --nnodes MIN:MAX
+    clock: Clock  # what its waits sleep on
 
     def record(self, attempt: int) -> FailureRecord | None: ...
     def state(self, attempt: int, node: int) -> NodeState: ...
@@ -164,7 +165,7 @@ class C10dKeys:
         return poll_interval(nodes)
 
     def await_decided(self, attempt: int, timeout: float) -> str | None:
-        time.sleep(timeout)  # a store's wait prints torch's warning when it times out: look, then
+        self.link.clock.sleep(timeout)  # a store's wait prints torch's warning when it times out: look, then
         return self.decided(attempt)
 
     def decide(self, attempt: int, members: str) -> bool:

@@ -24,6 +24,7 @@ from typing import Any
 from ...config import LaunchConfig
 from ...errors import AddressError, RendezvousError, RendezvousGone
 from ..stores import etcd_probe
+from ..stores.clock import MACHINE
 from ..stores.deadline import SILENT, within
 from ..stores.etcd_client import EtcdClient, EtcdFull, KeptLease
 from ..stores.etcd_kv import EtcdKV, absent, equal, found, put, read
@@ -43,6 +44,7 @@ class EtcdRendezvous(EtcdKV):
     """The ``etcd`` backend of :class:`~mpddp.core.nodes.api.Rendezvous`, for the whole job; thread-safe."""
 
     hosts_round_store = True  # each round's first node hosts that round's store (api.Rendezvous)
+    clock = MACHINE  # what its waits read and sleep on (a test's own, injected)
 
     def __init__(self, config: LaunchConfig, port: int, nprocs: int) -> None:
         settings = config.rdzv_settings()
@@ -85,7 +87,8 @@ class EtcdRendezvous(EtcdKV):
                 previous=self.last_round,
                 start_them=f"start the missing launchers with --rdzv-backend etcd --rdzv-endpoint "
                            f"{self.client.endpoints} --rdzv-id {self.launched.rdzv_id}",
-                job=f"the job --rdzv-id {self.launched.rdzv_id}", apart="a second job needs a --rdzv-id of its own")
+                job=f"the job --rdzv-id {self.launched.rdzv_id}", apart="a second job needs a --rdzv-id of its own",
+                clock=self.clock)
         except EtcdFull as e:
             raise RendezvousError(f"{e}; round {attempt} cannot start") from None
         except RendezvousGone as e:
@@ -148,17 +151,17 @@ class EtcdRendezvous(EtcdKV):
     def store(self, attempt: int) -> tuple[str, int]:
         """Where the round's process-group store listens, once its first node has published it; :class:`RoundLost`
         when that node's lease ran out first (the others start the next round without it)."""
-        deadline = time.monotonic() + self.config.timeout
+        deadline = self.clock.now() + self.config.timeout
         key = self.key(attempt, "store")
         while (found := self.get(key)) is None:
             if 0 in self.stalled(attempt):
                 first = self._members_of.get(attempt, ["?"])[0]
                 raise RoundLost(f"round {attempt}'s first node ({first}), which hosts its store, was lost before "
                                 "the store listened (its lease ran out): the other nodes go on without it", attempt)
-            if time.monotonic() > deadline:
+            if self.clock.now() > deadline:
                 raise RendezvousError(f"round {attempt}'s first node did not publish its store within --timeout "
                                       f"{self.config.timeout:g} s: its launcher is gone or stopped")
-            time.sleep(self.interval)
+            self.clock.sleep(self.interval)
         host, _, port = found.decode().rpartition(":")
         return host, int(port)
 

@@ -18,6 +18,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
 from ...errors import RendezvousGone
+from ..stores.clock import Clock
 from ..stores.deadline import SILENT, answered, within
 from ..stores.etcd_kv import absent, counted, found, number, put, read
 from ..stores.store_beat import KeptRecord, StoreBeat, first_record, record_of
@@ -46,6 +47,7 @@ class EtcdLink(Protocol):
     prefix: str  # every key of the job lies under it
     ttl: int  # the lease's seconds: how long a frozen launcher may hold a round's store
     identity: Identity | None  # which launch of the job this launcher is part of (once it reached etcd)
+    clock: Clock  # what its waits sleep on
 
     def key(self, attempt: int, *parts: object) -> str: ...
     def put(self, key: str, value: str | bytes, leased: bool = False) -> None: ...
@@ -112,7 +114,7 @@ class EtcdKeys:
         them (measured: 256 simulated nodes joined in 10 s, and three leases ran out)."""
         if attempt in self._early:
             return self._early[attempt]
-        time.sleep(timeout)
+        self.link.clock.sleep(timeout)
         link = self.link  # the arrivals counted in the same request, for count()
         answer = link.commit([], [read(link.key(attempt, "members")), counted(link.key(attempt, "join/"))])["responses"]
         self._counted[attempt] = number(answer[1])

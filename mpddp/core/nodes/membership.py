@@ -16,6 +16,7 @@ from typing import Protocol
 
 from ...errors import ConfigError, TooFewNodes
 from ...log import logger
+from ..stores.clock import MACHINE, Clock
 from ..wire.protocol import FailureRecord
 from .api import NotNeeded, Round, resized_record
 from .rules import Outside, Step, join_step, member_order, outside
@@ -43,14 +44,15 @@ class Keys(Protocol):
 
 def join_round(keys: Keys, attempt: int, me: str, *, low: int, high: int, node_rank: int | None, last_call: float,
                timeout: float, previous: Round | None, start_them: str, job: str = "the job",
-               apart: str = "", decides: bool = True) -> tuple[Round, list[str]]:
+               apart: str = "", decides: bool = True, clock: Clock = MACHINE) -> tuple[Round, list[str]]:
     """This launcher's round from ``attempt`` on (later, if it comes to a job that runs without it) and the
     round's launchers by node rank. ``node_rank``: the launcher's --node-rank, claimed (c10d: node 0's, the
     store's host); None: numbered as it comes. ``start_them`` ends the line that names missing nodes: how to
     start them. ``job`` names the job in a spare's lines, ``apart`` how a second job keeps apart from it (two
     launches of one job are one job with spares to the backend: a spare's line says so). ``decides``: this launcher
     may write the member list (c10d: only node 0, the store's host, which every round needs first, whichever
-    launcher came first: measured, a 1:2 job whose other launcher came first ran without the store's host)."""
+    launcher came first: measured, a 1:2 job whose other launcher came first ran without the store's host). ``clock``:
+    what the waits read (the keys' own looks sleep on the backend's)."""
     while True:
         arrival = {"old": previous.node_rank if previous is not None and previous.number == attempt - 1 else None,
                    "rank": node_rank, "since": time.time(), "host": socket.gethostname()}
@@ -61,10 +63,10 @@ def join_round(keys: Keys, attempt: int, me: str, *, low: int, high: int, node_r
         # a restart: the launchers of the round before that live on, spares and newcomers included; None: the first
         expected = keys.lived(attempt - 1) if previous is not None and previous.number == attempt - 1 else None
         number = keys.arrive(attempt, me, json.dumps(arrival))
-        members = _members(keys, attempt, number, low, high, last_call, timeout, start_them, expected, decides)
+        members = _members(keys, attempt, number, low, high, last_call, timeout, start_them, expected, decides, clock)
         if me in members:
             break
-        _wait_outside(keys, attempt, members, high, _size(low, high), job, apart)
+        _wait_outside(keys, attempt, members, high, _size(low, high), job, apart, clock)
         attempt += 1
     if len(members) < low:  # decided from the arrivals still there: one lost since it was counted is not
         raise _too_few(attempt, len(members), "remained in it", low, high, start_them)
@@ -78,15 +80,15 @@ def _size(low: int, high: int) -> str:
 
 
 def _members(keys: Keys, attempt: int, number: int, low: int, high: int, last_call: float, timeout: float,
-             start_them: str, expected: int | None = None, decides: bool = True) -> list[str]:
+             start_them: str, expected: int | None = None, decides: bool = True, clock: Clock = MACHINE) -> list[str]:
     """The round's launchers once decided (who decides when: core/nodes/rules.py's :func:`join_step`). Only the
     one that decides reads the arrivals, once; the others look at the member list and count the arrivals every
     fourth look, less often the more launchers there are: flat per node."""
-    deadline = time.monotonic() + timeout
+    deadline = clock.now() + timeout
     seen = number  # how many had come, as last counted
-    since = counted = time.monotonic()  # when that count last changed, and when it was read (this machine's clock)
+    since = counted = clock.now()  # when that count last changed, and when it was read (this machine's clock)
     while True:
-        look, now = keys.look(seen), time.monotonic()
+        look, now = keys.look(seen), clock.now()
         latest = number == seen  # the last to come: it counts as often as it looks
         if decides and join_step(came=number, seen=seen, since=since, now=now, look=look, low=low, high=high,
                                  last_call=last_call, expected=expected) is Step.DECIDE:
@@ -94,11 +96,11 @@ def _members(keys: Keys, attempt: int, number: int, low: int, high: int, last_ca
             keys.decide(attempt, json.dumps(sorted(arrivals, key=lambda m: member_order(arrivals[m]))[:high]))
         if (decided := keys.await_decided(attempt, look)) is not None:
             return _decided(decided, attempt, timeout, low, high, start_them)
-        if time.monotonic() - counted >= (look if latest else 4 * look):  # the others count seldom
-            counted = time.monotonic()
+        if clock.now() - counted >= (look if latest else 4 * look):  # the others count seldom
+            counted = clock.now()
             if (count := keys.count(attempt)) != seen:
                 seen, since = count, counted
-        if time.monotonic() > deadline:  # counted once more (a count seldom read is stale), and written in the
+        if clock.now() > deadline:  # counted once more (a count seldom read is stale), and written in the
             # member list's place unless one is there: every node tells the first count, or runs the round decided
             keys.decide(attempt, json.dumps({GAVE_UP: keys.count(attempt)}))
             return _decided(keys.decided(attempt) or "[]", attempt, timeout, low, high, start_them)
@@ -125,7 +127,8 @@ def poll_interval(nodes: int) -> float:
     return min(1.0, max(0.1, nodes / 1000))
 
 
-def _wait_outside(keys: Keys, attempt: int, members: list[str], high: int, size: str, job: str, apart: str) -> None:
+def _wait_outside(keys: Keys, attempt: int, members: list[str], high: int, size: str, job: str, apart: str,
+                  clock: Clock = MACHINE) -> None:
     """Round ``attempt`` runs without this launcher: have it restart to admit this one (below MAX), or wait as a
     spare; return once the round has ended (its record is written, or none of its members is left)."""
     if outside(len(members), high) is Outside.ADMIT:
@@ -138,7 +141,7 @@ def _wait_outside(keys: Keys, attempt: int, members: list[str], high: int, size:
     while keys.record(attempt) is None:
         if not keys.over(attempt, members):
             if keys.alive(attempt, members):
-                time.sleep(keys.look(len(members)))
+                clock.sleep(keys.look(len(members)))
                 continue
             if not keys.over(attempt, members):  # asked again: its last members may have left between the looks
                 return  # a member lost: this spare takes its place in the next round

@@ -207,14 +207,14 @@ def _wait_for(link: Rendezvous, attempt: int, local: WorkerFailed, outcome: Outc
     (measured: more than 10 s with 8 launchers and 16 ranks on 2 loaded cores, and a victim's own record then won)."""
     nprocs = link.nprocs
     link.move(attempt, NodeState.WAITING)
-    start = time.monotonic()
+    start = link.clock.now()
     culprit_nodes = {rank_math.split_rank(r, nprocs)[0] for r in blame.culprits}
     early_exit = blame.early_exit is not None and outcome in (Outcome.COLLECTIVE, Outcome.HUNG)
     while True:
         view = link.view(attempt)  # each value read once, when first asked
         lost = link.lost(attempt, start)
         step = rules.wait_step(view, lost, culprits=culprit_nodes, early_exit=early_exit,
-                               retell=blame.again is not None, waited=time.monotonic() - start,
+                               retell=blame.again is not None, waited=link.clock.now() - start,
                                timeout=link.config.timeout, least=_RECORD_WAIT)
         if step is Wait.RECORD:
             assert view.record is not None
@@ -232,7 +232,7 @@ def _wait_for(link: Rendezvous, attempt: int, local: WorkerFailed, outcome: Outc
         if step is Wait.LOST:
             assert lost is not None
             return lost
-        time.sleep(link.interval)
+        link.clock.sleep(link.interval)
 
 
 def finish(link: Rendezvous, attempt: int) -> FailureRecord | None:
@@ -243,10 +243,10 @@ def finish(link: Rendezvous, attempt: int) -> FailureRecord | None:
     checkpoint alone after the others returned keeps them waiting, and its failure is still every node's."""
     try:
         link.move(attempt, NodeState.RETURNED)
-        start = time.monotonic()  # after the move: a first connection to the store (torch's import) is no wait
+        start = link.clock.now()  # after the move: a first connection to the store (torch's import) is no wait
         while (step := rules.finish_step(view := link.view(attempt))) is Finish.LOOK:
             link.lost(attempt, start)  # a node found lost is done from now on
-            time.sleep(link.interval)
+            link.clock.sleep(link.interval)
         return view.record if step is Finish.RECORD else None
     except RendezvousGone as e:  # after our ranks returned: nothing more to learn, and nothing went wrong here
         logger.warning("mpddp: %s before every node ended round %d; node %d's ranks had all returned", e.went,

@@ -25,6 +25,7 @@ from typing import Any
 from ...errors import RendezvousGone
 from ..wire import protocol
 from ..wire.protocol import FailureRecord, full_key
+from .clock import MACHINE, Clock
 
 ABSENT = "\x00absent"  # compare_set's answer for a key that is not there (it sets nothing then): a get in one
 
@@ -96,15 +97,15 @@ class KeptRecord:
 
     @staticmethod
     def until_read(call: Callable[[Callable[[Any], Any]], Any], attempt: int, readers: int, wait: float,
-                   look: float) -> None:
+                   look: float, clock: Clock = MACHINE) -> None:
         """Until ``readers`` nodes other than its writer read round ``attempt``'s record, or ``wait`` seconds with the
         store up (no answer: it is gone), looking every ``look``: a store that outlives the wait keeps it for a node
         that reads it later."""
-        deadline = time.monotonic() + wait
+        deadline = clock.now() + wait
         while (count := call(lambda s: reads(s, attempt))) is not None and count < readers:
-            if time.monotonic() > deadline:
+            if clock.now() > deadline:
                 return
-            time.sleep(look)
+            clock.sleep(look)
 
 
 WATCHED_FOR = 5.0  # seconds a node shares its live rows after a watcher last asked (mpddp top)
