@@ -1,6 +1,7 @@
 """The benchmark scripts keep working, and the first-step preload keeps the forkserver's guarantees.
 
-The script tests are not benchmarks: each script runs once in --tiny mode
+The script tests (marked ``bench``: .ci/run runs them as a step of its own, README's ``pytest -q`` leaves
+them out) are not benchmarks: each script runs once in --tiny mode
 (one repetition, small sizes) and the test checks that it prints its table
 of ratios and writes its JSON; no test asserts a timing. The figures
 themselves come from full runs (docs/performance.rst).
@@ -28,6 +29,7 @@ def tiny(script: str, tmp_path: Path, *args: str) -> tuple[str, dict]:
     return out.stdout, json.loads(out_json.read_text())
 
 
+@pytest.mark.bench
 def test_bench_launch(tmp_path):
     # one peer (accelerate, when installed) keeps the run short; every peer's row has the same code path
     stdout, data = tiny("bench_launch.py", tmp_path, "--only", "mpddp,launch,spawn,accelerate", "--hang-limit", "30",
@@ -60,6 +62,7 @@ def test_bench_launch_skips_missing_peers(monkeypatch):
     assert skipped == ["skipped torchrunx Launcher.run: torchrunx is not installed (pip install torchrunx)"]
 
 
+@pytest.mark.bench
 def test_bench_first_step(tmp_path):
     # the two rows with a goal and one launch() row of each kind (script, preload=): every row kind's code path,
     # in half the time of all nine (each row is a cold start of about three seconds)
@@ -76,6 +79,7 @@ def test_bench_first_step(tmp_path):
     assert "<= 1.50: " in stdout  # the goal's verdict is printed, whatever it is (issue 36's goal)
 
 
+@pytest.mark.bench
 def test_bench_train(tmp_path):
     stdout, data = tiny("bench_train.py", tmp_path)
     assert "mpddp Trainer" in stdout and "x ref" in stdout
@@ -121,6 +125,7 @@ def _free_port_base(count: int = 8) -> int:
     raise AssertionError("no free run of ports")
 
 
+@pytest.mark.bench
 def test_bench_teardown(tmp_path):
     stdout, data = tiny("bench_teardown.py", tmp_path, "--port-base", str(_free_port_base()))
     assert "x spawn" in stdout and "python -m mpddp run" in stdout
@@ -191,6 +196,7 @@ def test_preload_must_be_module_names():
         mpddp.launch(lambda ctx: None, nprocs=1, preload="torch._dynamo")
 
 
+@pytest.mark.bench
 def test_bench_recovery(tmp_path):
     stdout, data = tiny("bench_recovery.py", tmp_path, "--no-torchrun", "--quiet", "100")
     assert "recovery / start-up" in stdout and "goal on one node" in stdout
@@ -199,6 +205,7 @@ def test_bench_recovery(tmp_path):
     assert one["ratio"][0] == one["recovery"][0] / one["startup"][0]
 
 
+@pytest.mark.bench
 def test_bench_interrupt(tmp_path):
     stdout, data = tiny("bench_interrupt.py", tmp_path)
     (delay,) = data["delays"].values()
@@ -206,6 +213,7 @@ def test_bench_interrupt(tmp_path):
     assert delay["median"] > 0 and "Ctrl-C during `mpddp train --nprocs 2` start-up" in stdout
 
 
+@pytest.mark.bench
 def test_bench_scale(tmp_path):
     stdout, data = tiny("bench_scale.py", tmp_path)
     (row,) = data["results"]

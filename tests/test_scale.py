@@ -19,6 +19,7 @@ from multinode import Cluster, free_port
 from test_rounds import first_report_line, start, weights
 
 NODES = 8
+pytestmark = pytest.mark.bench  # a step of its own in .ci/run: eight launchers at once load 2 cores for minutes
 
 
 @pytest.fixture
