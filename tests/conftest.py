@@ -6,6 +6,8 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
+from reaper import watch_this_run  # noqa: E402
+
 from helpers import leftovers  # noqa: E402
 
 # A test suite started as a background job of a non-interactive shell (POSIX: with SIGINT ignored) would
@@ -14,6 +16,14 @@ from helpers import leftovers  # noqa: E402
 # own default does, and every launcher starts as from a terminal.
 if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_configure(config: pytest.Config) -> None:
+    """The run's first process (not an xdist worker) marks what it starts, and a watcher kills it all once the run
+    is gone, killed too (tests/reaper.py): before xdist starts its workers, which carry the mark as well."""
+    if not hasattr(config, "workerinput"):
+        watch_this_run()
 
 
 # Files whose tests use this machine's namespace hosts or SLURM daemons (tests/multinode.py's machine_lock):

@@ -16,7 +16,6 @@ import signal
 import sys
 import time
 from collections.abc import Iterator
-from dataclasses import replace
 from pathlib import Path
 
 import psutil

@@ -11,6 +11,7 @@ from dataclasses import replace
 import pytest
 from clock import Steps
 
+
 class _Beats:
     """A store in one dict, with TCPStore's semantics for the operations the launchers use: every node's beat
     counter, and who ended (as ``end_round`` marks it: its key, and the counters of the nodes done)."""
