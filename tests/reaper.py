@@ -20,7 +20,7 @@ from pathlib import Path
 
 import psutil
 
-TOKEN = "MPDDP_TEST_RUN"
+TOKEN = "MPDDP_TEST_SUITE"
 NETNS = Path(__file__).resolve().parent.parent / "scripts" / "netns_hosts.sh"
 NETNS_LOCK = Path("/tmp/mpddp-ci-netns.lock")  # tests/multinode.py's
 

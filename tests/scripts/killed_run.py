@@ -18,5 +18,5 @@ def test_holds_a_cluster_and_a_launcher(etcd_cluster, tmp_path: Path) -> None:
     while len(psutil.Process(launcher.pid).children(recursive=True)) < 3:  # its forkserver and two ranks
         time.sleep(0.2)
     pids = [*etcd_cluster.pids, launcher.pid, *(p.pid for p in psutil.Process(launcher.pid).children(recursive=True))]
-    Path(os.environ["KILLED_RUN_OUT"]).write_text(json.dumps({"pids": pids, "token": os.environ["MPDDP_TEST_RUN"]}))
+    Path(os.environ["KILLED_RUN_OUT"]).write_text(json.dumps({"pids": pids, "token": os.environ["MPDDP_TEST_SUITE"]}))
     time.sleep(600)
