@@ -215,14 +215,12 @@ def test_an_etcd_endpoint_that_does_not_answer_is_one_line_exit_2_before_any_ran
 
     (tmp_path / "hi.py").write_text("print('ran')\n")
     endpoint = f"127.0.0.1:{free_port()}"
-    started = time.monotonic()
     out = subprocess.run([sys.executable, "-m", "mpddp", "run", "--nnodes", "2", "--rdzv-backend", "etcd",
-                          "--rdzv-endpoint", endpoint, "--rdzv-id", "none-there", "--timeout", "30", "hi.py"],
-                         capture_output=True, text=True, timeout=60, cwd=tmp_path)
+                          "--rdzv-endpoint", endpoint, "--rdzv-id", "none-there", "--timeout", "900", "hi.py"],
+                         capture_output=True, text=True, timeout=120, cwd=tmp_path)  # told, not after --timeout
     assert out.returncode == 2, out.stderr
     assert out.stderr.startswith("mpddp: error: ") and endpoint in out.stderr, out.stderr
     assert len(out.stderr.strip().splitlines()) == 1 and "ran" not in out.stdout, out.stderr
-    assert time.monotonic() - started < 20  # not the whole --timeout
 
 
 def test_fewer_than_min_nodes_is_one_line_naming_min(tmp_path, etcd_cluster):

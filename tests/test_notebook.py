@@ -322,7 +322,7 @@ def test_closures_lambdas_and_an_unshippable_global(kernel: Kernel):
     )
     assert cell.error == "ShipError"
     assert "cannot send global lock=<unlocked _thread.lock" in cell.evalue and "create locks" in cell.evalue
-    assert "[rank" not in cell.stdout + cell.stderr and cell.seconds < 10  # refused before any worker started
+    assert "[rank" not in cell.stdout + cell.stderr  # refused as it was shipped: no worker ran it
 
 
 @pytest.mark.timeout(60)
@@ -330,7 +330,7 @@ def test_closures_lambdas_and_an_unshippable_global(kernel: Kernel):
 def test_fork_is_refused_in_a_kernel_with_a_reason_and_a_fix(kernel: Kernel):
     ok(kernel.run(IMPORTS))
     cell = kernel.run("mpddp.launch(lambda ctx: 1, nprocs=2, start_method='fork')")
-    assert cell.error == "ConfigError" and cell.seconds < 10
+    assert cell.error == "ConfigError"
     assert "start_method='fork' is unsafe here" in cell.evalue and "Python threads (Jupyter does)" in cell.evalue
     assert "use start_method='forkserver'" in cell.evalue
 
@@ -362,9 +362,9 @@ def test_a_failing_rank_raises_in_the_cell_with_its_traceback(kernel: Kernel):
         "    if ctx.rank == 1:\n"
         "        load_batch(42)\n"
         "    dist.barrier()  # rank 0 waits here and fails only as a victim\n"
-        "mpddp.launch(fails, nprocs=2)"
-    )
-    assert cell.error == "WorkerFailed" and cell.seconds < 30
+        "mpddp.launch(fails, nprocs=2, timeout=900)"  # stopped at once: a wait for the barrier's timeout would
+    )  # outlast the test's 60 s
+    assert cell.error == "WorkerFailed"
     assert "rank 1 (node 0, local rank 1) failed first: it raised ValueError: corrupt batch 42" in cell.evalue
     assert "mpddp: traceback of rank 1:" in cell.evalue and "in load_batch" in cell.evalue
     assert "in fails" in cell.evalue

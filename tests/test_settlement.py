@@ -157,6 +157,16 @@ def test_node_0_does_not_wait_for_a_launcher_another_node_found_lost_to_leave() 
     assert beats.values[protocol.LEFT] == 2
 
 
+def test_node_0_does_not_wait_for_a_launcher_that_never_arrived_to_leave() -> None:
+    beats = _Beats({0: 22, 1: 0, 2: 22})
+    _link(2, beats).leave()
+    steps = Steps()
+    host = _link(0, beats, steps=steps)
+    host.absent = {1}  # its ranks never came to round 0 (the roll call): it will not come to leave either
+    host.leave()
+    assert steps.now == 0.0  # else min(--timeout, 10 s)
+
+
 def test_node_0_waits_for_a_launcher_nobody_found_lost_to_leave() -> None:
     from mpddp.core.nodes import api
 

@@ -24,6 +24,7 @@ print(f"READY rank {rank}", flush=True)
 for step in range(steps):
     if rank == culprit and step == at:
         if fault == "stop":
+            print(f"FAULT_AT {time.monotonic()}", flush=True)  # the machine's clock: the test measures from here
             os.kill(os.getpid(), signal.SIGSTOP)
         elif fault == "skip":
             continue
