@@ -36,7 +36,7 @@ MACHINE_FILES = {"test_hosts.py", "test_lost_machine.py", "test_machine_order.py
 # the groups not named here follow in xdist's order.
 LONGEST = {"test_rounds.py": 500, "machine": 650, "test_train_cli.py": 280, "test_store_server_edges.py": 230,
            "test_elastic.py": 180, "test_readme.py": 130,
-           "test_node0_lost.py": 125, "test_hardening5_input.py": 120, "test_roll_call.py": 100}
+           "test_node0_lost.py": 125, "test_rendezvous_input.py": 120, "test_roll_call.py": 100}
 
 
 def group(nodeid: str) -> str:

@@ -9,18 +9,16 @@ import shutil
 import signal
 import socket
 import subprocess
-import sys
 import time
-import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import psutil
 
+from runs import Run, marked
+
 JOB = Path(__file__).parent / "scripts" / "multinode_job.py"
 REPO = Path(__file__).parent.parent
-TAG = "MPDDP_TEST_TAG"
 
 
 def free_port() -> int:
@@ -30,25 +28,19 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-@dataclass
-class Node:
-    """One launcher started by a test, with its output in files."""
+class Node(Run):
+    """One launcher of a :class:`Cluster`: a :class:`~runs.Run` named after its place in the cluster."""
 
-    proc: subprocess.Popen
-    out: Path
-    err: Path
-    started: float = field(default_factory=time.monotonic)
+    @property
+    def out(self) -> Path:
+        return self.out_path
+
+    @property
+    def err(self) -> Path:
+        return self.err_path
 
     def wait(self, timeout: float) -> int:
-        return self.proc.wait(timeout)
-
-    @property
-    def stdout(self) -> str:
-        return self.out.read_text(errors="replace")
-
-    @property
-    def stderr(self) -> str:
-        return self.err.read_text(errors="replace")
+        return self.finish(timeout)
 
     def results(self) -> list[dict]:
         lines = [line for line in self.stdout.splitlines() if line.startswith("RESULT ")]
@@ -57,36 +49,24 @@ class Node:
 
 
 class Cluster:
-    """Launchers started with one tag in their environment, so that every process they leave is found."""
+    """Several launchers of one test in one folder (tests/runs.py's :class:`~runs.Run` each, its marker in their
+    environment), so that every process they leave is found."""
 
     def __init__(self, tmp: Path) -> None:
         self.tmp = tmp
-        self.tag = uuid.uuid4().hex
         self.nodes: list[Node] = []
 
     def start(self, args: list[str], prefix: list[str] | None = None, env: dict[str, str] | None = None,
               command: list[str] | None = None) -> Node:
         """Start ``multinode_job.py ARGS`` (or ``command``), behind ``prefix`` (e.g. netns_hosts.sh run 1 DIR)."""
-        n = len(self.nodes)
-        out, err = self.tmp / f"node{n}.out", self.tmp / f"node{n}.err"
-        full_env = {**os.environ, TAG: self.tag, "PYTHONPATH": str(REPO), **(env or {})}
-        with out.open("w") as o, err.open("w") as e:
-            proc = subprocess.Popen([*(prefix or []), *(command or [sys.executable, str(JOB), *args])], stdout=o, stderr=e,
-                                    env=full_env, cwd=self.tmp)
-        node = Node(proc, out, err)
+        node = Node([str(JOB), *args], self.tmp, env={"PYTHONPATH": str(REPO), **(env or {})}, prefix=prefix,
+                    command=command, name=f"node{len(self.nodes)}")
         self.nodes.append(node)
         return node
 
     def tagged(self) -> list[psutil.Process]:
-        """Every live process that carries this cluster's tag (launchers, workers, helpers)."""
-        found = []
-        for proc in psutil.process_iter():
-            try:
-                if proc.environ().get(TAG) == self.tag and proc.status() != psutil.STATUS_ZOMBIE:
-                    found.append(proc)
-            except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
-                continue
-        return found
+        """Every live process that carries one of its launchers' markers (launchers, workers, helpers)."""
+        return [proc for node in self.nodes for proc in marked(node.marker)]
 
     def leftovers(self, wait: float) -> list[str]:
         """Tagged processes still alive after ``wait`` seconds, as command lines."""

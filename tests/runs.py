@@ -27,21 +27,29 @@ SCRIPTS = REPO / "tests" / "scripts"
 
 
 class Run:
+    """One launcher started by a test, the one harness of every test that starts launchers: alone, as one node of
+    a :class:`~multinode.Cluster`, or on a namespace host (tests/machines.py)."""
+
     def __init__(self, argv: list[str], tmp_path: Path, env: dict[str, str] | None = None,
-                 prefix: list[str] | None = None) -> None:
-        """Start ``python *argv`` (e.g. ``["-m", "mpddp", "run", ...]``) in ``tmp_path``, behind ``prefix`` (a
-        namespace host's, tests/machines.py)."""
+                 prefix: list[str] | None = None, command: list[str] | None = None, name: str | None = None) -> None:
+        """Start ``python *argv`` (e.g. ``["-m", "mpddp", "run", ...]``), or ``command`` (mpirun ...), in
+        ``tmp_path``, behind ``prefix`` (a namespace host's, tests/machines.py); its output in ``NAME.out`` and
+        ``NAME.err`` where ``name`` is given (several launchers in one folder), else ``stdout.txt`` and
+        ``stderr.txt``."""
         self.marker = uuid.uuid4().hex
         self.tmpdir = short_dir("run-")
         self.go_file = tmp_path / "go"
-        self.out_path, self.err_path = tmp_path / "stdout.txt", tmp_path / "stderr.txt"
+        self.out_path, self.err_path = ((tmp_path / f"{name}.out", tmp_path / f"{name}.err") if name else
+                                        (tmp_path / "stdout.txt", tmp_path / "stderr.txt"))
+        self.started = time.monotonic()
         full_env = dict(os.environ, MPDDP_TEST_RUN=self.marker, TMPDIR=str(self.tmpdir), FAIL_GO=str(self.go_file))
         full_env.pop("PYTEST_CURRENT_TEST", None)
         full_env.update(env or {})
         with open(self.out_path, "wb") as out, open(self.err_path, "wb") as err:
             # its own session, SIGINT at its default action (tests/conftest.py): as from a terminal
-            self.proc = subprocess.Popen([*(prefix or []), sys.executable, *argv], stdout=out, stderr=err, env=full_env, cwd=tmp_path,
-                                         start_new_session=True, restore_signals=True)
+            self.proc = subprocess.Popen([*(prefix or []), *(command or [sys.executable, *argv])], stdout=out,
+                                         stderr=err, env=full_env, cwd=tmp_path, start_new_session=True,
+                                         restore_signals=True)
         self.pids: set[int] = set()
         self.exited_at: float | None = None
 

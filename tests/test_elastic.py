@@ -8,12 +8,14 @@ under a timeout, and nothing of any node may be left afterwards.
 
 from __future__ import annotations
 
+import os
 import random
 import re
 import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 
 import psutil
 import pytest
@@ -346,3 +348,51 @@ def test_a_launcher_whose_lease_ran_out_leaves_without_a_traceback(etcd_cluster)
         assert not kept._thread.is_alive()  # type: ignore[union-attr]
     finally:
         link.client.call(lambda c: c.delete_prefix(link.prefix))
+
+
+GIL_HELD = Path(__file__).parent / "scripts" / "gil_held"  # its sitecustomize holds the GIL at torch's first import
+
+GIL_STEPS = """
+import time, torch, torch.distributed as dist
+dist.init_process_group("gloo")
+for step in range(1, 101):
+    dist.all_reduce(torch.ones(1))
+    time.sleep(0.1)
+print(f"DONE rank {dist.get_rank()}", flush=True)
+"""
+
+
+def test_a_launcher_whose_first_torch_import_holds_the_gil_keeps_its_lease(tmp_path, etcd_cluster):
+    """A launcher's first import of torch holds the GIL for seconds on a starved machine, and no thread refreshes
+    its lease meanwhile. Here node 1's import holds it 8 s, longer than the lease's 3 s TTL: main imported torch
+    after it took its lease, as its first round started, and etcd revoked the lease of a launcher alive and well
+    (its ``alive`` key, which the other nodes read, gone 4 s in, the job still training; CI: a node named lost
+    before a step was taken). The key must stay from the round's start until the ranks are done."""
+    pytest.importorskip("etcd3gw")
+    (tmp_path / "steps.py").write_text(GIL_STEPS)
+    runs: list[Run] = []
+    try:
+        for node in range(2):
+            (tmp_path / f"node{node}").mkdir()
+            held = {"PYTHONPATH": f"{GIL_HELD}:{os.environ.get('PYTHONPATH', '')}", "MPDDP_TEST_HOLD_GIL": "8"}
+            runs.append(Run(["-m", "mpddp", "run", "--nnodes", "2", "--node-rank", str(node), "--nprocs", "1",
+                             "--rdzv-backend", "etcd", "--rdzv-endpoint", etcd_cluster.endpoints, "--rdzv-id", "gil",
+                             "--local-addr", "127.0.0.1", "--timeout", "30", str(tmp_path / "steps.py")],
+                            tmp_path / f"node{node}", env=held if node == 1 else None))
+        client, seen, lapsed = etcd_cluster.client(0), False, []
+        started = time.monotonic()
+        while "DONE rank 1" not in runs[1].stdout and runs[1].proc.poll() is None and time.monotonic() - started < 90:
+            alive = any(meta["key"].endswith(b"/alive/1") for _, meta in client.get_prefix("/mpddp/gil/"))
+            if seen and not alive and "DONE rank 1" not in runs[1].stdout:
+                lapsed.append(round(time.monotonic() - started, 1))
+            seen |= alive
+            time.sleep(0.2)
+        codes = [run.finish(90) for run in runs]
+        told = "\n".join(f"--- node {node}:\n{run.stderr}" for node, run in enumerate(runs))
+        assert seen and not lapsed, f"node 1's alive key gone at {lapsed[:3]} s, the job running\n{told}"
+        assert codes == [0, 0], told
+        for run in runs:
+            run.assert_nothing_left()
+    finally:
+        for run in runs:
+            run.kill()

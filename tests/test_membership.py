@@ -1,6 +1,6 @@
 """core/nodes/membership.py's join over an in-memory store of keys: the rule itself, with no backend and no process.
 
-The backends' own keys are tested with real launchers (test_elastic.py, test_hardening5_input.py); here the
+The backends' own keys are tested with real launchers (test_elastic.py, test_rendezvous_input.py); here the
 launchers are threads and the keys a dict, so that the order of events is the test's, not the machine's load.
 """
 

@@ -365,3 +365,31 @@ def test_a_mismatch_that_saw_only_some_ranks_calls_names_the_others_in_doubt() -
     assert board.unseen(board.Mismatch({**calls, 2: calls[0]}, odd=1), world_size=3) == frozenset()
     subgroup = {r: replace(c, group="1") for r, c in calls.items()}  # a subgroup's members are not known here
     assert board.unseen(board.Mismatch(subgroup, odd=1), world_size=3) == frozenset()
+
+
+@pytest.mark.parametrize("then", ["WAITING", "RETURNED", "ENDED"])
+def test_a_node_found_lost_that_comes_back_writes_nothing_into_the_round(then: str) -> None:
+    """Node 1 frozen (or cut off), found lost by node 0, which wrote the round's record; node 1 thaws, its ranks
+    see the group broken: its move and its record change nothing (its record stands at LOST, a move out of LOST is
+    none, the first record stands), so the round's counters stay what the others settle by."""
+    import mpddp
+    from mpddp.core.nodes.api import went_away
+    from mpddp.core.nodes.rules import Lost, NodeState
+    from mpddp.core.wire import protocol
+    from mpddp.core.wire.protocol import FailureRecord
+
+    beats = _Beats({0: 22, 1: 10, 2: 22})
+    finder = _link(0, beats)
+    assert finder.found_lost(0, [1]) == [1]
+    told = finder.publish(0, went_away(finder.config, 1, Lost([1])))
+    read = protocol.full_key(0, protocol.READ)  # node 1 reading the record is counted: node 0 waits for that
+    counters = {k: v for k, v in beats.values.items() if k != read}
+    back = _link(1, beats)
+    back.move(0, NodeState[then])
+    mine = FailureRecord(rank=1, node_rank=1, local_rank=0, outcome=mpddp.Outcome.COLLECTIVE, exit_code=1,
+                         line="mpddp: rank 1 failed in all_reduce: Connection closed by peer", wall_time=time.time())
+    assert back.publish(0, mine) == told  # the first record stands: node 0's word
+    assert back.state(0, 1) is NodeState.LOST
+    assert {k: v for k, v in beats.values.items() if k != read} == counters
+    assert beats.values[protocol.full_key(0, protocol.LOST)] == 1
+

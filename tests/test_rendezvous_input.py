@@ -1,4 +1,4 @@
-"""Issue 50's bad input and its small items, each with real launchers (and a real 3-member etcd): an endpoint
+"""A rendezvous's bad input and its edges, each with real launchers (and a real 3-member etcd): an endpoint
 that is not etcd, an etcd with authentication on, an impossible ``--nnodes``/``--node-rank``, a newcomer's
 admission that is no restart, and a round below ``MIN``.
 
@@ -250,13 +250,12 @@ def _admitted_without_a_restart(runs: list[Run]) -> None:
         run.assert_nothing_left()
 
 
-def test_a_newcomers_admission_is_no_restart_under_etcd(tmp_path, etcd_cluster):
-    _admitted_without_a_restart(_grow(tmp_path, ["--rdzv-backend", "etcd", "--rdzv-endpoint", etcd_cluster.endpoints,
-                                                 "--rdzv-id", "grow", "--local-addr", "127.0.0.1"]))
-
-
-def test_a_newcomers_admission_is_no_restart_under_c10d(tmp_path):
-    _admitted_without_a_restart(_grow(tmp_path, ["--master-addr", "127.0.0.1", "--master-port", str(free_port())]))
+@pytest.mark.parametrize("backend", ["c10d", "etcd"])
+def test_a_newcomers_admission_is_no_restart(tmp_path, backend: str, request: pytest.FixtureRequest):
+    where = ["--master-addr", "127.0.0.1", "--master-port", str(free_port())] if backend == "c10d" else [
+        "--rdzv-backend", "etcd", "--rdzv-endpoint", request.getfixturevalue("etcd_cluster").endpoints,
+        "--rdzv-id", "grow", "--local-addr", "127.0.0.1"]
+    _admitted_without_a_restart(_grow(tmp_path, where))
 
 
 # ---- 4. a round below MIN ends in the one line that names MIN, never in a configuration error from the join ------
