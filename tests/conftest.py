@@ -29,14 +29,15 @@ def pytest_configure(config: pytest.Config) -> None:
 # Files whose tests use this machine's namespace hosts or SLURM daemons (tests/multinode.py's machine_lock):
 # one xdist worker runs them all, one after another, so that the other never waits for the lock.
 MACHINE_FILES = {"test_hosts.py", "test_lost_machine.py", "test_machine_order.py", "test_mpirun.py",
-                 "test_multinode.py", "test_slurm_cluster.py"}
+                 "test_two_hosts.py", "test_slurm_cluster.py"}
 
 # The groups that take longest (a worker's seconds, 2 cores under load, --durations): they start first, so that the
 # run does not end with one worker on a long file and the other idle. A stale figure costs balance, never a result;
 # the groups not named here follow in xdist's order.
-LONGEST = {"test_rounds.py": 500, "machine": 650, "test_train_cli.py": 280, "test_store_server_edges.py": 230,
-           "test_elastic.py": 180, "test_readme.py": 130,
-           "test_node0_lost.py": 125, "test_rendezvous_input.py": 120, "test_roll_call.py": 100}
+LONGEST = {"machine": 650, "test_train_cli.py": 280, "test_rounds.py": 250, "test_named_across_nodes.py": 250,
+           "test_store_server_edges.py": 230, "test_elastic.py": 180, "test_door.py": 160, "test_readme.py": 130,
+           "test_node0_lost.py": 125, "test_lost_node.py": 125, "test_rendezvous_input.py": 120,
+           "test_roll_call.py": 100}
 
 
 def group(nodeid: str) -> str:

@@ -1,7 +1,7 @@
 """How a failed round is settled on each node, one state in and one step out: the rules of core/nodes/settle.py and
 the c10d backend's liveness carried out over a store in one dict, with injected time (tests/clock.py). A wait of
 --timeout or of a record written seconds later runs in milliseconds, and each bound is exact: told at the first look
-at or past the moment the other node acted. The same stories across real launchers: tests/test_rounds.py."""
+at or past the moment the other node acted. The same stories across real launchers: tests/test_named_across_nodes.py."""
 
 from __future__ import annotations
 
