@@ -96,23 +96,37 @@ def run_cli(args: list[str] | None = None) -> NoReturn:
         click.echo(f"mpddp: error: {e}", err=True)
         code = 1
     except KeyboardInterrupt:
-        click.echo("mpddp: interrupted (SIGINT); every worker was stopped", err=True)
+        _stopped(args, "interrupted (SIGINT)")
         code = EXIT_SIGINT
     except click.exceptions.Abort as e:  # click's word for a KeyboardInterrupt, and for an EOFError
         if isinstance(e.__cause__ or e.__context__, KeyboardInterrupt):
-            click.echo("mpddp: interrupted (SIGINT); every worker was stopped", err=True)
+            _stopped(args, "interrupted (SIGINT)")
             code = EXIT_SIGINT
         else:
             cause = e.__cause__ or e.__context__
             click.echo(f"mpddp: error: {type(cause).__name__} ({cause}): an input or a pipe ended early", err=True)
             code = 1
     except Terminated as e:
-        _say(f"mpddp: {_STOPPED[e.signum]}; every worker was stopped")
+        _stopped(args, _STOPPED[e.signum])
         code = 128 + e.signum  # 143 for SIGTERM, 129 for SIGHUP
     code = code if isinstance(code, int) else 0
     if args is None:
         _exit_process(code)
     sys.exit(code)
+
+
+def _stopped(args: list[str] | None, how: str) -> None:
+    """A signal stopped the command: a command that starts workers says it stopped them; another (``top``,
+    ``ranks``, ``info``, ``plot``) stopped nothing, and says nothing (its exit code, 128 + the signal, tells it)."""
+    if _starts_workers(sys.argv[1:] if args is None else args):
+        _say(f"mpddp: {how}; every worker was stopped")
+
+
+def _starts_workers(args: list[str]) -> bool:
+    """Whether the command line names a command that starts workers (its first word that is no option of the
+    group's: the group takes only --help and --version)."""
+    name = next((a for a in args if not a.startswith("-")), None)
+    return name is not None and main.commands.get(name) in _WORKERS
 
 
 def _exit_process(code: int) -> NoReturn:
@@ -145,5 +159,6 @@ def _say(line: str) -> None:
         pass
 
 
+_WORKERS = (train.train, run.run)  # the commands that start workers: a signal's line says they were stopped
 for _command in (train.train, plot.plot, run.run, ranks.ranks, info.info, top.top):  # each module's one click command
     main.add_command(_command)

@@ -19,12 +19,13 @@ core/launcher/live_display.py, and the words of the table to core/launcher/live_
 from __future__ import annotations
 
 import json
+import math
 import socket
 import statistics
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
 import psutil
@@ -33,6 +34,7 @@ from ...config import LaunchConfig
 from ...errors import MpddpError
 from ...log import logger
 from ..nodes.api import Rendezvous, RoundWatch
+from ..wire import typed
 from .board import LIVE_KEY, Board
 from .classify import RankState
 from .output import Relay
@@ -104,15 +106,32 @@ class Snapshot:
 
     @classmethod
     def from_json(cls, text: str | bytes) -> Snapshot:
-        data = json.loads(text)
-        return cls(Header(**data["header"]), tuple(_row(r) for r in data["ranks"]), tuple(data["missing"]),
-                   data["taken"])
+        """A launcher's answer, validated field by field (core/wire/typed.py): :class:`~mpddp.core.wire.typed.Malformed`
+        in one line for any other shape; the fields this version does not know are left out (a newer mpddp's)."""
+        data = typed.loads(text)
+        if not isinstance(data, dict):
+            raise typed.Malformed(f"a snapshot is a JSON object, not {type(data).__name__}")
+        ranks, missing, taken = data.get("ranks"), data.get("missing", []), data.get("taken")
+        if not isinstance(ranks, list) or not isinstance(missing, list):
+            raise typed.Malformed("a snapshot's ranks and missing are lists")
+        if not all(isinstance(n, int) and not isinstance(n, bool) for n in missing):
+            raise typed.Malformed("a snapshot's missing are node ranks")
+        if not isinstance(taken, (int, float)) or isinstance(taken, bool) or not math.isfinite(taken):
+            raise typed.Malformed(f"taken={taken!r} is not a time")
+        try:
+            header = typed.fill(Header, data.get("header"))
+        except typed.Malformed as e:
+            raise typed.Malformed(f"header: {e}") from None
+        return cls(header, tuple(_row(r) for r in ranks), tuple(missing), float(taken))
 
 
-def _row(data: dict[str, Any]) -> RankRow:
-    """A row from JSON, keeping only the fields this version knows (another node may run a newer mpddp)."""
-    known = {f.name for f in fields(RankRow)}
-    return RankRow(**{k: v for k, v in data.items() if k in known})
+def _row(data: Any) -> RankRow:
+    """A row from JSON, validated, keeping only the fields this version knows (another node may run a newer mpddp)."""
+    try:
+        return typed.fill(RankRow, data)
+    except typed.Malformed as e:
+        rank = data.get("rank") if isinstance(data, dict) else None
+        raise typed.Malformed(f"rank {rank!r}'s row: {e}" if isinstance(rank, int) else f"a row: {e}") from None
 
 
 class JobFacts(Protocol):
@@ -209,8 +228,8 @@ class LiveView:
         for snapshot in watch.others_calls():
             try:
                 rows += [_row(r) for r in json.loads(snapshot).get(LIVE_KEY, [])]
-            except (ValueError, TypeError, AttributeError):
-                continue  # a node of another mpddp version: left out
+            except (ValueError, TypeError, AttributeError):  # typed.Malformed is a ValueError
+                continue  # a node of another mpddp version, or a snapshot that is not one: left out
         mine = {s.slot.rank for s in self.shown.states} if self.shown is not None else set()
         rows = [r for r in rows if r.rank not in mine]
         with self._lock:

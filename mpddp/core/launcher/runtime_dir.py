@@ -4,7 +4,9 @@ Owns: the per-user runtime folder (``$XDG_RUNTIME_DIR/mpddp``, else ``/tmp/mpddp
 unless this user owns it alone), a launcher's entry in it (``<pid>-<n>.json``, what it runs, and ``<pid>-<n>.sock``, where it
 answers), :func:`serving`, which keeps both while the job runs and removes them when it ends (Ctrl-C and failures
 too), and the watcher's side: :func:`entries` (the launchers alive; a dead one's entry is removed), :func:`pick` (which
-one to ask) and :func:`look` (ask until every node's rows are in).
+one to ask) and :func:`look` (ask until every node's rows are in). What the folder holds and what a socket answers is
+read as untrusted (core/wire/typed.py): an entry that does not validate is skipped with one line, a reply is capped at
+:data:`MAX_REPLY` with a deadline on the whole read, and only files inside the folder are ever removed.
 
 Why a unix socket, not a JSON file rewritten every second: a thread blocked in ``accept()`` costs nothing while
 nobody watches, and what a watcher reads is computed when it asks. The folder's mode keeps other users out; the
@@ -30,11 +32,15 @@ import psutil
 
 from ...errors import ConfigError, MpddpError
 from ...log import logger
+from ..wire import typed
 from .live import Snapshot
 
 _LAUNCHES = itertools.count()  # this process's launches, for their entries' names
 ASK_TIMEOUT = 5.0  # seconds a watcher waits for a launcher's answer
 AGAIN = 0.3  # seconds between two asks of a watcher that waits for every node's rows
+MAX_REPLY = 1 << 20  # bytes of a launcher's answer: a snapshot of 1,000 ranks is about 400 KiB
+MAX_ENTRY = 1 << 16  # bytes of an entry: its argv is the longest part
+_MAX_PID = (1 << 31) - 1  # a pid_t
 
 
 class RuntimeDirRefused(MpddpError):
@@ -52,6 +58,19 @@ class Entry:
     host: str
     argv: list[str]
     socket: str
+
+    def check(self, where: Path, name: str) -> None:
+        """:class:`~mpddp.core.wire.typed.Malformed` unless it could be a launcher's: a pid of a process, and its
+        socket the one beside it in the runtime folder ``where`` (a socket named elsewhere is never asked nor
+        removed)."""
+        if not 0 < self.pid <= _MAX_PID:
+            raise typed.Malformed(f"pid={self.pid} is no process id")
+        if self.created < 0:
+            raise typed.Malformed(f"created={self.created} is no start time")
+        if self.node is not None and self.node < 0:
+            raise typed.Malformed(f"node={self.node} is no node rank")
+        if self.socket != str(where / f"{name}.sock"):
+            raise typed.Malformed(f"socket={self.socket!r} is not {name}.sock in {where}")
 
     @property
     def alive(self) -> bool:
@@ -131,8 +150,10 @@ def _write(path: Path, text: str) -> None:
 def _serve(server: socket.socket, answer: Callable[[], str]) -> None:
     """One snapshot a connection, until the socket is closed. A watcher's trouble never reaches the job. First, off
     the launch's path, the entries of launchers killed outright go (else they would pile up until a watcher came)."""
-    with contextlib.suppress(OSError, MpddpError):
+    try:
         entries()
+    except Exception as e:  # noqa: BLE001 - whatever lies beside our entry, this thread serves the job's watchers
+        logger.debug("mpddp: the sweep of the runtime folder failed (%s: %s)", type(e).__name__, e)
     while True:
         try:
             conn, _ = server.accept()
@@ -146,38 +167,57 @@ def _serve(server: socket.socket, answer: Callable[[], str]) -> None:
                 logger.debug("mpddp: a watcher's snapshot failed (%s: %s)", type(e).__name__, e)
 
 
-def entries() -> list[Entry]:
-    """The launchers of this user alive on this machine, oldest first; the entries of dead ones are removed."""
+def entries(skipped: Callable[[str], None] = logger.debug) -> list[Entry]:
+    """The launchers of this user alive on this machine, oldest first; the entries of dead ones are removed. An
+    entry that does not validate is left, and told to ``skipped`` in one line (a launcher's sweep: at debug)."""
     where = folder(create=False)
     if not where.is_dir():
         return []
     found = []
     for info in sorted(where.glob("*.json")):
         try:
-            entry = Entry(**json.loads(info.read_text()))
-        except (OSError, ValueError, TypeError):
-            continue  # being written, or of another version
+            entry = _read_entry(info, where)
+        except FileNotFoundError:
+            continue  # its launcher ended meanwhile
+        except (OSError, typed.Malformed) as e:
+            skipped(f"mpddp: skipped {info}: {_why(e)}")
+            continue
         if entry.alive:
             found.append(entry)
             continue
-        for p in (info, Path(entry.socket)):  # its launcher was killed (SIGKILL): nothing else removes it
+        for p in (info, where / f"{info.stem}.sock"):  # its launcher was killed (SIGKILL): nothing else removes it
             with contextlib.suppress(OSError):
                 p.unlink()
     return sorted(found, key=lambda e: (e.created, e.pid))
 
 
+def _read_entry(info: Path, where: Path) -> Entry:
+    """One entry, read at most :data:`MAX_ENTRY` bytes of a plain file (never a FIFO, which would block, nor a link
+    out of the folder) and validated."""
+    fd = os.open(info, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise typed.Malformed("not a plain file")
+        text = f.read(MAX_ENTRY + 1)
+    if len(text) > MAX_ENTRY:
+        raise typed.Malformed(f"over {MAX_ENTRY:,} bytes")
+    entry = typed.fill(Entry, typed.loads(text), known_only=False)
+    entry.check(where, info.stem)
+    return entry
+
+
+def _why(e: BaseException) -> str:
+    return str(e) if isinstance(e, typed.Malformed) else f"{type(e).__name__}: {getattr(e, 'strerror', None) or e}"
+
+
 def ask(entry: Entry, timeout: float = ASK_TIMEOUT) -> str:
-    """The launcher's snapshot (JSON); OSError when it does not answer (it ended meanwhile)."""
+    """The launcher's snapshot (JSON), read whole within ``timeout`` s and :data:`MAX_REPLY` bytes: OSError when it
+    does not answer (it ended meanwhile), TimeoutError past the deadline, :class:`~mpddp.core.wire.typed.Malformed`
+    past the cap."""
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
         conn.settimeout(timeout)
         conn.connect(entry.socket)
-        chunks = []
-        deadline = time.monotonic() + timeout
-        while chunk := conn.recv(1 << 16):
-            chunks.append(chunk)
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"launcher {entry.pid} did not answer within {timeout:g} s")
-        return b"".join(chunks).decode()
+        return typed.receive(conn, MAX_REPLY, timeout).decode(errors="replace")  # from_json refuses what is no JSON
 
 
 def pick(found: list[Entry], job: str | None) -> Entry:
