@@ -25,12 +25,11 @@ from urllib.parse import urlsplit
 
 import psutil
 import pytest
-from multinode import Cluster
+from multinode import Cluster, free_port
 
 from mpddp import dashboard_options
 from mpddp.config import LaunchConfig
-from mpddp.core.launcher import dashboard
-from mpddp.core.launcher.stragglers import Stragglers
+from mpddp.core.launcher import dashboard, stragglers
 from mpddp.errors import ConfigError
 
 JOB = Path(__file__).parent / "scripts" / "live_job.py"
@@ -85,11 +84,11 @@ def test_the_timeline_keeps_each_slices_largest_lag_of_the_span():
     points = [(now - 200, 1, 0.9),  # before the span
               (now - 9.9, 0, 0.0), (now - 9.8, 1, 0.040), (now - 9.7, 1, 0.050),  # one slice of 0.5 s: 50 ms kept
               (now - 0.2, 0, 0.001), (now - 0.1, 1, 0.045)]
-    seen = dashboard.timeline(points, told=1, told_at=now - 5, now=now, span=20.0, buckets=40)
+    seen = stragglers.timeline(points, told=1, told_at=now - 5, now=now, span=20.0, buckets=40)
     assert seen["span"] == 20.0 and seen["named"] == {"rank": 1, "ago": -5.0}
     assert seen["ranks"] == [{"rank": 0, "points": [[-9.75, 0.0], [-0.25, 1.0]]},
                              {"rank": 1, "points": [[-9.75, 50.0], [-0.25, 45.0]]}]
-    assert dashboard.timeline(points, told=1, told_at=now - 50, now=now, span=20.0)["named"] is None
+    assert stragglers.timeline(points, told=1, told_at=now - 50, now=now, span=20.0)["named"] is None
 
 
 def test_the_timeline_looks_back_no_further_than_it_must():
@@ -104,22 +103,24 @@ def test_the_timeline_looks_back_no_further_than_it_must():
             Counted.read += 1
             return super().__getitem__(i)
 
-    seen = dashboard.timeline(Counted(old + late), None, None, now)
+    seen = stragglers.timeline(Counted(old + late), None, None, now)
     assert seen["ranks"] == [{"rank": 0, "points": [[-0.75, 2.0]]}] and Counted.read == 2
 
 
 # ---- the server, on a stub view ------------------------------------------------------------------------------------
 
 class _View:
-    """What dashboard.serving reads of a LiveView: a snapshot and the job's lags."""
+    """What dashboard.serving reads of a LiveView: a snapshot and the whole job's timeline."""
 
     def __init__(self) -> None:
-        self.job = SimpleNamespace(lags=Stragglers())
         self.looks = 0
 
     def snapshot(self):
         self.looks += 1
         return SimpleNamespace(to_json=lambda: json.dumps({"looks": self.looks}))
+
+    def timeline(self):
+        return stragglers.merged([], time.time())
 
 
 def _get(url: str, path: str, method: str = "GET", host: str | None = None) -> tuple[int, dict, bytes]:
@@ -145,13 +146,15 @@ def test_a_local_page_answers_its_reads_and_only_reads(caplog):
         assert "default-src 'self'" in headers["Content-Security-Policy"]
         assert _get(url, "/dashboard.js")[0] == _get(url, "/dashboard.css")[0] == 200
         assert json.loads(_get(url, "/snapshot.json")[2]) == {"looks": 1}
-        assert json.loads(_get(url, "/timeline.json")[2]) == {"span": dashboard.SPAN, "ranks": [], "named": None}
+        assert json.loads(_get(url, "/timeline.json")[2]) == {"span": stragglers.SPAN, "ranks": [], "named": None}
+        assert json.loads(_get(url, "/look.json")[2]) == {"snapshot": {"looks": 2}, "timeline": {
+            "span": stragglers.SPAN, "ranks": [], "named": None}}
         assert _get(url, "/nothing")[0] == 404
         for method in ("POST", "PUT", "DELETE", "PATCH", "HEAD"):
             status, headers, _ = _get(url, "/snapshot.json", method)
             assert (status, headers["Allow"]) == (405, "GET"), method
         assert _get(url, "/snapshot.json", host="evil.example:80")[0] == 403
-        assert view.looks == 1  # nothing refused looked at the job
+        assert view.looks == 2  # nothing refused looked at the job
     with pytest.raises(OSError):
         _get(url, "/")  # gone with the block
 
@@ -276,6 +279,8 @@ _ROWS = """JSON.stringify({
   summary: document.getElementById('summary').textContent,
   points: Number(document.getElementById('timeline').dataset.points || 0),
   named: document.getElementById('timeline').dataset.named || '',
+  charted: document.getElementById('timeline').dataset.ranks || '',
+  notes: document.getElementById('notes').textContent,
   controls: document.querySelectorAll('button, form, input, select, textarea').length,
   status: document.getElementById('status').textContent})"""
 
@@ -321,6 +326,63 @@ def test_a_browser_sees_the_ranks_and_the_straggler_marked_live(no_leftovers, tm
         assert node.wait(60) == 0, node.stderr
         gone = _until(browser, lambda s: s["status"].startswith("the launcher does not answer"), "the job's end", 30)
         assert len(gone["rows"]) == 2  # the last look stays on the page
+    finally:
+        if browser is not None:
+            browser.close()
+        cluster.kill_all()
+
+
+def _dashboard_url(node, timeout: float = 90) -> str:
+    deadline = time.monotonic() + timeout
+    while "the dashboard of this job: " not in node.stderr:
+        assert node.proc.poll() is None and time.monotonic() < deadline, node.stderr
+        time.sleep(0.1)
+    return next(line for line in node.stderr.splitlines() if "the dashboard of this job: " in line).rsplit(" ", 1)[1]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(CHROMIUM is None, reason="no chromium here: .ci/run installs Debian's (apt-get install chromium)")
+def test_node_0s_page_of_two_nodes_is_the_whole_job(no_leftovers, tmp_path):
+    """Rank 3 (node 1) the straggler: node 0's page showed it in the table, but its chart held ranks 0 and 1 only
+    (its /timeline.json was node 0's), and its closing summary said "no straggler" after the line that named rank 3.
+    Now its chart and table hold every rank of both nodes, rank 3 named; the summary agrees with the line, and node
+    1's, which covers its own ranks only, says so."""
+    pytest.importorskip("tornado.websocket", reason="tornado's websocket client drives chromium (the test extra)")
+    xdg = tmp_path / "xdg"
+    xdg.mkdir(mode=0o700)
+    cluster, browser, port = Cluster(tmp_path), None, free_port()
+    try:
+        nodes = [cluster.start([], command=[sys.executable, str(JOB), "2", str(n), str(port), str(tmp_path / "STOP")],
+                               env={"XDG_RUNTIME_DIR": str(xdg), "SLOW_RANK": "3", **({"DASHBOARD": "auto"} if n == 0
+                                                                                       else {})})
+                 for n in (0, 1)]
+        url = _dashboard_url(nodes[0])
+        browser = Browser(url, tmp_path / "chromium")
+        seen = _until(browser, lambda s: len(s["rows"]) == 4 and s["status"].startswith("updated"), "4 rows", 120)
+        assert [r["rank"] for r in seen["rows"]] == ["0", "1", "2", "3"] and "4 rank(s) on 2 node(s)" in seen["summary"]
+        assert "Rows' age: node 0 " in seen["notes"] and ", node 1 " in seen["notes"], seen["notes"]
+        marked = _until(browser, lambda s: s["named"] == "3" and s["charted"] == "0,1,2,3"
+                        and [r["straggler"] for r in s["rows"]] == [False, False, False, True],
+                        "rank 3 named in the chart and the table, every rank charted", 150)
+        assert marked["rows"][3]["lag"].endswith(" ms *"), marked
+        whole = json.loads(_get(url, "/timeline.json")[2])
+        assert [r["rank"] for r in whole["ranks"]] == [0, 1, 2, 3] and whole["named"]["rank"] == 3, whole
+        slow = max(whole["ranks"], key=lambda r: max(p[1] for p in r["points"]))
+        assert slow["rank"] == 3 and max(p[1] for p in slow["points"]) >= 30, whole  # 50 ms a step more than rank 2
+        deadline = time.monotonic() + 120  # node 0 names it once 50 collectives of both nodes are lined up
+        while "mpddp: rank 3 is a straggler: " not in nodes[0].stderr:
+            assert time.monotonic() < deadline and nodes[0].proc.poll() is None, nodes[0].stderr
+            time.sleep(0.2)
+        assert _until(browser, lambda s: s["named"] == "3", "rank 3 named", 10)["charted"] == "0,1,2,3"
+        (tmp_path / "STOP").write_text("")
+        for node in nodes:
+            assert node.wait(90) == 0, node.stderr
+        told = [line for line in nodes[0].stderr.splitlines() if "straggler" in line]
+        summary = [line for line in told if line.startswith("mpddp: collectives: ")]
+        assert len(summary) == 1 and "lined up across 2 nodes" in summary[0], told
+        assert "rank 3 was the straggler" in summary[0] and "no straggler" not in summary[0], told
+        other = [line for line in nodes[1].stderr.splitlines() if line.startswith("mpddp: collectives: ")]
+        assert len(other) == 1 and "lined up across node 1's ranks only (2 ranks)" in other[0], nodes[1].stderr
     finally:
         if browser is not None:
             browser.close()

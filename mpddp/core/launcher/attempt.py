@@ -96,8 +96,9 @@ class Attempt:
         watchdog = self.watchdog = Watchdog(self.job.config.timeout, self.round_watch, self.board,
                                             lambda: self.relay.received)
         config = self.job.config  # node 0 of several reads every node's arrivals, for a straggler on any of them
-        nodes = (stragglers.AcrossNodes(config.nnodes) if self.round_watch and config.node_rank == 0 < config.nnodes - 1
-                 else None)
+        nodes = (stragglers.AcrossNodes(config.nnodes, self.job.across)
+                 if self.round_watch and config.node_rank == 0 < config.nnodes - 1 else None)
+        self.job.lags.scope = f"node {config.node_rank}'s ranks" if config.nnodes > 1 else ""
         stall = watch(self.states, watchdog, self.job.lags, store, self.round_watch, nodes)
         if self.round_watch is not None:
             self.round_watch.ranks_done()  # a node lost from now on is the settlement's (or finish's) business

@@ -2,16 +2,18 @@
 
 Owns: :func:`serving` (the page's server for the block: bound before any rank starts, its URL said in one line,
 gone at the end), what it answers (the page and its script and style from web/, ``/snapshot.json``, the same
-:class:`~mpddp.core.launcher.live.Snapshot` JSON as ``mpddp top --json``, and ``/timeline.json``, each rank's arrival
-lags of the last minutes, the live form of ``--timeline``'s picture: :func:`timeline`), and who may read it
+:class:`~mpddp.core.launcher.live.Snapshot` JSON as ``mpddp top --json``, ``/timeline.json``, every rank's arrival
+lags of the last minutes, the whole job's, the live form of ``--timeline``'s picture, and ``/look.json``, both from
+one moment, which the page reads), and who may read it
 (:func:`refusal`): a page on 127.0.0.1 answers requests addressed to this machine's loopback names only (a web page
 elsewhere cannot read it by pointing a name of its own at 127.0.0.1); one on another address (--dashboard-remote)
 needs the launcher's random token in the URL. Read-only: GET alone; no request signals, stops or changes the job.
 Why the standard library's http.server: a page and two JSON reads a second need no framework, and nothing is added
 to the install. Why a thread blocked in ``accept()`` and not ``serve_forever()`` (which wakes every half second):
 while nobody loads the page, nothing runs.
-Leaves the address's rules to dashboard_options.py, the rows to core/launcher/live.py, the lags and the rule that
-names a straggler to core/launcher/stragglers.py, and the drawing to the page (web/dashboard.js).
+Leaves the address's rules to dashboard_options.py, the rows and every node's part to core/launcher/live.py, the
+lags, the rule that names a straggler and the timeline to core/launcher/stragglers.py, and the drawing to the page
+(web/dashboard.js).
 """
 
 from __future__ import annotations
@@ -25,8 +27,7 @@ import secrets
 import socket
 import socketserver
 import threading
-import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -38,11 +39,7 @@ from ...config import LaunchConfig
 from ...errors import ConfigError
 from ...log import logger
 from .live import LiveView
-from .stragglers import Stragglers
 
-SPAN = 120.0  # seconds of lags the page shows
-BUCKETS = 240  # a rank's points over SPAN at most: each keeps the largest lag of its half second (the straggler's)
-LATE = 30.0  # seconds: a point older than the newest by this much ends the look back (they come in rough order)
 _STOP_WAIT = 5.0  # seconds the end of a job waits for the page's thread (it leaves accept() at once)
 _FILES = {"/": ("index.html", "text/html"), "/index.html": ("index.html", "text/html"),
           "/dashboard.js": ("dashboard.js", "text/javascript"), "/dashboard.css": ("dashboard.css", "text/css")}
@@ -59,6 +56,7 @@ class Page:
     files: dict[str, bytes]
     snapshot: Callable[[], str]
     timeline: Callable[[], str]
+    look: Callable[[], str]  # both, from one moment: what the page reads
 
 
 @contextlib.contextmanager
@@ -69,7 +67,8 @@ def serving(config: LaunchConfig, live: LiveView) -> Iterator[str | None]:
         yield None
         return
     token = secrets.token_urlsafe(24) if config.dashboard_remote else None
-    page = Page(token, _files(token), lambda: live.snapshot().to_json(), lambda: json.dumps(_timeline(live.job.lags)))
+    page = Page(token, _files(token), lambda: live.snapshot().to_json(), lambda: json.dumps(live.timeline()),
+                lambda: _look(live))
     server = _bind(config.dashboard, page)
     url = _url(server, token)
     thread = threading.Thread(target=_serve, args=(server,), name="mpddp-dashboard", daemon=True)
@@ -173,7 +172,7 @@ class _Handler(BaseHTTPRequestHandler):
         if url.path in _FILES:
             name, kind = _FILES[url.path]
             return self._send(HTTPStatus.OK, page.files[name], kind)
-        read = {"/snapshot.json": page.snapshot, "/timeline.json": page.timeline}.get(url.path)
+        read = {"/snapshot.json": page.snapshot, "/timeline.json": page.timeline, "/look.json": page.look}.get(url.path)
         if read is None:
             return self._send(HTTPStatus.NOT_FOUND, b"not found\n")
         try:
@@ -205,31 +204,7 @@ class _Handler(BaseHTTPRequestHandler):
         logger.debug("mpddp: dashboard: " + format, *args)  # not a line a request on the launcher's terminal
 
 
-def _timeline(lags: Stragglers) -> dict[str, Any]:
-    return timeline(lags.points, lags.told, lags.told_at, time.time())
-
-
-def timeline(points: Sequence[tuple[float, int, float]], told: int | None, told_at: float | None, now: float,
-             span: float = SPAN, buckets: int = BUCKETS) -> dict[str, Any]:
-    """Each rank's arrival lags (ms) over the last ``span`` s, as ``[seconds before now, lag]``, at most ``buckets``
-    a rank: the largest of each slice, so that a straggler stays on top; and the straggler named, if in the span.
-    Reads the newest points first and stops :data:`LATE` s before the span (pure; ``points`` as
-    core/launcher/stragglers.py keeps them: (arrival s, rank, lag s), in rough time order)."""
-    start, width = now - span, span / buckets
-    kept: dict[int, dict[int, float]] = {}
-    for i in range(len(points) - 1, -1, -1):
-        try:
-            at, rank, lag = points[i]
-        except IndexError:  # halved meanwhile (another thread keeps the list): what was read is the look
-            break
-        if at < start - LATE:
-            break
-        if start <= at <= now:
-            slot = kept.setdefault(rank, {})
-            b = min(int((at - start) / width), buckets - 1)
-            slot[b] = max(slot.get(b, 0.0), lag * 1e3)
-    ranks = [{"rank": rank, "points": [[round(start + (b + 0.5) * width - now, 2), round(lag, 3)]
-                                       for b, lag in sorted(slots.items())]} for rank, slots in sorted(kept.items())]
-    named = told is not None and told_at is not None and told_at >= start
-    return {"span": span, "ranks": ranks,
-            "named": {"rank": told, "ago": round((told_at or now) - now, 2)} if named else None}
+def _look(live: LiveView) -> str:
+    """The snapshot and the whole job's timeline of one moment: the other nodes' parts are read once for both."""
+    snapshot = live.snapshot()
+    return json.dumps({"snapshot": json.loads(snapshot.to_json()), "timeline": live.timeline()})

@@ -19,7 +19,7 @@ from __future__ import annotations
 import contextlib
 import enum
 import socket
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from ...config import LaunchConfig
@@ -98,6 +98,8 @@ def _run(job: Job, listening: socket.socket | None) -> list[Any]:
 def _tell_lags(job: Job, succeeded: bool) -> None:
     """The ranks' arrivals at collectives: a summary line after a run that ended well, and the timeline."""
     summary = job.lags.summary()
+    if job.across.rows >= stragglers.MIN_SAMPLES:  # node 0 of several: the whole job's, as its straggler line named it
+        summary = replace(job.across.summary(), nodes=job.config.nnodes)
     if succeeded and summary.collectives >= stragglers.MIN_SAMPLES:
         logger.info("%s", "\n".join(stragglers.summary_lines(summary, job.config.verbose)),
                     extra={"mpddp_collectives": summary})

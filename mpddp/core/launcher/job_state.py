@@ -47,7 +47,10 @@ class Job:
     script_store: StoreServer | None = None  # node 0 only
     link: Rendezvous | None = None  # several nodes only: what the nodes agree on (core/nodes/api.py)
     round_store: RoundStore | None = None  # several nodes: where the round's store listens, as the link placed it
-    lags: stragglers.Stragglers = field(default_factory=stragglers.Stragglers)  # arrivals at collectives, job-wide
+    lags: stragglers.Stragglers = field(default_factory=stragglers.Stragglers)  # this node's ranks' arrivals
+    # node 0 of several: each node's last arrival at every collective lined up (stragglers.AcrossNodes), the whole
+    # job's straggler; empty on the other nodes and on one node
+    across: stragglers.Stragglers = field(default_factory=stragglers.Stragglers)
     intruder: bool = False  # another launcher holds this node rank: the job's keys are not this one's to touch
     last_store: StoreServer | None = None  # node 0 of several, its store server lost: the store of why, for the others
     # The job's restarts after a failure so far: --max-restarts' count and TORCHELASTIC_RESTART_COUNT. A round that

@@ -18,14 +18,12 @@ core/launcher/live_display.py, and the words of the table to core/launcher/live_
 
 from __future__ import annotations
 
-import json
-import math
 import socket
 import statistics
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import replace
 from typing import Any, Protocol
 
 import psutil
@@ -35,103 +33,15 @@ from ...errors import MpddpError
 from ...log import logger
 from ..nodes.api import Rendezvous, RoundWatch
 from ..wire import typed
-from .board import LIVE_KEY, Board
+from . import stragglers
+from .board import Board
 from .classify import RankState
+from .live_snapshot import Header, Part, RankRow, Snapshot, read_part
 from .output import Relay
 from .plan import Plan
 from .stragglers import Stragglers
 
 EVERY = 1.0  # seconds: a node's rows are computed at most this often
-
-
-@dataclass(frozen=True)
-class RankRow:
-    """One rank, as a watcher sees it now."""
-
-    rank: int
-    node: int
-    local_rank: int
-    pid: int | None
-    state: str  # starting, running, waiting (in a collective), done, failed, exited
-    collectives: int  # collectives entered so far, every group
-    per_second: float | None  # collectives a second since the last look
-    last: str | None  # the last collective entered: ``#57 all_reduce``
-    lag_ms: float | None  # the median of its arrival lags behind the first rank, at this node's last collectives
-    straggler: bool
-    cpu: float | None  # percent of one core
-    rss: int | None  # bytes
-    gpu: int | None = None  # physical id
-    gpu_util: int | None = None  # percent
-    gpu_mib: int | None = None  # memory used by its process (else the whole GPU's)
-    line: str = ""  # the last line it wrote
-
-
-@dataclass(frozen=True)
-class Header:
-    """The job, as the launcher that answered sees it."""
-
-    job: str
-    round: int
-    world_size: int
-    nnodes: int
-    max_nnodes: int  # an elastic job's MAX; the same as nnodes for a fixed one
-    restarts: int
-    elapsed: float  # seconds since this launcher started the job
-    failure: str | None  # the job's first failure, once there is one
-    node: int | None  # the node that answered (None: not placed yet)
-    host: str
-    spares: int | None = None  # launchers that came to the round without a place in it: spares, or newcomers
-    # that its restart will admit (an elastic job; None: one node, or its store did not answer)
-
-
-@dataclass(frozen=True)
-class Snapshot:
-    """One look at the job: every rank heard from, and the nodes not heard from yet (their rows come a second or
-    two after the first look, with the next beats)."""
-
-    header: Header
-    ranks: tuple[RankRow, ...]
-    missing: tuple[int, ...] = ()  # nodes of the round whose rows have not come
-    taken: float = field(default_factory=time.time)
-
-    @property
-    def whole(self) -> bool:
-        """Every node's rows are in, and every running rank's rates (a rate needs two looks a second apart)."""
-        return not self.missing and all(r.per_second is not None and r.cpu is not None for r in self.ranks
-                                        if r.state in ("running", "waiting"))
-
-    def to_json(self) -> str:
-        return json.dumps({"header": asdict(self.header), "ranks": [asdict(r) for r in self.ranks],
-                           "missing": list(self.missing), "taken": self.taken})
-
-    @classmethod
-    def from_json(cls, text: str | bytes) -> Snapshot:
-        """A launcher's answer, validated field by field (core/wire/typed.py): :class:`~mpddp.core.wire.typed.Malformed`
-        in one line for any other shape; the fields this version does not know are left out (a newer mpddp's)."""
-        data = typed.loads(text)
-        if not isinstance(data, dict):
-            raise typed.Malformed(f"a snapshot is a JSON object, not {type(data).__name__}")
-        ranks, missing, taken = data.get("ranks"), data.get("missing", []), data.get("taken")
-        if not isinstance(ranks, list) or not isinstance(missing, list):
-            raise typed.Malformed("a snapshot's ranks and missing are lists")
-        if not all(isinstance(n, int) and not isinstance(n, bool) for n in missing):
-            raise typed.Malformed("a snapshot's missing are node ranks")
-        if not isinstance(taken, (int, float)) or isinstance(taken, bool) or not math.isfinite(taken):
-            raise typed.Malformed(f"taken={taken!r} is not a time")
-        try:
-            header = typed.fill(Header, data.get("header"))
-        except typed.Malformed as e:
-            raise typed.Malformed(f"header: {e}") from None
-        return cls(header, tuple(_row(r) for r in ranks), tuple(missing), float(taken))
-
-
-def _row(data: Any) -> RankRow:
-    """A row from JSON, validated, keeping only the fields this version knows (another node may run a newer mpddp)."""
-    try:
-        return typed.fill(RankRow, data)
-    except typed.Malformed as e:
-        rank = data.get("rank") if isinstance(data, dict) else None
-        raise typed.Malformed(f"rank {rank!r}'s row: {e}" if isinstance(rank, int) else f"a row: {e}") from None
 
 
 class JobFacts(Protocol):
@@ -141,6 +51,7 @@ class JobFacts(Protocol):
     port: int
     restarts: int
     lags: Stragglers
+    across: Stragglers  # node 0 of several: each node's last arrival lined up (stragglers.AcrossNodes); else empty
     link: Rendezvous | None
 
     @property
@@ -171,7 +82,7 @@ class LiveView:
         self._procs: dict[int, psutil.Process] = {}
         self._counts: dict[int, tuple[float, int]] = {}  # rank -> (when, collectives) at the last look
         self._rows: tuple[float, list[RankRow]] = (float("-inf"), [])
-        self._others: tuple[float, list[RankRow]] = (float("-inf"), [])
+        self._others: tuple[float, list[Part]] = (float("-inf"), [])
         self._spares: tuple[float, int | None] = (float("-inf"), None)
 
     def show(self, shown: Shown | None) -> None:
@@ -182,10 +93,11 @@ class LiveView:
         self.failure = self.failure or line.removeprefix("mpddp: ")  # the header says whose line it is
 
     def share(self, board: Board) -> Callable[[bool], bytes | None]:
-        """The round watch's ``share``: the board's snapshot, and while someone watches the job this node's rows
-        beside it, in every snapshot (a snapshot without them would hide them until the next), computed at most
-        once a second; whole then, so that a node whose ranks wait in a collective still tells its rows."""
-        last = [float("-inf")]
+        """The round watch's ``share``: the board's snapshot, and while someone watches the job this node's part
+        beside it (:class:`~mpddp.core.launcher.live_snapshot.Part`), in every snapshot (a snapshot without it would
+        hide it until the next), computed at most once a second; whole then, so that a node whose ranks wait in a
+        collective still tells its rows."""
+        last: list[Any] = [float("-inf"), None]
 
         def share(whole: bool) -> bytes | None:
             shown, now = self.shown, time.monotonic()
@@ -193,48 +105,73 @@ class LiveView:
             if watch is None or not watch.watched():
                 return board.snapshot(whole)
             due = now - last[0] >= EVERY
-            last[0] = now if due else last[0]
             try:
-                rows = [asdict(r) for r in self.rows()]
+                if due or last[1] is None:
+                    last[:] = [now, self._part().shared()]
             except Exception as e:  # noqa: BLE001 - the beat's thread must go on, whatever a watcher's rows meet
                 logger.warning("mpddp: this node's rows for `mpddp top` failed (%s: %s)", type(e).__name__, e)
                 return board.snapshot(whole)
-            return board.snapshot(whole or due, rows)
+            return board.snapshot(whole or due, last[1])
 
         return share
 
+    def _part(self) -> Part:
+        """This node's part of the look: its rows, and its ranks' lags (node 0 of several: the nodes' first)."""
+        at, rows = self._rows_at()
+        wall = time.time()
+        lags = [stragglers.timeline(lags.points, lags.told, lags.told_at, wall) | {"nodes": lags is self.job.across}
+                for lags in (self.job.across, self.job.lags) if lags.rows]
+        return Part(wall - (time.monotonic() - at), tuple(rows), tuple(lags))
+
     def snapshot(self, ask: bool = True) -> Snapshot:
-        """The job now: this node's rows, and the other nodes' as they last shared them (asking them to).
-        ``ask=False``, the look a notebook keeps once the job ended (core/launcher/live_display.py): this node's
-        rows afresh, the others' as last read; no store is asked (the round's may be gone)."""
+        """The job now: this node's rows, and the other nodes' as they last shared them (asking them to), each row
+        with its age. ``ask=False``, the look a notebook keeps once the job ended (core/launcher/live_display.py):
+        this node's rows afresh, the others' as last read; no store is asked (the round's may be gone). Node 0 of
+        several marks the straggler the nodes lined up name, wherever its row comes from."""
         shown = self.shown
         watch = shown.round_watch if shown is not None else None
-        rows = list(self.rows(fresh=not ask))
+        at, mine = self._rows_at(fresh=not ask)
+        now, wall = time.monotonic(), time.time()
+        rows = [replace(r, age=round(now - at, 2)) for r in mine]
         if watch is not None:
             if ask:
                 watch.look()
-            rows += self._other_rows(watch) if ask else self._others[1]
+            parts = self._other_parts(watch) if ask else self._others[1]
+            rows += [replace(r, age=round(max(0.0, wall - p.taken), 2)) for p in parts for r in p.rows]
+        if (named := self.job.across.told) is not None:
+            rows = [replace(r, straggler=r.rank == named) for r in rows]
         here = {r.node for r in rows}
         missing = tuple(n for n in range(self.job.config.nnodes) if n not in here) if shown is not None else ()
         return Snapshot(self._header(), tuple(sorted(rows, key=lambda r: r.rank)), missing)
 
-    def _other_rows(self, watch: RoundWatch) -> list[RankRow]:
-        """The other nodes' rows from their last snapshots on the round's store, read at most once a second."""
+    def timeline(self) -> dict[str, Any]:
+        """Every rank's lags over the last minutes, the whole job's (core/launcher/dashboard.py's chart): this
+        node's ranks', the other nodes' as they last shared them, and node 0's nodes lined up, which name the
+        straggler of the whole job (:func:`~mpddp.core.launcher.stragglers.merged`)."""
+        shown = self.shown
+        watch = shown.round_watch if shown is not None else None
+        parts = [self._part(), *(self._other_parts(watch) if watch is not None else [])]
+        lags = [(p.taken, t) for p in parts for t in p.lags]
+        return stragglers.merged(sorted(lags, key=lambda pt: not pt[1].get("nodes")), time.time())
+
+    def _other_parts(self, watch: RoundWatch) -> list[Part]:
+        """The other nodes' parts from their last snapshots on the round's store, read at most once a second."""
         with self._lock:
-            at, rows = self._others
+            at, parts = self._others
             if time.monotonic() - at < EVERY:
-                return rows
-        rows = []
+                return parts
+        parts, mine = [], {s.slot.rank for s in self.shown.states} if self.shown is not None else set()
         for snapshot in watch.others_calls():
             try:
-                rows += [_row(r) for r in json.loads(snapshot).get(LIVE_KEY, [])]
-            except (ValueError, TypeError, AttributeError):  # typed.Malformed is a ValueError
-                continue  # a node of another mpddp version, or a snapshot that is not one: left out
-        mine = {s.slot.rank for s in self.shown.states} if self.shown is not None else set()
-        rows = [r for r in rows if r.rank not in mine]
+                part = read_part(snapshot)
+            except typed.Malformed as e:  # a node of another mpddp version, or a snapshot that is not one
+                logger.debug("mpddp: a node's live rows left out (%s)", e)
+                continue
+            if part is not None:
+                parts.append(replace(part, rows=tuple(r for r in part.rows if r.rank not in mine)))
         with self._lock:
-            self._others = (time.monotonic(), rows)
-        return rows
+            self._others = (time.monotonic(), parts)
+        return parts
 
     def _header(self) -> Header:
         job, shown = self.job, self.shown
@@ -250,9 +187,12 @@ class LiveView:
 
     def _waiting(self, shown: Shown | None) -> int | None:
         """The launchers that came to this round without a place in it, read at most once a second while someone
-        looks (one store operation, or one etcd count: never a write); None on one node, or when nothing answers."""
+        looks (one store operation, or one etcd count: never a write); 0 on one node (no launcher can come), None
+        before this node has a round, or when nothing answers."""
         link = self.job.link
-        if link is None or shown is None:
+        if link is None:
+            return 0
+        if shown is None:
             return None
         with self._lock:
             at, spares = self._spares
@@ -268,13 +208,17 @@ class LiveView:
 
     def rows(self, fresh: bool = False) -> list[RankRow]:
         """This node's rows, computed at most once a second (the beat and a watcher may both ask) unless ``fresh``."""
+        return self._rows_at(fresh)[1]
+
+    def _rows_at(self, fresh: bool = False) -> tuple[float, list[RankRow]]:
+        """This node's rows and when they were computed (time.monotonic())."""
         with self._lock:
             at, rows = self._rows
             now = time.monotonic()
             if fresh or now - at >= EVERY or not rows:
                 rows = self._compute(now)
-                self._rows = (now, rows)
-            return rows
+                self._rows = at, rows = now, rows
+            return at, rows
 
     def _compute(self, now: float) -> list[RankRow]:
         shown = self.shown

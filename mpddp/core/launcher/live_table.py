@@ -20,8 +20,8 @@ def table(snapshot: Snapshot, width: int = 120) -> str:
     nodes = (f"{h.nnodes} node(s)" + (f" of {h.max_nnodes}" if h.max_nnodes != h.nnodes else "")
              + (f" + {h.spares} waiting" if h.spares else ""))
     where = f"node {h.node} ({h.host})" if h.node is not None else h.host
-    lines = [f"mpddp top  job {h.job}  round {h.round}  {h.world_size} rank(s) on {nodes}  restarts {h.restarts}  "
-             f"up {_clock(h.elapsed)}  seen from {where}"]
+    lines = _fitted([f"mpddp top  job {h.job}", f"round {h.round}", f"{h.world_size} rank(s) on {nodes}",
+                     f"restarts {h.restarts}", f"up {_clock(h.elapsed)}", f"seen from {where}"], width)
     if h.failure:
         lines.append(f"first failure: {h.failure}")
     rows = [_COLUMNS] + [_cells(r) for r in snapshot.ranks]
@@ -33,6 +33,9 @@ def table(snapshot: Snapshot, width: int = 120) -> str:
         lines.append(f"{text}  {row[keep[-1]]}"[:width].rstrip())
     if not snapshot.ranks:
         lines.append("(no rank running: the launcher waits for its round, or its ranks have not started)")
+    if len({r.node for r in snapshot.ranks}) > 1:  # each node's rows are of their own moment: how old they are
+        ages = {r.node: r.age for r in snapshot.ranks}
+        lines.append("rows' age: " + ", ".join(f"node {n} {a:.1f} s" for n, a in sorted(ages.items())))
     if snapshot.missing:
         lines.append(f"not heard from yet: node(s) {', '.join(map(str, snapshot.missing))} (their rows come with "
                      "their next beat)")
@@ -42,6 +45,17 @@ def table(snapshot: Snapshot, width: int = 120) -> str:
 
 
 _RIGHT = {0, 1, 2, 4, 6, 7, 8}
+
+
+def _fitted(parts: list[str], width: int) -> list[str]:
+    """The header's parts on as few lines as ``width`` allows (an 80-column terminal: two), two spaces apart."""
+    lines = [parts[0]]
+    for part in parts[1:]:
+        if len(lines[-1]) + 2 + len(part) <= width:
+            lines[-1] += "  " + part
+        else:
+            lines.append(part)
+    return lines
 
 
 def _cells(r: RankRow) -> tuple[str, ...]:
@@ -65,7 +79,7 @@ def _clock(seconds: float) -> str:
 def html(snapshot: Snapshot) -> str:
     """The same look as :func:`table`, as an HTML table for a notebook cell (a straggler's row in bold)."""
     lines = [escape(line) for line in table(snapshot, width=1 << 16).splitlines()]
-    above = 2 if snapshot.header.failure else 1  # the header, and the first failure once there is one
+    above = 2 if snapshot.header.failure else 1  # the header (one line at this width), and the first failure
     gpu = any(r.gpu is not None for r in snapshot.ranks)
     keep = [i for i, name in enumerate(_COLUMNS) if gpu or name != "GPU"]
     rows = [_html_row("th", _COLUMNS, keep, False)] + [_html_row("td", _cells(r), keep, r.straggler)

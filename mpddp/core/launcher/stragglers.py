@@ -19,8 +19,9 @@ from __future__ import annotations
 import collections
 import statistics
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from ...log import logger
 from ..wire.protocol import Call, Lane
@@ -38,6 +39,9 @@ _POINTS = 100_000  # arrivals kept for the timeline (halved, every other one, wh
 SAMPLES = 5  # stack samples of a straggler, taken while the others wait
 LOOK = 2.0  # seconds between node 0's reads of every node's arrivals (several nodes)
 _POINTS_FED = 1024  # numbers a lane node 0 keeps behind its newest: waiting for every node, or fed
+SPAN = 120.0  # seconds of lags a live timeline shows (the dashboard's)
+BUCKETS = 240  # a rank's points over SPAN at most: each keeps the largest lag of its half second (the straggler's)
+LATE = 30.0  # seconds: a point older than the newest by this much ends the look back (they come in rough order)
 
 
 @dataclass(frozen=True)
@@ -60,6 +64,8 @@ class Summary:
     ranks: tuple[RankLag, ...]
     straggler: int | None
     step: float | None  # seconds, estimated
+    scope: str = ""  # "" for the whole job; else whose ranks it covers ("node 1's ranks")
+    nodes: int = 1  # the nodes it lines up (node 0 of several: each node's last arrival at every collective)
 
 
 @dataclass
@@ -74,6 +80,7 @@ class Stragglers:
     points: list[tuple[float, int, float]] = field(default_factory=list)  # (arrival s, rank, lag s), timeline
     told: int | None = None  # the rank named as straggler
     told_at: float | None = None  # wall clock, s
+    scope: str = ""  # whose ranks these are where they are not the whole job's: "node 1's ranks" (said in the lines)
     # (lane, number, first arrival in s) of the newest collectives, for the step's estimate
     _arrivals: collections.deque[tuple[Lane, int, float]] = field(
         default_factory=lambda: collections.deque(maxlen=4 * WINDOW))
@@ -144,15 +151,16 @@ class Stragglers:
         seen = (f"; while the others wait it is in {common[0][0]} ({common[0][1]} of {len(locations)} samples)"
                 if common else "")
         step = f", a step takes about {_ms(self.step)}" if self.step else ""
-        logger.warning("mpddp: rank %d is a straggler: it reaches collectives %s after the first rank (median of its "
-                       "last %d; p90 %s%s)%s", rank, _ms(statistics.median(lags)), len(lags),
+        among = f" among {self.scope}" if self.scope else ""
+        logger.warning("mpddp: rank %d is a straggler%s: it reaches collectives %s after the first rank (median of "
+                       "its last %d; p90 %s%s)%s", rank, among, _ms(statistics.median(lags)), len(lags),
                        _ms(_p90(lags)), step, seen)
 
     def summary(self) -> Summary:
         ranks = tuple(RankLag(rank, len(lags), statistics.fmean(lags), statistics.median(lags), _p90(lags),
                               self.last.get(rank, 0) / max(self.rows, 1))
                       for rank, lags in sorted(self.all_lags.items()))
-        return Summary(self.rows, ranks, self.told, self.step)
+        return Summary(self.rows, ranks, self.told, self.step, self.scope)
 
 
 @dataclass
@@ -219,12 +227,59 @@ def _call(lane: Lane, seq: int, entered: int) -> Call:
     return Call(lane[0], seq, "", (), (), entered, lane[1], lane[2])
 
 
+def timeline(points: Sequence[tuple[float, int, float]], told: int | None, told_at: float | None, now: float,
+             span: float = SPAN, buckets: int = BUCKETS) -> dict[str, Any]:
+    """Each rank's arrival lags (ms) over the last ``span`` s, as ``[seconds before now, lag]``, at most ``buckets``
+    a rank: the largest of each slice, so that a straggler stays on top; and the straggler named, if in the span.
+    Reads the newest points first and stops :data:`LATE` s before the span (pure; ``points`` as
+    :class:`Stragglers` keeps them: (arrival s, rank, lag s), in rough time order). The live form of
+    ``--timeline``'s picture, for the dashboard (core/launcher/dashboard.py)."""
+    start, width = now - span, span / buckets
+    kept: dict[int, dict[int, float]] = {}
+    for i in range(len(points) - 1, -1, -1):
+        try:
+            at, rank, lag = points[i]
+        except IndexError:  # halved meanwhile (another thread keeps the list): what was read is the look
+            break
+        if at < start - LATE:
+            break
+        if start <= at <= now:
+            slot = kept.setdefault(rank, {})
+            b = min(int((at - start) / width), buckets - 1)
+            slot[b] = max(slot.get(b, 0.0), lag * 1e3)
+    ranks = [{"rank": rank, "points": [[round(start + (b + 0.5) * width - now, 2), round(lag, 3)]
+                                       for b, lag in sorted(slots.items())]} for rank, slots in sorted(kept.items())]
+    named = told is not None and told_at is not None and told_at >= start
+    return {"span": span, "ranks": ranks,
+            "named": {"rank": told, "ago": round((told_at or now) - now, 2)} if named else None}
+
+
+def merged(parts: Sequence[tuple[float, dict[str, Any]]], now: float, span: float = SPAN) -> dict[str, Any]:
+    """One timeline of the job from several (pure): ``parts`` as (wall time it was taken, :func:`timeline`), each
+    node's, node 0's lined-up nodes first. Points are moved to ``now`` and kept within ``span``; a rank's points of
+    two parts are joined; the straggler named is the first part's that names one (node 0's of the whole job)."""
+    ranks: dict[int, list[list[float]]] = {}
+    named = None
+    for taken, part in parts:
+        shift = min(0.0, taken - now)  # a part taken before now; a clock ahead of ours moves nothing
+        for rank in part["ranks"]:
+            kept = [[round(ago + shift, 2), lag] for ago, lag in rank["points"] if ago + shift >= -span]
+            ranks.setdefault(rank["rank"], []).extend(kept)
+        if named is None and part["named"] is not None and part["named"]["ago"] + shift >= -span:
+            named = {"rank": part["named"]["rank"], "ago": round(part["named"]["ago"] + shift, 2)}
+    return {"span": span, "ranks": [{"rank": r, "points": sorted(p)} for r, p in sorted(ranks.items()) if p],
+            "named": named}
+
+
 def summary_lines(summary: Summary, verbose: bool) -> list[str]:
     """The one line at the end of a run, and with ``verbose`` the table per rank."""
     if not summary.ranks:
         return []
     worst = max(summary.ranks, key=lambda r: r.median)
-    head = f"mpddp: collectives: {summary.collectives:,} lined up across {len(summary.ranks)} ranks; "
+    across = (f"{summary.nodes} nodes (the last rank of each to arrive)" if summary.nodes > 1 else
+              f"{summary.scope} only ({len(summary.ranks)} ranks)" if summary.scope else
+              f"{len(summary.ranks)} ranks")
+    head = f"mpddp: collectives: {summary.collectives:,} lined up across {across}; "
     if summary.straggler is not None:
         lag = next(r for r in summary.ranks if r.rank == summary.straggler)
         head += (f"rank {lag.rank} was the straggler: it arrived last at {lag.last_share:.0%} of them, median lag "

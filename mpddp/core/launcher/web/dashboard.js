@@ -1,6 +1,7 @@
-// mpddp --dashboard: reads the launcher's snapshot (the JSON of `mpddp top --json`) and the ranks' recent arrival
-// lags once a second, and draws them: the header, a row a rank (the straggler marked, as `mpddp top` marks it), and
-// the lags over time (the live form of --timeline's picture). It only reads: no request it makes acts on the job.
+// mpddp --dashboard: reads the launcher's snapshot (the JSON of `mpddp top --json`) and every rank's recent arrival
+// lags, every node's, once a second, and draws them: the header, a row a rank (the straggler marked, as `mpddp top`
+// marks it), and the lags over time (the live form of --timeline's picture). It only reads: no request it makes acts
+// on the job.
 // Every text from the job (a rank's last line) goes in as text, never as HTML.
 "use strict";
 
@@ -74,6 +75,8 @@ function table(snapshot) {
   }));
   const notes = [];
   if (!snapshot.ranks.length) notes.push("No rank running: the launcher waits for its round, or its ranks have not started.");
+  const ages = new Map(snapshot.ranks.map((r) => [r.node, r.age]));
+  if (ages.size > 1) notes.push(`Rows' age: ${[...ages].sort((a, b) => a[0] - b[0]).map(([n, a]) => `node ${n} ${a.toFixed(1)} s`).join(", ")}.`);
   if (snapshot.missing.length) notes.push(`Not heard from yet: node(s) ${snapshot.missing.join(", ")} (their rows come with their next beat).`);
   if (snapshot.ranks.some((r) => r.straggler)) notes.push("* the straggler: the rank the others wait for at collectives.");
   document.getElementById("notes").textContent = notes.join(" ");
@@ -125,6 +128,7 @@ function timeline(data) {
   }
   canvas.dataset.points = String(all.length); // for a reader (and the browser test): what was drawn
   canvas.dataset.named = data.named ? String(data.named.rank) : "";
+  canvas.dataset.ranks = data.ranks.map((r) => r.rank).join(",");
 }
 
 async function read(path) {
@@ -133,15 +137,28 @@ async function read(path) {
   return answer.json();
 }
 
+const FIRST_WAIT = 8000; // ms the first look waits for every node's rows, as `mpddp top --once` does
+const opened = Date.now();
+let whole = false; // every node's rows were in once: from then on, a look is drawn as it comes
+
+// The snapshot and the whole job's timeline of one moment (/look.json); until every node's rows are in (or
+// FIRST_WAIT has passed), the page says how many nodes it still waits for instead of drawing half the job
 async function look() {
   const status = document.getElementById("status");
   try {
-    const [snapshot, lags] = await Promise.all([read("snapshot.json"), read("timeline.json")]);
-    header(snapshot);
-    table(snapshot);
-    timeline(lags);
-    status.textContent = `updated ${new Date(snapshot.taken * 1000).toLocaleTimeString()}`;
-    status.className = "";
+    const {snapshot, timeline: lags} = await read("look.json");
+    const nodes = snapshot.header.nnodes, waiting = snapshot.missing.length;
+    whole = whole || !waiting || Date.now() - opened > FIRST_WAIT;
+    if (!whole) {
+      status.textContent = `waiting for ${waiting} of ${nodes} nodes' rows (they come with their next beat)`;
+      status.className = "stale";
+    } else {
+      header(snapshot);
+      table(snapshot);
+      timeline(lags);
+      status.textContent = `updated ${new Date(snapshot.taken * 1000).toLocaleTimeString()}`;
+      status.className = "";
+    }
   } catch (e) {
     status.textContent = `the launcher does not answer (the job may have ended): ${e.message}`;
     status.className = "stale";
