@@ -20,9 +20,16 @@ import sys
 def _interrupted_early(signum: int, frame: object) -> None:
     # A Ctrl-C while the command line's modules load: nothing has started yet, so leave quietly, and at once
     # (a SystemExit raised in an import's callback can be swallowed: core/wire/signals.py's raise_stop)
-    sys.stderr.write("mpddp: interrupted (SIGINT) before any worker started\n")
-    sys.stderr.flush()
+    if _command() in ("train", "run"):  # the others start no worker: nothing to say (mpddp top, mpddp ranks)
+        sys.stderr.write("mpddp: interrupted (SIGINT) before any worker started\n")
+        sys.stderr.flush()
     os._exit(130)
+
+
+def _command() -> str | None:
+    """The command named on the command line (its first word that is no option), read while this package loads."""
+    argv = sys.orig_argv[sys.orig_argv.index("-m") + 2:] if sys.argv[:1] == ["-m"] else sys.argv[1:]
+    return next((a for a in argv if not a.startswith("-")), None)
 
 
 def _started_as_command() -> bool:

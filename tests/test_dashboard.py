@@ -91,6 +91,25 @@ def test_the_timeline_keeps_each_slices_largest_lag_of_the_span():
     assert stragglers.timeline(points, told=1, told_at=now - 50, now=now, span=20.0)["named"] is None
 
 
+def test_the_whole_jobs_timeline_joins_every_nodes_and_names_node_0s_straggler():
+    """Node 0's chart of a 2-node job held ranks 0 and 1 only. Now each node's part, moved to now by its age; the
+    straggler named is the one node 0's lined-up nodes name, before a node's own."""
+    now = 1000.0
+    node1 = {"span": 120.0, "ranks": [{"rank": 2, "points": [[-1.0, 0.0]]}, {"rank": 3, "points": [[-1.0, 150.0]]}],
+             "named": {"rank": 3, "ago": -2.0}}
+    node0 = {"span": 120.0, "ranks": [{"rank": 0, "points": [[-0.5, 0.0]]}, {"rank": 1, "points": [[-0.5, 0.4]]}],
+             "named": None}
+    lined = {"span": 120.0, "ranks": [{"rank": 1, "points": [[-0.5, 0.0]]}, {"rank": 3, "points": [[-119.5, 149.0]]}],
+             "named": {"rank": 3, "ago": -10.0}, "nodes": True}
+    seen = stragglers.merged([(now, lined), (now, node0), (now - 0.8, node1)], now)
+    assert [r["rank"] for r in seen["ranks"]] == [0, 1, 2, 3]
+    assert seen["ranks"][3]["points"] == [[-119.5, 149.0], [-1.8, 150.0]]  # node 0's lined up; node 1's, 0.8 s old
+    assert seen["ranks"][1]["points"] == [[-0.5, 0.0], [-0.5, 0.4]]
+    assert seen["named"] == {"rank": 3, "ago": -10.0}
+    older = stragglers.merged([(now - 5.0, lined)], now)
+    assert older["ranks"] == [{"rank": 1, "points": [[-5.5, 0.0]]}] and older["named"] == {"rank": 3, "ago": -15.0}
+
+
 def test_the_timeline_looks_back_no_further_than_it_must():
     now = 1000.0
     old = [(now - 500 + i * 1e-3, 0, 0.0) for i in range(1000)]

@@ -124,6 +124,19 @@ def test_table_says_every_column():
     assert all(len(line) <= 40 for line in live_table.table(_snapshot(), width=40).splitlines()[2:5])
 
 
+def test_the_header_fits_80_columns_and_each_nodes_rows_say_their_age():
+    """The header was one line of 104 characters here, wrapped by an 80-column terminal into the table."""
+    long = _snapshot(job="10.0.0.1:29500", host="gpu-node-b.example.org", elapsed=45296.0)
+    rows = (*long.ranks, RankRow(2, 1, 0, 102, "running", 57, 20.0, "#57 all_reduce", 0.5, False, 9.0, 300 << 20,
+                                 age=0.8))
+    lines = live_table.table(Snapshot(long.header, rows, ()), width=80).splitlines()
+    assert lines[:2] == ["mpddp top  job 10.0.0.1:29500  round 1  4 rank(s) on 2 node(s)  restarts 1",
+                         "up 12:34:56  seen from node 0 (gpu-node-b.example.org)"]
+    assert all(len(line) <= 80 for line in lines), lines
+    assert "rows' age: node 0 0.0 s, node 1 0.8 s" in lines
+    assert live_table.table(long, width=1 << 16).splitlines()[0].endswith("seen from node 0 (gpu-node-b.example.org)")
+
+
 def test_html_says_what_the_table_says():
     snapshot = _snapshot(failure="rank 3 failed: <ValueError> & more")
     page = live_table.html(snapshot)
@@ -215,6 +228,7 @@ def test_one_node_top_once_and_the_entry_removed_at_exit(no_leftovers, cluster, 
     assert [r[:3] for r in rows] == [["0", "0", "0"], ["1", "0", "1"]]
     assert all(r[3] in ("running", "waiting") and "all_reduce" in r for r in rows), done.stdout
     assert all(r[-2] == "step" for r in rows), done.stdout  # the last line each rank wrote
+    assert _header(xdg, node.proc.pid)["spares"] == 0  # was null on one node, 0 on two
     (tmp_path / "STOP").write_text("")
     assert node.wait(60) == 0, node.stderr
     assert "mpddp top" not in node.stderr  # live=False: the launcher shows no table of its own

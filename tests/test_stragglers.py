@@ -258,3 +258,21 @@ def test_node_0_of_1024_keeps_only_the_numbers_that_can_still_complete():
         most = max(most, sum(map(len, across._waiting.values())))
     assert across.lags.rows == 15 * (32 - 15)  # at each look, the numbers every node's sample held
     assert most < 33 * nodes  # about one sample a node
+
+
+def test_a_summary_says_whose_ranks_it_covers():
+    """Node 0 of two said "rank 3 is a straggler", then closed with "no straggler (... rank 0)": its summary was of
+    its own ranks, and did not say so. Now node 0's covers the nodes lined up; another node's says it is its own."""
+    from dataclasses import replace
+
+    from mpddp.core.launcher.stragglers import RankLag, Summary, summary_lines
+
+    own = Summary(100, (RankLag(2, 100, 0.0, 0.0, 0.0, 0.02), RankLag(3, 100, 0.15, 0.15, 0.16, 0.98)), 3, 0.1,
+                  scope="node 1's ranks")
+    assert summary_lines(own, False) == [
+        "mpddp: collectives: 100 lined up across node 1's ranks only (2 ranks); rank 3 was the straggler: it arrived "
+        "last at 98% of them, median lag 150 ms (p90 160 ms)"]
+    lined = replace(own, scope="", nodes=2)
+    assert summary_lines(lined, False)[0].startswith(
+        "mpddp: collectives: 100 lined up across 2 nodes (the last rank of each to arrive); rank 3 was the straggler")
+    assert summary_lines(replace(own, scope=""), False)[0].startswith("mpddp: collectives: 100 lined up across 2 ranks;")

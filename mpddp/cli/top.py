@@ -1,8 +1,8 @@
 """``mpddp top``: a live table of a running job, from another terminal on any of its nodes.
 
-Owns: the command, its flags, the terminal's redraw, and how it is left: ``q`` (a terminal), Ctrl-C and the end of
-the job leave it with code 0 and no word (the job goes on); a SIGTERM ends it with code 143, silently too
-(cli/main.py says nothing of workers for a command that starts none). Finding the launchers of this user on this
+Owns: the command, its flags, the terminal's redraw, and how it is left: ``q`` (a terminal) and the end of the job
+with code 0; Ctrl-C (130) and SIGTERM (143) end it without a word too (cli/main.py speaks of workers only for a
+command that starts them). The job goes on. Finding the launchers of this user on this
 machine, choosing one and asking it are core/launcher/runtime_dir.py's; what a row says is core/launcher/live.py's,
 its words core/launcher/live_table.py's.
 """
@@ -37,18 +37,16 @@ from ..core.wire import typed
 def top(once: bool, as_json: bool, job: str | None, wait: float, interval: float) -> None:
     """Watch a running job: a row a rank (state, collectives a second, the last collective, lag, CPU, memory,
     the last output line), refreshed every second. Finds this user's jobs on this machine by itself; every
-    node's ranks are shown, from any node. To leave: q (in a terminal) or Ctrl-C, exit code 0; the job goes on.
+    node's ranks are shown, from any node. To leave: q (in a terminal, exit code 0) or Ctrl-C (130); the job
+    goes on.
 
     \b
     mpddp top
     mpddp top --once --json
     """
     entry = runtime_dir.pick(runtime_dir.entries(skipped=_say), job)
-    try:
-        with _keys(not once) as pressed:
-            _watch(entry, once, as_json, wait, interval, pressed)
-    except KeyboardInterrupt:  # Ctrl-C: how a watcher leaves; nothing of the job is touched
-        return
+    with _keys(not once) as pressed:  # Ctrl-C and SIGTERM: cli/main.py's exit code, and no word
+        _watch(entry, once, as_json, wait, interval, pressed)
 
 
 def _watch(entry: runtime_dir.Entry, once: bool, as_json: bool, wait: float, interval: float, pressed: _Keys) -> None:
