@@ -30,7 +30,7 @@ _DTYPES = {"Float": "float32", "Double": "float64", "Half": "float16", "BFloat16
 _WINDOW = 512  # collectives per lane (group and backend) the board keeps to line ranks up
 ARRIVALS = 32  # the default group's newest collectives whose last arrival on this node a snapshot carries
 ARRIVALS_KEY = "~arrivals"  # their place in a snapshot, beside the ranks' numbers
-LIVE_KEY = "~live"  # the node's live rows, while someone watches the job (core/launcher/live.py)
+LIVE_KEY = "~live"  # the node's live part while someone watches the job (core/launcher/live_snapshot.py)
 _GRACE = 1.0  # seconds a differing row waits for its other members before the mismatch is told
 _GRACE_MAX = 5.0  # ... when those it has cannot name the odd one and a missing member said nothing since
 
