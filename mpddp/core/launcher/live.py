@@ -1,16 +1,18 @@
-"""A live look at a running job, from any node: one row a rank, and a header, as plain typed values.
+"""A live look at a running job, from any node: one row a rank, and a header, built on demand.
 
-Owns: :class:`Snapshot` (a :class:`Header` and a :class:`RankRow` a rank, with ``to_json`` / ``from_json``, for
-``mpddp top``, a notebook cell, a later web page), and :class:`LiveView`, one a launcher, which builds it from what
-the launcher already keeps: the attempt's rank states (core/launcher/classify.py), its board of collectives
+Owns: :class:`LiveView`, one a launcher, which builds a :class:`~mpddp.core.launcher.live_snapshot.Snapshot` (its
+typed values, and how they are read at the door, are core/launcher/live_snapshot.py's) from what the launcher
+already keeps: the attempt's rank states (core/launcher/classify.py), its board of collectives
 (core/launcher/board.py), the job's lags (core/launcher/stragglers.py) and the relay's last lines
 (core/launcher/output.py); CPU and memory from psutil, GPUs from NVML or nvidia-smi (machine/gpus.py), never CUDA.
+Also the whole job's lags over the last minutes, every node's, for the dashboard's chart (:meth:`LiveView.timeline`).
 
-Across nodes, a node's rows ride its board's snapshot, which the round's beat already puts on the round's store
-(node 0's under c10d, the round's own under etcd: no etcd write). They are computed only while someone watches: the
-watched launcher says so in the progress counter that every node's beat already adds to (core/stores/store_beat.py),
-and while any node is watched (:data:`~mpddp.core.stores.store_beat.WATCHED_FOR` s after the last ask) each adds its
-rows, at most once a second.
+Across nodes, a node's part (its rows, when they were computed, and its ranks' lags) rides its board's snapshot,
+which the round's beat already puts on the round's store (node 0's under c10d, the round's own under etcd: no etcd
+write). It is computed only while someone watches: the watched launcher says so in the progress counter that every
+node's beat already adds to (core/stores/store_beat.py), and while any node is watched
+(:data:`~mpddp.core.stores.store_beat.WATCHED_FOR` s after the last ask) each adds its part: its rows at most once a
+second, its lags at most every :data:`LAGS_EVERY` s.
 Nobody watching, nothing here runs. Leaves the runtime folder and its socket to core/launcher/runtime_dir.py, the
 table shown by the launcher itself (``launch(..., live=True)``: a notebook cell, else stderr) to
 core/launcher/live_display.py, and the words of the table to core/launcher/live_table.py.

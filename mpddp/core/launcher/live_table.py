@@ -1,6 +1,6 @@
 """The words of a live look at a job: a header and a table, a row a rank (``mpddp top``, a notebook cell).
 
-Owns: :func:`table`, which only renders a core/launcher/live.py :class:`~mpddp.core.launcher.live.Snapshot`
+Owns: :func:`table`, which only renders a :class:`~mpddp.core.launcher.live_snapshot.Snapshot`
 (deciding what a row says is live.py's), fitted to a width, and :func:`html`, the same look for a notebook cell.
 Plain text: a terminal redraws it whole; a cell shows the HTML, with the text beside it for front ends without.
 """
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from html import escape
 
-from .live import RankRow, Snapshot
+from .live_snapshot import RankRow, Snapshot
 
 _COLUMNS = ("RANK", "NODE", "LOCAL", "STATE", "COLL/S", "LAST COLLECTIVE", "LAG", "CPU", "RSS", "GPU", "LAST LINE")
 
