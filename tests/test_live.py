@@ -137,6 +137,16 @@ def test_the_header_fits_80_columns_and_each_nodes_rows_say_their_age():
     assert live_table.table(long, width=1 << 16).splitlines()[0].endswith("seen from node 0 (gpu-node-b.example.org)")
 
 
+def test_the_table_is_text_only_whatever_a_rank_printed():
+    """A rank's escape sequences (or a hostile launcher's answer) reached the terminal as they were."""
+    base = _snapshot(host="h\x1b]0;title\x07")
+    rows = (RankRow(0, 0, 0, 100, "running", 57, 20.0, "#57 all_reduce", 0.0, False, 9.0, 1 << 20,
+                    line="\x1b[31mred\x1b[0m 50%\r"),)
+    text = live_table.table(Snapshot(base.header, rows, ()))
+    assert "\x1b" not in text and "\r" not in text and "\x07" not in text
+    assert "?[31mred?[0m 50%" in text and "(h?]0;title?)" in text
+
+
 def test_html_says_what_the_table_says():
     snapshot = _snapshot(failure="rank 3 failed: <ValueError> & more")
     page = live_table.html(snapshot)

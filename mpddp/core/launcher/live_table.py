@@ -41,7 +41,13 @@ def table(snapshot: Snapshot, width: int = 120) -> str:
                      "their next beat)")
     if any(r.straggler for r in snapshot.ranks):
         lines.append("* the straggler: the rank the others wait for at collectives")
-    return "\n".join(lines)
+    return "\n".join(map(_printable, lines))
+
+
+def _printable(line: str) -> str:
+    """A line as text only: a rank's own escape sequences (colours, ``\r`` of a progress bar), or a launcher's that
+    answers what it should not, never move the terminal's cursor nor change its title; each becomes ``?``."""
+    return line if line.isprintable() else "".join(c if c.isprintable() else "?" for c in line)
 
 
 _RIGHT = {0, 1, 2, 4, 6, 7, 8}
