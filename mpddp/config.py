@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import dashboard_options, rendezvous_options
+from . import dashboard_options, rendezvous_options, shutdown_options
 from .errors import ConfigError
 from .hostfile import parse_hostfile
 from .limits import check_dir_creatable, check_local_ranks, check_timeline
@@ -166,6 +166,18 @@ class LaunchConfig:
         "GPU ids such as 0,3, or free / free:N [default: all visible]."))
     max_restarts: int = field(default=0, metadata=_cli(
         "Restart the group after a failure [default: 0].", int, "--max_restarts"))
+    shutdown_timeout: float | None = field(default=None, metadata=_cli(  # None: the environment's, else 30
+        "Seconds the ranks get to exit after the launcher is told to stop (SIGTERM, Ctrl-C, ...), then SIGKILL "
+        "[default: $TORCH_ELASTIC_SHUTDOWN_TIMEOUT, else 30].", float, "--shutdown_timeout"))
+    signals_to_handle: tuple[str, ...] | str = field(default=shutdown_options.DEFAULT_SIGNALS, metadata=_cli(
+        "Signals that stop the job and are passed on to the ranks, e.g. SIGTERM,SIGINT,SIGUSR1 (SLURM's) [default: "
+        "SIGTERM,SIGINT,SIGHUP,SIGQUIT].", str, "--signals_to_handle"))
+    virtual_local_rank: bool = field(default=False, metadata=_cli(
+        "Each rank sees only its own GPU, as cuda:0 (CUDA_VISIBLE_DEVICES), with LOCAL_RANK 0.", "flag",
+        "--virtual_local_rank"))
+    numa_binding: str | None = field(default=None, metadata=_cli(
+        "Bind each rank to the CPUs near its GPU, by torch's NUMA binding: node, socket, exclusive or "
+        "core-complex [default: no binding].", str, "--numa_binding"))
     output_ranks: tuple[int, ...] | None = field(default=None, metadata=_cli(  # None: every rank; "0,1" parsed
         "Ranks whose stdout is shown (0, 0,1, all) [default: all]."))
     log_dir: str | None = field(default=None, metadata=_cli(
@@ -234,6 +246,9 @@ class LaunchConfig:
         object.__setattr__(self, "timeout", float(self.timeout))
         object.__setattr__(self, "gpus", parse_gpus(self.gpus))
         check_int("max_restarts", self.max_restarts, 0, None, "; pass 0 (no restart) or more")
+        object.__setattr__(self, "shutdown_timeout", shutdown_options.grace(self.shutdown_timeout))
+        object.__setattr__(self, "signals_to_handle", shutdown_options.parse_signals(self.signals_to_handle))
+        object.__setattr__(self, "numa_binding", shutdown_options.parse_numa(self.numa_binding))
         object.__setattr__(self, "output_ranks", parse_output_ranks(self.output_ranks))
         if self.output_ranks is not None:
             ranks = tuple(self.output_ranks)

@@ -22,8 +22,9 @@ from mpddp.cli.options import LAUNCH_FIELDS, build_config
 
 PACKAGE = Path(mpddp.__file__).parent
 TOP = {"mpddp", "mpddp._version", "mpddp.errors", "mpddp.config", "mpddp.rank_math", "mpddp.context", "mpddp.log",
-       # the last four: parts of config.py's checks
-       "mpddp.rendezvous_options", "mpddp.hostfile", "mpddp.limits", "mpddp.dashboard_options"}
+       # the last five: parts of config.py's checks
+       "mpddp.rendezvous_options", "mpddp.hostfile", "mpddp.limits", "mpddp.dashboard_options",
+       "mpddp.shutdown_options"}
 
 
 def _module_name(path: Path) -> str:

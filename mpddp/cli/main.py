@@ -23,17 +23,10 @@ import click
 from .. import __version__
 from ..core.launcher.startup import exits_after_launch
 from ..core.wire import signals, stacks
+from ..core.wire.signals import Terminated  # SIGTERM, SIGHUP, or one of --signals-to-handle
 from ..errors import ConfigError, MpddpError, WorkerFailed
 from . import info, plot, ranks, run, top, train
 from .options import EXIT_BAD_INPUT, EXIT_SIGINT
-
-
-class Terminated(BaseException):
-    """SIGTERM or SIGHUP reached the launcher; raised in the main thread to tear down."""
-
-    def __init__(self, signum: int) -> None:
-        super().__init__(signum)
-        self.signum = signum
 
 
 def _raise_terminated(signum: int, frame: FrameType | None) -> None:
@@ -107,7 +100,7 @@ def run_cli(args: list[str] | None = None) -> NoReturn:
             click.echo(f"mpddp: error: {type(cause).__name__} ({cause}): an input or a pipe ended early", err=True)
             code = 1
     except Terminated as e:
-        _stopped(args, _STOPPED[e.signum])
+        _stopped(args, _STOPPED.get(e.signum) or f"stopped by {signal.Signals(e.signum).name}")
         code = 128 + e.signum  # 143 for SIGTERM, 129 for SIGHUP
     code = code if isinstance(code, int) else 0
     if args is None:

@@ -43,13 +43,6 @@ REFUSED = {
     "--no-python": "mpddp run starts a Python script or module (-m) in every worker; start any other program "
                    "with torchrun --no-python",
     "--logs-specs": "--log-dir writes one rank<N>.log per rank, and nothing else plugs in; drop --logs-specs",
-    "--numa-binding": "mpddp binds no CPUs: start the launcher under numactl (its ranks inherit the binding); "
-                      "drop --numa-binding",
-    "--signals-to-handle": "mpddp stops every worker on SIGTERM, SIGINT and SIGHUP, and prints where every rank "
-                           "is on SIGUSR1; drop --signals-to-handle",
-    "--shutdown-timeout": "mpddp gives workers 0.5 s after SIGTERM, then SIGKILL; drop --shutdown-timeout",
-    "--virtual-local-rank": "each rank sees every GPU chosen with --gpus and drives cuda:LOCAL_RANK; drop "
-                            "--virtual-local-rank",
     "--event-log-handler": "mpddp records no events; drop --event-log-handler",
     "--duplicate-stdout-filters": "--log-dir keeps every line of every rank: grep its rank<N>.log files",
     "--duplicate-stderr-filters": "--log-dir keeps every line of every rank: grep its rank<N>.log files",

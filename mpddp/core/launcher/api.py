@@ -21,8 +21,9 @@ from typing import Any
 from ... import rendezvous_options
 from ...config import LaunchConfig
 from ...errors import ConfigError
+from ...shutdown_options import signal_numbers
 from ..rank.by_index import ByIndex
-from ..wire import stacks
+from ..wire import signals, stacks
 from ..wire.payload import pack_call
 from .mp_spawn import SpawnContext
 from .startup import LAUNCHING, TRAINING_PRELOAD, interrupts_deferred, refuse_bootstrap, start_context
@@ -160,7 +161,8 @@ def run_node(config: LaunchConfig, payload: bytes, init_process_group: bool, pre
         plan = plan_launch(config)
     from .job import run_job  # the attempt and what it imports: at the first launch, not at `import mpddp`
 
-    with stacks.on_demand():
+    # SIGTERM, SLURM's SIGUSR1, ...: the ranks get the signal and their grace (--signals-to-handle)
+    with stacks.on_demand(), signals.stops_on(signal_numbers(config.signals_to_handle)):
         return run_job(plan, mp_context, payload, init_process_group, listening, live)
 
 

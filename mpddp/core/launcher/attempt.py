@@ -23,11 +23,12 @@ from typing import Any
 import cloudpickle
 
 from ...errors import ConfigError, MainGuardError, Outcome, RendezvousError, RendezvousGone, StoreLost, WorkerFailed
+from ...shutdown_options import signal_numbers
 from ..nodes import settle
 from ..nodes.api import RoundWatch, stopped
 from ..nodes.rules import NodeState
 from ..procs import teardown
-from ..wire import errorfile, protocol
+from ..wire import errorfile, protocol, signals
 from ..wire.protocol import ERROR_LINE, FailureRecord
 from . import board, stragglers
 from .board import Board, Mismatch
@@ -53,10 +54,12 @@ def run_group(job: Job, attempt: int) -> list[Any]:
             stopped_by = e
             raise
         finally:
-            with teardown.shielded() as urgent:  # a second Ctrl-C must not leave the ranks running
+            passed = signal_numbers(job.config.signals_to_handle)
+            with teardown.shielded(passed) as urgent:  # a second Ctrl-C must not leave the ranks running
                 if stopped_by is not None:  # first, before the teardown: the others name it, not "node 0 is gone"
                     this.tell_stopped(stopped_by)
-                this.stop(urgent)
+                told = signals.told(stopped_by, passed) if stopped_by is not None else None
+                this.stop(urgent, None if told is None else (told, job.config.shutdown_timeout or 0.0))
                 if stopped_by is not None and job.link is not None and not job.intruder:
                     job.link.move(attempt, NodeState.ENDED)  # node 0's store goes only once the others read why
         return this.report()
@@ -114,8 +117,8 @@ class Attempt:
         if not all(s.succeeded for s in self.states) and not (store is not None and store.lost):
             locate(self.states, watchdog, self.hang)
 
-    def stop(self, urgent: threading.Event) -> None:
-        stop_ranks(self.states, urgent)
+    def stop(self, urgent: threading.Event, told: tuple[int, float] | None = None) -> None:
+        stop_ranks(self.states, urgent, told)
         for s in self.states:  # what a rank said before it ended, also after the watch: its own failure, or
             # (after its result) its collectives' last read, sent as it ends: a rank that no longer waits for gloo's
             # destructor exits right after it, and the watch can see the exit before it reads the message

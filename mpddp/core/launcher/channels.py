@@ -11,7 +11,7 @@ watch loop to core/launcher/watch.py and the messages' types to core/wire/protoc
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from multiprocessing.connection import Connection
 
 from ...context import WorkerContext
@@ -60,11 +60,13 @@ def start_ranks(job: Job, attempt: int, relay: Relay, states: list[RankState], e
     channels = [_Channels(mp_context.Pipe(duplex=False), _pipe(), _pipe(), _pipe()) for _ in plan.slots]
     all_fds = set().union(*(c.fds for c in channels))
     for slot, ch in zip(plan.slots, channels):
-        ctx = WorkerContext.at(slot, nnodes=config.nnodes, backend=plan.backend, restart=attempt,
+        # --virtual-local-rank: the rank's GPU is the only one it sees, its cuda:0
+        seen = replace(slot, cuda_index=0) if config.virtual_local_rank and slot.cuda_index is not None else slot
+        ctx = WorkerContext.at(seen, nnodes=config.nnodes, backend=plan.backend, restart=attempt,
                                verbose=config.verbose)
         spec = protocol.WorkerSpec(
             ctx=ctx, store_addr=config.master_addr, store_port=port, store_prefix=protocol.attempt_prefix(attempt),
-            timeout=config.timeout, env=rank_env(shared_env, slot, error_dir), threads=plan.threads,
+            timeout=config.timeout, env=rank_env(shared_env, slot, error_dir, config.virtual_local_rank), threads=plan.threads,
             payload=job.payload, banner=banner(ctx) if config.verbose else None, init_group=job.init_group,
             roll=protocol.RollCall(job.link.me, config.node, config.nnodes, plan.nprocs)
             if job.link is not None and config.nnodes > 1 else None,
@@ -72,6 +74,7 @@ def start_ranks(job: Job, attempt: int, relay: Relay, states: list[RankState], e
             close_fds=tuple(sorted(all_fds - {c.fileno() for c in ch.worker_ends}))
             if config.start_method == "fork" else (),
             parent=job.forkserver if job.forkserver is not None else os.getpid(),
+            numa_binding=config.numa_binding if plan.gpus else None,
         )
         process = mp_context.Process(target=boot.rank_process, args=(spec, *ch.worker_ends), name=f"mpddp-rank-{slot.rank}")
         with LIVE_LOCK, boot.main_hidden(always=False):

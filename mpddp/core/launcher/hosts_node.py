@@ -28,8 +28,9 @@ from ...errors import MpddpError
 from ..wire import protocol, signals
 
 
-class Stopped(BaseException):
-    """The head is gone or stopped the job (stdin closed), or a signal arrived: tear down."""
+class Stopped(signals.Terminated):
+    """The head is gone or stopped the job (stdin closed: a SIGTERM to this node), or a signal arrived: tear
+    down, the ranks with their grace (``--shutdown-timeout``)."""
 
 
 class _Lines(io.TextIOBase):
@@ -58,7 +59,7 @@ def send(message: protocol.NodeMessage) -> None:
 
 
 def _raise_stopped(signum: int, frame: FrameType | None) -> None:
-    signals.raise_stop(Stopped(), signum, frame)
+    signals.raise_stop(Stopped(signum), signum, frame)
 
 
 def _watch_stdin(stream: Any) -> None:
@@ -74,7 +75,7 @@ def serve(stdin: Any) -> int:
 
     request = protocol.read_request(stdin)
     if request is None:
-        raise Stopped()
+        raise Stopped(signal.SIGTERM)
     os.environ.update(request.environ)
     threading.Thread(target=_watch_stdin, args=(stdin,), name="mpddp-node-stdin", daemon=True).start()
     port, sock = request.master_port, None
@@ -103,7 +104,7 @@ def main() -> None:
         signal.signal(signum, _raise_stopped)
     try:
         code = serve(stdin)
-    except (Stopped, KeyboardInterrupt):
+    except (signals.Terminated, KeyboardInterrupt):  # Stopped, or a signal of --signals-to-handle
         code = 0  # the ranks were stopped in the launch's own teardown
     for signum in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
         signal.signal(signum, signal.SIG_IGN)  # done: the head closing our stdin now is the normal end

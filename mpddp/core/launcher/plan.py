@@ -31,9 +31,6 @@ from ...machine.gpus import child_cuda_env
 from ..rank import recorder
 from ..wire import errorfile
 
-# What the launcher does on these signals (stop every worker), as torchrun's TORCHELASTIC_SIGNALS_TO_HANDLE says it
-SIGNALS_HANDLED = "SIGTERM,SIGINT,SIGHUP"
-
 
 @dataclass(frozen=True)
 class Plan:
@@ -123,6 +120,9 @@ def plan_launch(config: LaunchConfig) -> Plan:
     threads = threads_per_rank(nprocs, physical_cores(), os.environ.get("OMP_NUM_THREADS"))
     if gpus is None and (note := oversubscribed(nprocs, usable_cpus())) is not None:
         logger.warning("mpddp: %s", note)
+    if gpus is None and config.numa_binding is not None:
+        logger.warning("mpddp: --numa-binding %s binds nothing here: no GPU is visible, and torch binds each rank "
+                       "to the CPUs near its GPU", config.numa_binding)
     if config.start_method == "fork":
         _check_fork(gpus)
         threads = _fork_threads(threads)
@@ -158,7 +158,7 @@ def node_env(plan: Plan, port: int, restarts: int) -> dict[str, str]:
         TORCHELASTIC_RESTART_COUNT=str(restarts),
         TORCHELASTIC_MAX_RESTARTS=str(config.max_restarts),
         TORCHELASTIC_RUN_ID=plan.run_id,
-        TORCHELASTIC_SIGNALS_TO_HANDLE=SIGNALS_HANDLED,
+        TORCHELASTIC_SIGNALS_TO_HANDLE=",".join(config.signals_to_handle),  # passed on to the ranks
         TORCH_NCCL_ASYNC_ERROR_HANDLING=os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
     )
     env.update(  # mpddp's own
@@ -184,10 +184,27 @@ def node_env(plan: Plan, port: int, restarts: int) -> dict[str, str]:
     return env
 
 
-def rank_env(node_env: dict[str, str], slot: rank_math.RankSlot, error_dir: str) -> dict[str, str]:
+def rank_env(node_env: dict[str, str], slot: rank_math.RankSlot, error_dir: str,
+             virtual_local_rank: bool = False) -> dict[str, str]:
     """One worker's environment: the node's plus its ranks and its own error file, as torchrun sets them."""
-    return {**node_env, "RANK": str(slot.rank), "LOCAL_RANK": str(slot.local_rank), "ROLE_RANK": str(slot.rank),
-            "TORCHELASTIC_ERROR_FILE": errorfile.path(error_dir, slot.rank)}
+    env = {**node_env, "RANK": str(slot.rank), "LOCAL_RANK": str(slot.local_rank), "ROLE_RANK": str(slot.rank),
+           "TORCHELASTIC_ERROR_FILE": errorfile.path(error_dir, slot.rank)}
+    if virtual_local_rank:
+        env.update(virtual_gpu_env(node_env.get("CUDA_VISIBLE_DEVICES"), slot))
+    return env
+
+
+def virtual_gpu_env(visible: str | None, slot: rank_math.RankSlot) -> dict[str, str]:
+    """``--virtual-local-rank``: LOCAL_RANK 0, and CUDA_VISIBLE_DEVICES the rank's own GPU alone, its cuda:0
+    (torchrun's local_elastic_agent.py: the entry of the node's CUDA_VISIBLE_DEVICES at its index, else the index).
+    On the CPU torchrun writes the local rank; a CUDA_VISIBLE_DEVICES that hid the GPUs stays as it is."""
+    index = slot.cuda_index if slot.cuda_index is not None else slot.local_rank
+    if visible is None:
+        return {"LOCAL_RANK": "0", "CUDA_VISIBLE_DEVICES": str(index)}
+    entries = [entry.strip() for entry in visible.split(",")]
+    if slot.cuda_index is None or index >= len(entries):
+        return {"LOCAL_RANK": "0"}
+    return {"LOCAL_RANK": "0", "CUDA_VISIBLE_DEVICES": entries[index]}
 
 
 def _interactive() -> bool:

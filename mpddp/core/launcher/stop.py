@@ -2,8 +2,9 @@
 
 Owns: the processes of every launch running in this process (:data:`LIVE`),
 stopping an attempt's ranks (a rank the forkserver has not reported yet may
-have died on its own: that one was not stopped by mpddp), closing their
-channels and process objects at once, the orphans a rank killed by a signal
+have died on its own: that one was not stopped by mpddp), with the grace
+of a launcher told to stop (``--shutdown-timeout``) or the short one after a
+failure, closing their channels and process objects at once, the orphans a rank killed by a signal
 left to the forkserver, and ranks lost with a forkserver killed from outside.
 Leaves killing a tree to core/procs/teardown.py.
 """
@@ -30,14 +31,20 @@ LIVE_LOCK = threading.Lock()
 LIVE: set[int] = set()
 
 
-def stop_ranks(states: list[RankState], urgent: threading.Event | None = None) -> None:
+def stop_ranks(states: list[RankState], urgent: threading.Event | None = None,
+               told: tuple[int, float] | None = None) -> None:
+    """Stop every rank of ``states`` still running. ``told``: this launcher was told to stop (a signal, Ctrl-C):
+    the signal its ranks are passed and their grace, in seconds, to save and exit, as torchrun's
+    ``--shutdown-timeout``; else (a rank failed, a store was lost) SIGTERM and half a second: the peers of a
+    failed rank have nothing to save. ``urgent`` (a second Ctrl-C) ends either grace at once."""
     # A rank the forkserver has not reported yet may have died on its own already (a zombie, or gone: under
     # load the forkserver writes its status late): that one was not stopped by mpddp, it died.
     alive = [s for s in states if s.exitcode is None and s.process.is_alive() and teardown.alive(s.process.pid)]
     for s in alive:
         s.stopped = True
     pids = [s.process.pid for s in states if s.process.pid]
-    teardown.kill_tree([s.process.pid for s in alive], _TEARDOWN_GRACE, groups=pids, urgent=urgent)
+    passed, grace = told if told is not None else (None, _TEARDOWN_GRACE)
+    teardown.kill_tree([s.process.pid for s in alive], grace, groups=pids, urgent=urgent, passed=passed)
     with LIVE_LOCK:
         LIVE.difference_update(pids)
         _sweep_orphans()

@@ -48,6 +48,7 @@ from ..stores.clock import Clock
 from ..stores.store_beat import WATCHED_FOR, StoreBeat
 from ..wire import protocol
 from ..wire.protocol import FailureRecord
+from ..wire.signals import Terminated
 from .rules import Lost, NodeState, RoundView
 
 INTERVAL = 0.25  # seconds between two beats (and two looks for another node's failure)
@@ -331,7 +332,7 @@ def stopped(link: Rendezvous, attempt: int, cause: BaseException) -> None:
     """This launcher was stopped (Ctrl-C, SIGTERM, ...) while its ranks ran: the round's failure, if first."""
     node = link.config.node
     ranks = [s.rank for s in rank_math.layout(link.config.nnodes, link.nprocs) if s.node_rank == node]
-    signum = getattr(cause, "signum", None)  # the CLI's Terminated carries the signal
+    signum = cause.signum if isinstance(cause, Terminated) else None
     code = 130 if isinstance(cause, KeyboardInterrupt) else 128 + signum if isinstance(signum, int) else 1
     how = "interrupted (SIGINT)" if isinstance(cause, KeyboardInterrupt) else (
         f"stopped by {signal.Signals(signum).name}" if isinstance(signum, int) else f"stopped ({type(cause).__name__})")

@@ -90,17 +90,22 @@ def _signal(procs: list[psutil.Process], groups: Iterable[int], sig: int) -> Non
 
 
 def kill_tree(pids: Iterable[int], grace: float = 0.5, groups: Iterable[int] = (),
-              urgent: threading.Event | None = None) -> None:
+              urgent: threading.Event | None = None, passed: int | None = None) -> None:
     """Stop ``pids``, their descendants and process ``groups``: SIGTERM, then SIGKILL.
 
     Our own workers must not get a second chance to hang, so the grace is
-    short; ``urgent`` (set by :func:`shielded`) ends it at once.
+    short; ``urgent`` (set by :func:`shielded`) ends it at once. ``passed``:
+    a signal the launcher was told to stop by, sent to ``pids`` alone (as
+    torchrun's agent sends it to its workers): their children (a checkpoint
+    writer, DataLoader workers) keep running while they save, and go once
+    they exit, or at the grace's end, with SIGKILL.
     """
-    groups = list(groups)
+    pids, groups = list(pids), list(groups)
     procs = tree(pids)
-    _signal(procs, groups, signal.SIGTERM)
+    roots = [p for p in procs if p.pid in pids] if passed is not None else procs
+    _signal(roots, () if passed is not None else groups, signal.SIGTERM if passed is None else passed)
     deadline = time.monotonic() + grace
-    while time.monotonic() < deadline and any(_alive(p) for p in procs) and not (urgent and urgent.is_set()):
+    while time.monotonic() < deadline and any(_alive(p) for p in roots) and not (urgent and urgent.is_set()):
         time.sleep(0.01)
     left = [p for p in procs if _alive(p)]
     if left or groups:
@@ -111,8 +116,9 @@ def kill_tree(pids: Iterable[int], grace: float = 0.5, groups: Iterable[int] = (
 
 
 @contextlib.contextmanager
-def shielded() -> Iterator[threading.Event]:
-    """Run a teardown that SIGINT, SIGTERM and SIGHUP cannot interrupt; they set the event instead.
+def shielded(also: Iterable[int] = ()) -> Iterator[threading.Event]:
+    """Run a teardown that SIGINT, SIGTERM and SIGHUP (and the signals ``also``, those the launch stops on)
+    cannot interrupt; they set the event instead.
 
     Measured before: a second Ctrl-C 0.15 s after the first cut the grace
     short, the ranks (ignoring SIGTERM) lived on and the launcher hung in
@@ -129,7 +135,7 @@ def shielded() -> Iterator[threading.Event]:
         caught.append(signum)
         urgent.set()
 
-    previous = {sig: signal.signal(sig, escalate) for sig in SHIELDED}
+    previous = {sig: signal.signal(sig, escalate) for sig in dict.fromkeys((*SHIELDED, *also))}
     try:
         yield urgent
     finally:

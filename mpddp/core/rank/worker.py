@@ -187,6 +187,15 @@ def _stop_descendants() -> None:
         teardown.kill_tree(below, grace=0.2)
 
 
+def _bind_near(gpu_index: int, mode: str) -> None:
+    """``--numa-binding``: this rank's threads on the CPUs near its GPU (``gpu_index`` among those it sees), by
+    torch's own binding, as torchrun's agent binds each worker (torch/numa/binding.py)."""
+    from torch.numa.binding import AffinityMode, NumaOptions, _maybe_apply_numa_binding_to_current_process
+
+    _maybe_apply_numa_binding_to_current_process(gpu_index=gpu_index,
+                                                 numa_options=NumaOptions(affinity_mode=AffinityMode(mode)))
+
+
 def _fresh_random_state() -> None:
     """Seed torch's generators (CPU now, CUDA's once CUDA starts) and numpy's global one from the OS, as in a
     fresh process.
@@ -255,6 +264,8 @@ def run_rank(spec: WorkerSpec, messages: Connection, out: Connection, err: Conne
         linecache.cache.update(sources)  # notebook cells' lines, for tracebacks
         if ctx.device.startswith("cuda"):
             torch.cuda.set_device(ctx.device)  # before init: else every rank lands on cuda:0
+            if spec.numa_binding is not None:
+                _bind_near(int(ctx.device.partition(":")[2]), spec.numa_binding)
         store = _round_store(spec) if spec.init_group or spec.roll is not None else None
         if spec.roll is not None:
             if (refused := _roll_call(spec.roll, ctx.rank, store)) is not None:

@@ -62,6 +62,7 @@ class WorkerSpec:
     init_group: bool = True
     roll: RollCall | None = None  # several nodes: checked before the group is made (or the script runs)
     parent: int | None = None  # the pid that forks it (the forkserver, else the launcher): core/rank/boot.py
+    numa_binding: str | None = None  # torch's NUMA binding mode for its GPU (--numa-binding); GPU ranks only
 
 
 @dataclass(frozen=True)

@@ -2,19 +2,25 @@
 how the command line's handlers raise in the middle of an import.
 
 Owns: which real-time signal carries what (they must never collide, and glibc keeps the first
-real-time signals for itself, which ``SIGRTMIN`` already counts), ``prctl(PR_SET_PDEATHSIG)``, and
-:func:`raise_stop`. Leaves what each signal's handler does to the module named beside it. Imports nothing but
-the standard library: the forkserver and every process mpddp starts load it before torch.
+real-time signals for itself, which ``SIGRTMIN`` already counts), ``prctl(PR_SET_PDEATHSIG)``,
+:func:`raise_stop`, :class:`Terminated` (a signal told the launcher to stop), :func:`told` (which signal the
+ranks are passed, or None for a stop of mpddp's own) and :func:`stops_on` (the signals of
+``--signals-to-handle`` caught while a launch runs). Leaves what each signal's handler does to the module named
+beside it, and the grace to core/launcher/stop.py. Imports nothing but the standard library: the forkserver and
+every process mpddp starts load it before torch.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import signal
 import sys
 import threading
 import time
+from collections.abc import Iterator, Mapping, Sequence
 from types import FrameType
+from typing import Any
 
 STACK_SIGNAL = signal.SIGRTMIN + 4  # "print your stacks" to a rank (core/wire/stacks.py)
 LAUNCHER_GONE = signal.SIGRTMIN + 5  # the forkserver's parent-death signal: its launcher died (core/rank/forkserver.py)
@@ -76,3 +82,60 @@ def _again_after_import(signum: int) -> None:
                     signal.pthread_kill(main, signum)  # its handler again, outside the import (a wait it is in ends)
             return
         time.sleep(0.005)
+
+
+class Terminated(BaseException):
+    """A signal told the launcher to stop (SIGTERM, SIGHUP, one of ``--signals-to-handle``); raised in the main
+    thread to tear down. ``signum``: the signal."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+def told(cause: BaseException, passed: Sequence[int]) -> int | None:
+    """The signal the ranks get when ``cause`` stopped the launcher: the one it was told to stop by, if
+    ``passed`` (``--signals-to-handle``) names it, else SIGTERM, as torchrun's agent sends on any other stop.
+    None: no one told it to stop (a rank's own failure, a lost store): the ranks get mpddp's fast teardown."""
+    if isinstance(cause, KeyboardInterrupt):
+        signum: int = signal.SIGINT
+    elif isinstance(cause, Terminated):
+        signum = cause.signum
+    else:
+        return None
+    return signum if signum in passed else signal.SIGTERM
+
+
+def _terminated(signum: int, frame: FrameType | None) -> None:
+    raise_stop(Terminated(signum), signum, frame)
+
+
+@contextlib.contextmanager
+def stops_on(signums: Sequence[int]) -> Iterator[None]:
+    """While a launch runs: each of ``signums`` (but SIGINT, a KeyboardInterrupt already) stops it, as
+    :class:`Terminated`, so that the ranks get the signal and their grace (core/launcher/attempt.py).
+
+    Why a launch's own: ``launch()`` runs in the user's process, where SIGTERM's default ends the launcher at
+    once, and SLURM's SIGUSR1 is the command line's stack dump unless ``--signals-to-handle`` names it. The
+    handlers before are back afterwards; a process that the signal would have ended (its default action) still
+    ends by it, once its ranks had their grace. Signals reach the main thread only: elsewhere, nothing changes.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {s: signal.signal(s, _terminated) for s in signums if s != signal.SIGINT}
+    try:
+        yield
+    except Terminated as e:
+        _restore(previous)
+        if previous.get(e.signum) is signal.SIG_DFL:
+            signal.raise_signal(e.signum)  # as it would have, without the launch: the ranks are gone now
+        raise
+    finally:
+        _restore(previous)
+
+
+def _restore(handlers: Mapping[int, Any]) -> None:
+    for s, handler in handlers.items():
+        if handler is not None:  # None: a handler set outside Python, which Python cannot set back
+            signal.signal(s, handler)
