@@ -128,7 +128,8 @@ def serving(job: str, node: int | None, answer: Callable[[], str]) -> Iterator[P
         yield where
     finally:
         _close(server, path, info)
-        thread.join(ASK_TIMEOUT)  # gone before the launch returns: a launch after it (fork) finds no thread of ours
+        with contextlib.suppress(RuntimeError):  # a Ctrl-C inside start(), before the thread ran: nothing to join
+            thread.join(ASK_TIMEOUT)  # gone before the launch returns: a launch after it (fork) finds no thread of ours
 
 
 def _close(server: socket.socket, *paths: Path) -> None:

@@ -28,7 +28,7 @@ from types import FrameType
 from typing import Any
 
 from ..procs.start import forkserver_pid
-from ..rank.forkserver import FORKSERVER_PARENT, FORKSERVER_TEMP, new_inductor_cache
+from ..rank.forkserver import FORKSERVER_PARENT, FORKSERVER_TEMP, ignore_interrupts, new_inductor_cache
 from ..wire import signals
 
 # In this order: this module first (it pauses the forkserver's collector, below), then the worker (torch).
@@ -83,6 +83,7 @@ def _collect_in_child() -> None:
 
 # core/launcher/api.py's process leaves the variable unset; only a forkserver it starts sees its own parent's pid
 if os.environ.get(FORKSERVER_PARENT) == str(os.getppid()):
+    ignore_interrupts()
     _pause_gc_while_preloading()
 
 
@@ -127,9 +128,13 @@ def _ensure_running() -> None:
         # read by core/rank/forkserver.py when the forkserver imports the worker module: it cleans up after us
         os.environ[FORKSERVER_PARENT] = str(os.getpid())
         os.environ[FORKSERVER_TEMP] = util.get_temp_dir()
+        # the forkserver starts with SIGINT blocked, until it ignores it (core/rank/forkserver.py); this thread's
+        # Ctrl-C meanwhile waits and comes after, as the standard library starts its resource tracker
+        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
         try:
             forkserver.ensure_running()
         finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
             os.environ.pop(FORKSERVER_PARENT, None)
             os.environ.pop(FORKSERVER_TEMP, None)
 

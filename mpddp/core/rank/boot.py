@@ -22,6 +22,7 @@ from typing import Any
 
 from ..wire.protocol import WorkerSpec
 from ..wire.signals import LAUNCHER_GONE, on_parent_death
+from .forkserver import interrupts_as_before
 
 
 def rank_process(spec: WorkerSpec, messages: Connection, out: Connection, err: Connection, stack: Connection) -> None:
@@ -46,6 +47,7 @@ def detach(close_fds: tuple[int, ...], with_parent: bool = True, parent: int | N
         if parent is not None and os.getppid() != parent:
             os._exit(1)
     signal.signal(LAUNCHER_GONE, signal.SIG_DFL)  # the forkserver's handler, inherited by the fork
+    interrupts_as_before()  # and SIGINT as the launcher had it (the forkserver ignores it)
     for fd in close_fds:
         try:
             os.close(fd)
