@@ -104,6 +104,15 @@ ACCEPTED = [  # argv before the script, LaunchConfig fields, worker variables be
     (["--monitor-interval", "0.5", "--run-path"], {}, {}),
     (["--monitor_interval=5", "--run_path"], {}, {}),
     (["--no-prefix"], {"no_prefix": True}, {}),
+    # torchrun 2.13's: the grace after a stop, the signals passed on, one GPU a rank, NUMA binding
+    (["--shutdown-timeout", "5"], {"shutdown_timeout": 5.0}, {}),
+    (["--shutdown_timeout=0"], {"shutdown_timeout": 0.0}, {}),
+    (["--signals-to-handle", "SIGTERM,SIGUSR1"], {"signals_to_handle": ("SIGTERM", "SIGUSR1")}, {}),
+    (["--signals_to_handle=SIGUSR1,SIGUSR2"], {"signals_to_handle": ("SIGUSR1", "SIGUSR2")}, {}),
+    (["--virtual-local-rank"], {"virtual_local_rank": True}, {}),
+    (["--virtual_local_rank"], {"virtual_local_rank": True}, {}),
+    (["--numa-binding", "node"], {"numa_binding": "node"}, {}),
+    (["--numa_binding=core-complex"], {"numa_binding": "core-complex"}, {}),
 ]
 
 
@@ -148,7 +157,7 @@ def test_run_ids_without_the_flag():
     assert plan_launch(LaunchConfig(nprocs=1, **MULTI)).run_id == "none"
 
 
-UNKNOWN_VALUE = {"--no-python", "--run-path", "--virtual-local-rank"}  # flags; the others take a value
+UNKNOWN_VALUE = {"--no-python", "--run-path"}  # flags; the others take a value
 REFUSED_ROWS = [  # argv before the script, the start of the one line
     (["--nnodes", "1:4"], "master_port=0 with nnodes>1: every node must know the port in advance"),
     (["--nnodes=3:2", "--rdzv-backend", "etcd"], "nnodes=3:2: the smallest size must be from 1 to the largest"),
@@ -213,15 +222,17 @@ def test_a_refusal_is_one_line_exit_2_and_starts_nothing(tmp_path, argv):
 
 SAME = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK",
         "ROLE_NAME", "ROLE_WORLD_SIZE", "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS",
-        "TORCHELASTIC_USE_AGENT_STORE", "TORCH_NCCL_ASYNC_ERROR_HANDLING")
-# set by both, each to its own: a free port, a fresh id and error file, the signals each launcher handles, threads
-OWN_VALUES = ("MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_ERROR_FILE",
-              "TORCHELASTIC_SIGNALS_TO_HANDLE", "OMP_NUM_THREADS")
+        "TORCHELASTIC_USE_AGENT_STORE", "TORCH_NCCL_ASYNC_ERROR_HANDLING", "TORCHELASTIC_SIGNALS_TO_HANDLE")
+# set by both, each to its own: a free port, a fresh id and error file, threads
+OWN_VALUES = ("MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_ERROR_FILE", "OMP_NUM_THREADS")
 MPDDP_ADDS = ("NODE_RANK", "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "MPDDP_STDOUT_ISATTY", "PYTHONUNBUFFERED",
               "TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_DUMP_ON_TIMEOUT")
 STANDALONE = ["--standalone", "--nproc-per-node", "2"]
 SPELLED_OUT = ["--nnodes", "1:1", "--nproc_per_node=2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "localhost:0",
                "--rdzv-id", "job7", "--role", "trainer", "--max-restarts", "1"]
+# torchrun 2.13's own flags (--numa-binding binds nothing without a GPU, and torchrun's then fails to bind)
+TORCHRUN_213 = [*STANDALONE, "--shutdown-timeout", "5", "--signals-to-handle", "SIGTERM,SIGUSR1",
+                "--virtual-local-rank"]
 
 
 def _reports(stdout: str) -> dict[int, dict]:
@@ -232,9 +243,10 @@ def _reports(stdout: str) -> dict[int, dict]:
 
 @pytest.mark.timeout(120)
 @pytest.mark.usefixtures("no_leftovers")
-@pytest.mark.parametrize("argv", [STANDALONE, SPELLED_OUT], ids=["standalone", "spelled-out"])
+@pytest.mark.parametrize("argv", [STANDALONE, SPELLED_OUT, TORCHRUN_213], ids=["standalone", "spelled-out", "2.13"])
 def test_the_environment_is_torchruns_plus_documented_additions(tmp_path, argv):
-    own = set(SAME + OWN_VALUES + MPDDP_ADDS)
+    virtual = ("CUDA_VISIBLE_DEVICES",) if "--virtual-local-rank" in argv else ()  # each rank's own device
+    own = set(SAME + OWN_VALUES + MPDDP_ADDS + virtual)
     env = {k: v for k, v in os.environ.items()
            if k not in own and k != "TMPDIR" and not k.startswith(("TORCHELASTIC", "SLURM_"))}  # each its own TMPDIR
     theirs = subprocess.run([sys.executable, "-m", "torch.distributed.run", *argv, ENV_SCRIPT], capture_output=True,
@@ -253,11 +265,10 @@ def test_the_environment_is_torchruns_plus_documented_additions(tmp_path, argv):
     for rank in (0, 1):
         t = {k: v for k, v in a[rank].pop("env").items() if k not in launched}
         m = {k: v for k, v in b[rank].pop("env").items() if k not in launched}
-        assert set(t) == set(SAME + OWN_VALUES)  # torchrun sets no variable that mpddp does not
+        assert set(t) == set(SAME + OWN_VALUES + virtual)  # torchrun sets no variable that mpddp does not
         assert set(m) == set(t) | set(MPDDP_ADDS)
-        assert {k: m[k] for k in SAME} == {k: t[k] for k in SAME}
-        assert m["TORCHELASTIC_ERROR_FILE"].startswith(str(ours.tmpdir)) and m["TORCHELASTIC_SIGNALS_TO_HANDLE"] == (
-            "SIGTERM,SIGINT,SIGHUP")
+        assert {k: m[k] for k in SAME + virtual} == {k: t[k] for k in SAME + virtual}
+        assert m["TORCHELASTIC_ERROR_FILE"].startswith(str(ours.tmpdir))
         if argv is SPELLED_OUT:
             assert (m["MASTER_ADDR"], m["TORCHELASTIC_RUN_ID"]) == (t["MASTER_ADDR"], t["TORCHELASTIC_RUN_ID"]) == (
                 "localhost", "job7")
@@ -298,7 +309,7 @@ def test_two_nodes_by_hand_see_what_torchrun_gives_them(tmp_path):
         m = {k: v for k, v in b[rank].pop("env").items() if k not in env and k != "TMPDIR"}
         assert set(m) == set(t) | set(MPDDP_ADDS) | {"OMP_NUM_THREADS"}  # torchrun sets it for 2 ranks or more
         assert (t["MASTER_PORT"], m["MASTER_PORT"]) == (ports["torch.distributed.run"], ports["mpddp"])
-        everything_but = {"TORCHELASTIC_ERROR_FILE", "TORCHELASTIC_SIGNALS_TO_HANDLE", "OMP_NUM_THREADS", "MASTER_PORT"}
+        everything_but = {"TORCHELASTIC_ERROR_FILE", "OMP_NUM_THREADS", "MASTER_PORT"}
         assert {k: m[k] for k in t if k not in everything_but} == {k: t[k] for k in t if k not in everything_but}
         assert (m["RANK"], m["GROUP_RANK"], m["GROUP_WORLD_SIZE"], m["TORCHELASTIC_RUN_ID"]) == (
             str(rank), str(rank), "2", "none")

@@ -26,7 +26,7 @@ from ..rank.by_index import ByIndex
 from ..wire import signals, stacks
 from ..wire.payload import pack_call
 from .mp_spawn import SpawnContext
-from .startup import LAUNCHING, TRAINING_PRELOAD, interrupts_deferred, refuse_bootstrap, start_context
+from .startup import LAUNCHING, TRAINING_PRELOAD, interrupts_deferred, launcher_process, refuse_bootstrap, start_context
 
 LAYOUT_KEYS = ("nnodes", "node_rank", "master_addr", "master_port")
 
@@ -162,7 +162,7 @@ def run_node(config: LaunchConfig, payload: bytes, init_process_group: bool, pre
     from .job import run_job  # the attempt and what it imports: at the first launch, not at `import mpddp`
 
     # SIGTERM, SLURM's SIGUSR1, ...: the ranks get the signal and their grace (--signals-to-handle)
-    with stacks.on_demand(), signals.stops_on(signal_numbers(config.signals_to_handle)):
+    with stacks.on_demand(), signals.stops_on(signal_numbers(config.signals_to_handle), launcher_process()):
         return run_job(plan, mp_context, payload, init_process_group, listening, live)
 
 

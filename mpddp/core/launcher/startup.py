@@ -196,6 +196,11 @@ def launch_ended() -> None:
 
 
 _exits_after_launch = False
+
+
+def launcher_process() -> bool:
+    """Whether this process is mpddp's own (the command line's), which says itself why it stopped."""
+    return _exits_after_launch
 _helpers_stop: threading.Thread | None = None  # the stop under way, or done
 
 

@@ -111,14 +111,15 @@ def _terminated(signum: int, frame: FrameType | None) -> None:
 
 
 @contextlib.contextmanager
-def stops_on(signums: Sequence[int]) -> Iterator[None]:
+def stops_on(signums: Sequence[int], says_why: bool = False) -> Iterator[None]:
     """While a launch runs: each of ``signums`` (but SIGINT, a KeyboardInterrupt already) stops it, as
     :class:`Terminated`, so that the ranks get the signal and their grace (core/launcher/attempt.py).
 
     Why a launch's own: ``launch()`` runs in the user's process, where SIGTERM's default ends the launcher at
     once, and SLURM's SIGUSR1 is the command line's stack dump unless ``--signals-to-handle`` names it. The
     handlers before are back afterwards; a process that the signal would have ended (its default action) still
-    ends by it, once its ranks had their grace. Signals reach the main thread only: elsewhere, nothing changes.
+    ends by it, once its ranks had their grace, unless it ``says_why`` (the command line's: one line, exit 128 +
+    the signal). Signals reach the main thread only: elsewhere, nothing changes.
     """
     if threading.current_thread() is not threading.main_thread():
         yield
@@ -128,7 +129,7 @@ def stops_on(signums: Sequence[int]) -> Iterator[None]:
         yield
     except Terminated as e:
         _restore(previous)
-        if previous.get(e.signum) is signal.SIG_DFL:
+        if previous.get(e.signum) is signal.SIG_DFL and not says_why:
             signal.raise_signal(e.signum)  # as it would have, without the launch: the ranks are gone now
         raise
     finally:
