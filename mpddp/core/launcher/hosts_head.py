@@ -46,7 +46,7 @@ from ..wire.protocol import (
 )
 
 CHECK_TIMEOUT = 20.0  # seconds a host has to answer the environment check over ssh
-_STOP_GRACE = 10.0  # seconds a node has to stop its ranks after its stdin closed
+_STOP_GRACE = 10.0  # seconds a node has to stop its ranks after its stdin closed, beyond the ranks' own grace
 _REPORT_WINDOW = 5.0  # seconds the other nodes have to send their reports after the first failure
 _CAUSE = {Outcome.RAISED: 0, Outcome.EXITED: 0, Outcome.DIED: 1, Outcome.EARLY_EXIT: 2, Outcome.MISMATCH: 2,
           Outcome.HUNG: 3,
@@ -170,7 +170,7 @@ def launch_hosts(config: LaunchConfig, payload: bytes, init_process_group: bool,
                           environ={k: v for k, v in os.environ.items() if k.startswith("MPDDP_")})
     messages: queue.Queue[tuple[int, NodeMessage | NodeEnded]] = queue.Queue()
     nodes: list[_Node] = []
-    with _stopping(nodes):
+    with _stopping(nodes, config.shutdown_timeout or 0.0):
         nodes.append(_start(config, 0, config.master_port, request, messages))
         port = _wait_for_port(nodes[0], messages, config)
         for rank in range(1, config.nnodes):
@@ -246,14 +246,15 @@ def _root(nodes: list[_Node], failures: dict[int, MpddpError]) -> MpddpError:
 
 
 @contextmanager
-def _stopping(nodes: list[_Node]) -> Iterator[None]:
-    """Whatever happens (a failure, Ctrl-C, SIGTERM), stop every node and wait for its ssh to end."""
+def _stopping(nodes: list[_Node], grace: float) -> Iterator[None]:
+    """Whatever happens (a failure, Ctrl-C, SIGTERM), stop every node and wait for its ssh to end: a node told to
+    stop gives its ranks their ``grace`` (--shutdown-timeout) to save, and the head waits that long too."""
     try:
         yield
     finally:
         for node in nodes:
             node.stop()
-        deadline = time.monotonic() + _STOP_GRACE
+        deadline = time.monotonic() + grace + _STOP_GRACE
         for node in nodes:
             try:
                 node.proc.wait(max(0.1, deadline - time.monotonic()))
