@@ -309,3 +309,35 @@ def test_the_defaults_are_torchruns(monkeypatch):
     monkeypatch.setenv("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "7")
     assert LaunchConfig().shutdown_timeout == 7.0 == \
         TorchLaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=1).shutdown_timeout
+
+
+@pytest.mark.parametrize("visible, local", [(None, 0), (None, 2), ("4,6", 1), ("GPU-a1,GPU-b2", 0), (" 3, 5", 1)])
+def test_virtual_local_rank_on_gpus_is_torchruns_rule(monkeypatch, visible, local):
+    """Each GPU rank's CUDA_VISIBLE_DEVICES, from the node's (mpddp's pinned GPUs, or the user's), as torchrun's
+    own agent computes it."""
+    from types import SimpleNamespace
+
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+
+    from mpddp.core.launcher.plan import virtual_gpu_env
+    from mpddp.rank_math import RankSlot
+
+    if visible is None:
+        monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    else:
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+    theirs: dict[str, str | None] = {}
+    LocalElasticAgent._set_local_rank_env(None, theirs, local, SimpleNamespace(virtual_local_rank=True))
+    slot = RankSlot(node_rank=0, local_rank=local, rank=local, world_size=8, nprocs_per_node=8, gpu=local,
+                    cuda_index=local)
+    assert virtual_gpu_env(visible, slot) == theirs
+
+
+def test_virtual_local_rank_keeps_gpus_hidden_for_a_cpu_job():
+    """CUDA_VISIBLE_DEVICES='' made this a CPU job: a rank must not be shown GPU 1 (torchrun refuses local rank 1)."""
+    from mpddp.core.launcher.plan import virtual_gpu_env
+    from mpddp.rank_math import RankSlot
+
+    slot = RankSlot(node_rank=0, local_rank=1, rank=1, world_size=2, nprocs_per_node=2, gpu=None)
+    assert virtual_gpu_env("", slot) == {"LOCAL_RANK": "0"}
+    assert virtual_gpu_env(None, slot) == {"LOCAL_RANK": "0", "CUDA_VISIBLE_DEVICES": "1"}
