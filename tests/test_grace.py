@@ -53,6 +53,7 @@ def test_mpddp_run_ranks_keep_the_checkpoint_they_save_on_sigterm(tmp_path):
     out.mkdir()
     run = Run(["-m", "mpddp", "run", "--nprocs", "2", SAVE, str(out)], tmp_path)
     started(run, 2)
+    assert run.stdout.count("sigint=default") == 2  # the forkserver ignores SIGINT, its ranks do not
     sent = time.monotonic()
     run.proc.send_signal(signal.SIGTERM)
     rc = ended(run)
@@ -221,7 +222,8 @@ def test_numa_binding_without_a_gpu_says_it_binds_nothing(tmp_path):
 
 def test_ctrl_c_at_every_moment_of_mpddp_trains_start_prints_no_traceback(tmp_path):
     """A terminal's Ctrl-C reaches the whole process group: the launcher, and the forkserver while it imports."""
-    for moment in ("forkserver+0.8", "0.9", "2.1"):
+    # the forkserver's interpreter as it starts, its import of torch, and the issue's two moments
+    for moment in ("forkserver+0", "forkserver+0.8", "0.9", "2.1"):
         where = tmp_path / moment
         where.mkdir()
         run = Run(["-m", "mpddp", "train", "--nprocs", "2"], where)
@@ -237,6 +239,20 @@ def test_ctrl_c_at_every_moment_of_mpddp_trains_start_prints_no_traceback(tmp_pa
         assert rc == 130, (moment, rc, run.stderr)
         if moment.startswith("forkserver"):
             assert not running([server])
+
+
+def test_the_forkserver_ignores_a_ctrl_c_while_it_imports_torch(tmp_path):
+    """The terminal's Ctrl-C reaches the forkserver too (its process group is the launcher's until it imports
+    mpddp's worker): it must not die of it, or print a traceback, whoever gets the signal first."""
+    run = Run(["-m", "mpddp", "train", "--nprocs", "2"], tmp_path)
+    server = _forkserver_of(run)
+    time.sleep(0.3)
+    os.kill(server, signal.SIGINT)
+    time.sleep(1.0)
+    alive = running([server])
+    os.killpg(run.proc.pid, signal.SIGINT)
+    rc = ended(run)
+    assert alive and "Traceback" not in run.stderr and rc == 130, (alive, rc, run.stderr)
 
 
 def _forkserver_of(run: Run) -> int:

@@ -122,14 +122,17 @@ def restart_forkserver() -> int | None:
 
 
 def _ensure_running() -> None:
-    from multiprocessing import forkserver, util
+    from multiprocessing import forkserver, resource_tracker, util
 
     with _START_LOCK:
         # read by core/rank/forkserver.py when the forkserver imports the worker module: it cleans up after us
         os.environ[FORKSERVER_PARENT] = str(os.getpid())
         os.environ[FORKSERVER_TEMP] = util.get_temp_dir()
         # the forkserver starts with SIGINT blocked, until it ignores it (core/rank/forkserver.py); this thread's
-        # Ctrl-C meanwhile waits and comes after, as the standard library starts its resource tracker
+        # Ctrl-C meanwhile waits and comes after, as the standard library starts its resource tracker. That one
+        # first: its start unblocks SIGINT in this thread as it ends (seen: a Ctrl-C 0.9 s into a loaded start
+        # still reached the forkserver's interpreter as it began, "Fatal Python error: init_import_site")
+        resource_tracker.ensure_running()
         blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
         try:
             forkserver.ensure_running()

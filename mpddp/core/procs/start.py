@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import sys
 import time
 from typing import Any
 
@@ -66,10 +67,12 @@ def _seen_lost(forkserver: int) -> bool:
 
 
 def forkserver_pid() -> int | None:
-    """The running forkserver's pid (every rank's parent under the default start method), or None."""
-    from multiprocessing import forkserver
+    """The running forkserver's pid (every rank's parent under the default start method), or None.
 
-    return getattr(forkserver._forkserver, "_forkserver_pid", None)
+    Also from a Ctrl-C's handler that interrupted the stdlib module's own import (seen 0.6 s into a loaded
+    start: "partially initialized module 'multiprocessing.forkserver' has no attribute '_forkserver'"): None."""
+    module = sys.modules.get("multiprocessing.forkserver")
+    return getattr(getattr(module, "_forkserver", None), "_forkserver_pid", None)
 
 
 def _lost_error(forkserver: int, seen: str) -> Exception:
