@@ -67,6 +67,11 @@ class ConfigError(MpddpError, ValueError):
     """Bad input: a launch option, a task, a checkpoint path. CLI exit code 2."""
 
 
+class OtherJob(ConfigError):
+    """A launcher came to another job than its own: the job standing under its --rdzv-id (or at node 0's store)
+    runs another script or function, other arguments or another --nprocs. Bad input: it leaves that job as it was."""
+
+
 class ShipError(ConfigError):
     """``fn`` or one of its arguments cannot be sent to the worker processes."""
 
