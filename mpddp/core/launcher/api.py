@@ -24,6 +24,7 @@ from ...errors import ConfigError
 from ...shutdown_options import signal_numbers
 from ..rank.by_index import ByIndex
 from ..wire import signals, stacks
+from ..wire.fingerprint import call_job, script_job
 from ..wire.payload import pack_call
 from .mp_spawn import SpawnContext
 from .startup import LAUNCHING, TRAINING_PRELOAD, interrupts_deferred, launcher_process, refuse_bootstrap, start_context
@@ -103,24 +104,34 @@ def launch(
     refuse_unguarded(config)
     if config.max_restarts:  # a job that may restart trains: a restarted rank must not import torch._dynamo again
         preload = (*preload, *(m for m in TRAINING_PRELOAD if m not in preload))
-    payload = pack_call(fn, tuple(args), dict(kwargs or {}))
+    payload, job = pack_call(fn, tuple(args), dict(kwargs or {})), _job(fn, tuple(args))
     if config.hosts is not None:  # a launcher on every host, over ssh (core/launcher/hosts_head.py)
         if live:
             raise ConfigError("live=True with hosts=: the ranks run on the hosts, not under this process; run "
                               "`mpddp top` on one of the hosts instead")
         from .hosts_head import launch_hosts
 
-        return launch_hosts(config, payload, init_process_group, tuple(preload))
+        return launch_hosts(config, payload, init_process_group, tuple(preload), job)
     if config.nnodes > 1:
         from ...machine.netif import resolve
 
         resolve(config.master_addr)  # a bad address: one line now, before any process or torch import
     config, listening = _store_socket(config)
     try:
-        return run_node(config, payload, init_process_group, tuple(preload), listening, live)
+        return run_node(config, payload, init_process_group, tuple(preload), listening, live, job)
     finally:
         if listening is not None:
             listening.close()  # a failure before the store server took it; else closed already
+
+
+def _job(fn: Callable[..., Any], args: tuple) -> str:
+    """What this launch runs, as its fingerprint says it (core/wire/fingerprint.py): ``mpddp run``'s script and its
+    arguments, else the function (spawn's own, not its wrapper)."""
+    from ..rank.script import run_script
+
+    if fn is run_script:
+        return script_job(*args)
+    return call_job(fn.fn if isinstance(fn, ByIndex) else fn)
 
 
 def _store_socket(config: LaunchConfig) -> tuple[LaunchConfig, socket.socket | None]:
@@ -146,12 +157,13 @@ def _store_socket(config: LaunchConfig) -> tuple[LaunchConfig, socket.socket | N
 
 
 def run_node(config: LaunchConfig, payload: bytes, init_process_group: bool, preload: tuple[str, ...],
-             listening: socket.socket | None = None, live: bool = False) -> list[Any]:
+             listening: socket.socket | None = None, live: bool = False, job: str = "") -> list[Any]:
     """This node's ranks, from a checked config and a shipped ``fn``: the forkserver, the plan, the attempts.
 
     ``listening``: node 0's socket for the job's store, already listening (:func:`_store_socket`'s, or a ``--hosts``
     node's, core/launcher/hosts_node.py); None on the other nodes, and where each round's first node hosts its store.
-    ``live``: the job's table shown while it runs (core/launcher/live_display.py).
+    ``live``: the job's table shown while it runs (core/launcher/live_display.py). ``job``: what it runs, as the
+    other launchers of the job compare it (:func:`_job`).
     """
     LAUNCHING.set()  # the command line's start-up handler (exit_on_interrupt) now leaves Ctrl-C to the teardown
     with stacks.on_demand(), interrupts_deferred():  # SIGUSR1: where is every rank (from the first moment)
@@ -163,7 +175,7 @@ def run_node(config: LaunchConfig, payload: bytes, init_process_group: bool, pre
 
     # SIGTERM, SLURM's SIGUSR1, ...: the ranks get the signal and their grace (--signals-to-handle)
     with stacks.on_demand(), signals.stops_on(signal_numbers(config.signals_to_handle), launcher_process()):
-        return run_job(plan, mp_context, payload, init_process_group, listening, live)
+        return run_job(plan, mp_context, payload, init_process_group, listening, live, job)
 
 
 def refuse_unguarded(config: LaunchConfig) -> None:

@@ -163,11 +163,13 @@ def _start(config: LaunchConfig, rank: int, port: int, request: NodeRequest,
     return node
 
 
-def launch_hosts(config: LaunchConfig, payload: bytes, init_process_group: bool, preload: tuple[str, ...]) -> list:
-    """Run the job on every host; return every rank's value of every node, in global rank order."""
+def launch_hosts(config: LaunchConfig, payload: bytes, init_process_group: bool, preload: tuple[str, ...],
+                 runs: str = "") -> list:
+    """Run the job (``runs``: its script or function, for its fingerprint) on every host; return every rank's value
+    of every node, in global rank order."""
     check_hosts(config)
     request = NodeRequest(config, 0, config.master_port, payload, init_process_group, preload,
-                          environ={k: v for k, v in os.environ.items() if k.startswith("MPDDP_")})
+                          environ={k: v for k, v in os.environ.items() if k.startswith("MPDDP_")}, runs=runs)
     messages: queue.Queue[tuple[int, NodeMessage | NodeEnded]] = queue.Queue()
     nodes: list[_Node] = []
     with _stopping(nodes, config.shutdown_timeout or 0.0):

@@ -87,7 +87,8 @@ def serve(stdin: Any) -> int:
         send(protocol.NodePort(port))
     config = request.node_config(port)
     try:
-        values = run_node(config, request.payload, request.init_process_group, request.preload, sock)
+        values = run_node(config, request.payload, request.init_process_group, request.preload, sock,
+                          job=request.runs)
     except MpddpError as failure:
         send(protocol.NodeFailed(failure))
         return 0

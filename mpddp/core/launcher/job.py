@@ -39,16 +39,17 @@ from .startup import launch_ended, restart_forkserver
 
 
 def run_job(plan: Plan, mp_context: Any, payload: bytes, init_group: bool, listening: socket.socket | None,
-            live_table: bool = False) -> list[Any]:
+            live_table: bool = False, runs: str = "") -> list[Any]:
     """Every attempt of this node's part of the job, with the store up from the first to the last.
 
     ``listening``: node 0's socket for the job's store (core/launcher/api.py binds it where one store serves every
     round); without it, the rendezvous places each round's store, on a single node too. ``live_table``: the job's
-    table shown while it runs (``launch(..., live=True)``)."""
+    table shown while it runs (``launch(..., live=True)``). ``runs``: the job's script or function, as the other
+    launchers compare it (core/wire/fingerprint.py)."""
     config = plan.config
     port = listening.getsockname()[1] if listening is not None else config.master_port
     job = Job(plan, mp_context, payload, init_group, port,
-              forkserver=forkserver_pid() if config.start_method == "forkserver" else None)
+              forkserver=forkserver_pid() if config.start_method == "forkserver" else None, runs=runs)
     live = job.live = LiveView(job)
     with runtime_dir.serving(live.job_id, config.node_rank, lambda: live.snapshot().to_json()), \
             showing(live, live_table):  # mpddp top; launch(..., live=True)
@@ -69,7 +70,7 @@ def _dashboard(config: LaunchConfig, live: LiveView) -> contextlib.AbstractConte
 def _run(job: Job, listening: socket.socket | None) -> list[Any]:
     config, plan, port = job.config, job.plan, job.port
     if config.nnodes > 1 or listening is None:
-        job.link = open_rendezvous(config, port, plan.nprocs)  # it may connect only once the ranks run (its watch)
+        job.link = open_rendezvous(config, port, plan.nprocs, job.runs)  # it may connect only once the ranks run (its watch)
     values = None
     try:
         if listening is not None:

@@ -57,6 +57,7 @@ class Job:
     # admits a node is none (torchrun's agent counts no membership change); the same number on every node.
     restarts: int = 0
     live: LiveView | None = None  # what a watcher sees (mpddp top, core/launcher/live.py), set by run_job
+    runs: str = ""  # the job's script or function, as every launcher of it must run it (core/wire/fingerprint.py)
 
     def open_last_word(self, attempt: int, loss: str) -> None:
         """Node 0 of several, whose store serves every round, its store server just lost (``loss`` says how): a

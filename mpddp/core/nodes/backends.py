@@ -32,9 +32,10 @@ BACKENDS: dict[str, Callable[[], type[C10dRendezvous | EtcdRendezvous]]] = {"c10
                                                                             "etcd": _etcd}
 
 
-def open_rendezvous(config: LaunchConfig, port: int, nprocs: int) -> Rendezvous:
-    """This launcher's rendezvous for the job, by --rdzv-backend (``c10d``: node 0's store at ``port``)."""
-    return BACKENDS[config.rdzv_backend]()(config, port, nprocs)
+def open_rendezvous(config: LaunchConfig, port: int, nprocs: int, job: str = "") -> Rendezvous:
+    """This launcher's rendezvous for the job, by --rdzv-backend (``c10d``: node 0's store at ``port``), for a
+    launcher that runs ``job`` (core/wire/fingerprint.py)."""
+    return BACKENDS[config.rdzv_backend]()(config, port, nprocs, job)
 
 
 def hosts_round_store(config: LaunchConfig) -> bool:

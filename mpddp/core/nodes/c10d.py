@@ -22,16 +22,17 @@ from typing import Any
 
 from ... import rank_math
 from ...config import LaunchConfig
-from ...errors import ConfigError, NeverArrived, Outcome, RendezvousError, RendezvousGone, StoreLost
+from ...errors import ConfigError, NeverArrived, OtherJob, Outcome, RendezvousError, RendezvousGone, StoreLost
 from ..stores import last_word
 from ..stores.c10d_client import C10dClient
 from ..stores.clock import MACHINE
 from ..stores.store_beat import ABSENT, KeptRecord, first_record, read_all, record_of
 from ..wire import protocol
+from ..wire.fingerprint import Fingerprint, refusal
 from ..wire.protocol import FailureRecord, full_key
 from . import membership, rules
 from .api import POLL, STALLED_AFTER, Lost, Round, RoundStore, View, names, went_away
-from .c10d_keys import C10dKeys, arrived, close_door, join_barrier, missing_ranks, take_number
+from .c10d_keys import C10dKeys, arrived, close_door, join_barrier, missing_ranks, standing_job, take_number
 from .c10d_watch import LIVE_BEATS, C10dRoundWatch
 from .rules import NodeState
 
@@ -50,8 +51,9 @@ class C10dRendezvous:
     interval = POLL  # a store has no watch: look again soon
     clock = MACHINE  # what its waits read and sleep on (a test's own, injected)
 
-    def __init__(self, config: LaunchConfig, port: int, nprocs: int) -> None:
+    def __init__(self, config: LaunchConfig, port: int, nprocs: int, job: str = "") -> None:
         self.config, self.port, self.nprocs = config, port, nprocs
+        self.job = Fingerprint(job, nprocs) if job else None  # an elastic job's newcomer: as node 0's, or refused
         self.client = C10dClient(config, port)  # node 0's store, connected on first use
         self.gone: set[int] = set()  # nodes found lost (no beat, no end): node 0 does not wait for them to leave
         self.absent: set[int] = set()  # nodes that never arrived in the first round: node 0 does not wait for them
@@ -122,6 +124,8 @@ class C10dRendezvous:
         launched = self.launched
         keys = C10dKeys(self)
         try:
+            if attempt == 0 and self.job is not None:  # a fixed-size job's ranks compare it (their roll call)
+                self._same_job(self.job)
             here, _ = membership.join_round(
                 keys, keys.latest() if attempt == 0 else attempt, self.me, low=launched.min_nnodes,
                 high=launched.nnodes, node_rank=launched.node_rank, last_call=launched.rdzv_settings().last_call_timeout,
@@ -135,6 +139,13 @@ class C10dRendezvous:
         self.config = replace(launched, nnodes=here.nnodes, node_rank=here.node_rank)
         self.gone = set()  # node ranks are the new round's: those lost before are not among them
         return here
+
+    def _same_job(self, mine: Fingerprint) -> None:
+        """:class:`OtherJob` when node 0's launcher runs another job than this one (node 0 says its own)."""
+        found = self.client.call(lambda s: standing_job(s, mine.encode(), self.launched.node_rank == 0))
+        if (standing := Fingerprint.decode(found)) is not None and (difference := mine.differs(standing)):
+            raise OtherJob(refusal(f"the job at {self.launched.master_addr}:{self.port} (node 0's store)", difference,
+                                   "give this job a --master-port of its own"))
 
     def round_store(self, attempt: int, host: Callable[[str], int], script: bool = False) -> RoundStore:
         """Node 0's, at --master-addr and --master-port, for every round: no other node can take its place. A

@@ -26,6 +26,7 @@ _FAILING, _CLOSED = b"failing", b"closed"  # a node waits for a failure's record
 _DOOR_MARKS = {NodeState.WAITING: _FAILING, NodeState.RETURNED: _CLOSED}  # the moves that shut a round's door, and how
 _ROUND = "mpddp/job/round"  # the round an elastic job is in now, for a launcher that comes late
 _NUMBERED = "mpddp/job/numbered"  # a counter: the launchers of a fixed-size job numbered as they came (1, 2, ...)
+_RUNS = "mpddp/job/runs"  # what node 0's launcher runs (core/wire/fingerprint.py): a newcomer's must be the same
 
 
 class C10dLink(Protocol):
@@ -106,6 +107,14 @@ def take_number(s: Any, me: str, nnodes: int) -> int | None:
         if s.compare_set(key, "", me).decode() == me:
             return number
     return None
+
+
+def standing_job(s: Any, mine: str, host: bool) -> bytes | None:
+    """The job's fingerprint: ``mine``, set by the store's host (node 0's launcher, as it joins), else the one it set;
+    None while it has not (the job's start: each rank's roll call compares then, core/rank/worker.py)."""
+    if host:
+        return bytes(s.compare_set(_RUNS, "", mine))
+    return bytes(s.get(_RUNS)) if s.check([_RUNS]) else None
 
 
 class C10dKeys:

@@ -29,6 +29,7 @@ from ..stores.deadline import SILENT, within
 from ..stores.etcd_client import EtcdClient, EtcdFull, KeptLease
 from ..stores.etcd_kv import EtcdKV, absent, equal, found, put, read
 from ..stores.store_beat import StoreBeat
+from ..wire.fingerprint import Fingerprint
 from ..wire.protocol import FailureRecord
 from . import membership
 from .api import Lost, Round, RoundLost, RoundStore, View, went_away
@@ -46,9 +47,10 @@ class EtcdRendezvous(EtcdKV):
     hosts_round_store = True  # each round's first node hosts that round's store (api.Rendezvous)
     clock = MACHINE  # what its waits read and sleep on (a test's own, injected)
 
-    def __init__(self, config: LaunchConfig, port: int, nprocs: int) -> None:
+    def __init__(self, config: LaunchConfig, port: int, nprocs: int, job: str = "") -> None:
         settings = config.rdzv_settings()
         self.config, self.nprocs = config, nprocs  # config: this round's, from each join on
+        self.job = Fingerprint(job, nprocs) if job else None  # what this launcher runs: its incarnation's, or refused
         self.launched = config  # as the user started it: nnodes is MAX, min_nnodes MIN
         client = EtcdClient(config.rdzv_endpoint or "", settings.tls, timeout=config.timeout,
                             start=config.node_rank or None)  # 0 or not given: arrival numbers it; any member
@@ -132,7 +134,7 @@ class EtcdRendezvous(EtcdKV):
                 self.kept = KeptLease(self.client, self.ttl, timeout=wait)
             if self.identity is None:
                 self.identity = Identity(self, self.launched.rdzv_id or "", self.me, self._address(),
-                                         self.launched.nnodes)
+                                         self.launched.nnodes, self.job)
         except EtcdFull as e:
             raise RendezvousError(f"{e}; the job cannot start") from None
         except RendezvousGone:

@@ -8,9 +8,11 @@ of them is gone. Alive is asked of the launchers themselves: each one listens on
 (:class:`Probe`) and puts where, with its lease, under ``launcher/``. A refused connection says its process is
 gone; an answer (a frozen process's kernel answers too) or no answer at all (a machine lost, or out of reach)
 never does: then the lease decides, within its TTL. So a live job is never taken over, and a crashed one is
-replaced at once. The same reading decides a ``--node-rank`` held by another launcher (``claim/<rank>``): refused
-in one line while it lives, taken over once it is gone. Two launches started together, without node ranks, are
-one job with spares to etcd: nothing tells them apart (core/nodes/membership.py's spare says so).
+replaced at once. The incarnation's :class:`~mpddp.core.wire.fingerprint.Fingerprint` (what its launchers run) is
+written with it (``job``): a launcher whose own differs never joins it, refused in one line. The same reading
+decides a ``--node-rank`` held by another launcher (``claim/<rank>``): refused in one line while it lives, taken
+over once it is gone. Two launches of one script and arguments started together, without node ranks, are one job
+with spares to etcd: nothing tells them apart (core/nodes/membership.py's spare says so).
 
 Leaves the rounds under an incarnation to core/nodes/etcd.py and core/nodes/membership.py.
 """
@@ -28,9 +30,10 @@ import uuid
 from collections.abc import Iterable
 from typing import Any
 
-from ...errors import AddressError, ConfigError
+from ...errors import AddressError, ConfigError, OtherJob
 from ...log import logger
 from ..stores.etcd_kv import EtcdKV, absent, delete, equal, put
+from ..wire.fingerprint import Fingerprint, refusal
 
 _PROBE_WAIT = 1.0  # seconds a probe's connection may take: no answer by then is not a proof of death
 _SAMPLE = 8  # launchers probed first: in a live job the first answers; all are probed only when these refused
@@ -100,10 +103,11 @@ class Probe:
 
 class Identity:
     """This launcher's incarnation of job ``rdzv_id`` and its claim on a ``--node-rank`` (of ``high``: MAX),
-    through ``kv``, its keys put with this launcher's lease; it listens at ``address``."""
+    through ``kv``, its keys put with this launcher's lease; it listens at ``address``, and runs ``job``."""
 
-    def __init__(self, kv: EtcdKV, rdzv_id: str, me: str, address: str, high: int) -> None:
-        self.kv, self.rdzv_id, self.me, self.ttl, self.high = kv, rdzv_id, me, kv.ttl, high
+    def __init__(self, kv: EtcdKV, rdzv_id: str, me: str, address: str, high: int,
+                 job: Fingerprint | None = None) -> None:
+        self.kv, self.rdzv_id, self.me, self.ttl, self.high, self.job = kv, rdzv_id, me, kv.ttl, high, job
         self.base = f"/mpddp/{rdzv_id}/"
         self.probe = Probe(address)
         self.host = socket.gethostname()
@@ -134,8 +138,12 @@ class Identity:
                 continue
             token = current if current is not None and state is not Liveness.GONE else uuid.uuid4().hex[:12]
             puts = [put(self.prefix(token) + "launcher/" + self.me, self._card, self.kv.lease())]
-            if token != current:
+            if token == current:  # a live launch's: written with it, so there once its token is
+                self._same_job(token)
+            else:
                 puts.append(put(pointer, token))
+                if self.job:
+                    puts.append(put(self.prefix(token) + "job", self.job.encode()))
                 if current is not None:
                     puts.append(put(self.base + "old/" + current, ""))  # swept once its last lease is gone
             if self.kv.commit([absent(pointer) if current is None else equal(pointer, current)], puts)["succeeded"]:
@@ -145,6 +153,13 @@ class Identity:
                 self.token = token
                 self.sweep()
                 return self.prefix(token)
+
+    def _same_job(self, token: str) -> None:
+        """:class:`OtherJob` when incarnation ``token`` runs another job than this launcher's (none written: an
+        mpddp that wrote none made it, not compared)."""
+        standing = Fingerprint.decode(self.kv.get(self.prefix(token) + "job"))
+        if self.job and standing and (difference := self.job.differs(standing)):
+            raise OtherJob(refusal(f"--rdzv-id {self.rdzv_id}", difference, "give this job a --rdzv-id of its own"))
 
     def _standing(self, token: str) -> Liveness:
         """Whether a launcher of incarnation ``token`` lives: the first few asked, all of them only when those

@@ -26,13 +26,15 @@ from ...errors import MpddpError, Outcome
 
 @dataclass(frozen=True)
 class RollCall:
-    """What each rank of a job of several nodes checks in its round's store before it joins the group: that no
-    other launcher holds its node rank, and that every node was started with the same shape."""
+    """What each rank of a job of several nodes checks in its round's store before it joins the group: that its
+    launcher runs the job of the round's node 0, that no other launcher holds its node rank, and that every node
+    was started with the same shape."""
 
     launcher: str  # this node's launcher: host, pid and a random tail
     node_rank: int
     nnodes: int
     nprocs: int
+    runs: str = ""  # the job's script or function (core/wire/fingerprint.py); "": not compared
 
 
 @dataclass(frozen=True)
@@ -175,6 +177,7 @@ def claim_key(node: int) -> str:
     return f"claim/{node}"
 
 
+RUNS = "runs"  # set once, by the ranks of the round's node 0: its job (RollCall.runs), which every node's must be
 SHAPE = "shape"  # set once, by the first rank to come: the --nnodes and --nprocs of its node, which every node's must be
 
 
@@ -287,6 +290,7 @@ class NodeRequest:
     init_process_group: bool
     preload: tuple[str, ...]
     environ: dict[str, str]  # the head's MPDDP_* variables
+    runs: str = ""  # the job's script or function, as its fingerprint says it (core/wire/fingerprint.py)
 
     def node_config(self, master_port: int) -> LaunchConfig:
         """This node's config: the head's, without its hosts (a node starts no ssh), at its rank and port."""
