@@ -68,7 +68,7 @@ def start_ranks(job: Job, attempt: int, relay: Relay, states: list[RankState], e
             ctx=ctx, store_addr=config.master_addr, store_port=port, store_prefix=protocol.attempt_prefix(attempt),
             timeout=config.timeout, env=rank_env(shared_env, slot, error_dir, config.virtual_local_rank), threads=plan.threads,
             payload=job.payload, banner=banner(ctx) if config.verbose else None, init_group=job.init_group,
-            roll=protocol.RollCall(job.link.me, config.node, config.nnodes, plan.nprocs)
+            roll=protocol.RollCall(job.link.me, config.node, config.nnodes, plan.nprocs, job.runs)
             if job.link is not None and config.nnodes > 1 else None,
             # a forked child inherits every pipe: it must close the ends that are not its own
             close_fds=tuple(sorted(all_fds - {c.fileno() for c in ch.worker_ends}))

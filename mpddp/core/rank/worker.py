@@ -37,6 +37,7 @@ import torch.distributed as dist
 from ...log import logger
 from ..procs import teardown
 from ..wire import protocol, stacks
+from ..wire.fingerprint import Fingerprint, refusal
 from ..wire.protocol import WorkerSpec
 from . import outcome, recorder
 from .by_index import ByIndex
@@ -103,10 +104,13 @@ def _round_store(spec: WorkerSpec) -> Any:
     return torch.distributed.PrefixStore(spec.store_prefix, _connect(spec.store_addr, spec.store_port, spec.timeout))
 
 
-def _roll_call(roll: protocol.RollCall, rank: int, store: Any) -> protocol.Refused | None:
-    """Before this rank joins: its node rank is its launcher's alone in this round (the first launcher to come
-    with it holds it), and its node's --nnodes and --nprocs are the first node's; then its arrival, numbered
-    (node 0 names the ranks that never came). Four operations."""
+def _roll_call(roll: protocol.RollCall, rank: int, store: Any, where: str) -> protocol.Refused | None:
+    """Before this rank joins: its launcher runs the job of the round's node 0 (:func:`_other_job`, first: a
+    launcher of another job takes no node rank from this one's), its node rank is its launcher's alone in this
+    round (the first launcher to come with it holds it), and its node's --nnodes and --nprocs are the first
+    node's; then its arrival, numbered (node 0 names the ranks that never came). Six operations."""
+    if (other := _other_job(roll, store, where)) is not None:
+        return protocol.Refused(other, shared=False)
     holder = store.compare_set(protocol.claim_key(roll.node_rank), "", roll.launcher).decode()
     if holder != roll.launcher:
         return protocol.Refused(f"--node-rank {roll.node_rank} is taken: the launcher {holder} came first with it; "
@@ -119,6 +123,24 @@ def _roll_call(roll: protocol.RollCall, rank: int, store: Any) -> protocol.Refus
     return protocol.Refused(f"node {roll.node_rank} was started with --nnodes {roll.nnodes} --nprocs {roll.nprocs}, "
                             f"node {node} with --nnodes {nnodes} --nprocs {nprocs}: start every node's launcher with "
                             "the same --nnodes and --nprocs", shared=True)
+
+
+def _other_job(roll: protocol.RollCall, store: Any, where: str) -> str | None:
+    """The line that refuses a launcher of another job than the round's node 0 (the store at ``where``), whose
+    ranks say theirs; the others wait for it, as long as their group would wait for node 0's ranks (gone by then:
+    the launcher names them, and this check is moot). None: the same job, or one not said ("": not compared)."""
+    if roll.node_rank == 0:
+        standing = store.compare_set(protocol.RUNS, "", roll.runs).decode()
+    else:
+        try:
+            store.wait([protocol.RUNS])
+        except Exception:  # noqa: BLE001 - torch's timeout: node 0's ranks never came
+            return None
+        standing = store.get(protocol.RUNS).decode()
+    mine = Fingerprint(roll.runs, roll.nprocs)  # --nprocs: the shape's, told to every node (below)
+    if not (roll.runs and standing and (difference := mine.differs(Fingerprint(standing, roll.nprocs)))):
+        return None
+    return refusal(f"the job at {where} (node 0's store)", difference, "give this job a --master-port of its own")
 
 
 def _init_group(spec: WorkerSpec, store: Any) -> None:
@@ -268,7 +290,7 @@ def run_rank(spec: WorkerSpec, messages: Connection, out: Connection, err: Conne
                 _bind_near(int(ctx.device.partition(":")[2]), spec.numa_binding)
         store = _round_store(spec) if spec.init_group or spec.roll is not None else None
         if spec.roll is not None:
-            if (refused := _roll_call(spec.roll, ctx.rank, store)) is not None:
+            if (refused := _roll_call(spec.roll, ctx.rank, store, f"{spec.store_addr}:{spec.store_port}")) is not None:
                 _send(messages, refused)
                 raise _Refused
             _send(messages, protocol.Joined())  # through node 0's store: it answered (a script's group is its own)
