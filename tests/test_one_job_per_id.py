@@ -17,6 +17,11 @@ import time
 import pytest
 from multinode import free_port
 
+from mpddp.core.launcher.api import _job
+from mpddp.core.rank.by_index import ByIndex
+from mpddp.core.rank.script import run_script
+from mpddp.core.wire.fingerprint import Fingerprint
+
 from runs import Run
 
 pytestmark = pytest.mark.timeout(240)
@@ -218,3 +223,42 @@ def test_a_newcomer_of_another_job_is_refused_and_the_running_job_goes_on(tmp_pa
     finally:
         for run in runs:
             run.kill()
+
+
+def _train(ctx, lr):  # a function a user launches
+    return lr
+
+
+@pytest.mark.parametrize("fn, args, expected", [
+    (run_script, ("/home/a/exp/train.py", ("--lr", "0.1"), False), "train.py --lr 0.1"),
+    (run_script, ("./train.py", (), False), "train.py"),  # the folder is left out: each machine keeps it elsewhere
+    (run_script, ("train.py", ("--name", "a b"), False), "train.py --name 'a b'"),  # quoted as a shell would
+    (run_script, ("pkg.train", ("--lr", "1"), True), "-m pkg.train --lr 1"),
+    (_train, (0.1,), f"{__name__}._train"),  # a function's arguments are not compared (see the module's header)
+    (ByIndex(_train), (), f"{__name__}._train"),  # mpddp.spawn's: the user's function, not its wrapper
+])
+def test_a_launch_says_what_it_runs(fn, args, expected):
+    assert _job(fn, args) == expected
+
+
+@pytest.mark.parametrize("mine, standing, expected", [
+    (("job.py 1", 2), ("job.py 1", 2), None),
+    (("job.py 1", 2), ("job.py 2", 2), "it runs `job.py 2`, this launcher `job.py 1`"),
+    (("job.py 1", 1), ("job.py 1", 2), "its nodes run --nprocs 2, this launcher --nprocs 1"),
+    (("a.py", 1), ("b.py", 2), "it runs `b.py`, this launcher `a.py`; its nodes run --nprocs 2, this launcher --nprocs 1"),
+    (("a.py", 1), ("x" * 300, 1), f"it runs `{'x' * 200}…`, this launcher `a.py`"),  # a long one shown in part
+])
+def test_two_fingerprints_differ_in_what_the_line_says(mine, standing, expected):
+    assert Fingerprint(*mine).differs(Fingerprint(*standing)) == expected
+
+
+@pytest.mark.parametrize("text", [None, b"", b"not json", b"[]", b"{}", b'{"job": 1, "nprocs": 2}',
+                                  b'{"job": "a.py", "nprocs": "2"}', b'{"job": "a.py"}'])
+def test_a_fingerprint_read_from_a_store_that_is_not_one_is_none(text):
+    """What another launcher wrote is read as untrusted: anything but a fingerprint is none (not compared)."""
+    assert Fingerprint.decode(text) is None
+
+
+def test_a_fingerprint_crosses_a_store_unchanged():
+    fingerprint = Fingerprint("train.py --name 'a b' é", 8)
+    assert Fingerprint.decode(fingerprint.encode().encode()) == fingerprint
