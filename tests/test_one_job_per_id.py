@@ -75,7 +75,8 @@ def _one_job_runs(tmp_path, jobs: tuple[tuple[str, str], ...], backend: list[str
     ends with exit code 2 and one line, ``refused_line(run, node_rank, its job, the running job)`` (None: any)."""
     _scripts(tmp_path)
     # job 0's node 0 and job 1's node 1 first: the two that formed one world before
-    runs = {(j, n): _launcher(tmp_path, f"job{j}-node{n}", jobs[j], n, backend) for j, n in ((0, 0), (1, 1), (0, 1), (1, 0))}
+    runs = {(j, n): _launcher(tmp_path, f"job{j}-node{n}", jobs[j], n, backend)
+            for j, n in ((0, 0), (1, 1), (0, 1), (1, 0))}
     try:
         deadline = time.monotonic() + 120
         while sum(run.proc.poll() is not None for run in runs.values()) < 2 and time.monotonic() < deadline:
@@ -245,7 +246,8 @@ def test_a_launch_says_what_it_runs(fn, args, expected):
     (("job.py 1", 2), ("job.py 1", 2), None),
     (("job.py 1", 2), ("job.py 2", 2), "it runs `job.py 2`, this launcher `job.py 1`"),
     (("job.py 1", 1), ("job.py 1", 2), "its nodes run --nprocs 2, this launcher --nprocs 1"),
-    (("a.py", 1), ("b.py", 2), "it runs `b.py`, this launcher `a.py`; its nodes run --nprocs 2, this launcher --nprocs 1"),
+    (("a.py", 1), ("b.py", 2),
+     "it runs `b.py`, this launcher `a.py`; its nodes run --nprocs 2, this launcher --nprocs 1"),
     (("a.py", 1), ("x" * 300, 1), f"it runs `{'x' * 200}…`, this launcher `a.py`"),  # a long one shown in part
 ])
 def test_two_fingerprints_differ_in_what_the_line_says(mine, standing, expected):

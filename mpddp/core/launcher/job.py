@@ -70,7 +70,8 @@ def _dashboard(config: LaunchConfig, live: LiveView) -> contextlib.AbstractConte
 def _run(job: Job, listening: socket.socket | None) -> list[Any]:
     config, plan, port = job.config, job.plan, job.port
     if config.nnodes > 1 or listening is None:
-        job.link = open_rendezvous(config, port, plan.nprocs, job.runs)  # it may connect only once the ranks run (its watch)
+        # it may connect only once the ranks run (its watch)
+        job.link = open_rendezvous(config, port, plan.nprocs, job.runs)
     values = None
     try:
         if listening is not None:

@@ -1,8 +1,9 @@
 """What the ``c10d`` backend keeps in node 0's store beyond the round's own keys: core/nodes/membership.py's, for
 an elastic job, and a round's door (a newcomer is admitted until a node waits for a failure or returned); a
 fixed-size job's numbers for the launchers that come without ``--node-rank``; a restarted round's barrier; the
-ranks that never came; and what node 0's launcher runs, which an elastic job's newcomer must run too. Also :class:`C10dLink`, what this module and core/nodes/c10d_watch.py use of the backend
-(core/nodes/c10d.py), which imports them."""
+ranks that never came; and what node 0's launcher runs, which an elastic job's newcomer must run too. Also
+:class:`C10dLink`, what this module and core/nodes/c10d_watch.py use of the backend (core/nodes/c10d.py), which
+imports them."""
 
 from __future__ import annotations
 
