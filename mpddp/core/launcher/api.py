@@ -143,11 +143,12 @@ def _store_socket(config: LaunchConfig) -> tuple[LaunchConfig, socket.socket | N
     port free) is node 0 and hosts the store; any other joins it as a client and is numbered as it comes
     (core/nodes/c10d.py). The bind decides, and is kept: two launchers on one machine cannot both be node 0.
     """
-    from ..nodes.backends import hosts_round_store
+    # asked of rendezvous_options, not of the backend's class: importing the backends (core/nodes/) here cost every
+    # launch about 40 ms before its forkserver started, in series with the forkserver's own imports
+    if not rendezvous_options.node_0_hosts_store(config.rdzv_backend):
+        return config, None  # each round's store is its first node's, whatever its number (core/launcher/job.py)
     from ..stores.listen import listen, try_listen
 
-    if hosts_round_store(config):  # each round's store is its first node's, whatever its number (core/launcher/job.py)
-        return config, None
     if config.node_rank == 0:
         return config, listen(config.master_addr, config.master_port)
     if config.node_rank is None:
