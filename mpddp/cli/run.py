@@ -81,12 +81,14 @@ def run(target: str, script_args: tuple[str, ...], is_module: bool, **options: A
     exit code is the failing rank's (torchrun's is 1).
     """
     from ..core.launcher.api import launch
-    from ..core.rank.script import run_script
+    from ..core.rank.script import compile_error, run_script
 
     if target.startswith("-") and (is_module or not os.path.isfile(target)):
         raise _no_such_option(target)
     if not is_module and not os.path.isfile(target):
         raise ConfigError(f"script {target!r} does not exist: pass a path to a .py file, or -m for a module")
+    if not is_module and (error := compile_error(target)) is not None:  # once, here, not by every rank
+        raise ConfigError(f"{error}; the script does not compile, and no worker was started: fix that line")
     if is_module and not _importable(target):
         raise ConfigError(
             f"module {target!r} cannot be found from {os.getcwd()}: check its name, run from the directory "

@@ -5,8 +5,11 @@ module) as ``__main__`` with its own ``sys.argv``, exactly as ``python
 script.py args`` would. The script calls ``init_process_group("env://")``
 itself; the launcher's environment (RANK, LOCAL_RANK, WORLD_SIZE,
 MASTER_ADDR/PORT, TORCHELASTIC_USE_AGENT_STORE) makes rank 0 join the
-launcher's store instead of binding the port. Leaves the command's options
-to cli/run.py and the rest of the worker's life to core/rank/worker.py.
+launcher's store instead of binding the port; and :func:`compile_error`, the
+launcher's look at the script before any worker starts: one that does not
+compile is told once, in one line, instead of by every rank. Leaves the
+command's options to cli/run.py and the rest of the worker's life to
+core/rank/worker.py.
 """
 
 from __future__ import annotations
@@ -17,6 +20,25 @@ import sys
 from typing import Any
 
 from ...context import WorkerContext
+
+
+def compile_error(path: str) -> str | None:
+    """``"train.py:12: SyntaxError: '(' was never closed"`` where the script does not compile, else None.
+
+    Compiled from its bytes, as runpy does (a ``# coding:`` line counts); nothing of it runs. A script that cannot
+    be read is left to the workers, whose error says why."""
+    try:
+        with open(path, "rb") as f:
+            source = f.read()
+    except OSError:
+        return None
+    try:
+        compile(source, path, "exec", dont_inherit=True)
+    except SyntaxError as e:  # IndentationError and TabError too
+        return f"{e.filename or path}:{e.lineno}: {type(e).__name__}: {e.msg}"
+    except ValueError as e:  # a null byte (a SyntaxError from Python 3.12 on)
+        return f"{path}: {type(e).__name__}: {e}"
+    return None
 
 
 def run_script(ctx: WorkerContext, target: str, argv: tuple[str, ...], is_module: bool) -> Any:
