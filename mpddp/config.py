@@ -42,9 +42,10 @@ def check_int(name: str, value: object, low: int, high: int | None, fix: str, ve
         raise ConfigError(f"{name}={value} {verdict}: it must be {allowed}{fix}")
 
 
-def _cli(help: str, kind: Any = str, *decls: str) -> dict[str, Any]:
-    """A field's command-line option: its help, its click type (or "flag"), extra spellings."""
-    return {"cli": {"help": help, "type": kind, "decls": decls}}
+def _cli(help: str, kind: Any = str, *decls: str, **more: Any) -> dict[str, Any]:
+    """A field's command-line option: its help, its click type (or "flag"), extra spellings; ``bare``: its value
+    when given alone, ``check``: the form of its word, checked as the line is read, ``metavar`` (cli/options.py)."""
+    return {"cli": {"help": help, "type": kind, "decls": decls, **more}}
 
 
 def parse_nprocs(spec: str | int | None) -> int | None:
@@ -197,8 +198,9 @@ class LaunchConfig:
         "Draw every rank's arrival lag at each collective over time into this picture (.png, .svg or .pdf), "
         "to see a straggler and when it started; needs matplotlib (pip install 'mpddp[plot]')."))
     dashboard: str | None = field(default=None, metadata=_cli(  # launch(dashboard=True / 8265 / "HOST:PORT") too
-        "Serve a live web page of the job: auto (127.0.0.1, a free port), PORT or HOST:PORT; the URL is printed "
-        "at the start; read-only."))
+        "Serve a live web page of the job: auto (127.0.0.1, a free port; also --dashboard alone), PORT or "
+        "HOST:PORT; the URL is printed at the start; read-only.", str,
+        bare=dashboard_options.BARE, check=dashboard_options.command_line_form, metavar="[auto|PORT|HOST:PORT]"))
     dashboard_remote: bool = field(default=False, metadata=_cli(
         "Let --dashboard listen on an address other machines reach; its URL then carries a random token.", "flag"))
     env: tuple[tuple[str, str], ...] = field(default=(), metadata={"doc": (  # no flag: `mpddp run` fills it

@@ -1,7 +1,8 @@
 """``--dashboard``'s address, and who may load the page: pure rules, checked once in config.py.
 
 Owns: :func:`parse` (``auto``, ``PORT``, ``HOST:PORT`` or ``launch(dashboard=True/8080/"HOST:PORT")`` as one
-canonical ``HOST:PORT``), :func:`split` (it back to a host and a port), :func:`is_local` and the rule that an
+canonical ``HOST:PORT``), :func:`split` (it back to a host and a port), :func:`command_line_form` (the word after a
+bare ``--dashboard``, told at once when it is no address: the script, most likely), :func:`is_local` and the rule that an
 address other machines can reach needs ``--dashboard-remote`` (the page's URL then carries a random token). Why a
 flag and not a default token: the page shows what every rank prints; opening it beyond this machine must be said.
 Leaves binding the address (a port taken, a host not of this machine) and the token to core/launcher/dashboard.py.
@@ -14,6 +15,7 @@ import ipaddress
 from .errors import ConfigError
 
 LOCAL = "127.0.0.1"
+BARE = "auto"  # `--dashboard` given alone (followed by another option, or last on the line)
 _FIX = "pass --dashboard auto (127.0.0.1, a free port), PORT or HOST:PORT, e.g. --dashboard 8265"
 
 
@@ -37,6 +39,22 @@ def parse(value: object, remote: bool) -> str | None:
                           "--dashboard-remote too (its URL then carries a random token), or keep 127.0.0.1 and "
                           f"reach it with ssh -L {port or 8265}:127.0.0.1:{port or 8265} from your machine")
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def command_line_form(value: str | None) -> str | None:
+    """The option's word as given on a command line, if it is ``auto``, ``PORT`` or ``HOST:PORT``; else
+    :class:`ConfigError`. Why here and not in :func:`parse` alone: a bare ``--dashboard`` before the script takes the
+    script's name as its address (click cannot tell them apart), and the command line would then say only that the
+    script is missing."""
+    if value is None or value == BARE:
+        return value
+    try:
+        split(value)
+    except ConfigError:
+        raise ConfigError(f"dashboard={value!r} is not PORT or HOST:PORT: --dashboard takes auto, PORT or HOST:PORT; "
+                          f"alone (last, or before another option) it means auto, and before the script, write "
+                          f"--dashboard auto {value}.") from None
+    return value
 
 
 def split(value: str) -> tuple[str, int]:

@@ -18,6 +18,7 @@ import click
 
 from ..config import LaunchConfig
 from ..core.launcher.api import make_config
+from ..errors import ConfigError
 
 EXIT_BAD_INPUT = 2
 EXIT_SIGINT = 130
@@ -32,7 +33,22 @@ def _option(f: Field[Any]) -> Callable[[Callable[..., Any]], Callable[..., Any]]
     if kind == "flag":
         return click.option(name, *cli["decls"], f.name, is_flag=True, default=False, help=cli["help"])
     click_type = click.Path(file_okay=False) if kind == "directory" else kind
-    return click.option(name, *cli["decls"], f.name, type=click_type, default=None, help=cli["help"])
+    more: dict[str, Any] = {"metavar": cli["metavar"]} if "metavar" in cli else {}
+    if "bare" in cli:  # a value of its own when given alone (last, or before another option): --dashboard
+        more |= {"is_flag": False, "flag_value": cli["bare"]}
+    if "check" in cli:  # told as the line is read: a word taken for the value (the script's name) is named
+        more["callback"] = _checked(cli["check"])
+    return click.option(name, *cli["decls"], f.name, type=click_type, default=None, help=cli["help"], **more)
+
+
+def _checked(check: Callable[[Any], Any]) -> Callable[[click.Context, click.Parameter, Any], Any]:
+    def callback(ctx: click.Context, param: click.Parameter, value: Any) -> Any:
+        try:
+            return check(value)
+        except ConfigError as e:
+            raise click.BadParameter(str(e), ctx, param) from None
+
+    return callback
 
 
 def launch_options(command: Callable[..., Any]) -> Callable[..., Any]:
