@@ -159,8 +159,8 @@ def export(rev: str, into: str) -> str:
 def bench(ranks: list[int], reps: int, warmup: bool, timeout: float, baseline_rev: str | None,
           quiet: tuple[float, float], only: set[str] | None = None) -> dict[str, Any]:
     table_of = rows(ranks, baseline_rev is not None)
-    if only:
-        table_of = {k: v for k, v in table_of.items() if k in only | {"ref", "floor"}}
+    if only:  # a row's baseline comes with it: before and after, paired
+        table_of = {k: v for k, v in table_of.items() if k.removeprefix("base_") in only | {"ref", "floor"}}
     keys = list(table_of)
     times: dict[str, list[float]] = {k: [] for k in keys}
     busy: list[float] = []  # the machine's busy share just before each run: someone else's load
@@ -224,7 +224,8 @@ def main() -> None:
                         help="before each run, wait until the CPUs are at most this busy [30; 100: never wait]")
     parser.add_argument("--patience", type=float, default=60, help="seconds to wait for that at most [60]")
     parser.add_argument("--only", default=None, metavar="ROWS",
-                        help="comma-separated row keys (train2, launch_ddp, ...; ref and floor always run)")
+                        help="comma-separated row keys (train2, launch_ddp, ...; ref and floor always run, and "
+                             "with --baseline-rev each row's baseline)")
     parser.add_argument("--json", default=None, help="also write the results to this JSON file")
     parser.add_argument("--timeout", type=float, default=300, help="seconds one run may take [300]")
     parser.add_argument("--tiny", action="store_true", help="test mode: one repetition, no warm-up, train 2 only")
