@@ -121,8 +121,10 @@ def rows(ranks: list[int], baseline: bool) -> dict[str, tuple[str, list[str] | N
 
 
 def command(key: str, files: dict[str, str], ranks_of_launch: int) -> tuple[list[str], dict[str, str]]:
-    """The argv and extra environment of one row (a baseline row runs the exported old mpddp)."""
-    env: dict[str, str] = {}
+    """The argv and extra environment of one row (a baseline row runs the exported old mpddp). Every row names its
+    mpddp on PYTHONPATH: a launch() script's folder is not this checkout, so it would import whichever mpddp is
+    installed (an editable install of another checkout, say) and time that instead."""
+    env = {"PYTHONPATH": str(REPO)}
     if key.startswith("base_"):
         key = key.removeprefix("base_")
         env["PYTHONPATH"] = files["baseline"]
@@ -140,7 +142,7 @@ def command(key: str, files: dict[str, str], ranks_of_launch: int) -> tuple[list
 def timed(argv: list[str], env: dict[str, str], timeout: float) -> float:
     start = time.perf_counter()
     out = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env={**os.environ, **env},
-                         cwd=REPO if "PYTHONPATH" not in env else env["PYTHONPATH"])
+                         cwd=env.get("PYTHONPATH", REPO))
     seconds = time.perf_counter() - start
     if out.returncode != 0:
         raise SystemExit(f"bench_first_step: {' '.join(argv)} failed ({out.returncode}):\n{out.stderr[-3000:]}")
