@@ -395,16 +395,19 @@ def test_a_spare_that_waits_as_the_job_ends_is_told_it_was_not_needed(tmp_path: 
     """c10d, 2:3: three nodes run, a fourth launcher without --node-rank waits as a spare; the job ends well.
     Before, node 0 kept its store only until the members had left: the spare, looking every 0.1 s, mostly found it
     gone first and said "node 0's launcher was killed, or its machine lost". Node 0 had finished."""
-    runs = _c10d_nodes(tmp_path, 3, 400, ["--rdzv-conf", "last_call_timeout=60"])
+    hold = tmp_path / "hold"  # the job steps on while it exists: the spare comes before the end, however loaded
+    hold.write_text("")  # the machine (400 steps were once over before a spare started at load 15 came)
+    runs = _c10d_nodes(tmp_path, 3, 40, ["--rdzv-conf", "last_call_timeout=60"], hold=hold)
     try:
         runs[0].wait_for(r"STEP 5 ", timeout=120)
-        spare = _c10d_node(tmp_path, None, _port(runs[0]), 400)  # 20 s of steps left: it comes before the end
+        spare = _c10d_node(tmp_path, None, _port(runs[0]), 40)
         runs.append(spare)
-        deadline = time.monotonic() + 60
-        while "waits as a spare" not in spare.stderr:  # it came before the end (else it is not this case)
+        deadline = time.monotonic() + 120
+        while "waits as a spare" not in spare.stderr:
             assert time.monotonic() < deadline and spare.proc.poll() is None, spare.stderr
             time.sleep(0.1)
         spare.list_tree()
+        hold.unlink()  # the job ends well now, with the spare waiting
         assert [run.finish(120) for run in runs[:3]] == [0, 0, 0], [run.stderr for run in runs[:3]]
         ended = time.monotonic()
         code = spare.finish(TIMEOUT + 60)

@@ -34,7 +34,15 @@ JOB = textwrap.dedent("""
         step = json.load(open(path))["step"]
         print(f"RESUMED step={step} world={world} restart={os.environ['TORCHELASTIC_RESTART_COUNT']}", flush=True)
     total = torch.zeros(1)
-    while step < int(os.environ["STEPS"]) or world < int(os.environ.get("UNTIL_WORLD", "0")):
+
+    def held():  # on while the file $HOLD exists, read on every rank at the same step: they stop together
+        if "HOLD" not in os.environ:
+            return False
+        flag = torch.tensor([float(os.path.exists(os.environ["HOLD"]))])
+        dist.all_reduce(flag)
+        return flag.item() > 0
+
+    while step < int(os.environ["STEPS"]) or world < int(os.environ.get("UNTIL_WORLD", "0")) or held():
         t = torch.ones(1)
         dist.all_reduce(t)
         assert t.item() == world
@@ -45,6 +53,7 @@ JOB = textwrap.dedent("""
             os.replace(path + ".tmp", path)
         print(f"STEP {step} at {time.time():.3f}", flush=True)
         time.sleep(0.05)
+    dist.barrier()  # a round that starts past STEPS (a newcomer's) steps none: no rank leaves while another connects
     print(f"DONE world={world} restart={os.environ['TORCHELASTIC_RESTART_COUNT']}", flush=True)
     dist.destroy_process_group()
 """)
@@ -72,25 +81,26 @@ def _job_env(tmp_path, steps, until_world=0):
     return {"CKPT": str(tmp_path / "ckpt"), "STEPS": str(steps), "UNTIL_WORLD": str(until_world)}
 
 
-def _c10d_nodes(tmp_path, count, steps, extra=(), until_world=0):
+def _c10d_nodes(tmp_path, count, steps, extra=(), until_world=0, hold=None):
     from multinode import free_port
 
     (tmp_path / "job.py").write_text(JOB)
     (tmp_path / "ckpt").mkdir(exist_ok=True)
     port, runs = free_port(), []
     for node in range(count):
-        runs.append(_c10d_node(tmp_path, node, port, steps, extra, until_world))
+        runs.append(_c10d_node(tmp_path, node, port, steps, extra, until_world, hold))
     return runs
 
 
-def _c10d_node(tmp_path, node, port, steps, extra=(), until_world=0):
-    """A launcher of the 2:3 job; ``node`` None: no --node-rank, numbered as it joins (torchrun's line)."""
+def _c10d_node(tmp_path, node, port, steps, extra=(), until_world=0, hold=None):
+    """A launcher of the 2:3 job; ``node`` None: no --node-rank, numbered as it joins (torchrun's line). ``hold``: a
+    file whose presence keeps the job stepping past ``steps``."""
     where = tmp_path / f"node{'-new' if node is None else node}"
     where.mkdir()
     rank = [] if node is None else ["--node-rank", str(node)]
     return Run(["-m", "mpddp", "run", "--nnodes", "2:3", *rank, "--nprocs", "1", "--master-addr", "127.0.0.1",
                 "--master-port", str(port), "--timeout", "20", *extra, str(tmp_path / "job.py")], where,
-               env=_job_env(tmp_path, steps, until_world))
+               env={**_job_env(tmp_path, steps, until_world), **({"HOLD": str(hold)} if hold else {})})
 
 
 def _lose(run: Run) -> None:
