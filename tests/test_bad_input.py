@@ -86,7 +86,7 @@ CASES = [
     Case("output-ranks-beyond-the-world", "output_ranks=7 names rank 7, but the world has 2 ranks",
          ("run", "--nprocs", "2", "--output-ranks", "7", "x.py"), {"nprocs": 2, "output_ranks": 7}),
     Case("script-missing", "script 'nosuch.py' does not exist", ("run", "nosuch.py")),
-    Case("run-unknown-option", "No such option: --bogus-option. A script whose name starts with '-' goes after --",
+    Case("run-unknown-option", "mpddp run has no option --bogus-option: see `mpddp run --help` for its options",
          ("run", "--bogus-option", "x.py")),
     Case("unknown-option", "unexpected keyword argument 'nproc'", api={"nproc": 2}),
     Case("fn-not-callable", "fn=42 is not callable", api={"fn": 42}),

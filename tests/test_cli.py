@@ -60,3 +60,48 @@ def test_bad_input_is_one_line_exit_2(args, message):
     assert len(out.stderr.strip().splitlines()) == 1, out.stderr
     assert out.stderr.startswith(message)
     assert "Traceback" not in out.stderr
+
+
+OPTIONS = [["--nprocs", "--nproc-per-node", "--nproc_per_node"], ["--nnodes"], ["--node-rank", "--node_rank"],
+           ["--num-workers"], ["--epochs"], ["--checkpoint-dir"], ["--checkpoint-every"], ["--batch-size"],
+           ["--seed"], ["-h", "--help"]]
+
+
+@pytest.mark.parametrize("typed, meant", [
+    ("--nproc", ("--nprocs",)),  # begun: not --epochs, which only shares letters (click named it first)
+    ("--nproc-per", ("--nproc-per-node",)),  # the spelling it begins, as written
+    ("--nproc_per", ("--nproc_per_node",)),
+    ("--epoch", ("--epochs",)),
+    ("--check", ("--checkpoint-dir", "--checkpoint-every")),  # two options begun: both
+    ("--n", ()),  # four options begun: too little to name one
+    ("--batch_size", ("--batch-size",)),  # the same option in another spelling
+    ("--seeds", ("--seed",)),  # an option's name and more
+    ("--nprocs-per-node", ("--nprocs",)),
+    ("--nprcs", ("--nprocs",)),  # a letter off
+    ("--nnode", ("--nnodes",)),
+    ("--pochs", ("--epochs",)),
+    ("--bogus-option", ()),
+    ("--nodes-rank", ("--node-rank",)),
+    ("-x", ()),  # a short option: nothing to go on
+])
+def test_the_option_suggested_is_the_one_begun_or_a_letter_off(typed, meant):
+    from mpddp.cli.usage import closest
+
+    assert closest(typed, OPTIONS) == meant
+
+
+@pytest.mark.parametrize("command", ["train", "run", "ranks"])
+def test_an_unknown_option_is_one_line_in_the_same_words_under_every_command(cli, command):
+    script = ["x.py"] if command == "run" else []
+    assert cli(command, "--nproc", "2", *script) == (
+        2, "", f"mpddp: error: mpddp {command} has no option --nproc: did you mean --nprocs? "
+               f"See `mpddp {command} --help`.\n")
+    assert cli(command, "--bogus-option", "2", *script) == (
+        2, "", f"mpddp: error: mpddp {command} has no option --bogus-option: see `mpddp {command} --help` for its "
+               "options.\n")
+
+
+def test_a_commands_option_before_the_command_is_told_where_it_goes(cli):
+    assert cli("--nprocs", "2", "train") == (
+        2, "", "mpddp: error: mpddp has no option --nprocs, but train, run, ranks and info have it: it goes after "
+               "the command, as in `mpddp train --nprocs ...`.\n")

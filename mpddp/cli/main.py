@@ -7,7 +7,7 @@ signal handlers a launcher's own process gets: SIGTERM and SIGHUP raised as
 :class:`Terminated` for the teardown, SIGUSR1 for every rank's stack; each
 error's one line and exit code), and the exit without the interpreter's
 module teardown. The shared launch options and exit codes are in
-cli/options.py.
+cli/options.py, an unknown option's words in cli/usage.py.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from ..core.launcher.startup import exits_after_launch
 from ..core.wire import signals, stacks
 from ..core.wire.signals import Terminated  # SIGTERM, SIGHUP, or one of --signals-to-handle
 from ..errors import ConfigError, MpddpError, WorkerFailed
-from . import info, plot, ranks, run, top, train
+from . import info, plot, ranks, run, top, train, usage
 from .options import EXIT_BAD_INPUT, EXIT_SIGINT
 
 
@@ -36,12 +36,6 @@ def _raise_terminated(signum: int, frame: FrameType | None) -> None:
 def _interrupt(signum: int, frame: FrameType | None) -> None:
     signals.raise_stop(KeyboardInterrupt(), signum, frame)
 
-
-# Other launchers' options for what mpddp decides itself: an unknown one of these says what mpddp does instead
-_DEVICE = ("mpddp gives each rank its device itself: cuda:LOCAL_RANK of the GPUs chosen with --gpus (e.g. --gpus 0,1; "
-           "every visible GPU by default), else the CPU; for the CPU on a GPU machine, start it with "
-           "CUDA_VISIBLE_DEVICES=''.")
-OTHER_LAUNCHERS = {"--device": _DEVICE, "--devices": _DEVICE, "--accelerator": _DEVICE}
 
 _STOPPED: dict[int, str] = {signal.SIGTERM: "terminated (SIGTERM)", signal.SIGHUP: "hung up (SIGHUP: the terminal or SSH session closed)"}
 
@@ -74,10 +68,12 @@ def run_cli(args: list[str] | None = None) -> NoReturn:
         code = main.main(args=args, prog_name="mpddp", standalone_mode=False)
     except click.exceptions.Exit as e:
         code = e.exit_code
+    except click.NoSuchOption as e:  # every command's in the same words (cli/usage.py)
+        click.echo(f"mpddp: error: {usage.unknown_option(e.option_name, e.ctx)}", err=True)
+        code = EXIT_BAD_INPUT
     except click.UsageError as e:
         where = f"mpddp {e.ctx.info_name} --help" if e.ctx is not None and e.ctx.parent is not None else "mpddp --help"
-        said = OTHER_LAUNCHERS.get(e.option_name or "") if isinstance(e, click.NoSuchOption) else None
-        click.echo(f"mpddp: error: {e.format_message()} {said or f'See `{where}`.'}", err=True)
+        click.echo(f"mpddp: error: {e.format_message()} See `{where}`.", err=True)
         code = EXIT_BAD_INPUT
     except ConfigError as e:
         click.echo(f"mpddp: error: {e}", err=True)

@@ -147,18 +147,12 @@ def _local_ranks(spec: str, config: LaunchConfig, output_ranks: str | None) -> t
 
 
 def _no_such_option(target: str) -> click.UsageError:
-    """An unknown option lands in TARGET (everything after the script is the script's): call it what it is."""
-    import difflib
-
+    """An unknown option lands in TARGET (everything after the script is the script's): call it what it is, in
+    the words every command uses for one (cli/usage.py)."""
     name = target.partition("=")[0]
     if (instead := REFUSED.get(name.replace("_", "-"))) is not None:
         return click.UsageError(f"{name} is torchrun's, with no counterpart in mpddp: {instead}.")
-    ctx = click.get_current_context()
-    known = [name for param in ctx.command.params for name in getattr(param, "opts", []) if name.startswith("--")]
-    close = difflib.get_close_matches(name, known, n=1)
-    hint = f" Did you mean {close[0]}?" if close else ""
-    return click.UsageError(f"No such option: {name}.{hint} A script whose name starts with '-' goes after --, "
-                            f"as in `mpddp run -- {target}`.", ctx=ctx)
+    return click.NoSuchOption(name, ctx=click.get_current_context())
 
 
 def _importable(module: str) -> bool:
