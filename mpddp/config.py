@@ -83,8 +83,8 @@ def parse_nnodes(spec: str | int) -> int | str:
                       "2:4 for an elastic job.")
 
 
-# click names a type function's metavar after it: these read as the integers they return
-parse_nprocs.__name__ = parse_nnodes.__name__ = "integer"
+# their forms in every command's help (click would show a type function's name)
+NPROCS_METAVAR, NNODES_METAVAR = "N|gpu|cpu|auto", "N|MIN:MAX"
 
 
 def parse_gpus(spec: str | Sequence[int] | None) -> tuple[int, ...] | str | None:
@@ -129,11 +129,11 @@ class LaunchConfig:
     # The extra spellings are torchrun's (docs/torchrun.rst)
     nprocs: int | None = field(default=None, metadata=_cli(
         "Workers on this node: N, or gpu/auto (one per GPU, else 1), cpu (one per CPU) [default: one per GPU, "
-        "else 1].", parse_nprocs, "--nproc-per-node", "--nproc_per_node"))
+        "else 1].", parse_nprocs, "--nproc-per-node", "--nproc_per_node", metavar=NPROCS_METAVAR))
     nnodes: int = field(default=1, metadata=_cli(  # MAX of an elastic job (min_nnodes: MIN)
         "Number of machines: N, or MIN:MAX (elastic: the job runs on MIN to MAX of them) [default: 1, or "
         "SLURM's].",
-        parse_nnodes))
+        parse_nnodes, metavar=NNODES_METAVAR))
     node_rank: int | None = field(default=None, metadata=_cli(  # None: numbered on joining (see `node`)
         "This machine's index, 0..nnodes-1 [default: numbered as it joins: 0 where --master-addr (c10d's "
         "--rdzv-endpoint) is, then 1, 2, ...].", int, "--node_rank"))

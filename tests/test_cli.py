@@ -1,5 +1,6 @@
 """The CLI skeleton: help, version, `mpddp ranks`, one-line errors."""
 
+import re
 import subprocess
 import sys
 
@@ -49,8 +50,12 @@ def test_ranks_as_a_real_subprocess():
 @pytest.mark.parametrize("args,message", [
     (["ranks", "--nprocs", "0"], "mpddp: error: nprocs=0 is out of range: it must be an integer >= 1"),
     (["ranks", "--nprocs", "abc"],
-     "mpddp: error: Invalid value for '--nprocs' / '--nproc-per-node' / '--nproc_per_node': 'abc' is not a valid "
-     "integer."),
+     "mpddp: error: Invalid value for '--nprocs' / '--nproc-per-node' / '--nproc_per_node': nprocs='abc' is not a "
+     "number of workers: pass an integer such as 2, or gpu or auto"),
+    (["ranks", "--nnodes", "2:x"], "mpddp: error: Invalid value for '--nnodes': nnodes='2:x' is not a number of "
+                                   "machines: pass an integer such as 2, or MIN:MAX such as 2:4"),
+    (["ranks", "--nnodes", "3:2"], "mpddp: error: nnodes=3:2: the smallest size must be from 1 to the largest; "
+                                   "pass e.g. --nnodes 2:3"),
     (["ranks", "--gpus", "0,0"], "mpddp: error: gpus=0,0 names GPU 0 twice"),
     (["nosuch"], "mpddp: error: No such command 'nosuch'."),
 ])
@@ -60,6 +65,55 @@ def test_bad_input_is_one_line_exit_2(args, message):
     assert len(out.stderr.strip().splitlines()) == 1, out.stderr
     assert out.stderr.startswith(message)
     assert "Traceback" not in out.stderr
+
+
+NPROCS_FORMS = {"N": "2", "gpu": "gpu", "cpu": "cpu", "auto": "auto"}
+NNODES_FORMS = {"N": "2", "MIN:MAX": "2:3"}
+
+
+@pytest.mark.parametrize("command", ["run", "train", "ranks"])
+def test_nprocs_and_nnodes_show_the_forms_they_take(cli, command):
+    """Help shows each form the option takes, not INTEGER, and each form shown is taken."""
+    code, out, _ = cli(command, "--help")
+    assert code == 0
+    params = {p.name: p for p in main.commands[command].params}
+    ctx = main.commands[command].make_context(command, [], resilient_parsing=True)
+    for name, forms in (("nprocs", NPROCS_FORMS), ("nnodes", NNODES_FORMS)):
+        shown = params[name].get_help_record(ctx)[0]  # what help prints left of the text: "--nnodes N|MIN:MAX"
+        assert shown in out and "INTEGER" not in shown
+        assert shown.rsplit(" ", 1)[1].split("|") == list(forms)
+        for form in forms.values():
+            params[name].type_cast_value(ctx, form)  # raises on a form the option does not take
+
+
+def test_ranks_of_an_elastic_size_shows_max_and_says_a_smaller_round_renumbers(cli):
+    code, out, err = cli("ranks", "--nnodes", "2:3", "--nprocs", "2")
+    assert (code, err) == (0, "")
+    rows = [line.split() for line in out.splitlines() if re.match(r"^ +\d+ +\d+ +\d+×", line)]
+    assert [(int(r[0]), int(r[1]), int(r[4])) for r in rows] == [(n, lr, n * 2 + lr) for n in range(3) for lr in range(2)]
+    assert out.startswith(cli("ranks", "--nnodes", "3", "--nprocs", "2")[1])  # the table is MAX's
+    notes = [line for line in out.splitlines() if line.startswith("note:")]
+    assert notes == ["note: nnodes=2:3 is elastic: the table is for 3 nodes. A round with fewer (down to 2) numbers "
+                     "its nodes 0, 1, ... anew, and every rank follows the same formula: with 2 nodes, ranks 0 to 3."]
+
+
+@pytest.mark.parametrize("argv, note", [
+    (["--nprocs", "2", "--gpus", "0"], "note: local ranks 0 and 1 share GPU 0: NCCL refuses two ranks on one GPU. "
+                                       "Pass --nprocs 1, list 2 GPUs in --gpus, or share GPUs with --backend gloo."),
+    (["--nprocs", "3", "--gpus", "4,7", "--nnodes", "2"],
+     "note: local ranks 0 and 2 share GPU 4 on every node: NCCL refuses two ranks on one GPU. Pass --nprocs 2, "
+     "list 3 GPUs in --gpus, or share GPUs with --backend gloo."),
+    (["--nprocs", "2", "--gpus", "0,1"], None),
+    (["--nprocs", "2"], None),
+])
+def test_ranks_notes_local_ranks_that_share_a_gpu(cli, argv, note):
+    code, out, _ = cli("ranks", *argv)
+    assert code == 0
+    rows = [line.split() for line in out.splitlines() if re.match(r"^ +\d+ +\d+ +\d+×", line)]
+    devices = [(row[0], row[5]) for row in rows if row[5] != "cpu"]  # the table's own devices, by node
+    shared = len(devices) != len(set(devices))
+    assert [line for line in out.splitlines() if line.startswith("note:")] == ([note] if note else [])
+    assert shared == (note is not None)
 
 
 OPTIONS = [["--nprocs", "--nproc-per-node", "--nproc_per_node"], ["--nnodes"], ["--node-rank", "--node_rank"],
