@@ -67,6 +67,26 @@ def test_bad_input_is_one_line_exit_2(args, message):
     assert "Traceback" not in out.stderr
 
 
+def _examples(help_text: str) -> dict[str, list[str]]:
+    """``mpddp --help``'s example lines, by command: the words of each command line (before its comment)."""
+    found: dict[str, list[str]] = {}
+    for line in help_text.splitlines():
+        if (m := re.match(r"^ +mpddp (\w+)((?: \S+)*) {2,}\S", line)) is not None:
+            found[m.group(1)] = m.group(2).split()
+    return found
+
+
+def test_top_level_help_shows_an_example_of_each_first_command(cli):
+    code, out, _ = cli("--help")
+    assert code == 0
+    examples = _examples(out)
+    assert {"train", "run", "ranks", "top"} <= examples.keys(), out
+    assert "train.py" in examples["run"]  # a script of the user's, under torchrun's flags
+    for name in ("train", "run", "ranks", "top"):  # each one parses as written: no stale flag in the help
+        main.commands[name].make_context(name, list(examples[name]))
+    assert all(len(line) < 80 for line in out.splitlines() if line.lstrip().startswith("mpddp ")), out
+
+
 NPROCS_FORMS = {"N": "2", "gpu": "gpu", "cpu": "cpu", "auto": "auto"}
 NNODES_FORMS = {"N": "2", "MIN:MAX": "2:3"}
 

@@ -40,16 +40,22 @@ def _interrupt(signum: int, frame: FrameType | None) -> None:
 _STOPPED: dict[int, str] = {signal.SIGTERM: "terminated (SIGTERM)", signal.SIGHUP: "hung up (SIGHUP: the terminal or SSH session closed)"}
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+EXAMPLES = """Examples:
+
+\b
+  mpddp train --nprocs 2                    digits CNN with DDP on 2 ranks
+  mpddp run --nprocs 2 train.py --epochs 3  your torchrun-style script
+  mpddp ranks --nnodes 2 --nprocs 4         how each rank is computed
+  mpddp top                                 watch a running job, rank by rank
+  mpddp plot RUN_DIR                        redraw a run's curves.png
+
+Each command's own options and examples: mpddp COMMAND --help."""
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100}, epilog=EXAMPLES)
 @click.version_option(__version__, prog_name="mpddp")
 def main() -> None:
-    """Launch PyTorch DistributedDataParallel jobs with no torchrun.
-
-    \b
-    mpddp train --nprocs 2          train a CNN on the digits set with DDP
-    mpddp plot RUN_DIR              redraw a training run's curves.png
-    mpddp ranks --nnodes 2 --nprocs 4   see how every worker's rank is computed
-    """
+    """Launch PyTorch DistributedDataParallel jobs with no torchrun."""
 
 
 def run_cli(args: list[str] | None = None) -> NoReturn:
