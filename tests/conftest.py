@@ -70,6 +70,16 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log):
 
 
 @pytest.fixture
+def cluster(tmp_path: Path):
+    """Launchers of one test in one folder (tests/multinode.py's Cluster), every process of theirs killed after."""
+    from multinode import Cluster
+
+    c = Cluster(tmp_path)
+    yield c
+    c.kill_all()
+
+
+@pytest.fixture
 def no_leftovers():
     """Fail the test if any process it started (other than the forkserver) survives it."""
     yield

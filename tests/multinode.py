@@ -48,6 +48,17 @@ class Node(Run):
         return json.loads(lines[0][len("RESULT "):])
 
 
+def check_results(node: Node, node_rank: int) -> None:
+    """multinode_job.py's results on node ``node_rank`` of two, 2 ranks a node: ranks by the formula, the sum."""
+    assert node.proc.returncode == 0, f"node {node_rank} failed:\n{node.stdout}\n{node.stderr}"
+    results = node.results()
+    assert [r["rank"] for r in results] == [node_rank * 2, node_rank * 2 + 1]  # rank = node_rank × 2 + local_rank
+    assert [r["local_rank"] for r in results] == [0, 1]
+    assert {r["node_rank"] for r in results} == {node_rank}
+    assert {r["world_size"] for r in results} == {4}
+    assert {r["sum"] for r in results} == {6.0}  # 0+1+2+3
+
+
 class Cluster:
     """Several launchers of one test in one folder (tests/runs.py's :class:`~runs.Run` each, its marker in their
     environment), so that every process they leave is found."""

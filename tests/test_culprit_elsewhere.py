@@ -14,7 +14,6 @@ from __future__ import annotations
 import re
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -22,13 +21,6 @@ from multinode import Cluster, Node, free_port
 
 JOB = Path(__file__).parent / "scripts" / "culprit_job.py"
 TIMEOUT = 4  # --timeout: the hang cases are told after it
-
-
-@pytest.fixture
-def cluster(tmp_path: Path) -> Iterator[Cluster]:
-    c = Cluster(tmp_path)
-    yield c
-    c.kill_all()
 
 
 def run_three(cluster: Cluster, *job: str) -> tuple[list[int], list[str], list[Node], float]:

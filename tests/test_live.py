@@ -27,13 +27,6 @@ from mpddp.errors import ConfigError
 JOB = Path(__file__).parent / "scripts" / "live_job.py"
 
 
-@pytest.fixture
-def cluster(tmp_path: Path):
-    c = Cluster(tmp_path)
-    yield c
-    c.kill_all()
-
-
 def _top(xdg: Path, *args: str, timeout: float = 60) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "mpddp", "top", *args], capture_output=True, text=True,
                           env={**os.environ, "XDG_RUNTIME_DIR": str(xdg)}, timeout=timeout)

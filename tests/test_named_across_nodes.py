@@ -12,20 +12,12 @@ import random
 import re
 import signal
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
 import pytest
 from multinode import Cluster, free_port
 from test_rounds import KILLED_3, finish, first_report_line, start
-
-
-@pytest.fixture
-def cluster(tmp_path: Path) -> Iterator[Cluster]:
-    c = Cluster(tmp_path)
-    yield c
-    c.kill_all()
 
 
 @pytest.mark.timeout(120)

@@ -11,8 +11,6 @@ from __future__ import annotations
 import random
 import signal
 import time
-from collections.abc import Iterator
-from pathlib import Path
 
 import psutil
 import pytest
@@ -21,13 +19,6 @@ from test_rounds import finish, first_report_line, start
 
 TIMEOUT = 30  # --timeout: the nodes must end long before it
 SOON = 12.0  # seconds from the kill until every node has ended, at most (a loaded 2-core machine)
-
-
-@pytest.fixture
-def cluster(tmp_path: Path) -> Iterator[Cluster]:
-    c = Cluster(tmp_path)
-    yield c
-    c.kill_all()
 
 
 def running(cluster: Cluster) -> list[Node]:

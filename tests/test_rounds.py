@@ -13,7 +13,6 @@ import json
 import random
 import re
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -26,13 +25,6 @@ REPORT = "--- the launch's report ---"  # rounds_job.py's line before the launch
 
 
 KILLED_3 = "mpddp: rank 3 (node 1, local rank 1) failed first: it was killed by SIGKILL"
-
-
-@pytest.fixture
-def cluster(tmp_path: Path) -> Iterator[Cluster]:
-    c = Cluster(tmp_path)
-    yield c
-    c.kill_all()
 
 
 def start(cluster: Cluster, nnodes: int, port: int, *options: str) -> list[Node]:

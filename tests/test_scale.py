@@ -11,8 +11,6 @@ from __future__ import annotations
 import random
 import signal
 import time
-from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 from multinode import Cluster, free_port
@@ -20,13 +18,6 @@ from test_rounds import first_report_line, start, weights
 
 NODES = 8
 pytestmark = pytest.mark.bench  # a step of its own in .ci/run: eight launchers at once load 2 cores for minutes
-
-
-@pytest.fixture
-def cluster(tmp_path: Path) -> Iterator[Cluster]:
-    c = Cluster(tmp_path)
-    yield c
-    c.kill_all()
 
 
 @pytest.mark.timeout(240)

@@ -11,24 +11,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from multinode import NETNS, Cluster, Node, free_port, namespace_hosts
-
-
-@pytest.fixture
-def cluster(tmp_path: Path) -> Iterator[Cluster]:
-    c = Cluster(tmp_path)
-    yield c
-    c.kill_all()
-
-
-def check_results(node: Node, node_rank: int) -> None:
-    assert node.proc.returncode == 0, f"node {node_rank} failed:\n{node.stdout}\n{node.stderr}"
-    results = node.results()
-    assert [r["rank"] for r in results] == [node_rank * 2, node_rank * 2 + 1]  # rank = node_rank × 2 + local_rank
-    assert [r["local_rank"] for r in results] == [0, 1]
-    assert {r["node_rank"] for r in results} == {node_rank}
-    assert {r["world_size"] for r in results} == {4}
-    assert {r["sum"] for r in results} == {6.0}  # 0+1+2+3
+from multinode import NETNS, Cluster, check_results, free_port, namespace_hosts
 
 
 @pytest.fixture(scope="module")

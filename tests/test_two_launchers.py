@@ -12,33 +12,14 @@ from __future__ import annotations
 import re
 import signal
 import time
-from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
-from multinode import Cluster, Node, free_port
+from multinode import Cluster, check_results, free_port
 
 NODE_1 = re.compile(r"\bnode(\(s\))? 1\b")  # "node 1 ..." or "node(s) 1 never arrived"
 
 
 SLACK = 60.0  # seconds beyond --timeout for starting workers and tearing down, on 2 cores under load (50 s seen
-
-
-@pytest.fixture
-def cluster(tmp_path: Path) -> Iterator[Cluster]:
-    c = Cluster(tmp_path)
-    yield c
-    c.kill_all()
-
-
-def check_results(node: Node, node_rank: int) -> None:
-    assert node.proc.returncode == 0, f"node {node_rank} failed:\n{node.stdout}\n{node.stderr}"
-    results = node.results()
-    assert [r["rank"] for r in results] == [node_rank * 2, node_rank * 2 + 1]  # rank = node_rank × 2 + local_rank
-    assert [r["local_rank"] for r in results] == [0, 1]
-    assert {r["node_rank"] for r in results} == {node_rank}
-    assert {r["world_size"] for r in results} == {4}
-    assert {r["sum"] for r in results} == {6.0}  # 0+1+2+3
 
 
 @pytest.mark.timeout(120)
