@@ -196,8 +196,10 @@ def test_a_rounds_first_node_lost_before_its_store_listened_is_a_restart_not_the
             time.sleep(0.01)
         _lose(runs[0])  # in the last call (3 s), its lease (12 s) alive: round 1 is decided with it all the same
         lost_at = time.monotonic()
+        for run in runs[2:]:
+            _said_matching(run, r"mpddp: round 1's first node", timeout=120)
+        told = time.monotonic() - lost_at  # from the loss, not the job's end (that counts round 2's start too)
         codes = [run.finish(120) for run in runs[2:]]
-        took = time.monotonic() - lost_at
         assert codes == [0, 0], [run.stderr for run in runs[2:]]
         for run in runs[2:]:
             assert "DONE world=2 restart=2" in run.stdout, run.stdout + run.stderr
@@ -205,7 +207,9 @@ def test_a_rounds_first_node_lost_before_its_store_listened_is_a_restart_not_the
             assert said and "was lost before the store listened" in said[0], run.stderr
             assert not any(line.startswith("Traceback") for line in run.stderr.splitlines()), run.stderr
             run.assert_nothing_left()
-        assert took < TIMEOUT + 15 + 150 * 0.05 + 10, took  # the story's bound, plus the job's rest and its start
+        # the story's bound: node 0's lease (ttl=12) runs out, then a look (measured 12.07 s twice, quiet); the
+        # margin, TIMEOUT + 15 - 12, is a loaded machine's
+        assert told < TIMEOUT + 15, told
     finally:
         _end(runs)
 
