@@ -36,17 +36,22 @@ def watch_this_run() -> str:
     return token
 
 
-def marked(token: str) -> list[psutil.Process]:
-    """The live processes whose environment carries ``token``."""
+def carrying(name: str, value: str) -> list[psutil.Process]:
+    """The live processes (this one aside) whose environment sets ``name`` to ``value``: a run's (:data:`TOKEN`), or
+    one launcher's (tests/runs.py's marker)."""
     found = []
     for proc in psutil.process_iter():
         try:
-            if proc.pid != os.getpid() and proc.environ().get(TOKEN) == token and \
-                    proc.status() != psutil.STATUS_ZOMBIE:
+            if proc.pid != os.getpid() and proc.environ().get(name) == value and proc.status() != psutil.STATUS_ZOMBIE:
                 found.append(proc)
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             continue
     return found
+
+
+def marked(token: str) -> list[psutil.Process]:
+    """The live processes of the run whose token is ``token``."""
+    return carrying(TOKEN, token)
 
 
 def reap(token: str) -> None:

@@ -19,6 +19,7 @@ import uuid
 from pathlib import Path
 
 import psutil
+from reaper import carrying
 
 from helpers import running, short_dir
 
@@ -131,14 +132,7 @@ class Run:
 
 def marked(marker: str) -> list[psutil.Process]:
     """Live processes whose environment carries ``MPDDP_TEST_RUN=marker``."""
-    found = []
-    for p in psutil.process_iter():
-        try:
-            if p.environ().get("MPDDP_TEST_RUN") == marker and p.status() != psutil.STATUS_ZOMBIE:
-                found.append(p)
-        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
-            continue
-    return found
+    return carrying("MPDDP_TEST_RUN", marker)
 
 
 def alive_or_zombie(pids: set[int]) -> list[int]:
