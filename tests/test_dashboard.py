@@ -16,6 +16,7 @@ import os
 import shutil
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -386,8 +387,9 @@ def test_node_0s_page_of_two_nodes_is_the_whole_job(no_leftovers, tmp_path):
         assert marked["rows"][3]["lag"].endswith(" ms *"), marked
         whole = json.loads(_get(url, "/timeline.json")[2])
         assert [r["rank"] for r in whole["ranks"]] == [0, 1, 2, 3] and whole["named"]["rank"] == 3, whole
-        slow = max(whole["ranks"], key=lambda r: max(p[1] for p in r["points"]))
-        assert slow["rank"] == 3 and max(p[1] for p in slow["points"]) >= 30, whole  # 50 ms a step more than rank 2
+        # each rank's typical lag, its median: one step of another rank's that a busy machine held up is a spike
+        typical = {r["rank"]: statistics.median(p[1] for p in r["points"]) for r in whole["ranks"]}
+        assert max(typical, key=typical.__getitem__) == 3 and typical[3] >= 30, typical  # 50 ms a step more
         deadline = time.monotonic() + 120  # node 0 names it once 50 collectives of both nodes are lined up
         while "mpddp: rank 3 is a straggler: " not in nodes[0].stderr:
             assert time.monotonic() < deadline and nodes[0].proc.poll() is None, nodes[0].stderr
