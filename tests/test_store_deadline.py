@@ -15,6 +15,7 @@ import threading
 import time
 from collections.abc import Iterator
 from datetime import timedelta
+from pathlib import Path
 
 import pytest
 from multinode import free_port
@@ -47,6 +48,19 @@ def frozen_store() -> Iterator[tuple[int, subprocess.Popen[str]]]:
         server.send_signal(signal.SIGCONT)
         server.kill()
         server.wait(10)
+
+
+def _freeze(pid: int) -> None:
+    """SIGSTOP, and back once every thread of ``pid`` is stopped: kill() returns before the kernel stopped them."""
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + 10
+    while True:
+        states = [(task / "stat").read_text().rsplit(")", 1)[1].split()[0]
+                  for task in Path(f"/proc/{pid}/task").iterdir()]
+        if all(state in ("T", "t") for state in states):
+            return
+        assert time.monotonic() < deadline, states
+        time.sleep(0.01)
 
 
 def test_within_returns_the_value_or_the_error_of_the_call() -> None:
@@ -115,7 +129,7 @@ def test_torchs_client_ignores_its_timeout_against_a_frozen_server(frozen_store)
     client = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=1))
     client.set_timeout(timedelta(seconds=1))
     assert client.add("k", 1) == 1
-    os.kill(server.pid, signal.SIGSTOP)
+    _freeze(server.pid)
     with pytest.raises(Silent):
         within(5.0, lambda: client.add("k", 1))
 
@@ -126,10 +140,11 @@ def test_a_c10d_client_tells_a_frozen_node_0_within_its_deadline_then_fails_fast
     config = LaunchConfig(nnodes=2, node_rank=1, master_addr="127.0.0.1", master_port=port, timeout=30)
     client = C10dClient(config, port)
     assert client.call(lambda s: s.add("k", 1)) == 1
-    os.kill(server.pid, signal.SIGSTOP)
+    _freeze(server.pid)
     start = time.monotonic()
     with pytest.raises(StoreSilent) as told:
-        client.call(lambda s: s.add("k", 1))
+        answer = client.call(lambda s: s.add("k", 1))
+        print(f"a frozen store answered {answer!r} after {time.monotonic() - start:.2f} s")
     took = time.monotonic() - start
     assert SILENT <= took < SILENT + 3.0, took  # its deadline, and a loaded machine's thread wake-up
     assert told.value.silent
@@ -154,7 +169,7 @@ def test_a_c10d_client_waits_for_a_waiting_call_past_the_deadline(frozen_store) 
 def test_node_0s_last_word_is_not_waited_for_on_a_frozen_node_0(frozen_store) -> None:
     """A frozen machine's kernel accepts the connection, and its store answers nothing."""
     port, server = frozen_store
-    os.kill(server.pid, signal.SIGSTOP)
+    _freeze(server.pid)
     start = time.monotonic()
     assert last_word.hear("127.0.0.1", port, 0) is None
     assert time.monotonic() - start < last_word.WAIT + SILENT + 3.0
