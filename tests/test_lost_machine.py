@@ -149,6 +149,7 @@ LOADED_JOB = textwrap.dedent("""
 LOADED_FOR = 60.0  # seconds of 8 busy processes on the machine's 2 cores (docs/failures.rst's no-false-alarm rule)
 
 
+@pytest.mark.bench  # a step of its own in .ci/run: its 8 hogs would load every test beside it for a minute
 @pytest.mark.timeout(300)
 def test_a_loaded_machine_loses_no_node(tmp_path):
     """Two 3-node jobs at once, one on etcd and one on c10d, on the namespace hosts, while 8 busy processes (each in a
