@@ -213,6 +213,7 @@ def _stopping_helpers() -> threading.Thread:
     from multiprocessing import forkserver, resource_tracker
 
     def stop() -> None:
+        _remove_temp_dir()  # first: the forkserver, which removes it after a SIGKILL of this process, goes now
         for helper in (forkserver._forkserver, resource_tracker._resource_tracker):
             stop_helper = getattr(helper, "_stop", None)  # the stdlib's own (used by its tests)
             with contextlib.suppress(OSError, ChildProcessError):
@@ -224,6 +225,19 @@ def _stopping_helpers() -> threading.Thread:
             _helpers_stop = threading.Thread(target=stop, name="mpddp-stop-helpers", daemon=True)
             _helpers_stop.start()
         return _helpers_stop
+
+
+def _remove_temp_dir() -> None:
+    """multiprocessing's temporary directory (the forkserver's socket, the ranks' error files), removed now by its
+    own finalizer, which then does not run again (a later launch would make a new one). Its removal at exit
+    came after the forkserver's stop: a launcher SIGKILLed in between (found: 0.1 s after its ranks ended, under
+    load) left it in TMPDIR; and an exit that skips the finalizers (``hosts_node``'s) left it too."""
+    from multiprocessing import util
+
+    for finalizer in list(util._finalizer_registry.values()):  # type: ignore[attr-defined]
+        if getattr(finalizer, "_callback", None) is util._remove_temp_dir:  # type: ignore[attr-defined]
+            with contextlib.suppress(OSError):
+                finalizer()
 
 
 def start_context(method: str, preload: Sequence[str] = ()) -> Any:
