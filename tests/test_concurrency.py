@@ -18,6 +18,7 @@ pytestmark = pytest.mark.usefixtures("no_leftovers")
 LAUNCHES = 8
 
 
+@pytest.mark.bench  # a step of its own in .ci/run: eight launches at once load the machine's 2 cores for a minute
 @pytest.mark.timeout(300)
 def test_eight_launches_at_the_same_moment_all_succeed(tmp_path):
     """No "Address already in use": each launcher holds its own OS-chosen port."""
