@@ -1,3 +1,4 @@
+import os
 import signal
 import sys
 from pathlib import Path
@@ -126,13 +127,36 @@ def etcd_cluster():
 
 
 # Each file's worker-seconds (setup, call and teardown of its tests, summed over xdist's workers): the suite's budget
-# is kept per file (docs/development.rst), and --durations names tests, not files. Printed at the end of every run.
+# is kept per file (docs/development.rst), and --durations names tests, not files. Printed at the end of every run,
+# with the CPU seconds the file's tests spent, their processes' included once reaped (on 2 cores the suite is bound
+# by CPU: a file that waits costs a worker, one that computes costs every worker).
 _FILE_SECONDS: dict[str, float] = {}
+_FILE_CPU: dict[str, float] = {}
+_CPU_AT = [0.0]  # this worker's CPU seconds, its reaped children's included, when the last phase of a test ended
+
+
+def _cpu_now() -> float:
+    times = os.times()
+    return times.user + times.system + times.children_user + times.children_system
+
+
+def pytest_runtest_logstart(nodeid: str, location: tuple) -> None:
+    _CPU_AT[0] = _cpu_now()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
+    outcome = yield
+    now = _cpu_now()
+    outcome.get_result().user_properties.append(("cpu", now - _CPU_AT[0]))  # travels with the report (xdist)
+    _CPU_AT[0] = now
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     name = report.nodeid.split("::", 1)[0]
     _FILE_SECONDS[name] = _FILE_SECONDS.get(name, 0.0) + report.duration
+    cpu = sum(value for key, value in report.user_properties if key == "cpu")
+    _FILE_CPU[name] = _FILE_CPU.get(name, 0.0) + cpu
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config: pytest.Config) -> None:
@@ -140,10 +164,11 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config: pytest.Config)
     if not _FILE_SECONDS or shown == 0:
         return
     ranked = sorted(_FILE_SECONDS.items(), key=lambda item: -item[1])
-    total = sum(_FILE_SECONDS.values())
-    terminalreporter.write_sep("=", f"worker-seconds per file: {total:.0f} in all, the {min(shown, len(ranked))} longest")
+    total, cpu = sum(_FILE_SECONDS.values()), sum(_FILE_CPU.values())
+    terminalreporter.write_sep("=", f"worker-seconds per file: {total:.0f} in all ({cpu:.0f} CPU seconds), the "
+                                    f"{min(shown, len(ranked))} longest")
     for name, seconds in ranked[:shown]:
-        terminalreporter.write_line(f"{seconds:8.1f}  {name}")
+        terminalreporter.write_line(f"{seconds:8.1f}  {_FILE_CPU.get(name, 0.0):7.1f} CPU  {name}")
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
