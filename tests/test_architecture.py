@@ -407,7 +407,7 @@ def test_above_the_nodes_no_module_names_a_rendezvous_backend():
     backends = {"mpddp.core.nodes.c10d", "mpddp.core.nodes.c10d_watch", "mpddp.core.nodes.c10d_keys", "mpddp.core.nodes.etcd",
                 "mpddp.core.nodes.etcd_keys", "mpddp.core.nodes.etcd_identity",
                 "mpddp.core.stores.etcd_client", "mpddp.core.stores.etcd_kv", "mpddp.core.stores.etcd_probe",
-                "mpddp.core.stores.c10d_client"}  # not yet core/stores/last_word.py: core/launcher/job_state.py's
+                "mpddp.core.stores.c10d_client", "mpddp.core.stores.last_word"}
     for module, targets in GRAPH.items():
         below = module.startswith(("mpddp.core.nodes.", "mpddp.core.stores."))
         if module.startswith("mpddp.") and not below or module == "mpddp.core.nodes.settle":

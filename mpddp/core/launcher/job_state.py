@@ -2,7 +2,8 @@
 
 Owns: :class:`Job`, built once by core/launcher/job.py (the config, the plan, the start method's context,
 ``fn`` shipped by value, the rendezvous, the store servers) and read by each attempt (core/launcher/attempt.py,
-core/launcher/channels.py); node 0's last word, opened and closed on the job's port (core/stores/last_word.py);
+core/launcher/channels.py); node 0's last word, a store server opened on the job's port and closed (what it holds
+is the rendezvous backend's: :meth:`~mpddp.core.nodes.api.Rendezvous.say_last_word`);
 and how a store server is started and stopped, counted among this process's live children. Leaves the rounds
 and the restart loop to core/launcher/job.py, the store server itself to core/stores/store_server.py.
 """
@@ -17,7 +18,7 @@ from typing import Any
 from ...config import LaunchConfig
 from ...errors import AddressError, ForkserverLost, Outcome
 from ..nodes.api import Rendezvous, RoundStore
-from ..stores import last_word, store_server
+from ..stores import store_server
 from ..stores.listen import listen
 from ..stores.store_server import StoreServer
 from ..wire import protocol
@@ -62,7 +63,8 @@ class Job:
     def open_last_word(self, attempt: int, loss: str) -> None:
         """Node 0 of several, whose store serves every round, its store server just lost (``loss`` says how): a
         fresh one on the same port, before the teardown, with the loss as round ``attempt``'s record
-        (core/stores/last_word.py). The other nodes tell it as this one does, not "node 0 is gone";
+        (the backend's :meth:`~mpddp.core.nodes.api.Rendezvous.say_last_word`). The other nodes tell it as this one
+        does, not "node 0 is gone";
         :meth:`close_last_word` ends it."""
         if self.link is None or self.store is None or not self.one_store or self.last_store is not None:
             return
@@ -71,15 +73,14 @@ class Job:
         except (OSError, RuntimeError, AddressError, ForkserverLost):  # the port taken, the forkserver gone:
             return  # they say node 0 went
         line = f"{protocol.ERROR_LINE}{loss}"
-        last_word.tell(self.config.master_addr, self.port, attempt,
-                       FailureRecord(0, 0, 0, Outcome.STORE_LOST, 1, line, time.time(), writer=0))
+        self.link.say_last_word(attempt, FailureRecord(0, 0, 0, Outcome.STORE_LOST, 1, line, time.time(), writer=0))
 
     def close_last_word(self, wait: bool) -> None:
-        """Stop node 0's last word, once the other launchers have read it (``wait``, :data:`last_word.WAIT` at most)."""
+        """Stop node 0's last word, once the other launchers have read it (``wait``: a few seconds at most)."""
         if self.last_store is None:
             return
         if wait and self.link is not None:
-            last_word.heard(self.config.master_addr, self.port, self.config.nnodes - 1 - len(self.link.gone))
+            self.link.last_word_heard()
         stop_store(self.last_store)
         self.last_store = None
 

@@ -10,7 +10,7 @@ What crosses the seam is plain values: core/nodes/rules.py's :class:`~mpddp.core
 a backend that stops answering raises :class:`~mpddp.errors.RendezvousGone`. Above core/nodes/ nothing names a
 backend: the launcher and the settlement (core/nodes/settle.py) use this module only, and a test keeps it so.
 
-A backend is storage, liveness and a watch, in ten methods:
+A backend is storage, liveness and a watch, in twelve methods:
 
 * a round: :meth:`~Rendezvous.join` it (its :class:`Round` says who), where its stores listen
   (:meth:`~Rendezvous.round_store`, a :class:`RoundStore`: node 0's for the whole job, or one per round that its first
@@ -22,7 +22,9 @@ A backend is storage, liveness and a watch, in ten methods:
   arrived), and who is :meth:`~Rendezvous.lost` (by the backend's own means: beats, or leases);
 * what a node hears when the backend itself is gone: :meth:`~Rendezvous.last_word` (node 0's, where it hosts the
   store; etcd full, the record on the round's store); why it went is worded by the client that found it gone
-  (:class:`~mpddp.errors.RendezvousGone`'s ``line``);
+  (:class:`~mpddp.errors.RendezvousGone`'s ``line``); and what node 0 says last, its store server lost while its
+  launcher lives (:meth:`~Rendezvous.say_last_word`, :meth:`~Rendezvous.last_word_heard`: only a backend whose
+  node 0 serves every round has one);
 * :meth:`~Rendezvous.leave` the job.
 
 What is not a backend's is above it: :func:`stopped` (a record like any other), core/nodes/settle.py's wait for the
@@ -325,6 +327,10 @@ class Rendezvous(Protocol):
     def view(self, attempt: int) -> RoundView: ...
     def lost(self, attempt: int, since: float) -> Lost | None: ...  # ``since``: when this node began to wait
     def last_word(self, attempt: int) -> FailureRecord | None: ...  # the backend gone: node 0's word, or the store's
+    # node 0, whose store serves every round (RoundStore.serves_every_round), its store server lost: ``record`` on the
+    # fresh one the launcher started on its port, and the wait until the others read it
+    def say_last_word(self, attempt: int, record: FailureRecord) -> None: ...
+    def last_word_heard(self) -> None: ...
     def leave(self) -> None: ...
 
 

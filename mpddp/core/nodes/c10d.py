@@ -242,6 +242,15 @@ class C10dRendezvous:
             return None
         return last_word.hear(self.config.master_addr, self.port, attempt)
 
+    def say_last_word(self, attempt: int, record: FailureRecord) -> None:
+        """Node 0, its store server lost: ``record`` on the fresh one its launcher serves on the job's port
+        (core/stores/last_word.py), which the others hear (:meth:`last_word`) instead of "node 0 is gone"."""
+        last_word.tell(self.config.master_addr, self.port, attempt, record)
+
+    def last_word_heard(self) -> None:
+        """Until every other launcher not found lost read node 0's last word, a few seconds at most."""
+        last_word.heard(self.config.master_addr, self.port, self.config.nnodes - 1 - len(self.gone))
+
     def record(self, attempt: int) -> FailureRecord | None:
         """The round's record, once written, as core/stores/store_beat.py's ``KeptRecord`` keeps it and counts its read
         (for the waits of :meth:`move` and :meth:`until_heard`)."""

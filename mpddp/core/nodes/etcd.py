@@ -315,6 +315,12 @@ class EtcdRendezvous(EtcdKV):
             return None
         return watch.last_record(self.config.timeout)
 
+    def say_last_word(self, attempt: int, record: FailureRecord) -> None:
+        """Never asked: no node's store serves every round (the next round's store replaces a lost one)."""
+
+    def last_word_heard(self) -> None:
+        """Never asked (:meth:`say_last_word`)."""
+
     def leave(self) -> None:
         """Done with the job: this launcher's lease goes, and the last launcher to leave removes the job's keys.
         etcd full, the last round's store host first waits for the others to read a record on its store."""
