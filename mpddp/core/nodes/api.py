@@ -6,8 +6,9 @@ node 0's TCPStore, core/nodes/c10d.py; ``etcd``: core/nodes/etcd.py; core/nodes/
 nodes' liveness while the ranks run (a node found lost ends the round on every node at once: :func:`went_away`, the
 round's record); the beat's timing.
 What crosses the seam is plain values: core/nodes/rules.py's :class:`~mpddp.core.nodes.rules.NodeState` and
-:class:`~mpddp.core.nodes.rules.RoundView` (one look at a round), and :class:`~mpddp.core.wire.protocol.FailureRecord`;
-a backend that stops answering raises :class:`~mpddp.errors.RendezvousGone`. Above core/nodes/ nothing names a
+:class:`~mpddp.core.nodes.rules.RoundView` (one look at a round: core/nodes/view.py's, on either backend), and
+:class:`~mpddp.core.wire.protocol.FailureRecord`; a backend that stops answering raises
+:class:`~mpddp.errors.RendezvousGone`. Above core/nodes/ nothing names a
 backend: the launcher and the settlement (core/nodes/settle.py) use this module only, and a test keeps it so.
 
 A backend is storage, liveness and a watch, in twelve methods:
@@ -35,7 +36,6 @@ from __future__ import annotations
 
 import abc
 import contextlib
-import functools
 import signal
 import threading
 import time
@@ -45,7 +45,7 @@ from typing import Protocol
 
 from ... import rank_math
 from ...config import LaunchConfig
-from ...errors import NeverArrived, Outcome, RendezvousGone, StoreLost
+from ...errors import Outcome, RendezvousGone, StoreLost
 from ..stores.clock import Clock
 from ..stores.store_beat import WATCHED_FOR, StoreBeat
 from ..wire import protocol
@@ -123,57 +123,10 @@ class RoundStore:
         return self.lost is not None
 
 
-class _Records(Protocol):
+class Records(Protocol):
+    """A backend, as what reads a round's record sees it (a round watch, the membership keys)."""
+
     def record(self, attempt: int) -> FailureRecord | None: ...
-
-
-class Tally(_Records, Protocol):
-    """What :class:`View` reads of a round in a backend's store: its record, and core/nodes/rules.py's counters
-    (a key a node, counted without being read; each entry numbered, or under a prefix)."""
-
-    config: LaunchConfig
-
-    def counted(self, attempt: int, counter: str) -> int: ...  # its nodes (and the lost that could not enter it)
-    def entries(self, attempt: int, counter: str) -> dict[int, float]: ...  # each and when it entered: read once
-    def marked(self, attempt: int, counter: str, nodes: set[int]) -> bool: ...  # every one of ``nodes`` is in it
-    def arrived(self, attempt: int) -> int: ...  # the launchers that came to the round (elastic: 0 else)
-    def never_arrived(self, attempt: int) -> NeverArrived | None: ...  # the nodes whose ranks never came
-
-
-class View:
-    """One look at a round (core/nodes/rules.py's :class:`~mpddp.core.nodes.rules.RoundView`) on either backend:
-    each value read when first asked, and once, as a count while no node's key needs reading."""
-
-    def __init__(self, link: Tally, attempt: int) -> None:
-        self.link, self.attempt = link, attempt
-
-    @functools.cached_property
-    def record(self) -> FailureRecord | None:
-        return self.link.record(self.attempt)
-
-    @functools.cached_property
-    def busy(self) -> bool:
-        return self.link.counted(self.attempt, protocol.QUIET) < self.link.config.nnodes
-
-    @functools.cached_property
-    def pending(self) -> bool:
-        return self.link.counted(self.attempt, protocol.DONE) < self.link.config.nnodes
-
-    @functools.cached_property
-    def returned(self) -> dict[int, float]:
-        me = self.link.config.node_rank
-        return {n: when for n, when in self.link.entries(self.attempt, protocol.RETURNED).items() if n != me}
-
-    @functools.cached_property
-    def never_arrived(self) -> NeverArrived | None:
-        return self.link.never_arrived(self.attempt)
-
-    @functools.cached_property
-    def arrived(self) -> int:
-        return self.link.arrived(self.attempt)
-
-    def waiting(self, nodes: set[int]) -> bool:
-        return bool(nodes) and self.link.marked(self.attempt, protocol.WAITING, nodes)
 
 
 class RoundWatch(abc.ABC):
@@ -182,7 +135,7 @@ class RoundWatch(abc.ABC):
     watch says how a beat reaches its store, :meth:`_turn`, and reads the others' collectives, :meth:`others_calls`)."""
 
     beat: StoreBeat  # the round's keys on its store, set by each backend's watch
-    link: _Records  # the backend, set by each backend's watch: the round's record, once the beat says it is written
+    link: Records  # the backend, set by each backend's watch: the round's record, once the beat says it is written
     admits = False  # newcomers may be admitted to the round (--nnodes MIN:MAX), set by each backend's watch
     looks = False  # this node looks at the other nodes' liveness while the ranks run (set by each backend's watch)
 

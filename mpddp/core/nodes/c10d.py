@@ -11,7 +11,6 @@ that never beat for --timeout. Its cost: node 0 is special; when its machine is 
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import socket
 import time
@@ -24,17 +23,18 @@ from ... import rank_math
 from ...config import LaunchConfig
 from ...errors import ConfigError, NeverArrived, OtherJob, Outcome, RendezvousError, RendezvousGone, StoreLost
 from ..stores import last_word
-from ..stores.c10d_client import C10dClient
+from ..stores.c10d_client import C10dClient, C10dKV, enter
 from ..stores.clock import MACHINE
 from ..stores.store_beat import ABSENT, KeptRecord, first_record, read_all, record_of
 from ..wire import protocol
 from ..wire.fingerprint import Fingerprint, refusal
 from ..wire.protocol import FailureRecord, full_key
 from . import membership, rules
-from .api import POLL, STALLED_AFTER, Lost, Round, RoundStore, View, names, went_away
+from .api import POLL, STALLED_AFTER, Lost, Round, RoundStore, names, went_away
 from .c10d_keys import C10dKeys, arrived, close_door, join_barrier, missing_ranks, standing_job, take_number
 from .c10d_watch import LIVE_BEATS, C10dRoundWatch
 from .rules import NodeState
+from .view import Counters, View
 
 ONCE_MORE = 1.5  # seconds a node gives node 0's store once more, on a fresh connection, after it went silent
 READ_WAIT = 3.0  # seconds node 0, stopped itself, keeps its store for the others to read why, at most
@@ -44,7 +44,7 @@ _NODE0_ONLY = ("not restarted: node 0 hosted the job's store (--rdzv-backend c10
                "place; with --rdzv-backend etcd the job survives the loss of any node, node 0 included")
 
 
-class C10dRendezvous:
+class C10dRendezvous(Counters):
     """The ``c10d`` backend of :class:`~mpddp.core.nodes.api.Rendezvous` (see the header); every call is thread-safe."""
 
     hosts_round_store = False  # node 0's store serves every round
@@ -55,6 +55,7 @@ class C10dRendezvous:
         self.config, self.port, self.nprocs = config, port, nprocs
         self.job = Fingerprint(job, nprocs) if job else None  # an elastic job's newcomer: as node 0's, or refused
         self.client = C10dClient(config, port)  # node 0's store, connected on first use
+        self.kv = C10dKV(self.client)  # the same, as the keys written once over either backend's see it
         self.gone: set[int] = set()  # nodes found lost (no beat, no end): node 0 does not wait for them to leave
         self.absent: set[int] = set()  # nodes that never arrived in the first round: node 0 does not wait for them
         self.launched = config  # as started: nnodes is MAX, min_nnodes MIN (config is the round's)
@@ -204,10 +205,8 @@ class C10dRendezvous:
                     return False
                 standing = s.compare_set(key, "" if standing == ABSENT else standing, mine).decode()
                 if standing == mine:
-                    for counter in counters:
-                        s.set(full_key(attempt, f"{counter}/{node}"), "1")
-                        number = s.add(full_key(attempt, counter), 1)
-                        s.set(full_key(attempt, f"{counter}#{number}"), json.dumps([node, time.time()]))
+                    for counter in counters:  # view.Counters' entries, in the same call as the move
+                        enter(s, full_key(attempt, counter + "/"), str(node), repr(time.time()))
                     return True
             return False
 
@@ -350,30 +349,12 @@ class C10dRendezvous:
         self.gone.update(lost)
         return lost
 
+    def key(self, attempt: int, name: str) -> str:  # a key of round ``attempt`` in node 0's store
+        return full_key(attempt, name)
+
     def state(self, attempt: int, node: int) -> NodeState:  # node ``node``'s record in round ``attempt``: one operation
         key = full_key(attempt, f"{protocol.STATE}/{node}")
         return _state(self.client.call(lambda s: s.compare_set(key, ABSENT, ABSENT)).decode())
-
-    def counted(self, attempt: int, counter: str) -> int:
-        """How many nodes ``counter`` counts in round ``attempt``: one operation (a lost node is moved to LOST by
-        the node that found it, and so counted)."""
-        return int(self.client.call(lambda s: s.add(full_key(attempt, counter), 0)))
-
-    def entries(self, attempt: int, counter: str) -> dict[int, float]:
-        """The nodes ``counter`` counts, and when each came in: one operation while it counts none, two else (its
-        entries, numbered)."""
-        def read(s: Any) -> list[bytes]:
-            count = s.add(full_key(attempt, counter), 0)
-            return read_all(s, [full_key(attempt, f"{counter}#{n}") for n in range(1, count + 1)])
-
-        return {int(node): float(when) for node, when in map(json.loads, self.client.call(read))}
-
-    def marked(self, attempt: int, counter: str, nodes: set[int]) -> bool:
-        keys = [full_key(attempt, f"{counter}/{n}") for n in sorted(nodes)]
-        return bool(self.client.call(lambda s: s.check(keys)))
-
-    def arrived(self, attempt: int) -> int:
-        return int(self.client.call(lambda s: arrived(s, attempt)))  # one operation (0 where --nnodes is fixed)
 
     def leave(self) -> None:
         """Done with the store. Node 0 keeps it until every other launcher has left too (or a short while), a spare

@@ -12,20 +12,19 @@ from datetime import timedelta
 from typing import Any, Protocol
 
 from ...config import LaunchConfig
-from ..stores.c10d_client import C10dClient
+from ..stores.c10d_client import C10dClient, C10dKV
 from ..stores.clock import Clock
-from ..stores.store_beat import first_record, peek, read_all
+from ..stores.store_beat import first_record, read_all
 from ..wire import protocol
 from ..wire.protocol import FailureRecord, full_key
 from .api import ending
-from .membership import poll_interval
+from .membership import RoundKeys, poll_interval
 from .rules import Door, NodeState, door, holder
 
-_ARRIVALS, _MEMBERS, _CLAIMS = "arrivals", "members", "claims"  # an elastic job's round
+_CLAIMS = "claims"  # an elastic job's round: the --node-rank each newcomer came with (its arrivals: RoundKeys')
 _ADMISSION = "admission"  # a round's door: a newcomer's record of admission, or a node's mark (FAILING, CLOSED)
 _FAILING, _CLOSED = b"failing", b"closed"  # a node waits for a failure's record; a node's ranks returned
 _DOOR_MARKS = {NodeState.WAITING: _FAILING, NodeState.RETURNED: _CLOSED}  # the moves that shut a round's door, and how
-_ROUND = "mpddp/job/round"  # the round an elastic job is in now, for a launcher that comes late
 _NUMBERED = "mpddp/job/numbered"  # a counter: the launchers of a fixed-size job numbered as they came (1, 2, ...)
 _RUNS = "mpddp/job/runs"  # what node 0's launcher runs (core/wire/fingerprint.py): a newcomer's must be the same
 
@@ -59,7 +58,7 @@ def missing_ranks(s: Any, attempt: int, world_size: int) -> list[int]:
 
 def arrived(s: Any, attempt: int) -> int:
     """How many launchers came to round ``attempt`` of an elastic job, its spares too (0: a fixed-size job)."""
-    return int(s.add(full_key(attempt, _ARRIVALS), 0))
+    return int(s.add(full_key(attempt, "join"), 0))  # RoundKeys' entries under join/, counted (C10dKV.count)
 
 
 def admitted(s: Any, attempt: int, record: bytes) -> Door:
@@ -118,26 +117,20 @@ def standing_job(s: Any, mine: str, host: bool) -> bytes | None:
     return bytes(s.get(_RUNS)) if s.check([_RUNS]) else None
 
 
-class C10dKeys:
-    """core/nodes/membership.py's keys in node 0's store: arrivals numbered by a counter (a store lists no keys)."""
+class C10dKeys(RoundKeys):
+    """core/nodes/membership.py's keys in node 0's store (:class:`~mpddp.core.nodes.membership.RoundKeys`), and what
+    only this backend does: liveness counted (a node found lost is moved to LOST by the node that found it), a
+    ``--node-rank`` claimed in the round, a newcomer admitted at the round's door (:func:`admitted`)."""
+
+    link: C10dLink
 
     def __init__(self, link: C10dLink) -> None:
+        super().__init__(C10dKV(link.client), full_key, lambda name: f"mpddp/job/{name}", link.clock)
         self.link = link
-
-    def arrive(self, attempt: int, me: str, arrival: str) -> int:
-        def put(s: Any) -> int:
-            number = s.add(full_key(attempt, _ARRIVALS), 1)
-            s.set(full_key(attempt, f"{_ARRIVALS}/{number}"), json.dumps([me, arrival]))
-            return int(number)
-
-        return int(self.link.client.call(put))
-
-    def count(self, attempt: int) -> int:
-        return int(self.link.client.call(lambda s: arrived(s, attempt)))
 
     def lived(self, attempt: int) -> int:
         """Two operations: the arrivals, less the nodes found lost (moved to LOST by the node that found them)."""
-        return int(self.link.client.call(lambda s: arrived(s, attempt) - s.add(full_key(attempt, protocol.LOST), 0)))
+        return self.count(attempt) - self.kv.count(full_key(attempt, protocol.LOST + "/"))
 
     def claim(self, attempt: int, node_rank: int, me: str) -> str | None:
         """A launcher's first round: its --node-rank is taken by a member of the job's last decided round that came
@@ -145,9 +138,8 @@ class C10dKeys:
         this round; None: this launcher holds it now."""
         if (held := self._held(attempt, node_rank)) is not None:
             return held
-        key = full_key(attempt, f"{_CLAIMS}/{node_rank}")
-        standing = self.link.client.call(lambda s: s.compare_set(key, "", me)).decode()
-        return None if standing == me else standing
+        standing = self.kv.create(full_key(attempt, f"{_CLAIMS}/{node_rank}"), me)
+        return None if standing is None else standing.decode()
 
     def _held(self, attempt: int, node_rank: int) -> str | None:
         """The member of round ``attempt`` (the job's latest, as a newcomer reads it) that holds ``node_rank``, as
@@ -160,34 +152,8 @@ class C10dKeys:
             return None  # a holder found lost: its replacement takes its rank
         return f"{members[node]} on {arrivals[members[node]].get('host')}"
 
-    def arrivals(self, attempt: int) -> dict[str, str]:
-        def read(s: Any) -> dict[str, str]:  # two operations, however many came (torch 2.1, 2.2: one a key)
-            keys = [full_key(attempt, f"{_ARRIVALS}/{n}") for n in range(1, arrived(s, attempt) + 1)]
-            return dict(json.loads(value) for value in read_all(s, keys))
-
-        return dict(self.link.client.call(read))
-
-    def decided(self, attempt: int) -> str | None:
-        found = self.link.client.call(lambda s: peek(s, full_key(attempt, _MEMBERS)))  # one operation
-        return None if found is None else found.decode()
-
     def look(self, nodes: int) -> float:
         return poll_interval(nodes)
-
-    def await_decided(self, attempt: int, timeout: float) -> str | None:
-        self.link.clock.sleep(timeout)  # a store's wait prints torch's warning when it times out: look, then
-        return self.decided(attempt)
-
-    def decide(self, attempt: int, members: str) -> bool:
-        key = full_key(attempt, _MEMBERS)
-        won = self.link.client.call(lambda s: s.compare_set(key, "", members)).decode() == members
-        if won:
-            self.link.client.call(lambda s: s.set(_ROUND, str(attempt)))
-        return won
-
-    def latest(self) -> int:
-        found = self.link.client.call(lambda s: s.get(_ROUND) if s.check([_ROUND]) else None)
-        return int(found) if found else 0
 
     def admit(self, attempt: int, record: FailureRecord) -> None:
         """The round restarts for this newcomer (:func:`admitted`), unless it ends anyway (RECORD, FAILING: this
@@ -196,11 +162,8 @@ class C10dKeys:
         if client.call(lambda s: admitted(s, attempt, record.encode())) is Door.CLOSED:
             raise ending(f"the job at {client.config.master_addr}:{client.port}", attempt)
 
-    def record(self, attempt: int) -> FailureRecord | None:
-        return self.link.record(attempt)
-
     def over(self, attempt: int, members: list[str]) -> bool:
-        return bool(self.link.client.call(lambda s: s.add(protocol.LEFT, 0)) >= len(members))
+        return self.kv.count(protocol.LEFT) >= len(members)
 
     def alive(self, attempt: int, members: list[str]) -> bool:
         return True  # a member lost is named in the round's record by the others: the wait ends there

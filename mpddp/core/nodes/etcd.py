@@ -32,16 +32,17 @@ from ..stores.store_beat import StoreBeat
 from ..wire.fingerprint import Fingerprint
 from ..wire.protocol import FailureRecord
 from . import membership
-from .api import Lost, Round, RoundLost, RoundStore, View, went_away
+from .api import Lost, Round, RoundLost, RoundStore, went_away
 from .etcd_identity import Identity
 from .etcd_keys import EtcdKeys, EtcdRoundWatch, etcd_interval
 from .rules import NodeState, move
+from .view import Counters, View
 
 _FIRST_CONTACT = 5.0  # seconds the first contact with etcd may take, at most
 _UNTOLD = {NodeState.ENDED: (RendezvousGone,), NodeState.WAITING: (EtcdFull,)}  # what a move may leave unwritten
 
 
-class EtcdRendezvous(EtcdKV):
+class EtcdRendezvous(EtcdKV, Counters):
     """The ``etcd`` backend of :class:`~mpddp.core.nodes.api.Rendezvous`, for the whole job; thread-safe."""
 
     hosts_round_store = True  # each round's first node hosts that round's store (api.Rendezvous)
@@ -55,6 +56,7 @@ class EtcdRendezvous(EtcdKV):
         client = EtcdClient(config.rdzv_endpoint or "", settings.tls, timeout=config.timeout,
                             start=config.node_rank or None)  # 0 or not given: arrival numbers it; any member
         super().__init__(client, settings.ttl)
+        self.kv = self  # its keys, as view.Counters reads them
         self.last_call = settings.last_call_timeout
         self.me = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self.prefix = f"/mpddp/{config.rdzv_id}/"  # the job's; its launch's incarnation's from the first join on
@@ -289,19 +291,7 @@ class EtcdRendezvous(EtcdKV):
     def counted(self, attempt: int, counter: str) -> int:
         """The nodes that have put ``counter``'s mark, and those lost without it: a count, no key read."""
         lost = self.stalled(attempt)
-        unmarked = sum(self.get(self.key(attempt, counter, n)) is None for n in lost)
-        return self.count(self.key(attempt, counter + "/")) + unmarked
-
-    def entries(self, attempt: int, counter: str) -> dict[int, float]:
-        """One request (a count) while no node put ``counter``'s mark; their keys once some did."""
-        key = self.key(attempt, counter + "/")
-        return {int(n): float(v) for n, v in self.under(key).items()} if self.count(key) else {}
-
-    def marked(self, attempt: int, counter: str, nodes: set[int]) -> bool:
-        return all(self.get(self.key(attempt, counter, n)) is not None for n in sorted(nodes))
-
-    def arrived(self, attempt: int) -> int:
-        return self.count(self.key(attempt, "join/"))  # one request, a count
+        return super().counted(attempt, counter) + sum(self.get(self.key(attempt, counter, n)) is None for n in lost)
 
     def never_arrived(self, attempt: int) -> None:
         return None  # a round starts with the nodes that joined it: none can be missing from it

@@ -4,7 +4,8 @@ Owns: :func:`join_round`, core/nodes/rules.py's membership rules carried out ove
 every launcher puts its arrival, the first to see the round complete writes its member list, created only if absent
 (the first writer wins), and the list's order is the round's node ranks. A launcher that comes to a round already
 decided without it has the group restart to admit it (below ``MAX``: a record of :data:`~mpddp.errors.Outcome.RESIZED`,
-which no restart count pays for) or waits as a spare for the next round.
+which no restart count pays for) or waits as a spare for the next round. Also :class:`RoundKeys`, those keys written
+once over a backend's :class:`~mpddp.core.stores.kv.KV`; each backend's subclass adds what truly differs.
 """
 
 from __future__ import annotations
@@ -12,13 +13,15 @@ from __future__ import annotations
 import json
 import socket
 import time
+from collections.abc import Callable
 from typing import Protocol
 
 from ...errors import ConfigError, TooFewNodes
 from ...log import logger
 from ..stores.clock import MACHINE, Clock
+from ..stores.kv import KV
 from ..wire.protocol import FailureRecord
-from .api import NotNeeded, Round, resized_record
+from .api import NotNeeded, Records, Round, resized_record
 from .rules import Outside, Step, join_step, member_order, outside
 
 GAVE_UP = "gave_up"  # a round's "member list" written by the first launcher that waited --timeout: how many came
@@ -40,6 +43,52 @@ class Keys(Protocol):
     def record(self, attempt: int) -> FailureRecord | None: ...
     def over(self, attempt: int, members: list[str]) -> bool: ...  # the job ended well without this launcher
     def alive(self, attempt: int, members: list[str]) -> bool: ...  # a member of the round is still there
+
+
+class RoundKeys(Keys):
+    """:class:`Keys` on a backend's ``kv``: a round's arrivals are entries under ``join/`` (put with the launcher's
+    lease: etcd drops a lost one's), its member list is created only if absent, and the job's latest round is put
+    beside it (``job``: a job-wide key's name in full). What differs is each backend's subclass: liveness
+    (:meth:`lived`, :meth:`alive`, :meth:`over`), a ``--node-rank``'s claim, a newcomer's admission against the
+    round's door (atomic in the backend's own way), and how often a waiting launcher looks: the Protocol's methods
+    it leaves, which mypy asks of a subclass before it may be made."""
+
+    link: Records  # the backend: the round's record is its own
+
+    def __init__(self, kv: KV, key: Callable[[int, str], str], job: Callable[[str], str], clock: Clock) -> None:
+        self.kv, self.key, self.job, self.clock = kv, key, job, clock
+
+    def record(self, attempt: int) -> FailureRecord | None:
+        return self.link.record(attempt)
+
+    def arrive(self, attempt: int, me: str, arrival: str) -> int:
+        return self.kv.enter(self.key(attempt, "join/"), me, arrival, leased=True)
+
+    def count(self, attempt: int) -> int:
+        return self.kv.count(self.key(attempt, "join/"))
+
+    def arrivals(self, attempt: int) -> dict[str, str]:
+        return {m: v.decode() for m, v in self.kv.under(self.key(attempt, "join/")).items()}
+
+    def decided(self, attempt: int) -> str | None:
+        found = self.kv.get(self.key(attempt, "members"))
+        return None if found is None else found.decode()
+
+    def await_decided(self, attempt: int, timeout: float) -> str | None:
+        """The member list, once written: a look after ``timeout``. Not a wait on the key: a store's wait prints
+        torch's warning when it times out, and etcd's HTTP gateway serves a few hundred watches at once (with a
+        watch a waiting launcher, the leases' refreshes queued behind them: 256 simulated nodes, three ran out)."""
+        self.clock.sleep(timeout)
+        return self.decided(attempt)
+
+    def decide(self, attempt: int, members: str) -> bool:
+        if won := (self.kv.create(self.key(attempt, "members"), members) is None):
+            self.kv.put(self.job("round"), str(attempt))
+        return won
+
+    def latest(self) -> int:
+        found = self.kv.get(self.job("round"))
+        return int(found) if found else 0
 
 
 def join_round(keys: Keys, attempt: int, me: str, *, low: int, high: int, node_rank: int | None, last_call: float,

@@ -4,12 +4,14 @@ Owns: :class:`C10dClient`, which connects once, trying again until node 0's laun
 --timeout ran out, then runs every operation under one lock, each within a deadline that a silent or frozen node 0
 cannot take away (core/stores/deadline.py), and turns any failure of torch's client into
 :class:`~mpddp.errors.RendezvousGone`; after a failed first connection, or a call node 0 left unanswered, it fails
-fast. Leaves the store's keys to the backend and its helpers, and torch's client to core/wire/store.py.
+fast; and :class:`C10dKV`, core/stores/kv.py's protocol over it (a prefix's entries numbered by a counter: a store
+lists no keys). Leaves what the keys mean to the backend and its helpers, and torch's client to core/wire/store.py.
 """
 
 from __future__ import annotations
 
 import functools
+import json
 import socket
 import threading
 import time
@@ -20,6 +22,7 @@ from typing import Any
 from ...config import LaunchConfig
 from ...errors import RendezvousGone
 from .deadline import SILENT, Silent, answered, within
+from .store_beat import peek, read_all
 
 
 class StoreGone(RendezvousGone):
@@ -144,3 +147,48 @@ class C10dClient:
                 if refused or time.monotonic() >= deadline:
                     raise
                 time.sleep(0.2)
+
+
+def enter(s: Any, prefix: str, name: str, value: str) -> int:
+    """An entry under ``prefix`` in node 0's store: its own key, the prefix's counter (the prefix less its "/"), and
+    the entry numbered by it (read back whole by :func:`under`): three operations. How many entries there are now."""
+    s.set(prefix + name, value)
+    number = int(s.add(prefix.rstrip("/"), 1))
+    s.set(f"{prefix.rstrip('/')}#{number}", json.dumps([name, value]))
+    return number
+
+
+def under(s: Any, prefix: str) -> dict[str, bytes]:
+    """Every entry under ``prefix``: one operation while there is none, two else, however many."""
+    numbered = [f"{prefix.rstrip('/')}#{n}" for n in range(1, int(s.add(prefix.rstrip("/"), 0)) + 1)]
+    return {name: value.encode() for name, value in map(json.loads, read_all(s, numbered))}
+
+
+class C10dKV:
+    """core/stores/kv.py's :class:`~mpddp.core.stores.kv.KV` on node 0's store through ``client``, each method one
+    call (its operations under the client's lock, within its deadline). No lease: a node's liveness is its beat."""
+
+    def __init__(self, client: C10dClient) -> None:
+        self.client = client
+
+    def get(self, key: str) -> bytes | None:
+        return self.client.call(lambda s: peek(s, key))  # type: ignore[no-any-return]
+
+    def put(self, key: str, value: str | bytes, leased: bool = False) -> None:
+        self.client.call(lambda s: s.set(key, value))
+
+    def create(self, key: str, value: str | bytes, leased: bool = False) -> bytes | None:
+        standing = bytes(self.client.call(lambda s: s.compare_set(key, "", value)))
+        return None if standing == (value.encode() if isinstance(value, str) else value) else standing
+
+    def enter(self, prefix: str, name: str, value: str, leased: bool = False) -> int:
+        return int(self.client.call(lambda s: enter(s, prefix, name, value)))
+
+    def count(self, prefix: str) -> int:
+        return int(self.client.call(lambda s: s.add(prefix.rstrip("/"), 0)))
+
+    def under(self, prefix: str) -> dict[str, bytes]:
+        return dict(self.client.call(lambda s: under(s, prefix)))
+
+    def has(self, keys: list[str]) -> bool:
+        return bool(self.client.call(lambda s: s.check(keys)))

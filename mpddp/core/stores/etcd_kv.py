@@ -2,10 +2,10 @@
 
 Owns: :class:`EtcdKV`, over :class:`~mpddp.core.stores.etcd_client.EtcdClient` (any member that answers) and this
 launcher's :class:`~mpddp.core.stores.etcd_client.KeptLease` (taken on first use, and again once etcd dropped it):
-a get, a prefix's keys or only their count (no key read), a put (with the lease where asked), a create-if-absent,
-and one transaction (:meth:`EtcdKV.commit`) built from this module's pieces: requests (:func:`put`, :func:`read`,
-:func:`counted`, :func:`delete`), compares (:func:`absent`, :func:`equal`), and their answers (:func:`found`,
-:func:`number`). Leaves what the keys mean to core/nodes/ (the etcd backend, and a job's incarnation).
+core/stores/kv.py's protocol (a get, a put with the lease where asked, a create-if-absent, an entry under a prefix,
+a prefix's keys or only their count: no key read, whether keys are there), and one transaction
+(:meth:`EtcdKV.commit`) built from this module's pieces: requests (:func:`put`, :func:`read`, :func:`counted`,
+:func:`delete`), compares (:func:`absent`, :func:`equal`), and their answers (:func:`found`, :func:`number`). Leaves what the keys mean to core/nodes/ (the etcd backend, and a job's incarnation).
 """
 
 from __future__ import annotations
@@ -94,6 +94,14 @@ class EtcdKV:
         """How many keys lie under ``prefix``: one request, no key read (etcd's count_only)."""
         return int(self.client.call(lambda c: c.post(c.get_url("/kv/range"), json={**span(prefix), "count_only": True}))
                    .get("count", 0))
+
+    def enter(self, prefix: str, name: str, value: str, leased: bool = False) -> int:
+        """``prefix + name`` put (with the lease where asked) and the keys under ``prefix`` counted: one transaction."""
+        answer = self.commit([], [put(prefix + name, value, self.lease() if leased else None), counted(prefix)])
+        return number(answer["responses"][1])
+
+    def has(self, keys: list[str]) -> bool:
+        return all(self.get(key) is not None for key in keys)
 
     def put(self, key: str, value: str | bytes, leased: bool = False) -> None:
         from etcd3gw import exceptions

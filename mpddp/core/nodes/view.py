@@ -1,0 +1,92 @@
+"""One look at a round, on either backend: what core/nodes/settle.py's waits read (core/nodes/rules.py's
+:class:`~mpddp.core.nodes.rules.RoundView`).
+
+Owns: :class:`Tally`, what a look reads of a backend (the round's record, and core/nodes/rules.py's counters of
+nodes: a node's entry under ``<counter>/``, counted without being read), :class:`View`, the look itself (each value
+read when first asked, and once), and :class:`Counters`, those counters written once over a backend's
+:class:`~mpddp.core.stores.kv.KV`. A node's record and the move that enters it in the counters are each backend's
+(atomic in its own way: core/nodes/c10d.py, core/nodes/etcd.py).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Protocol
+
+from ...config import LaunchConfig
+from ...errors import NeverArrived
+from ..stores.kv import KV
+from ..wire import protocol
+from ..wire.protocol import FailureRecord
+
+
+class Tally(Protocol):
+    """What :class:`View` reads of a round in a backend's store: its record, and core/nodes/rules.py's counters
+    (a key a node, counted without being read; each entry numbered, or under a prefix)."""
+
+    config: LaunchConfig
+
+    def record(self, attempt: int) -> FailureRecord | None: ...
+    def counted(self, attempt: int, counter: str) -> int: ...  # its nodes (and the lost that could not enter it)
+    def entries(self, attempt: int, counter: str) -> dict[int, float]: ...  # each and when it entered: read once
+    def marked(self, attempt: int, counter: str, nodes: set[int]) -> bool: ...  # every one of ``nodes`` is in it
+    def arrived(self, attempt: int) -> int: ...  # the launchers that came to the round (elastic: 0 else)
+    def never_arrived(self, attempt: int) -> NeverArrived | None: ...  # the nodes whose ranks never came
+
+
+class View:
+    """One look at a round (core/nodes/rules.py's :class:`~mpddp.core.nodes.rules.RoundView`) on either backend:
+    each value read when first asked, and once, as a count while no node's key needs reading."""
+
+    def __init__(self, link: Tally, attempt: int) -> None:
+        self.link, self.attempt = link, attempt
+
+    @functools.cached_property
+    def record(self) -> FailureRecord | None:
+        return self.link.record(self.attempt)
+
+    @functools.cached_property
+    def busy(self) -> bool:
+        return self.link.counted(self.attempt, protocol.QUIET) < self.link.config.nnodes
+
+    @functools.cached_property
+    def pending(self) -> bool:
+        return self.link.counted(self.attempt, protocol.DONE) < self.link.config.nnodes
+
+    @functools.cached_property
+    def returned(self) -> dict[int, float]:
+        me = self.link.config.node_rank
+        return {n: when for n, when in self.link.entries(self.attempt, protocol.RETURNED).items() if n != me}
+
+    @functools.cached_property
+    def never_arrived(self) -> NeverArrived | None:
+        return self.link.never_arrived(self.attempt)
+
+    @functools.cached_property
+    def arrived(self) -> int:
+        return self.link.arrived(self.attempt)
+
+    def waiting(self, nodes: set[int]) -> bool:
+        return bool(nodes) and self.link.marked(self.attempt, protocol.WAITING, nodes)
+
+
+class Counters:
+    """:class:`Tally`'s counters on a backend's ``kv``, under its keys of a round (``key(attempt, name)``): a counter's
+    nodes are its entries (``<counter>/<node>``, the time it came in), the launchers that came its ``join/``
+    (core/nodes/membership.py's :class:`~mpddp.core.nodes.membership.RoundKeys`)."""
+
+    kv: KV
+    key: Callable[..., str]
+
+    def counted(self, attempt: int, counter: str) -> int:
+        return self.kv.count(self.key(attempt, counter + "/"))  # one operation
+
+    def entries(self, attempt: int, counter: str) -> dict[int, float]:
+        return {int(node): float(when) for node, when in self.kv.under(self.key(attempt, counter + "/")).items()}
+
+    def marked(self, attempt: int, counter: str, nodes: set[int]) -> bool:
+        return self.kv.has([self.key(attempt, f"{counter}/{n}") for n in sorted(nodes)])
+
+    def arrived(self, attempt: int) -> int:
+        return self.kv.count(self.key(attempt, "join/"))  # one operation (0 where --nnodes is fixed: no round joined)
