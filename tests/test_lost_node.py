@@ -10,6 +10,7 @@ launcher's own, nothing left behind.
 
 from __future__ import annotations
 
+import contextlib
 import re
 import signal
 import textwrap
@@ -245,7 +246,8 @@ def test_a_frozen_machine_is_named_within_seconds_and_the_others_go_on(tmp_path,
         frozen = [psutil.Process(runs[2].proc.pid), *psutil.Process(runs[2].proc.pid).children(recursive=True),
                   *marked(runs[2].marker)]
         for proc in frozen:
-            proc.send_signal(signal.SIGSTOP)
+            with contextlib.suppress(psutil.NoSuchProcess):  # one that ended since it was listed
+                proc.send_signal(signal.SIGSTOP)
         stopped_at = time.monotonic()
         told = [_said_matching(run, r"mpddp: node\(s\) 2 went away", timeout=TIMEOUT + 30) for run in runs[:2]]
         took = time.monotonic() - stopped_at
