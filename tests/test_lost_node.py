@@ -70,20 +70,21 @@ def _port(run: Run) -> int:
     return int(run.proc.args[run.proc.args.index("--master-port") + 1])  # type: ignore[union-attr]
 
 
+def _job_keys(cluster, job_id: str) -> list[str]:
+    """Every key of job ``job_id`` in etcd, as text."""
+    keys = [meta["key"] for _, meta in cluster.client(0).get_prefix(f"/mpddp/{job_id}/")]
+    return [k.decode() if isinstance(k, bytes) else k for k in keys]
+
+
 def _arrived(cluster, job_id: str, round_number: int, pid: int) -> bool:
     """Whether the launcher of ``pid`` has put its arrival in round ``round_number`` of job ``job_id`` (its key
     names its host, pid and a random tail)."""
-    client = cluster.client(0)
-    keys = [meta["key"] for _, meta in client.get_prefix(f"/mpddp/{job_id}/")]
-    keys = [k.decode() if isinstance(k, bytes) else k for k in keys]
-    return any(re.search(rf"/r/{round_number}/join/.*-{pid}-[0-9a-f]+$", key) for key in keys)
+    return any(re.search(rf"/r/{round_number}/join/.*-{pid}-[0-9a-f]+$", key) for key in _job_keys(cluster, job_id))
 
 
 def _published_store(cluster, job_id: str, round_number: int) -> bool:
     """Whether round ``round_number``'s first node published its store's address (once it served it)."""
-    keys = [meta["key"] for _, meta in cluster.client(0).get_prefix(f"/mpddp/{job_id}/")]
-    keys = [k.decode() if isinstance(k, bytes) else k for k in keys]
-    return any(key.endswith(f"/r/{round_number}/store") for key in keys)
+    return any(key.endswith(f"/r/{round_number}/store") for key in _job_keys(cluster, job_id))
 
 
 def test_node_0_lost_is_one_story_on_every_survivor_none_naming_its_own_rank_first(tmp_path: Path) -> None:
