@@ -173,6 +173,7 @@ class EtcdRoundWatch(RoundWatch):
         self._kept = KeptRecord(attempt, link.config.node)  # the round's record on the store, once read
         self._next_try = 0.0  # when the beat may try to connect to the round's store again
         self.host_lost = False  # the round's first node, its store's host, was found lost: its store is not called
+        self._untold = False  # this node wrote the round's record before its beat reached the store: the beat tells
         from ..wire.store import load_torch
 
         load_torch()  # here, not in the beat's thread: a first import of torch there took 2-9 s (no store to tell
@@ -232,6 +233,8 @@ class EtcdRoundWatch(RoundWatch):
         failed; no beat count: the lease tells liveness."""
         if self._store is None and time.monotonic() >= self._next_try:
             self._connect()
+        if self._untold:
+            self._untold = self._on_store(self.beat.tell_failed) is None
         return self._on_store(functools.partial(self.beat.turn, step=step, snapshot=snapshot, beats=None))
 
     def _put_calls(self, snapshot: bytes) -> None:
@@ -246,8 +249,10 @@ class EtcdRoundWatch(RoundWatch):
             self.link.put(self.link.key(self.attempt, "failing", self.link.config.node_rank), "1", leased=True)
 
     def tell_failed(self) -> None:
-        """This node wrote the round's record: every node's next beat reads it off the store's counter."""
-        self._on_store(self.beat.tell_failed)
+        """This node wrote the round's record: every node's next beat reads it off the store's counter. A beat not yet
+        connected to the store tells it once it is: 64 clients connecting at once, a few took 5 s (measured), and a
+        record written meanwhile was told to no node (they read etcd's key only once their own store fails)."""
+        self._untold = self._on_store(self.beat.tell_failed) is None
 
     def publish(self, record: bytes) -> bytes | None:
         """The round's record on its store (etcd is full); the standing one, or None where the store is gone.

@@ -165,9 +165,9 @@ class StoreBeat:
         s.set(self.calls, snapshot)
         self._list(s)
 
-    def tell_failed(self, s: Any) -> None:
-        """The writer of the round's record: every node's next beat reads FAILED off its one add."""
-        s.add(self.progress, protocol.FAILED)
+    def tell_failed(self, s: Any) -> int:
+        """The writer of the round's record: every node's next beat reads FAILED off its one add (the counter back)."""
+        return int(s.add(self.progress, protocol.FAILED))
 
     def _list(self, s: Any) -> None:
         """Once, after its first collectives are in: this node among the SHARERS (two operations)."""
