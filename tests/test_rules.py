@@ -62,7 +62,23 @@ def test_a_restart_decides_once_every_launcher_that_lives_on_came(came, seen, wa
     ({}, 50, []),                                # nobody has beaten yet
 ])
 def test_a_beat_that_stood_still_while_the_lookers_moved_is_silent(moved_at, clock, silent):
-    assert rules.silent(moved_at, clock, beats=12) == silent
+    assert rules.lost_nodes(moved_at, clock, grace=12) == silent
+
+
+INF = float("inf")
+
+
+@pytest.mark.parametrize("heard, now, grace, done, lost", [
+    ({1: -INF, 2: 100.0}, 100.0, INF, (), [1]),        # etcd: node 1's lease ran out, node 2's holds
+    ({1: -INF, 2: 100.0}, 100.0, INF, (1,), []),       # ... unless node 1 ended the round (it left, its lease revoked)
+    ({1: 100.0, 2: 100.0}, 1e9, INF, (), []),          # a lease that holds: never lost by time alone
+    ({1: 20.0}, 200.0, 180.0, (), [1]),                # c10d: a node that never beat, 180 s of --timeout since the wait
+    ({1: 20.0}, 199.9, 180.0, (), []),                 # ... not yet
+    ({1: 20.0}, 200.0, 180.0, (1,), []),               # ... it ended the round before its first beat
+    ({0: 112, 1: 100, 2: 111}, 112, 12, (1,), []),     # a beat that stands still because its node ended: not lost
+])
+def test_one_rule_finds_nodes_lost_on_either_backend(heard, now, grace, done, lost):
+    assert rules.lost_nodes(heard, now, grace=grace, done=done) == lost
 
 
 def test_the_last_call_is_timed_from_the_last_arrival_not_the_first():

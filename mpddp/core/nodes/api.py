@@ -54,7 +54,6 @@ from ..wire.signals import Terminated
 from .rules import Lost, NodeState, RoundView
 
 INTERVAL = 0.25  # seconds between two beats (and two looks for another node's failure)
-STALLED_AFTER = 6 * INTERVAL  # a beat that did not move for this long, while others moved: its launcher is gone
 POLL = 0.05  # seconds between two looks of a launcher that waits for the other nodes
 LOOK_EVERY = 0.5  # seconds between two looks at the other nodes' liveness while the ranks run
 

@@ -30,10 +30,10 @@ from ..wire import protocol
 from ..wire.fingerprint import Fingerprint, refusal
 from ..wire.protocol import FailureRecord, full_key
 from . import membership, rules
-from .api import POLL, STALLED_AFTER, Lost, Round, RoundStore, names, went_away
+from .api import LOOK_EVERY, POLL, Lost, Round, RoundStore, names, went_away
 from .c10d_keys import C10dKeys, arrived, close_door, join_barrier, missing_ranks, standing_job, take_number
-from .c10d_watch import LIVE_BEATS, C10dRoundWatch
-from .rules import NodeState
+from .c10d_watch import Beats, C10dRoundWatch
+from .rules import NodeState, lost_nodes
 from .view import Counters, View
 
 ONCE_MORE = 1.5  # seconds a node gives node 0's store once more, on a fresh connection, after it went silent
@@ -65,7 +65,7 @@ class C10dRendezvous(Counters):
         self._last = 0  # the last round this launcher ran
         self._kept: dict[int, KeptRecord] = {}  # each round's record, as this launcher read it
         self.stopped_in: set[int] = set()  # the rounds whose record this launcher wrote as it was stopped
-        self._window: tuple[tuple[int, float], dict[int, int], float] | None = None  # lost(): (wait, beats, since)
+        self._heard: tuple[tuple[int, float], Beats, float] | None = None  # lost(): (wait, beats, when last read)
         self._moves = 0  # this launcher's moves of a record, for a token of its own
 
     @property
@@ -282,22 +282,22 @@ class C10dRendezvous(Counters):
         return View(self, attempt)
 
     def lost(self, attempt: int, since: float) -> Lost | None:
-        """The other nodes found lost since this node began to wait (``since``): a beat that stood still over a
-        window of :data:`~mpddp.core.nodes.api.STALLED_AFTER` while others beat (:meth:`stalled`; a new window
-        when every node beat), or none at all for --timeout (:meth:`silent`)."""
+        """The other nodes found lost since this node began to wait (``since``), by core/nodes/rules.py's
+        :func:`~mpddp.core.nodes.rules.lost_nodes`: a beat that stood still while others beat (c10d_watch's
+        ``Beats``), or none at all for --timeout. Every node's beat is read every
+        :data:`~mpddp.core.nodes.api.LOOK_EVERY` at most, and at each look once --timeout has passed."""
         now = self.clock.now()
-        if self._window is None or self._window[0] != (attempt, since):
-            self._window = ((attempt, since), self.heartbeats(attempt), now)
-        wait, beats, opened = self._window
-        if now - opened >= STALLED_AFTER:
-            stalled = self.stalled(attempt, beats)
-            if stalled:
-                return Lost(stalled)
-            if stalled is not None:  # every node beat: look again over a new window (else the same, longer)
-                self._window = (wait, self.heartbeats(attempt), now)
-        if now - since > self.config.timeout and (silent := self.silent(attempt)):
-            return Lost(silent, beat=False)
-        return None
+        if self._heard is None or self._heard[0] != (attempt, since):
+            self._heard = ((attempt, since), Beats(self.config.node), float("-inf"))
+        wait, heard, read_at = self._heard
+        if now - read_at < LOOK_EVERY and now - since < self.config.timeout:
+            return None
+        self._heard, beats = (wait, heard, now), self.heartbeats(attempt)
+        if stalled := self.found_lost(attempt, heard.still(beats)):
+            return Lost(stalled)
+        never = {n: since for n, beat in beats.items() if beat == 0 and n != self.config.node_rank}
+        silent = self.found_lost(attempt, lost_nodes(never, now, grace=self.config.timeout))
+        return Lost(silent, beat=False) if silent else None
 
     def heartbeats(self, attempt: int, nodes: list[int] | None = None) -> dict[int, int]:
         """Every node's beat counter now (of ``nodes``, else of all), this node's own too (its round watch beats
@@ -321,26 +321,6 @@ class C10dRendezvous(Counters):
         beating = full_key(attempt, protocol.BEATING)
         found = self.client.call(lambda s: read_all(s, keys) if s.add(beating, 0) >= len(keys) else None)
         return None if found is None else {n: int(v) for n, v in enumerate(found)}
-
-    def stalled(self, attempt: int, before: dict[int, int]) -> list[int] | None:
-        """Other nodes whose beat did not move since ``before`` while another's did, and that did not end the
-        round. None when no beat, this one's included, moved by :data:`LIVE_BEATS`: beats that stood still
-        everywhere (a loaded machine starves the beating threads, or node 0's store) say nothing of one node.
-        A node that never beat in this round is not lost by that alone: its launcher may still be making its
-        first connection to node 0's store, which imports torch (the round watch connects once the ranks run),
-        longer on a loaded machine than any window of beats; only :meth:`silent` finds it lost, after --timeout."""
-        me = self.config.node_rank
-        after = self.heartbeats(attempt)
-        still = [n for n in before if n != me and after[n] == before[n]]
-        if max((after[n] - before[n] for n in before if n not in still), default=0) < LIVE_BEATS:
-            return None
-        return self.found_lost(attempt, [n for n in still if after[n] > 0])
-
-    def silent(self, attempt: int) -> list[int]:
-        """Other nodes that never beat in this round and did not end it: lost, once this node waited --timeout
-        for them (the time every other wait of a launcher for another node is given)."""
-        me = self.config.node_rank
-        return self.found_lost(attempt, [n for n, beat in self.heartbeats(attempt).items() if n != me and beat == 0])
 
     def found_lost(self, attempt: int, nodes: list[int]) -> list[int]:
         """Of ``nodes``, those that did not end the round: found lost from now on, their records moved to LOST

@@ -9,9 +9,33 @@ from ..stores.store_beat import StoreBeat
 from ..wire.protocol import FailureRecord
 from .api import Lost, RoundWatch
 from .c10d_keys import C10dLink, close_door
-from .rules import NodeState, silent
+from .rules import NodeState, lost_nodes
 
-LIVE_BEATS = 12  # a node whose beat stood still while node 0's moved this many times (3 s of beats) is lost
+LIVE_BEATS = 12  # a node whose beat stood still while another's moved this many times (3 s of beats) is lost
+
+
+class Beats:
+    """Each node's beat as one looker (node ``me``) saw it, for core/nodes/rules.py's :func:`lost_nodes`: when it
+    last moved, on a clock of beats (the most any node's beat moved since the looker first saw it beat). A looker or
+    a store starved of CPU sees no beat move, and finds nobody lost; a node that never beat is not lost by that alone
+    (its launcher may still import torch to connect): --timeout's, by the same rule."""
+
+    def __init__(self, me: int) -> None:
+        self.me = me
+        self._first: dict[int, int] = {}  # each node's beat count when first seen to beat
+        self._count: dict[int, int] = {}  # ... as last seen
+        self._heard: dict[int, float] = {}  # the clock when each node's beat was last seen to move
+
+    def still(self, beats: dict[int, int]) -> list[int]:
+        """The other nodes whose beat stood still for :data:`LIVE_BEATS` of the clock, after this look at ``beats``."""
+        for node, count in beats.items():
+            if count > 0:
+                self._first.setdefault(node, count)
+        clock = max((beats[n] - first for n, first in self._first.items()), default=0)
+        for node, count in beats.items():
+            if count > 0 and self._count.get(node) != count:
+                self._count[node], self._heard[node] = count, clock
+        return [n for n in lost_nodes(self._heard, clock, grace=LIVE_BEATS) if n != self.me]
 
 
 class C10dRoundWatch(RoundWatch):
@@ -27,8 +51,7 @@ class C10dRoundWatch(RoundWatch):
         self.beat = StoreBeat(attempt, link.config.node)
         self.admits = link.elastic
         self.looks = link.config.node == 0 and link.config.nnodes > 1
-        self._beats: dict[int, int] = {}  # each node's beat count, as last seen
-        self._moved_at: dict[int, int] = {}  # node 0's own beat count when each node's beat was last seen to move
+        self._beats = Beats(link.config.node)
         self._begin()
 
     def _lost(self) -> Lost | None:
@@ -37,12 +60,7 @@ class C10dRoundWatch(RoundWatch):
         torch; a node never started is named as never arrived)."""
         if (beats := self.link.every_beat(self.attempt)) is None:
             return None
-        clock = beats.get(self.beat.node, 0)
-        for node, count in beats.items():
-            if count > 0 and self._beats.get(node) != count:
-                self._beats[node], self._moved_at[node] = count, clock
-        still = silent(self._moved_at, clock, beats=LIVE_BEATS)
-        lost = self.link.found_lost(self.attempt, still) if still else []
+        lost = self.link.found_lost(self.attempt, self._beats.still(beats))
         return Lost(lost) if lost else None
 
     def _turn(self, step: int, snapshot: bytes | None, beats: int) -> int:

@@ -35,7 +35,7 @@ from . import membership
 from .api import Lost, Round, RoundLost, RoundStore, went_away
 from .etcd_identity import Identity
 from .etcd_keys import EtcdKeys, EtcdRoundWatch, etcd_interval
-from .rules import NodeState, move
+from .rules import NodeState, lost_nodes, move
 from .view import Counters, View
 
 _FIRST_CONTACT = 5.0  # seconds the first contact with etcd may take, at most
@@ -282,8 +282,9 @@ class EtcdRendezvous(EtcdKV, Counters):
         here = {int(n) for n in self.under(self.key(attempt, "alive/"))}
         ended = {int(n) for n in self.under(self.key(attempt, "ended/"))}
         joined = set(self.under(self.key(attempt, "join/")))  # put with the same lease: alive too, till then
-        me = self.config.node_rank
-        lost = [n for n, m in enumerate(members) if n != me and n not in here | ended and m not in joined]
+        heard = {n: 0.0 if n in here or m in joined else float("-inf")  # the lease's TTL is etcd's: it held, or not
+                 for n, m in enumerate(members) if n != self.config.node_rank}
+        lost = lost_nodes(heard, 0.0, grace=float("inf"), done=ended)  # core/nodes/rules.py's, c10d's too
         known |= {n for n in range(len(members)) if n not in here and (n in ended or n in lost)}
         self.gone.update(lost)
         return sorted(set(lost) | (known & self.gone))

@@ -2,15 +2,16 @@
 
 Owns a node's life in a round (:class:`NodeState`, moved only by :func:`move`); the membership's rules
 (:func:`join_step`, :func:`member_order`, :func:`holder`, :func:`outside`, :func:`door`); and the end's, over a
-:class:`RoundView`, one look at the round (:func:`wait_step`, :func:`finish_step`, :func:`unheard`). Each takes plain
-values (counts, a view, seconds from the caller's clock) and returns a value: no store, no sleep, so
-tests/test_rules.py checks them in milliseconds with injected time. core/nodes/membership.py and core/nodes/settle.py
+:class:`RoundView`, one look at the round (:func:`wait_step`, :func:`finish_step`, :func:`unheard`); and who is lost
+(:func:`lost_nodes`, on both backends). Each takes plain values (counts, a view, seconds from the caller's clock) and
+returns a value: no store, no sleep, so tests/test_rules.py checks them in milliseconds with injected time. core/nodes/membership.py and core/nodes/settle.py
 carry them out over a backend.
 """
 
 from __future__ import annotations
 
 import enum
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -161,12 +162,14 @@ class Wait(enum.Enum):
     LOOK = "look"  # look again after a pause
 
 
-def silent(moved_at: dict[int, int], clock: int, *, beats: int) -> list[int]:
-    """The nodes whose beat stood still while the looking node's own beat moved ``beats`` times: ``moved_at[n]`` is the
-    looker's beat count (``clock``) when it last saw node ``n``'s beat move. The looker's clock is its own beat through
-    the same store: a looker or a store starved of CPU beats no more either, and finds nobody silent (c10d's rule
-    while the ranks run; etcd's is the lease, which etcd applies)."""
-    return sorted(n for n, at in moved_at.items() if clock - at >= beats)
+def lost_nodes(heard: dict[int, float], now: float, *, grace: float, done: Collection[int] = ()) -> list[int]:
+    """The one rule that finds nodes lost, on either backend: those not heard for ``grace`` or more on the looker's
+    clock (``now``), that did not end the round (``done``). ``heard[n]``: when the looker last heard node ``n``. c10d:
+    its beat moved, on a clock of beats (core/nodes/c10d_watch.py's ``Beats``: a looker or a store starved of CPU sees
+    no beat move, and finds nobody lost), ``grace`` a few seconds of beats; or, for a node that never beat, when the
+    looker began to wait, ``grace`` --timeout. etcd: ``now`` while its lease holds, ``-inf`` once it ran out (etcd
+    applied the lease's TTL), and ``grace`` infinite: no timing alone finds a node lost there."""
+    return sorted(n for n, at in heard.items() if now - at >= grace and n not in done)
 
 
 def wait_step(view: RoundView, lost: Lost | None, *, culprits: set[int], early_exit: bool, retell: bool,
