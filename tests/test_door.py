@@ -502,10 +502,10 @@ def test_a_newcomers_admission_never_stands_for_a_failure_whose_record_is_on_its
     link = EtcdRendezvous(config, 0, 1)
     try:
         keys = EtcdKeys(link)
-        link.move_to(0, NodeState.WAITING)
+        link.move(0, NodeState.WAITING)
         keys.admit(0, resized_record("newcomer", 1))  # no error: it waits for the round's record, then comes
         assert link.record(0) is None
-        link.move_to(1, NodeState.RETURNED)
+        link.move(1, NodeState.RETURNED)
         with pytest.raises(NotNeeded):
             keys.admit(1, resized_record("newcomer", 1))
         assert link.record(1) is None

@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
-import time
 import uuid
 from collections.abc import Callable
 from dataclasses import replace
@@ -23,13 +22,13 @@ from ... import rank_math
 from ...config import LaunchConfig
 from ...errors import ConfigError, NeverArrived, OtherJob, Outcome, RendezvousError, RendezvousGone, StoreLost
 from ..stores import last_word
-from ..stores.c10d_client import C10dClient, C10dKV, enter
+from ..stores.c10d_client import C10dClient, C10dKV
 from ..stores.clock import MACHINE
-from ..stores.store_beat import ABSENT, KeptRecord, first_record, read_all, record_of
+from ..stores.store_beat import KeptRecord, first_record, read_all, record_of
 from ..wire import protocol
 from ..wire.fingerprint import Fingerprint, refusal
 from ..wire.protocol import FailureRecord, full_key
-from . import membership, rules
+from . import membership
 from .api import LOOK_EVERY, POLL, Lost, Round, RoundStore, names, went_away
 from .c10d_keys import C10dKeys, arrived, close_door, join_barrier, missing_ranks, standing_job, take_number
 from .c10d_watch import Beats, C10dRoundWatch
@@ -66,7 +65,6 @@ class C10dRendezvous(Counters):
         self._kept: dict[int, KeptRecord] = {}  # each round's record, as this launcher read it
         self.stopped_in: set[int] = set()  # the rounds whose record this launcher wrote as it was stopped
         self._heard: tuple[tuple[int, float], Beats, float] | None = None  # lost(): (wait, beats, when last read)
-        self._moves = 0  # this launcher's moves of a record, for a token of its own
 
     @property
     def reached(self) -> bool:
@@ -171,16 +169,16 @@ class C10dRendezvous(Counters):
                                                                                          self.nprocs, lost)))
 
     def move(self, attempt: int, state: NodeState) -> None:
-        """This node's record in round ``attempt`` moved to ``state`` (:meth:`_move`). Its end is no loss: a store
+        """This node's record in round ``attempt`` moved to ``state`` (view.Counters' ``move_node``). Its end is no loss: a store
         gone meanwhile is none of its business, and node 0 stopped itself (Ctrl-C, a signal) keeps its store
         until the others read why (called shielded from a second one)."""
         if state in (NodeState.WAITING, NodeState.RETURNED) and self.elastic:  # first: no newcomer's admission
             self.client.call(lambda s: close_door(s, attempt, state))  # hides a failure, or restarts a job that ends
         if state is not NodeState.ENDED:
-            self._move(attempt, self.config.node, state)
+            self.move_node(attempt, self.config.node, state)
             return
         with contextlib.suppress(RendezvousGone):
-            self._move(attempt, self.config.node, state, connect_timeout=2.0)
+            self.move_node(attempt, self.config.node, state, C10dKV(self.client, connect_timeout=2.0))
         if attempt in self.stopped_in and self.config.node_rank == 0:  # once: the attempt's end moves it again
             self.stopped_in.discard(attempt)
             # node 0's store stays until every other launcher read why, or READ_WAIT (a second Ctrl-C soon after the
@@ -188,29 +186,6 @@ class C10dRendezvous(Counters):
             with contextlib.suppress(RendezvousGone):
                 readers = self.config.nnodes - 1 - len(self.gone)
                 KeptRecord.until_read(self.client.call, attempt, readers, READ_WAIT, POLL, self.clock)
-
-    def _move(self, attempt: int, node: int, target: NodeState, connect_timeout: float | None = None) -> bool:
-        """Node ``node``'s record in round ``attempt`` moved to ``target`` by compare-and-set (core/nodes/rules.py's
-        :func:`~mpddp.core.nodes.rules.move` says whether it may), then the node entered in the counters the move
-        newly enters it in: each a counter, a flag a node and an entry a number, so that a counter is read in one
-        operation and its nodes in two. False: no move (the record was there already, or past it)."""
-        key = full_key(attempt, f"{protocol.STATE}/{node}")
-        self._moves += 1
-        mine = f"{target.value}/{self.me}-{self._moves}"  # whose write won, when two find one node lost at once
-
-        def move(s: Any) -> bool:
-            standing = s.compare_set(key, ABSENT, ABSENT).decode()  # one operation: the record, or ABSENT
-            for _ in range(3):  # a compare that failed: the record as it stands now, once more
-                if (counters := rules.move(_state(standing), target)) is None:
-                    return False
-                standing = s.compare_set(key, "" if standing == ABSENT else standing, mine).decode()
-                if standing == mine:
-                    for counter in counters:  # view.Counters' entries, in the same call as the move
-                        enter(s, full_key(attempt, counter + "/"), str(node), repr(time.time()))
-                    return True
-            return False
-
-        return bool(self.client.call(move, connect_timeout=connect_timeout))
 
     def never_arrived(self, attempt: int) -> NeverArrived | None:
         """The nodes whose ranks never reached node 0's store in round ``attempt`` (core/rank/worker.py marks
@@ -325,16 +300,12 @@ class C10dRendezvous(Counters):
     def found_lost(self, attempt: int, nodes: list[int]) -> list[int]:
         """Of ``nodes``, those that did not end the round: found lost from now on, their records moved to LOST
         (by the first node to find each: the others count it once)."""
-        lost = [n for n in nodes if self._move(attempt, n, NodeState.LOST) or self.state(attempt, n) is NodeState.LOST]
+        lost = [n for n in nodes if self.move_node(attempt, n, NodeState.LOST) or self.state(attempt, n) is NodeState.LOST]
         self.gone.update(lost)
         return lost
 
     def key(self, attempt: int, name: str) -> str:  # a key of round ``attempt`` in node 0's store
         return full_key(attempt, name)
-
-    def state(self, attempt: int, node: int) -> NodeState:  # node ``node``'s record in round ``attempt``: one operation
-        key = full_key(attempt, f"{protocol.STATE}/{node}")
-        return _state(self.client.call(lambda s: s.compare_set(key, ABSENT, ABSENT)).decode())
 
     def leave(self) -> None:
         """Done with the store. Node 0 keeps it until every other launcher has left too (or a short while), a spare
@@ -354,7 +325,3 @@ class C10dRendezvous(Counters):
             while self.client.call(lambda s: s.add(protocol.LEFT, 0) < waited_for(s)) and self.clock.now() < deadline:
                 self.clock.sleep(POLL)
 
-
-def _state(standing: str) -> NodeState:
-    """A node's record as the store holds it (its state, "/", the move's token); ABSENT: it never moved."""
-    return NodeState.RUNNING if standing == ABSENT else NodeState(standing.partition("/")[0])

@@ -15,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
-import time
 import uuid
 from collections.abc import Callable
 from dataclasses import replace
@@ -27,7 +26,7 @@ from ..stores import etcd_probe
 from ..stores.clock import MACHINE
 from ..stores.deadline import SILENT, within
 from ..stores.etcd_client import EtcdClient, EtcdFull, KeptLease
-from ..stores.etcd_kv import EtcdKV, absent, equal, found, put, read
+from ..stores.etcd_kv import EtcdKV
 from ..stores.store_beat import StoreBeat
 from ..wire.fingerprint import Fingerprint
 from ..wire.protocol import FailureRecord
@@ -35,7 +34,7 @@ from . import membership
 from .api import Lost, Round, RoundLost, RoundStore, went_away
 from .etcd_identity import Identity
 from .etcd_keys import EtcdKeys, EtcdRoundWatch, etcd_interval
-from .rules import NodeState, lost_nodes, move
+from .rules import NodeState, lost_nodes
 from .view import Counters, View
 
 _FIRST_CONTACT = 5.0  # seconds the first contact with etcd may take, at most
@@ -66,7 +65,6 @@ class EtcdRendezvous(EtcdKV, Counters):
         self.last_round: Round | None = None  # the last round this launcher joined (None: refused, or a spare)
         self._members_of: dict[int, list[str]] = {}  # each round's launchers, by node rank
         self._known_gone: dict[int, set[int]] = {}  # a round's nodes whose lease is known gone (lost, or left)
-        self._states: dict[int, NodeState] = {}  # this node's state in each round, as last written
         self._watches: dict[int, EtcdRoundWatch] = {}  # each round's beat: its first failure's writer tells it
 
     def key(self, attempt: int, *parts: object) -> str:
@@ -175,32 +173,14 @@ class EtcdRendezvous(EtcdKV, Counters):
         return self._watches[attempt]
 
     def move(self, attempt: int, state: NodeState) -> None:
-        """This node's record in round ``attempt`` moved to ``state``, with its counters (:meth:`move_to`). Its end
-        is no loss: etcd that did not answer, or is gone, is none of its business then; unmarked as waiting on a
-        full etcd, the record on the round's store still tells the others."""
+        """This node's record in round ``attempt`` moved to ``state``, with its counters (view.Counters'
+        ``move_node``: one transaction, which compares the record with what stands). Its end is no loss: etcd that
+        did not answer, or is gone, is none of its business then; unmarked as waiting on a full etcd, the record on
+        the round's store still tells the others."""
         if state is NodeState.ENDED and self.client.unanswered:
             return  # etcd just did not answer: the mark would only wait for it again
         with contextlib.suppress(*_UNTOLD.get(state, ())):
-            self.move_to(attempt, state)
-
-    def move_to(self, attempt: int, target: NodeState) -> None:
-        """This node's record in round ``attempt`` (``state/<node>``) moved to ``target`` (core/nodes/rules.py's
-        :func:`move` says whether it may), and the node entered in the target's counters, which the others count
-        without reading them: one transaction, which compares the record with what this node last wrote there."""
-        me = self.config.node_rank
-        key = self.key(attempt, "state", me)
-        current: NodeState | None = self._states.get(attempt, NodeState.RUNNING)  # None: no record (yet)
-        for _ in range(2):  # a compare that failed: the record as etcd holds it, once more
-            if (counters := move(current or NodeState.RUNNING, target)) is None:
-                return
-            marks = [put(self.key(attempt, c, me), repr(time.time())) for c in counters]
-            same = equal(key, current.value) if current is not None else absent(key)
-            answer = self.commit([same], [*marks, put(key, target.value)], [read(key)])
-            if answer["succeeded"]:
-                self._states[attempt] = target
-                return
-            current = NodeState(standing.decode()) if (standing := found(answer["responses"][0])) else None
-        raise RendezvousError(f"node {me}'s record in round {attempt} moves under it: another launcher writes it")
+            self.move_node(attempt, self.config.node_rank, state)
 
     # ---- the round's first failure --------------------------------------------------------------------------
 

@@ -3,14 +3,15 @@
 
 Owns: :class:`Tally`, what a look reads of a backend (the round's record, and core/nodes/rules.py's counters of
 nodes: a node's entry under ``<counter>/``, counted without being read), :class:`View`, the look itself (each value
-read when first asked, and once), and :class:`Counters`, those counters written once over a backend's
-:class:`~mpddp.core.stores.kv.KV`. A node's record and the move that enters it in the counters are each backend's
-(atomic in its own way: core/nodes/c10d.py, core/nodes/etcd.py).
+read when first asked, and once), and :class:`Counters`, those counters and a node's record (moved with them: the
+KV's swap, atomic in each backend's own way) written once over a backend's :class:`~mpddp.core.stores.kv.KV`.
 """
 
 from __future__ import annotations
 
 import functools
+import itertools
+import time
 from collections.abc import Callable
 from typing import Protocol
 
@@ -19,6 +20,10 @@ from ...errors import NeverArrived
 from ..stores.kv import KV
 from ..wire import protocol
 from ..wire.protocol import FailureRecord
+from . import rules
+from .rules import NodeState
+
+_MOVES = itertools.count(1)  # this launcher's moves of a record, for a token of its own
 
 
 class Tally(Protocol):
@@ -74,10 +79,32 @@ class View:
 class Counters:
     """:class:`Tally`'s counters on a backend's ``kv``, under its keys of a round (``key(attempt, name)``): a counter's
     nodes are its entries (``<counter>/<node>``, the time it came in), the launchers that came its ``join/``
-    (core/nodes/membership.py's :class:`~mpddp.core.nodes.membership.RoundKeys`)."""
+    (core/nodes/membership.py's :class:`~mpddp.core.nodes.membership.RoundKeys`); and each node's record
+    (``state/<node>``: its state, "/", the move's token), which a move enters in the counters."""
 
     kv: KV
     key: Callable[..., str]
+    me: str  # this launcher, for the others
+
+    def state(self, attempt: int, node: int) -> NodeState:
+        """Node ``node``'s record in round ``attempt``: one operation (none written: RUNNING)."""
+        return _state(self.kv.get(self.key(attempt, f"{protocol.STATE}/{node}")))
+
+    def move_node(self, attempt: int, node: int | None, target: NodeState, kv: KV | None = None) -> bool:
+        """Node ``node``'s record in round ``attempt`` moved to ``target`` by compare-and-set (core/nodes/rules.py's
+        :func:`~mpddp.core.nodes.rules.move` says whether it may), and the node entered in the counters the move newly
+        enters it in, with the same write (``kv``'s swap: this backend's, unless given). False: no move (the record
+        was there already, or past it). The token says whose write won, when two find one node lost at once."""
+        kv = kv or self.kv
+        key, mine = self.key(attempt, f"{protocol.STATE}/{node}"), f"{target.value}/{self.me}-{next(_MOVES)}"
+        standing = kv.get(key)
+        for _ in range(3):  # a compare that failed: the record as it stands now, once more
+            if (counters := rules.move(_state(standing), target)) is None:
+                return False
+            marks = [(self.key(attempt, counter + "/"), str(node), repr(time.time())) for counter in counters]
+            if (standing := kv.swap(key, standing, mine, marks)) == mine.encode():
+                return True
+        return False
 
     def counted(self, attempt: int, counter: str) -> int:
         return self.kv.count(self.key(attempt, counter + "/"))  # one operation
@@ -90,3 +117,8 @@ class Counters:
 
     def arrived(self, attempt: int) -> int:
         return self.kv.count(self.key(attempt, "join/"))  # one operation (0 where --nnodes is fixed: no round joined)
+
+
+def _state(standing: bytes | None) -> NodeState:
+    """A node's record as a store holds it (its state, "/", the move's token); None: it never moved."""
+    return NodeState.RUNNING if not standing else NodeState(standing.decode().partition("/")[0])

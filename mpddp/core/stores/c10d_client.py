@@ -166,13 +166,24 @@ def under(s: Any, prefix: str) -> dict[str, bytes]:
 
 class C10dKV:
     """core/stores/kv.py's :class:`~mpddp.core.stores.kv.KV` on node 0's store through ``client``, each method one
-    call (its operations under the client's lock, within its deadline). No lease: a node's liveness is its beat."""
+    call (its operations under the client's lock, within its deadline; a first connection's, ``connect_timeout``
+    where given). No lease: a node's liveness is its beat."""
 
-    def __init__(self, client: C10dClient) -> None:
-        self.client = client
+    def __init__(self, client: C10dClient, connect_timeout: float | None = None) -> None:
+        self.client, self.connect_timeout = client, connect_timeout
 
     def get(self, key: str) -> bytes | None:
-        return self.client.call(lambda s: peek(s, key))  # type: ignore[no-any-return]
+        return self.client.call(lambda s: peek(s, key), self.connect_timeout)  # type: ignore[no-any-return]
+
+    def swap(self, key: str, old: bytes | None, new: str, marks: list[tuple[str, str, str]]) -> bytes | None:
+        def swap(s: Any) -> bytes:
+            standing = bytes(s.compare_set(key, old.decode() if old else "", new))
+            if standing == new.encode():
+                for prefix, name, value in marks:  # each a counter, a flag and a numbered entry: counted in one
+                    enter(s, prefix, name, value)  # operation, read in two
+            return standing
+
+        return self.client.call(swap, self.connect_timeout)  # type: ignore[no-any-return]
 
     def put(self, key: str, value: str | bytes, leased: bool = False) -> None:
         self.client.call(lambda s: s.set(key, value))

@@ -3,9 +3,10 @@
 Owns: :class:`EtcdKV`, over :class:`~mpddp.core.stores.etcd_client.EtcdClient` (any member that answers) and this
 launcher's :class:`~mpddp.core.stores.etcd_client.KeptLease` (taken on first use, and again once etcd dropped it):
 core/stores/kv.py's protocol (a get, a put with the lease where asked, a create-if-absent, an entry under a prefix,
-a prefix's keys or only their count: no key read, whether keys are there), and one transaction
+a prefix's keys or only their count: no key read, whether keys are there, a compare-and-set), and one transaction
 (:meth:`EtcdKV.commit`) built from this module's pieces: requests (:func:`put`, :func:`read`, :func:`counted`,
-:func:`delete`), compares (:func:`absent`, :func:`equal`), and their answers (:func:`found`, :func:`number`). Leaves what the keys mean to core/nodes/ (the etcd backend, and a job's incarnation).
+:func:`delete`), compares (:func:`absent`, :func:`equal`), and their answers (:func:`found`, :func:`number`).
+Leaves what the keys mean to core/nodes/ (the etcd backend, and a job's incarnation).
 """
 
 from __future__ import annotations
@@ -132,6 +133,12 @@ class EtcdKV:
         if answer.get("succeeded"):
             return None
         return found(answer.get("responses", [{}])[0]) or b""
+
+    def swap(self, key: str, old: bytes | None, new: str, marks: list[tuple[str, str, str]]) -> bytes | None:
+        same = equal(key, old) if old is not None else absent(key)
+        answer = self.commit([same], [*(put(prefix + name, value) for prefix, name, value in marks), put(key, new)],
+                             [read(key)])
+        return new.encode() if answer["succeeded"] else found(answer["responses"][0])
 
     def lease(self) -> int:
         """This launcher's lease id: taken on first use, and again once etcd dropped it (a starved machine)."""
