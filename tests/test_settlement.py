@@ -95,7 +95,7 @@ def _stalled(link: object, before: dict[int, int]) -> list[int]:
 
     heard = Beats(link.config.node)  # type: ignore[attr-defined]
     heard.still(before)
-    return link.found_lost(0, heard.still(link.heartbeats(0)))  # type: ignore[attr-defined, no-any-return]
+    return link.found_lost(0, heard.still(link.heartbeats(0) or {}))  # type: ignore[attr-defined, no-any-return]
 
 
 @pytest.mark.parametrize(("now", "ended", "lost"), [

@@ -41,7 +41,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from ... import rank_math
 from ...config import LaunchConfig
@@ -130,8 +130,9 @@ class Records(Protocol):
 
 class RoundWatch(abc.ABC):
     """One round's beat, as the attempt and its watchdog see it, on every backend: the two values the attempt reads,
-    the flag the watchdog sets, and the beat, from a daemon thread until :meth:`stop` (:meth:`_run`: a backend's
-    watch says how a beat reaches its store, :meth:`_turn`, and reads the others' collectives, :meth:`others_calls`)."""
+    the flag the watchdog sets, and the beat, from a daemon thread until :meth:`stop` (:meth:`_run`), the others'
+    collectives read (:meth:`others_calls`): a backend's watch says how a call reaches the round's store
+    (:meth:`_on_store`), and how the door shuts (:meth:`_shut`)."""
 
     beat: StoreBeat  # the round's keys on its store, set by each backend's watch
     link: Records  # the backend, set by each backend's watch: the round's record, once the beat says it is written
@@ -208,20 +209,28 @@ class RoundWatch(abc.ABC):
         """This node's ranks no longer run (returned, failed or stopped): the look ends (the beat goes on)."""
         self._done.set()
 
-    @abc.abstractmethod
     def others_calls(self) -> list[bytes]:
-        """The other nodes' last snapshots of their ranks' collectives, read once a hang is suspected."""
+        """The other nodes' last snapshots of their ranks' collectives, read once a hang is suspected (none where the
+        round's store is gone)."""
+        with contextlib.suppress(RendezvousGone):
+            return self._on_store(self.beat.others_calls) or []
+        return []
+
+    def _put_calls(self, snapshot: bytes) -> None:
+        self._on_store(lambda s: self.beat.put_calls(s, snapshot))
+
+    def _turn(self, step: int, snapshot: bytes | None, beats: int | None) -> int | None:
+        """One beat on the round's store (core/stores/store_beat.py's ``turn``; ``beats``: this node's count, where
+        the backend reads beats for liveness): every node's progress back, or None where the store did not answer
+        (etcd's round store: its record is read in etcd then)."""
+        return self._on_store(lambda s: self.beat.turn(s, step, snapshot, beats))  # type: ignore[no-any-return]
 
     @abc.abstractmethod
-    def _put_calls(self, snapshot: bytes) -> None: ...
+    def _on_store(self, op: Callable[[Any], Any]) -> Any:
+        """``op(store)`` on the round's store: raises RendezvousGone (c10d), or None (etcd) where it does not answer."""
 
     @abc.abstractmethod
     def _shut(self) -> None: ...
-
-    @abc.abstractmethod
-    def _turn(self, step: int, snapshot: bytes | None, beats: int) -> int | None:
-        """One beat on the round's store (core/stores/store_beat.py's ``turn``): every node's progress back, or None
-        where the store did not answer (etcd's round store: its record is read in etcd then)."""
 
     def _run(self) -> None:
         """Every :data:`INTERVAL`: this node's progress added and every node's read back, this node's collectives

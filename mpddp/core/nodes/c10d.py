@@ -33,7 +33,7 @@ from .api import LOOK_EVERY, POLL, Lost, Round, RoundStore, names, went_away
 from .c10d_keys import C10dKeys, arrived, close_door, join_barrier, missing_ranks, standing_job, take_number
 from .c10d_watch import Beats, C10dRoundWatch
 from .rules import NodeState, lost_nodes
-from .view import Counters, View
+from .view import Counters
 
 ONCE_MORE = 1.5  # seconds a node gives node 0's store once more, on a fresh connection, after it went silent
 READ_WAIT = 3.0  # seconds node 0, stopped itself, keeps its store for the others to read why, at most
@@ -249,12 +249,9 @@ class C10dRendezvous(Counters):
         if (record := self.record(attempt)) is None:
             return
         came = [n for n in range(self.config.nnodes) if n not in self.absent]  # 1 of 100,000: 1 key, not 100,000
-        beaten = [n for n, beat in self.heartbeats(attempt, came).items() if beat > 0 and n != record.writer]
+        beaten = [n for n, beat in (self.heartbeats(attempt, came) or {}).items() if beat > 0 and n != record.writer]
         KeptRecord.until_read(self.client.call, attempt, len(beaten) - self.counted(attempt, protocol.LOST),
                               HEARD_WAIT, max(0.01, membership.poll_interval(self.config.nnodes) / 10), self.clock)
-
-    def view(self, attempt: int) -> View:
-        return View(self, attempt)
 
     def lost(self, attempt: int, since: float) -> Lost | None:
         """The other nodes found lost since this node began to wait (``since``), by core/nodes/rules.py's
@@ -267,35 +264,29 @@ class C10dRendezvous(Counters):
         wait, heard, read_at = self._heard
         if now - read_at < LOOK_EVERY and now - since < self.config.timeout:
             return None
-        self._heard, beats = (wait, heard, now), self.heartbeats(attempt)
+        self._heard, beats = (wait, heard, now), self.heartbeats(attempt) or {}
         if stalled := self.found_lost(attempt, heard.still(beats)):
             return Lost(stalled)
         never = {n: since for n, beat in beats.items() if beat == 0 and n != self.config.node_rank}
         silent = self.found_lost(attempt, lost_nodes(never, now, grace=self.config.timeout))
         return Lost(silent, beat=False) if silent else None
 
-    def heartbeats(self, attempt: int, nodes: list[int] | None = None) -> dict[int, int]:
-        """Every node's beat counter now (of ``nodes``, else of all), this node's own too (its round watch beats
-        while it waits): one operation (a batch) once each has beaten, else one a node; read only while this
-        node waits for the round's end."""
+    def heartbeats(self, attempt: int, nodes: list[int] | None = None, every: bool = False) -> dict[int, int] | None:
+        """Every node's beat count now (of ``nodes``, else of all), this node's own too (its round watch beats while
+        it waits): one batch read once each node has beaten (a counter says so), else one a node (one that never beat:
+        0); ``every``: None then (the round watch's look, one operation: a node that never beats is --timeout's).
+        Measured with --nnodes 100000 and node 0 alone: a check of every beat key took 2.9 s of the store's time, 12.8 s
+        beside 12 busy processes; the counter takes one operation."""
         nodes = list(range(self.config.nnodes)) if nodes is None else nodes
-        keys = [full_key(attempt, protocol.heartbeat_key(n)) for n in nodes]
+        keys, beating = [full_key(attempt, protocol.heartbeat_key(n)) for n in nodes], full_key(attempt, protocol.BEATING)
 
-        def read(s: Any) -> list[int]:
-            if hasattr(s, "multi_get") and s.check(keys):
-                return [int(v) for v in s.multi_get(keys)]
-            return [int(s.add(k, 0)) for k in keys]  # a node that never beat: 0 (torch 2.1, 2.2: always so)
+        def read(s: Any) -> list[int] | None:  # a subset (of those that came) checked, where the count is not all
+            if (beaten := s.add(beating, 0)) >= len(keys) and (beaten >= self.config.nnodes or s.check(keys)):
+                return [int(v) for v in read_all(s, keys)]
+            return None if every else [int(s.add(k, 0)) for k in keys]
 
-        return dict(zip(nodes, self.client.call(read)))
-
-    def every_beat(self, attempt: int) -> dict[int, int] | None:
-        """Every node's beat count once each has beaten, one batch read; None while one has not (one operation, a
-        counter): a node that never beats is --timeout's (never arrived). Measured with --nnodes 100000 and node 0
-        alone: a check of every beat key a look took 2.9 s of the store's time, 12.8 s beside 12 busy processes."""
-        keys = [full_key(attempt, protocol.heartbeat_key(n)) for n in range(self.config.nnodes)]
-        beating = full_key(attempt, protocol.BEATING)
-        found = self.client.call(lambda s: read_all(s, keys) if s.add(beating, 0) >= len(keys) else None)
-        return None if found is None else {n: int(v) for n, v in enumerate(found)}
+        found = self.client.call(read)
+        return None if found is None else dict(zip(nodes, found))
 
     def found_lost(self, attempt: int, nodes: list[int]) -> list[int]:
         """Of ``nodes``, those that did not end the round: found lost from now on, their records moved to LOST

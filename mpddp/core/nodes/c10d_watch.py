@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
-from ...errors import RendezvousGone
 from ..stores.store_beat import StoreBeat
 from ..wire.protocol import FailureRecord
 from .api import Lost, RoundWatch
@@ -58,24 +58,14 @@ class C10dRoundWatch(RoundWatch):
         """Two operations (a counter and a batch read of every beat), twice a second, on node 0 only, whatever the
         job's size. None until every node has beaten: one that never beats is --timeout's (a first connection imports
         torch; a node never started is named as never arrived)."""
-        if (beats := self.link.every_beat(self.attempt)) is None:
+        if (beats := self.link.heartbeats(self.attempt, every=True)) is None:
             return None
         lost = self.link.found_lost(self.attempt, self._beats.still(beats))
         return Lost(lost) if lost else None
 
-    def _turn(self, step: int, snapshot: bytes | None, beats: int) -> int:
-        """On node 0's store; its beat count too, which the other nodes read for liveness. Node 0 gone raises."""
-        return int(self.link.client.call(lambda s: self.beat.turn(s, step, snapshot, beats)))
-
-    def _put_calls(self, snapshot: bytes) -> None:
-        self.link.client.call(lambda s: self.beat.put_calls(s, snapshot))
+    def _on_store(self, op: Callable[[Any], Any]) -> Any:
+        """On node 0's store; the beat's count too, which the other nodes read for liveness. Node 0 gone raises."""
+        return self.link.client.call(op)
 
     def _shut(self) -> None:
         self.link.client.call(lambda s: close_door(s, self.attempt, NodeState.WAITING))
-
-    def others_calls(self) -> list[bytes]:
-        """The other nodes' last snapshots of their ranks' collectives (none when node 0's store is gone)."""
-        try:
-            return self.link.client.call(self.beat.others_calls)
-        except RendezvousGone:
-            return []

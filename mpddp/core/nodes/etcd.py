@@ -35,7 +35,7 @@ from .api import Lost, Round, RoundLost, RoundStore, went_away
 from .etcd_identity import Identity
 from .etcd_keys import EtcdKeys, EtcdRoundWatch, etcd_interval
 from .rules import NodeState, lost_nodes
-from .view import Counters, View
+from .view import Counters
 
 _FIRST_CONTACT = 5.0  # seconds the first contact with etcd may take, at most
 _UNTOLD = {NodeState.ENDED: (RendezvousGone,), NodeState.WAITING: (EtcdFull,)}  # what a move may leave unwritten
@@ -239,9 +239,6 @@ class EtcdRendezvous(EtcdKV, Counters):
     def interval(self) -> float:
         """A moment between two looks, longer the more nodes look (:func:`etcd_interval`; not a watch: etcd_keys.py)."""
         return etcd_interval(self.config.nnodes)
-
-    def view(self, attempt: int) -> View:
-        return View(self, attempt)
 
     def lost(self, attempt: int, since: float) -> Lost | None:
         """The nodes whose lease ran out before they ended the round (:meth:`stalled`): known as soon as etcd knows."""

@@ -228,17 +228,14 @@ class EtcdRoundWatch(RoundWatch):
                 self._store = None  # never used again (a silent call's thread may still be blocked in it)
                 return None
 
-    def _turn(self, step: int, snapshot: bytes | None, beats: int) -> int | None:
+    def _turn(self, step: int, snapshot: bytes | None, beats: int | None) -> int | None:
         """On the round's store, once connected (its host publishes it late), again a second after an operation
         failed; no beat count: the lease tells liveness."""
         if self._store is None and time.monotonic() >= self._next_try:
             self._connect()
         if self._untold:
             self._untold = self._on_store(self.beat.tell_failed) is None
-        return self._on_store(functools.partial(self.beat.turn, step=step, snapshot=snapshot, beats=None))
-
-    def _put_calls(self, snapshot: bytes) -> None:
-        self._on_store(lambda s: self.beat.put_calls(s, snapshot))
+        return super()._turn(step, snapshot, None)
 
     def _shut(self) -> None:
         """A ``failing/`` key, put with the lease: a newcomer's admission compares that none is there (one write,
@@ -277,7 +274,3 @@ class EtcdRoundWatch(RoundWatch):
         ``wait`` seconds (etcd full: the store is the only place the others can learn the truth)."""
         if self._on_store(lambda s: record_of(s, self.attempt)) is not None:
             KeptRecord.until_read(self._on_store, self.attempt, others, wait, INTERVAL / 5)
-
-    def others_calls(self) -> list[bytes]:
-        """The other nodes' last collectives, read once a hang is suspected (three store operations)."""
-        return self._on_store(self.beat.others_calls) or []

@@ -86,6 +86,9 @@ class Counters:
     key: Callable[..., str]
     me: str  # this launcher, for the others
 
+    def view(self, attempt: int) -> View:
+        return View(self, attempt)  # type: ignore[arg-type]  # a backend is a Tally
+
     def state(self, attempt: int, node: int) -> NodeState:
         """Node ``node``'s record in round ``attempt``: one operation (none written: RUNNING)."""
         return _state(self.kv.get(self.key(attempt, f"{protocol.STATE}/{node}")))
