@@ -57,10 +57,23 @@ def test_a_rank_hung_on_node_1_is_named_by_collective_on_both_nodes(cluster: Clu
 
 
 @pytest.mark.timeout(120)
-def test_a_rank_that_fails_on_node_0_is_named_first_on_node_1(cluster: Cluster) -> None:
+def test_a_rank_that_fails_on_node_0_is_named_first_on_node_1_and_no_launcher_thread_runs_lower(
+        cluster: Cluster) -> None:
+    """Also: no thread of either launcher runs at a lower priority, from its start to its end (a story of its own
+    before, on a launch of its own). A launcher's thread at a lower priority stalls the whole launcher on a busy
+    machine: starved, it keeps the GIL and torch's import lock, and the watch waits for it. Measured before: a link
+    thread at nice 19 importing torch for its connection to node 0's store, beside four CPU-bound processes of the
+    same session, had not finished after 150 s, and a rank that hung meanwhile was never reported."""
     nodes = start(cluster, 2, free_port(), "--fail", "0", "--at", str(random.randint(1, 4)), "--how", "exit",
                   "--timeout", "30")
+    seen: dict[int, set[int]] = {n.proc.pid: set() for n in nodes}
+    deadline = time.monotonic() + 90
+    while any(n.proc.poll() is None for n in nodes) and time.monotonic() < deadline:  # start, READY, failure, end
+        for pid, nices in seen.items():
+            nices.update(_thread_nices(pid))
+        time.sleep(0.01)
     codes = finish(nodes, 90)
+    assert all(len(nices) == 1 for nices in seen.values()), seen  # every thread at its launcher's nice
     lines = [first_report_line(n) for n in nodes]
     assert lines == ["mpddp: rank 0 (node 0, local rank 0) failed first: it exited with code 7 (sys.exit)"] * 2, \
         "\n\n".join(n.stderr for n in nodes)
@@ -131,24 +144,6 @@ def test_a_launcher_stopped_by_ctrl_c_is_named_by_the_other_node(cluster: Cluste
     assert first_report_line(nodes[0]) == ("mpddp: node 1's launcher was interrupted (SIGINT) while its ranks ran, "
                                            "taking rank(s) 2, 3 with it"), nodes[0].stderr
     assert told is not None and told < 30, (told, "\n\n".join(n.stderr for n in nodes))  # not after --timeout 40
-    assert cluster.leftovers(wait=5) == []
-
-
-@pytest.mark.timeout(120)
-def test_no_thread_of_a_launcher_runs_at_a_lower_priority(cluster: Cluster) -> None:
-    """A launcher's thread at a lower priority stalls the whole launcher on a busy machine: starved, it keeps
-    the GIL and torch's import lock, and the watch waits for it. Measured before: a link thread at nice 19
-    importing torch for its connection to node 0's store, beside four CPU-bound processes of the same session,
-    had not finished after 150 s, and a rank that hung meanwhile was never reported."""
-    nodes = start(cluster, 2, free_port(), "--steps", "60", "--pause", "0.05")
-    seen: dict[int, set[int]] = {n.proc.pid: set() for n in nodes}
-    deadline = time.monotonic() + 60
-    while sum(n.stdout.count("READY rank") for n in nodes) < 4 and time.monotonic() < deadline:
-        for pid, nices in seen.items():
-            nices.update(_thread_nices(pid))
-        time.sleep(0.01)
-    assert finish(nodes, 90) == [0, 0], "\n\n".join(n.stderr for n in nodes)
-    assert all(len(nices) == 1 for nices in seen.values()), seen  # every thread at its launcher's nice
     assert cluster.leftovers(wait=5) == []
 
 
