@@ -68,9 +68,9 @@ class _NotEtcd(http.server.BaseHTTPRequestHandler):
         pass
 
 
-@pytest.fixture(params=[404, 200])
+@pytest.fixture
 def not_etcd(request) -> Iterator[str]:
-    """An HTTP server on loopback that is not etcd: 404 to everything, or 200 with HTML."""
+    """An HTTP server on loopback that is not etcd: 404 to everything, or 200 with HTML (the test's parameter)."""
     handler = type("Handler", (_NotEtcd,), {"status": request.param})
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
@@ -89,12 +89,17 @@ def _etcd_run(endpoint: str, command: str = "run") -> list[str]:
             "--rdzv-id", "probe", "--timeout", "30"]
 
 
+# One real launch a command, each on one of the two answers: read_version's table below reads both statuses, and
+# past that reading the launcher's path is the same for either (the two answers times the two commands were four
+# launches of one story).
+@pytest.mark.parametrize("not_etcd", [404], indirect=True)
 def test_an_endpoint_that_answers_http_but_is_not_etcd_is_one_line_exit_2(tmp_path, not_etcd):
     line = _refused_at_once(tmp_path, _etcd_run(not_etcd))
     assert f"{not_etcd} answers HTTP, but not as etcd does" in line, line
     assert "pass the client address of the etcd members, host:port (2379 by default)" in line, line
 
 
+@pytest.mark.parametrize("not_etcd", [200], indirect=True)
 def test_mpddp_train_on_an_endpoint_that_is_not_etcd_is_one_line_exit_2(tmp_path, not_etcd):
     line = _refused_at_once(tmp_path, _etcd_run(not_etcd, "train"))
     assert f"{not_etcd} answers HTTP, but not as etcd does" in line, line
@@ -186,11 +191,13 @@ def test_a_read_answer_is_read_by_status_and_grpc_code(status, body, answer):
 # ---- 2. an --nnodes or --node-rank no job can have: refused at once, not after --timeout ------------------------
 
 
-@pytest.mark.parametrize("command", ["run", "train"])
-@pytest.mark.parametrize(("size", "words"), [
-    (["--nnodes", "0:2"], "nnodes=0:2: the smallest size must be from 1 to the largest; pass e.g. --nnodes 1:2"),
-    (["--nnodes", "2:3", "--node-rank", "7"], "node_rank=7 with nnodes=2:3: node ranks run from 0 to 2 (MAX - 1); "
-                                              "pass --node-rank 2 or less"),
+# One real launch a command: both build their config in make_config (cli/options.py), whose refusals
+# test_torchrun_elastic.py proves as a table (test_the_api_refuses_the_same, and every `mpddp run` line in
+# test_a_combination_that_cannot_work_is_one_line_exit_2); each size still meets one command end to end here.
+@pytest.mark.parametrize(("command", "size", "words"), [
+    ("run", ["--nnodes", "0:2"], "nnodes=0:2: the smallest size must be from 1 to the largest; pass e.g. --nnodes 1:2"),
+    ("train", ["--nnodes", "2:3", "--node-rank", "7"], "node_rank=7 with nnodes=2:3: node ranks run from 0 to 2 "
+                                                       "(MAX - 1); pass --node-rank 2 or less"),
 ])
 def test_an_impossible_size_or_node_rank_is_refused_at_once(tmp_path, command, size, words):
     procs = ["--nproc-per-node", "1"] if command == "run" else ["--nprocs", "1"]
@@ -247,6 +254,7 @@ def _admitted_without_a_restart(runs: list[Run]) -> None:
         assert "mpddp: a node arrived" in run.stderr and "restarting the group" not in run.stderr, run.stderr
     for run in runs:
         assert "DONE world=3 restart=0" in run.stdout, run.stdout + run.stderr
+        assert "a new node -> 2: ranks 2" in run.stderr, run.stderr  # the newcomer numbered as it joined
         run.assert_nothing_left()
 
 
@@ -278,6 +286,11 @@ def _the_min_story(run: Run, low: int = 2) -> str:
     return last
 
 
+# The survivor's --timeout, which its round after the loss waits out (told 10.8 and 11.4 s after the loss at load 11,
+# etcd and c10d, with 8; 15 before): the bound below keeps its margin of 15 s past it
+BELOW_MIN_TIMEOUT = 8.0
+
+
 @pytest.mark.parametrize("backend", ["etcd", "c10d"])
 def test_a_survivor_below_min_tells_the_min_story_within_timeout(tmp_path, backend, request):
     """2:3 on two nodes, --max-restarts 1: node 1's machine lost; the survivor's next round cannot reach MIN."""
@@ -295,7 +308,8 @@ def test_a_survivor_below_min_tells_the_min_story_within_timeout(tmp_path, backe
         for node in range(2):
             (tmp_path / f"node{node}").mkdir()
             runs.append(Run(["-m", "mpddp", "run", "--nnodes", "2:3", "--node-rank", str(node), "--nproc-per-node", "1",
-                             "--max-restarts", "1", *where, "--timeout", "15", str(tmp_path / "steps.py")],
+                             "--max-restarts", "1", *where, "--timeout", f"{BELOW_MIN_TIMEOUT:g}",
+                             str(tmp_path / "steps.py")],
                             tmp_path / f"node{node}"))
         runs[0].wait_for(r"STEP 5\b", timeout=90, also=(runs[1],))
         for run in runs:
@@ -306,7 +320,9 @@ def test_a_survivor_below_min_tells_the_min_story_within_timeout(tmp_path, backe
             with contextlib.suppress(psutil.NoSuchProcess):  # a short-lived child may end between the two
                 proc.kill()
         assert runs[0].finish(60) == 1, runs[0].stderr
-        assert time.monotonic() - killed < 15 + 15, f"told after {time.monotonic() - killed:.1f} s"
+        told = time.monotonic() - killed
+        print(f"the survivor told the MIN story {told:.1f} s after the loss")
+        assert told < BELOW_MIN_TIMEOUT + 15, f"told after {told:.1f} s"
         assert "round 1: 1 node(s)" in _the_min_story(runs[0]), runs[0].stderr
         runs[0].assert_nothing_left()
     finally:
