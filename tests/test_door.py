@@ -53,8 +53,11 @@ JOB = textwrap.dedent("""
     if world < 3:  # rank 1 leaves the group (its peer sees it vanish), and fails by itself once the test says
         dist.destroy_process_group()
         print("LEFT", flush=True)
-        while not os.path.exists(os.environ["FAIL_GO"]):
-            sum(i * i for i in range(20000))  # computing: a rank that sleeps makes no progress, and is called hung
+        while not os.path.exists(os.environ["FAIL_GO"]):  # computing: a rank that sleeps makes no progress, and is
+            end = time.process_time() + 0.05  # called hung; half a core is progress (core/launcher/watchdog.py's
+            while time.process_time() < end:  # BUSY: a tenth), and leaves the other half to the machine
+                pass
+            time.sleep(0.05)
         raise RuntimeError("rank 1 fails after it left the group")
     dist.all_reduce(torch.ones(1))  # every rank connected before any leaves
     print(f"DONE world={world} restart={count}", flush=True)
@@ -63,7 +66,7 @@ JOB = textwrap.dedent("""
 
 
 LINGER = textwrap.dedent("""
-    import os, torch, torch.distributed as dist
+    import os, time, torch, torch.distributed as dist
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     for step in range(1, 11):
@@ -72,7 +75,10 @@ LINGER = textwrap.dedent("""
     dist.destroy_process_group()
     print(f"DONE rank={rank} world={world}", flush=True)
     while rank and not os.path.exists(os.environ["FAIL_GO"]):  # node 1's rank computes on until the test says go
-        sum(i * i for i in range(20000))  # (a rank that sleeps makes no progress: its watchdog would call it hung)
+        end = time.process_time() + 0.05  # (a rank that sleeps makes no progress: its watchdog would call it hung):
+        while time.process_time() < end:  # half a core (the watchdog's BUSY is a tenth), the other half left to the
+            pass  # machine
+        time.sleep(0.05)
 """)
 
 
