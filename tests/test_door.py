@@ -4,9 +4,9 @@ backends: node 0's store (c10d) and etcd.
 
 End to end, real launchers of ``mpddp run`` on 127.0.0.1 on a real 3-member etcd (tests/etcd_cluster.py) or on
 node 0's store, a newcomer timed by a proxy that reads the requests it carries (:class:`EtcdTap`,
-:class:`StoreTap`), at the exit barrier, or as a spare as the job ends; in this process, each backend's admission
-against each node's move, on a real TCPStore or etcd. One true story on every node, no traceback of the
-launcher's own, nothing left behind.
+:class:`StoreTap`), or at the exit barrier (a spare as the job ends: test_elastic.py, on a job it starts anyway);
+in this process, each backend's admission against each node's move, on a real TCPStore or etcd. One true story on
+every node, no traceback of the launcher's own, nothing left behind.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import psutil
 import pytest
 from multinode import free_port
 from proxies import Proxy, shut
-from test_elastic import _c10d_node, _c10d_nodes, _end
+from test_elastic import _end
 
 from runs import Run
 
@@ -85,10 +85,6 @@ LINGER = textwrap.dedent("""
 def _said(run: Run) -> list[str]:
     """mpddp's own lines (on a loaded machine torch's store client may print its retries before them)."""
     return [line for line in run.stderr.splitlines() if line.startswith("mpddp:")]
-
-
-def _port(run: Run) -> int:
-    return int(run.proc.args[run.proc.args.index("--master-port") + 1])  # type: ignore[union-attr]
 
 
 def _no_launcher_traceback(run: Run) -> None:
@@ -397,35 +393,8 @@ def newcomer_at_the_barrier(tmp_path: Path, where: list[str], returned, job: str
         _end(runs)
 
 
-def test_a_spare_that_waits_as_the_job_ends_is_told_it_was_not_needed(tmp_path: Path) -> None:
-    """c10d, 2:3: three nodes run, a fourth launcher without --node-rank waits as a spare; the job ends well.
-    Before, node 0 kept its store only until the members had left: the spare, looking every 0.1 s, mostly found it
-    gone first and said "node 0's launcher was killed, or its machine lost". Node 0 had finished."""
-    hold = tmp_path / "hold"  # the job steps on while it exists: the spare comes before the end, however loaded
-    hold.write_text("")  # the machine (400 steps were once over before a spare started at load 15 came)
-    runs = _c10d_nodes(tmp_path, 3, 40, ["--rdzv-conf", "last_call_timeout=60"], hold=hold)
-    try:
-        runs[0].wait_for(r"STEP 5 ", timeout=120)
-        spare = _c10d_node(tmp_path, None, _port(runs[0]), 40)
-        runs.append(spare)
-        deadline = time.monotonic() + 120
-        while "waits as a spare" not in spare.stderr:
-            assert time.monotonic() < deadline and spare.proc.poll() is None, spare.stderr
-            time.sleep(0.1)
-        spare.list_tree()
-        hold.unlink()  # the job ends well now, with the spare waiting
-        assert [run.finish(120) for run in runs[:3]] == [0, 0, 0], [run.stderr for run in runs[:3]]
-        ended = time.monotonic()
-        code = spare.finish(TIMEOUT + 60)
-        said = _said(spare)
-        assert code == 0 and "killed" not in spare.stderr, spare.stderr
-        assert said[-1].startswith("mpddp: the job ended while this node waited as a spare"), said
-        assert time.monotonic() - ended < TIMEOUT + 15
-        assert "STEP" not in spare.stdout
-        _no_launcher_traceback(spare)
-        spare.assert_nothing_left()
-    finally:
-        _end(runs)
+# A spare that waits as the job ends is told it was not needed: test_elastic.py tells it on the job of its c10d
+# story of a lost node and a newcomer (the door is shut to it as the job ends).
 
 
 @pytest.mark.parametrize("first, door", [

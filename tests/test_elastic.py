@@ -93,10 +93,10 @@ def _c10d_nodes(tmp_path, count, steps, extra=(), until_world=0, hold=None):
     return runs
 
 
-def _c10d_node(tmp_path, node, port, steps, extra=(), until_world=0, hold=None):
-    """A launcher of the 2:3 job; ``node`` None: no --node-rank, numbered as it joins (torchrun's line). ``hold``: a
-    file whose presence keeps the job stepping past ``steps``."""
-    where = tmp_path / f"node{'-new' if node is None else node}"
+def _c10d_node(tmp_path, node, port, steps, extra=(), until_world=0, hold=None, name="node-new"):
+    """A launcher of the 2:3 job; ``node`` None: no --node-rank, numbered as it joins (torchrun's line), in folder
+    ``name``. ``hold``: a file whose presence keeps the job stepping past ``steps`` (every node's, or none's)."""
+    where = tmp_path / (name if node is None else f"node{node}")
     where.mkdir()
     rank = [] if node is None else ["--node-rank", str(node)]
     return Run(["-m", "mpddp", "run", "--nnodes", "2:3", *rank, "--nprocs", "1", "--master-addr", "127.0.0.1",
@@ -199,25 +199,51 @@ def test_fewer_than_min_nodes_is_one_line_naming_min(tmp_path, etcd_cluster):
     assert "ran" not in out.stdout
 
 
-def test_c10d_a_lost_node_other_than_0_is_survived_and_a_newcomer_admitted(tmp_path):
+def test_c10d_a_lost_node_other_than_0_is_survived_a_newcomer_admitted_and_a_spare_told_it_was_not_needed(
+        tmp_path):
     """c10d, 2:3: node 1's machine lost at step 15, the two others go on at world size 2; then a new launcher
     arrives (no --node-rank: 3 would be beyond MAX, refused) and the job grows back to 3 (a free restart), and
     every node ends at 0. A last call of 10 s: on a
     loaded machine a launcher can start more than the default 3 s after the others (then round 0 runs without it,
-    which is not this test's story)."""
-    # 40 steps, and on until the newcomer made the world 3 (UNTIL_WORLD): however late it comes, the job waits for it
-    runs = _c10d_nodes(tmp_path, 3, 40, ["--max-restarts", "1", "--rdzv-conf", "last_call_timeout=10"], until_world=3)
+    which is not this test's story).
+
+    Once the job is back at 3, a fourth launcher without --node-rank waits as a spare; the job ends well. Before,
+    node 0 kept its store only until the members had left: the spare, looking every 0.1 s, mostly found it gone
+    first and said "node 0's launcher was killed, or its machine lost". Node 0 had finished. (test_door.py's story
+    before, on a job of three launchers of its own.)"""
+    hold = tmp_path / "hold"  # the job steps on while it exists: the spare comes before the end, however loaded
+    hold.write_text("")  # the machine (400 steps were once over before a spare started at load 15 came)
+    conf = ["--rdzv-conf", "last_call_timeout=10"]
+    # 40 steps, and on until the newcomer made the world 3 (UNTIL_WORLD) and the spare waits (HOLD)
+    runs = _c10d_nodes(tmp_path, 3, 40, ["--max-restarts", "1", *conf], until_world=3, hold=hold)
     try:
         _lose_at(runs, 15, victim=runs[1], watched=runs[0])
         runs[0].wait_for(r"RESUMED step=\d+ world=2 restart=1", timeout=90)
-        port = int(runs[0].proc.args[runs[0].proc.args.index("--master-port") + 1])  # type: ignore[union-attr]
-        runs.append(_c10d_node(tmp_path, None, port, 40, ["--rdzv-conf", "last_call_timeout=10"], until_world=3))
+        runs.append(_c10d_node(tmp_path, None, _port(runs[0]), 40, conf, until_world=3, hold=hold))
+        runs[0].wait_for(r"RESUMED step=\d+ world=3 restart=1", timeout=90)
+        spare = _c10d_node(tmp_path, None, _port(runs[0]), 40, conf, until_world=3, hold=hold, name="spare")
+        runs.append(spare)
+        deadline = time.monotonic() + 120
+        while "waits as a spare" not in spare.stderr:
+            assert time.monotonic() < deadline and spare.proc.poll() is None, spare.stderr
+            time.sleep(0.1)
+        spare.list_tree()
+        hold.unlink()  # the job ends well now, with the spare waiting
         survivors = [runs[0], runs[2], runs[3]]
         assert [run.finish(120) for run in survivors] == [0, 0, 0], [run.stderr for run in survivors]
+        ended = time.monotonic()
         assert "mpddp: node(s) 1 went away" in runs[0].stderr and "node 2 -> 1: ranks 2 -> 1" in runs[0].stderr
         for run in survivors:
             assert "DONE world=3 restart=1" in run.stdout, run.stdout + run.stderr  # the admission is none
             run.assert_nothing_left()
+        code = spare.finish(20 + 60)
+        said = [line for line in spare.stderr.splitlines() if line.startswith("mpddp:")]
+        assert code == 0 and "killed" not in spare.stderr, spare.stderr
+        assert said[-1].startswith("mpddp: the job ended while this node waited as a spare"), said
+        assert time.monotonic() - ended < 20 + 15  # its --timeout, and a margin
+        assert "STEP" not in spare.stdout
+        assert not re.search(r'File "[^"]*/mpddp/', spare.stderr), spare.stderr  # no frame of the launcher's own
+        spare.assert_nothing_left()
     finally:
         _end(runs)
 
