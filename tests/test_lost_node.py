@@ -185,13 +185,17 @@ def test_node_0_killed_as_a_rank_raised_is_one_story(tmp_path: Path, backend: st
                ("mpddp: error: node 0", "mpddp: node(s) 0 went away"))
 
 
-def test_a_rounds_first_node_lost_before_its_store_listened_is_a_restart_not_the_end(tmp_path, etcd_cluster):
+def test_a_rounds_first_node_lost_before_its_store_listened_is_a_restart_not_the_end(tmp_path, etcd_cluster,
+                                                                                      monkeypatch):
     """Node 1 is lost mid-run; the three others start round 1, node 0 first (the old order). Node 0's machine is
     lost as soon as it arrived in round 1, so round 1 is decided with it, and its store never listens. The two
     others must go on in round 2 and finish; before, they gave up: "round 1's first node did not publish its
     store within --timeout", though MIN nodes and restarts remained."""
     job_id = "storelost"
-    runs = _nodes(tmp_path, etcd_cluster, 4, "2:4", 150, job_id,
+    hold = tmp_path / "hold"  # the job steps while it exists (test_elastic's job), not a number of steps
+    hold.write_text("hold")
+    monkeypatch.setenv("HOLD", str(hold))  # every launcher's environment (tests/runs.py), so its ranks'
+    runs = _nodes(tmp_path, etcd_cluster, 4, "2:4", 0, job_id,
                   ["--max-restarts", "3", "--rdzv-conf", "ttl=12,last_call_timeout=3"])
     try:
         runs[0].wait_for(r"STEP 10 ", timeout=90)
@@ -214,6 +218,7 @@ def test_a_rounds_first_node_lost_before_its_store_listened_is_a_restart_not_the
         told = time.monotonic() - lost_at  # from the loss, not the job's end (that counts round 2's start too)
         story = "mpddp: node(s) 0 went away" if listened else "mpddp: round 1's first node"
         print(f"round 1's store {'listened' if listened else 'never listened'} before node 0 was lost")
+        hold.unlink()  # round 2 steps no more once it started: its DONE line tells it ran
         codes = [run.finish(120) for run in runs[2:]]
         assert codes == [0, 0], [run.stderr for run in runs[2:]]
         for run in runs[2:]:
