@@ -133,15 +133,6 @@ def test_two_tasks_on_one_node_prints_the_srun_line(slurm_ci: SlurmCI) -> None:
 
 
 @pytest.mark.timeout(120)
-def test_srun_two_namespace_nodes_train(slurm_ci: SlurmCI) -> None:
-    slurm_ci.ensure("netns")
-    out = check(slurm_ci.run([*SRUN, "-N2", "--ntasks-per-node=1", "--gpus-per-node=2", *TRAIN,
-                              "--run-dir", "runs/two"]))
-    assert banners(out) == {"0×2+0 = 0 of 4", "0×2+1 = 1 of 4", "1×2+0 = 2 of 4", "1×2+1 = 3 of 4"}, out
-    assert "epoch   1/1" in out
-
-
-@pytest.mark.timeout(120)
 def test_srun_two_namespace_nodes_launch_api(slurm_ci: SlurmCI) -> None:
     slurm_ci.ensure("netns")
     out = check(slurm_ci.run([*SRUN, "-N2", "--ntasks-per-node=1", "python", str(JOB), "slurm", "0"]))
@@ -162,13 +153,15 @@ def test_sbatch_example_two_namespace_nodes(slurm_ci: SlurmCI) -> None:
 
 
 @pytest.mark.timeout(180)
-def test_srun_two_namespace_nodes_recover_from_a_killed_rank(slurm_ci: SlurmCI) -> None:
-    """Rank 3 (node 1) is SIGKILLed once; srun's two launchers name it alike and restart the group together."""
+def test_srun_two_namespace_nodes_train_and_recover_from_a_killed_rank(slurm_ci: SlurmCI) -> None:
+    """srun's two launchers, one on each namespace node, train a world of 4 (ranks 0, 1 on node 0; 2, 3 on node 1).
+    Rank 3 (node 1) is SIGKILLed once; they name it alike and restart the group together."""
     slurm_ci.ensure("netns")
     result = slurm_ci.run([*SRUN, "-N2", "--ntasks-per-node=1", "--gpus-per-node=2", *TRAIN, "--batch-size", "16",
                            "--checkpoint-every", "4", "--max-restarts", "1", "--inject-fault", "kill:3:6",
                            "--run-dir", "runs/two-restart"], timeout=150)
     out = check(result)
+    assert banners(out) == {"0×2+0 = 0 of 4", "0×2+1 = 1 of 4", "1×2+0 = 2 of 4", "1×2+1 = 3 of 4"}, out
     said = [line for line in out.splitlines() if line.startswith("mpddp: ")]
     killed = "mpddp: rank 3 (node 1, local rank 1) failed first: it was killed by SIGKILL"
     assert len([line for line in said if line.startswith(killed)]) == 2, out  # once on each node
