@@ -139,6 +139,44 @@ def test_two_nodes_preempted_together_keep_every_ranks_checkpoint(tmp_path):
     assert codes == [143, 143], told
 
 
+CHILDREN = textwrap.dedent("""
+    import os, signal, subprocess, sys, time
+
+    rank = int(os.environ["RANK"])
+    # a child that speaks the moment its rank is gone (its stdin, a pipe from the rank, ends), as a DataLoader
+    # worker cut off mid-hand-over prints a traceback
+    child = subprocess.Popen([sys.executable, "-c", "import sys; print('CHILD up', flush=True); sys.stdin.read(); "
+                              f"print('ORPHAN of rank {rank}', flush=True)"], stdin=subprocess.PIPE)
+    if rank == 1:  # it saves for a while on SIGTERM: its child keeps running meanwhile
+        def save(signum, frame):
+            time.sleep(1.0)
+            print(f"SAVING rank={rank} child alive={child.poll() is None}", flush=True)
+            sys.exit(0)
+        signal.signal(signal.SIGTERM, save)
+    print(f"READY rank={rank} pid={os.getpid()}", flush=True)
+    while True:
+        time.sleep(0.05)
+""")
+
+
+def test_the_children_of_a_rank_that_a_signal_ends_go_before_it_and_those_of_one_that_saves_keep_running(
+        tmp_path):
+    """A rank with no handler for the signal dies of it at once: its children go first (SIGKILL), so none of them
+    sees it gone and speaks (the traceback of a DataLoader worker whose fd its rank was fetching, seen in CI). A rank
+    that handles the signal to save keeps its children meanwhile, as torchrun's agent does."""
+    script = tmp_path / "children.py"
+    script.write_text(CHILDREN)
+    run = Run(["-m", "mpddp", "run", "--nprocs", "2", str(script)], tmp_path)
+    run.wait_for(r"READY rank=\d", count=2)
+    run.wait_for(r"CHILD up", count=2)
+    run.proc.send_signal(signal.SIGTERM)
+    rc = ended(run)
+    assert rc == 143, run.stderr
+    assert "SAVING rank=1 child alive=True" in run.stdout, run.stdout + run.stderr
+    assert "ORPHAN of rank 0" not in run.stdout, run.stdout
+    assert "Traceback" not in run.stderr, run.stderr
+
+
 def test_a_second_ctrl_c_stops_ranks_in_their_grace_at_once(tmp_path):
     out = tmp_path / "out"
     out.mkdir()
