@@ -122,11 +122,13 @@ def serving(job: str, node: int | None, answer: Callable[[], str]) -> Iterator[P
             _close(server, path, info)
         yield None
         return
+    ended = threading.Event()  # the sweep stops at its next entry (2,000 entries of dead launchers took seconds)
     try:
-        thread = threading.Thread(target=_serve, args=(server, answer), name="mpddp-live", daemon=True)
+        thread = threading.Thread(target=_serve, args=(server, answer, ended), name="mpddp-live", daemon=True)
         thread.start()
         yield where
     finally:
+        ended.set()
         _close(server, path, info)
         with contextlib.suppress(RuntimeError):  # a Ctrl-C inside start(), before the thread ran: nothing to join
             thread.join(ASK_TIMEOUT)  # gone before the launch returns: a launch after it (fork) finds no thread of ours
@@ -148,11 +150,12 @@ def _write(path: Path, text: str) -> None:
     part.replace(path)
 
 
-def _serve(server: socket.socket, answer: Callable[[], str]) -> None:
+def _serve(server: socket.socket, answer: Callable[[], str], ended: threading.Event) -> None:
     """One snapshot a connection, until the socket is closed. A watcher's trouble never reaches the job. First, off
-    the launch's path, the entries of launchers killed outright go (else they would pile up until a watcher came)."""
+    the launch's path, the entries of launchers killed outright go (else they would pile up until a watcher came),
+    unless the launch ``ended`` meanwhile."""
     try:
-        entries()
+        entries(ended=ended)
     except Exception as e:  # noqa: BLE001 - whatever lies beside our entry, this thread serves the job's watchers
         logger.debug("mpddp: the sweep of the runtime folder failed (%s: %s)", type(e).__name__, e)
     while True:
@@ -168,14 +171,17 @@ def _serve(server: socket.socket, answer: Callable[[], str]) -> None:
                 logger.debug("mpddp: a watcher's snapshot failed (%s: %s)", type(e).__name__, e)
 
 
-def entries(skipped: Callable[[str], None] = logger.debug) -> list[Entry]:
+def entries(skipped: Callable[[str], None] = logger.debug, ended: threading.Event | None = None) -> list[Entry]:
     """The launchers of this user alive on this machine, oldest first; the entries of dead ones are removed. An
-    entry that does not validate is left, and told to ``skipped`` in one line (a launcher's sweep: at debug)."""
+    entry that does not validate is left, and told to ``skipped`` in one line (a launcher's sweep: at debug). Once
+    ``ended`` is set, the entries read so far."""
     where = folder(create=False)
     if not where.is_dir():
         return []
     found = []
     for info in sorted(where.glob("*.json")):
+        if ended is not None and ended.is_set():
+            break
         try:
             entry = _read_entry(info, where)
         except FileNotFoundError:
