@@ -156,6 +156,39 @@ def test_a_c10d_client_tells_a_frozen_node_0_within_its_deadline_then_fails_fast
 
 
 @pytest.mark.timeout(60)
+def test_a_call_that_waited_behind_the_silent_one_fails_silent_and_the_client_comes_back(frozen_store) -> None:
+    """Two threads of a launcher (its beat, its round) call a node 0 that goes silent: the second waits behind the
+    first, and once the first finds node 0 silent, the second fails the same way, at once. Before, it ran on the
+    client the first had just dropped, and that failure marked node 0 unreachable for good: a machine healed and
+    told it was found lost could not join the next round ("node 0's store is gone"; CI, test_lost_machine[c10d])."""
+    port, server = frozen_store
+    config = LaunchConfig(nnodes=2, node_rank=1, master_addr="127.0.0.1", master_port=port, timeout=30)
+    client = C10dClient(config, port)
+    assert client.call(lambda s: s.add("k", 1)) == 1
+    _freeze(server.pid)
+    outcomes: dict[str, BaseException] = {}
+
+    def call(name: str) -> None:
+        try:
+            client.call(lambda s: s.add("k", 1))
+        except BaseException as e:  # noqa: BLE001 - the test looks at it
+            outcomes[name] = e
+
+    first = threading.Thread(target=call, args=("first",))
+    first.start()
+    time.sleep(0.5)  # the first holds the client now (its deadline: SILENT)
+    second = threading.Thread(target=call, args=("second",))
+    second.start()
+    first.join(SILENT + 10)
+    second.join(10)
+    assert isinstance(outcomes["first"], StoreSilent), outcomes
+    assert isinstance(outcomes["second"], StoreSilent), outcomes
+    server.send_signal(signal.SIGCONT)  # healed, thawed: node 0 answers again
+    assert client.once(lambda s: s.add("k", 0), SILENT) >= 1
+    assert client.call(lambda s: s.add("k", 1)) >= 2  # a fresh connection, not a client marked unreachable
+
+
+@pytest.mark.timeout(60)
 def test_a_c10d_client_waits_for_a_waiting_call_past_the_deadline(frozen_store) -> None:
     """An operation that waits for a key (a restarted round's barrier) is given its own wait on top of the deadline."""
     port, _ = frozen_store

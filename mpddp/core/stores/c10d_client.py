@@ -59,15 +59,19 @@ class C10dClient:
         address = f"{self.config.master_addr}:{self.port}"
         try:
             with self._connecting:  # one connection at a time: it retries until node 0 is up, or the timeout
-                if self._silent:
-                    raise StoreSilent(f"node 0's store at {address} did not answer", self.silent_line(SILENT))
-                if self._unreachable:
-                    raise StoreGone(f"node 0's store at {address} did not answer", self.gone_line())
+                self._fail_fast(address)
                 if self._store is None:
-                    self._store = self._connect(connect_timeout if connect_timeout is not None else self.config.timeout)
+                    try:
+                        self._store = self._connect(connect_timeout if connect_timeout is not None
+                                                    else self.config.timeout)
+                    except Exception:
+                        self._unreachable = True
+                        raise
                     self.reached = True
+                store = self._store
             with self._lock:
-                return answered(SILENT + wait, op, self._store)
+                self._fail_fast(address)  # another thread's call, which this one waited for, found node 0 silent
+                return answered(SILENT + wait, op, store)
         except RendezvousGone:
             raise
         except Silent as e:
@@ -75,10 +79,15 @@ class C10dClient:
             raise StoreSilent(f"node 0's store at {address} left a call unanswered for {SILENT + wait:g} s (cut off, "
                               "or frozen)", self.silent_line(SILENT + wait)) from e
         except Exception as e:  # noqa: BLE001 - torch raises several types for a store that is gone
-            if self._store is None:
-                self._unreachable = True
             raise StoreGone(f"node 0's store at {address} does not answer ({type(e).__name__})",
                             self.gone_line()) from e
+
+    def _fail_fast(self, address: str) -> None:
+        """At once, once node 0 was found silent or unreachable (until :meth:`once` hears it again)."""
+        if self._silent:
+            raise StoreSilent(f"node 0's store at {address} did not answer", self.silent_line(SILENT))
+        if self._unreachable:
+            raise StoreGone(f"node 0's store at {address} did not answer", self.gone_line())
 
     @property
     def silent(self) -> bool:
@@ -99,8 +108,8 @@ class C10dClient:
         except Exception as e:  # noqa: BLE001 - OSError, torch's own types, Silent: it still does not answer
             raise StoreGone(f"node 0's store at {self.config.master_addr}:{self.port} still does not answer",
                             self.gone_line()) from e
-        with self._connecting:
-            self._silent = False  # the next call connects anew (the silent one's thread keeps the old client)
+        with self._connecting:  # the next call connects anew (the silent one's thread keeps the old client)
+            self._silent = self._unreachable = False
         return answer
 
     def gone_line(self) -> str:
