@@ -2,10 +2,10 @@
 
 Owns: :func:`parse` (``auto``, ``PORT``, ``HOST:PORT`` or ``launch(dashboard=True/8080/"HOST:PORT")`` as one
 canonical ``HOST:PORT``), :func:`split` (it back to a host and a port), :func:`command_line_form` (the word after a
-bare ``--dashboard``, told at once when it is no address: the script, most likely), :func:`is_local` and the rule that an
-address other machines can reach needs ``--dashboard-remote`` (the page's URL then carries a random token). Why a
-flag and not a default token: the page shows what every rank prints; opening it beyond this machine must be said.
-Leaves binding the address (a port taken, a host not of this machine) and the token to core/launcher/dashboard.py.
+bare ``--dashboard``, told at once when it is no address: the script, most likely), :func:`is_local` and the rule that
+an address other machines can reach needs ``--dashboard-remote`` (the page's URL then carries a random token). Why a
+flag and not a default token: the page shows what every rank prints; opening it beyond this machine must be said. Leaves
+binding the address (a port taken, a host not of this machine) and the token to core/launcher/dashboard.py.
 """
 
 from __future__ import annotations

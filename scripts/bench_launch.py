@@ -265,7 +265,8 @@ def available() -> tuple[list[Launcher], list[str]]:
     present, skipped = [], []
     for launcher in LAUNCHERS:
         if launcher.needs and importlib.util.find_spec(launcher.needs) is None:
-            skipped.append(f"skipped {launcher.label}: {launcher.needs} is not installed (pip install {launcher.needs})")
+            skipped.append(f"skipped {launcher.label}: {launcher.needs} is not installed "
+                           f"(pip install {launcher.needs})")
         else:
             present.append(launcher)
     return present, skipped
@@ -347,7 +348,8 @@ def rows_of(m: Measured, launchers: list[Launcher]) -> dict[str, Any]:
         elif threaded in m.times:
             row["after_threads"] = _paired(m.times[threaded], reference)
             if failed_threaded:
-                row["after_threads_failed"] = f"{failed_threaded[0]} in {len(failed_threaded)} of {m.attempts[threaded]}"
+                row["after_threads_failed"] = (
+                    f"{failed_threaded[0]} in {len(failed_threaded)} of {m.attempts[threaded]}")
         elif failed_threaded:
             row["after_threads"] = f"{failed_threaded[0]}, {len(failed_threaded)} of {m.attempts[threaded]}"
         by_key[launcher.key] = row
@@ -399,7 +401,8 @@ def main() -> None:
     parser.add_argument("--ranks", default="2", help="comma-separated rank counts [2]")
     parser.add_argument("--reps", type=int, default=5, help="interleaved repetitions per rank count [5]")
     parser.add_argument("--json", default=None, help="also write the results to this JSON file")
-    parser.add_argument("--port-base", type=int, default=29700, help="first hard-coded port (spawn, accelerate) [29700]")
+    parser.add_argument("--port-base", type=int, default=29700,
+                        help="first hard-coded port (spawn, accelerate) [29700]")
     parser.add_argument("--timeout", type=float, default=300, help="seconds one run may take [300]")
     parser.add_argument("--hang-limit", type=float, default=60,
                         help="after threads: seconds before a launch counts as hung [60]")
@@ -425,7 +428,8 @@ def main() -> None:
     print()
     print(report(results))
     for n, b in busy.items():
-        print(f"ranks {n}: CPUs busy just before a run (others' load): median {b['median']:.0f}%, at most {b['max']:.0f}%")
+        print(f"ranks {n}: CPUs busy just before a run (others' load): median {b['median']:.0f}%, "
+              f"at most {b['max']:.0f}%")
     print(f"load average at the end: {load():.1f} ({os.cpu_count()} logical CPUs)")
     write_json(args.json, {"benchmark": "launch", "torch": torch_version(), "reps": reps, "skipped": skipped,
                            "hang_limit": args.hang_limit, "busy_before_runs": busy, "results": results})

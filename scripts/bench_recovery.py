@@ -11,11 +11,10 @@ time of its first step and the failing rank the time just before it dies (one ma
              rank's fn was called again: what the launcher takes, before the user's own set-up)
   ratio      recovery / start-up, in the same run (goal on one node: at most 0.25)
 
-A launch with restarts preloads torch._dynamo (DDP's constructor and every optimizer import it) into
-the forkserver, so that a restarted rank does not import it again. Nodes are launchers on 127.0.0.1 with node ranks (1, 2, 4,
-8), started together. Side by side on one
-node: ``torchrun --standalone --nproc-per-node 2 --max-restarts 1`` running the same job as a torchrun
-script (``init_process_group("gloo")`` from the environment).
+A launch with restarts preloads torch._dynamo (DDP's constructor and every optimizer import it) into the forkserver, so
+that a restarted rank does not import it again. Nodes are launchers on 127.0.0.1 with node ranks (1, 2, 4, 8), started
+together. Side by side on one node: ``torchrun --standalone --nproc-per-node 2 --max-restarts 1`` running the same job
+as a torchrun script (``init_process_group("gloo")`` from the environment).
 
     python scripts/bench_recovery.py                   # 3 interleaved reps, 1, 2, 4 and 8 nodes
     python scripts/bench_recovery.py --nodes 1,2 --reps 5 --json recovery.json
@@ -26,10 +25,10 @@ processes), side by side, on three network-namespace hosts (tests/machines.py; r
 
     python scripts/bench_recovery.py --machines --reps 3
 
-Otherwise it ends with a whole node's machine lost in a ``--nnodes N-1:N`` job (every process of it SIGKILLed at step 20;
-N is 3, or each of ``--loss-nodes 3,16``):
-node 1 under c10d, node 0 under etcd (a real 3-member etcd on loopback), timed from the loss to the survivors'
-first step of the next round; the etcd lease's TTL bounds how soon the loss is known.
+Otherwise it ends with a whole node's machine lost in a ``--nnodes N-1:N`` job (every process of it SIGKILLed at step
+20; N is 3, or each of ``--loss-nodes 3,16``): node 1 under c10d, node 0 under etcd (a real 3-member etcd on loopback),
+timed from the loss to the survivors' first step of the next round; the etcd lease's TTL bounds how soon the loss is
+known.
 """
 
 from __future__ import annotations
@@ -127,15 +126,16 @@ def one_run(kind: str, nnodes: int, workdir: Path, limit: float, fail_after: flo
     """(start-up, recovery, recovery up to fn) seconds of one job; None if it did not recover."""
     me = str(Path(__file__).resolve())
     if kind == "torchrun":
-        cmds = [[sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "--max-restarts", "1", me, "--torchrun-worker",
-                 "--fail-after", str(fail_after)]]
+        cmds = [[sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                 "--max-restarts", "1", me, "--torchrun-worker", "--fail-after", str(fail_after)]]
     else:
         port = _free_port()
         cmds = [[sys.executable, me, "--node", str(n), "--nnodes", str(nnodes), "--port", str(port),
                  "--fail-after", str(fail_after)] for n in range(nnodes)]
     outs = [workdir / f"{kind}-{i}.out" for i in range(len(cmds))]
     started = time.time()
-    tmpdir = workdir / f"{kind}-tmp"  # what a launcher leaves in its TMPDIR (torchrun's torchelastic_*) goes with workdir
+    # what a launcher leaves in its TMPDIR (torchrun's torchelastic_*) goes with workdir
+    tmpdir = workdir / f"{kind}-tmp"
     tmpdir.mkdir(exist_ok=True)
     env = dict(os.environ, TMPDIR=str(tmpdir))
     procs = [subprocess.Popen(cmd, stdout=out.open("w"), stderr=subprocess.STDOUT, env=env)
@@ -349,7 +349,8 @@ def main() -> None:
         for _ in range(reps):
             for kind, n in kinds:
                 benchlib.wait_for_quiet(args.quiet, patience=30.0)
-                if (timed := one_run(kind, n, Path(tmp), args.limit, args.fail_after)) is None and kind.startswith("mpddp"):
+                if ((timed := one_run(kind, n, Path(tmp), args.limit, args.fail_after)) is None
+                        and kind.startswith("mpddp")):
                     raise RuntimeError(f"mpddp on {n} node(s) did not recover: see {tmp}")
                 if timed is None:
                     failed[f"{kind} {n}"] = failed.get(f"{kind} {n}", 0) + 1
@@ -376,7 +377,8 @@ def main() -> None:
                          rows))
     if (one := results.get("mpddp 1")) is not None:
         ratio = statistics.median(one["ratio"])
-        print(f"\ngoal on one node, recovery / start-up <= {GOAL:.2f}: {ratio:.2f} ({'met' if ratio <= GOAL else 'not met'})")
+        print(f"\ngoal on one node, recovery / start-up <= {GOAL:.2f}: {ratio:.2f} "
+              f"({'met' if ratio <= GOAL else 'not met'})")
     if not (args.tiny or args.no_node_loss):
         kept = Path(tempfile.mkdtemp(prefix="mpddp-bench-loss-"))  # kept when a run did not recover: its outputs
         sizes = [int(n) for n in args.loss_nodes.split(",")]

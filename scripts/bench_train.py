@@ -155,8 +155,8 @@ def run_loop(ctx: Any, spec: Spec, ddp: str) -> list[tuple[int, float]]:
         model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
                     gradient_as_bucket_view=tuned, static_graph=tuned)
     optimizer = torch.optim.AdamW(model.parameters(), lr=spec.lr)
-    sampler: DistributedSampler = DistributedSampler(task.train_set, num_replicas=ctx.world_size, rank=ctx.rank, shuffle=True,
-                                 seed=spec.seed)
+    sampler: DistributedSampler = DistributedSampler(task.train_set, num_replicas=ctx.world_size, rank=ctx.rank,
+                                                     shuffle=True, seed=spec.seed)
     loader = DataLoader(task.train_set, batch_size=spec.batch, sampler=sampler, num_workers=spec.num_workers,
                         pin_memory=device.type == "cuda")
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if spec.gpu else contextlib.nullcontext()
@@ -294,7 +294,8 @@ def report(spec: Spec, results: dict[str, Any], fr: dict[str, Any], seen: dict[s
             for r in results.values()]
     mode = "GPU, 1 rank, bf16" if spec.gpu else f"CPU, {spec.ranks} ranks, fp32"
     fr_line = (f"flight recorder on / off: {fr['ratio']:.3f} (cost {fr['cost_percent']:.1f} %; range "
-               f"{fr['ratio_min']:.3f}-{fr['ratio_max']:.3f} over {len(fr['ratios'])} rep{'s' if len(fr['ratios']) > 1 else ''}; goal: under 1 %)"
+               f"{fr['ratio_min']:.3f}-{fr['ratio_max']:.3f} over {len(fr['ratios'])} "
+               f"rep{'s' if len(fr['ratios']) > 1 else ''}; goal: under 1 %)"
                f"; on: {fr['buffer']}")
     if fr["reader_percent"] is not None:
         fr_line += (f"\nflight recorder reader: {fr['reader_percent']:.2f} % of a rank's time (its own clock, the "
@@ -312,7 +313,8 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=5, help="interleaved repetitions [5]")
     parser.add_argument("--ranks", type=int, default=None, help="ranks [2 on CPU, 1 on the GPU]")
     parser.add_argument("--batch", type=int, default=None, help="batch per rank [64 on CPU, 1024 on the GPU]")
-    parser.add_argument("--samples", type=int, default=None, help="training set size [16384 on CPU, 65536 on the GPU: 64 steps an epoch]")
+    parser.add_argument("--samples", type=int, default=None,
+                        help="training set size [16384 on CPU, 65536 on the GPU: 64 steps an epoch]")
     parser.add_argument("--features", type=int, default=256, help="CPU mode: input width of the MLP [256]")
     parser.add_argument("--epochs", type=int, default=3, help="epochs per run, the first a warm-up [3]")
     parser.add_argument("--num-workers", type=int, default=None, help="DataLoader workers [0 on CPU, 8 on the GPU]")
@@ -325,7 +327,8 @@ def main() -> None:
         if torch.cuda.device_count() == 0:  # device_count, not is_available: no CUDA context in this process
             raise SystemExit("bench_train: --gpu needs a CUDA GPU, but torch.cuda.device_count() is 0 here; "
                              "run without --gpu for the CPU benchmark")
-    spec = Spec(gpu=args.gpu, ranks=args.ranks or (1 if args.gpu else 2), batch=args.batch or (1024 if args.gpu else 64),
+    spec = Spec(gpu=args.gpu, ranks=args.ranks or (1 if args.gpu else 2),
+                batch=args.batch or (1024 if args.gpu else 64),
                 samples=args.samples or (65536 if args.gpu else 16384), features=args.features, epochs=args.epochs,
                 num_workers=args.num_workers if args.num_workers is not None else (8 if args.gpu else 0))
     reps = args.reps

@@ -32,9 +32,9 @@ def pytest_configure(config: pytest.Config) -> None:
 MACHINE_FILES = {"test_hosts.py", "test_lost_machine.py", "test_machine_order.py", "test_mpirun.py",
                  "test_two_hosts.py", "test_slurm_cluster.py"}
 
-# The groups that take longest (a worker's seconds, 2 cores at load 5 to 9, as a run's closing table says): they
-# start first, so that the run does not end with one worker on a long file and the other idle. A stale figure costs balance, never a result;
-# the groups not named here follow in xdist's order.
+# The groups that take longest (a worker's seconds, 2 cores at load 5 to 9, as a run's closing table says): they start
+# first, so that the run does not end with one worker on a long file and the other idle. A stale figure costs balance,
+# never a result; the groups not named here follow in xdist's order.
 LONGEST = {"machine": 300, "test_elastic.py": 110, "test_lost_node.py": 110, "test_door.py": 80,
            "test_store_server_edges.py": 125, "test_named_across_nodes.py": 110, "test_rendezvous_input.py": 95,
            "test_torchrun_flags.py": 85, "test_helper_processes.py": 80, "test_roll_call.py": 80,

@@ -72,8 +72,8 @@ def _hosts_down() -> None:
     """The namespace hosts, unless another run holds them: their lock is free once their run's process died."""
     import fcntl
 
-    if shutil.which("ip") is None or not NETNS_LOCK.exists() or subprocess.run(["ip", "link", "show", "mpddp-br0"], capture_output=True,
-                                                 check=False).returncode != 0:
+    if shutil.which("ip") is None or not NETNS_LOCK.exists() or subprocess.run(
+            ["ip", "link", "show", "mpddp-br0"], capture_output=True, check=False).returncode != 0:
         return
     with open(NETNS_LOCK, "a") as lock:
         try:

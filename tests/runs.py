@@ -124,7 +124,8 @@ class Run:
     def assert_nothing_left(self) -> None:
         """No process of the run (not even a zombie), no temp file, no listening socket on its port."""
         deadline = time.monotonic() + 3.0
-        while (left := alive_or_zombie(self.pids) + [p.pid for p in marked(self.marker)]) and time.monotonic() < deadline:
+        while ((left := alive_or_zombie(self.pids) + [p.pid for p in marked(self.marker)])
+               and time.monotonic() < deadline):
             time.sleep(0.05)
         assert not left, f"processes of the run left: {describe(left)}"
         assert not list(self.tmpdir.iterdir()), f"temporary files left: {list(self.tmpdir.iterdir())}"

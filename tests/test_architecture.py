@@ -55,7 +55,8 @@ def _run_time(tree: ast.AST) -> list[ast.AST]:
     return found
 
 
-def imports_of(module: str, run_time: bool = False, source: str | None = None, is_package: bool | None = None) -> set[str]:
+def imports_of(module: str, run_time: bool = False, source: str | None = None,
+               is_package: bool | None = None) -> set[str]:
     """Every mpddp module ``module`` imports, at the top or inside functions (``run_time``: but for type hints).
 
     ``source``: read it instead of the module's file (a module planted by a test; ``is_package``: an __init__)."""
@@ -157,7 +158,8 @@ def test_layer_imports_only_what_it_may(layer, allowed):
 def test_top_level_imports_no_layer_but_the_lazy_front_door():
     for module in TOP:
         deeper = {t for t in GRAPH[module] if t not in TOP}
-        assert deeper <= ({"mpddp.core.launcher.api", "mpddp.trainer.tasks"} if module == "mpddp" else set()), (module, deeper)
+        assert deeper <= ({"mpddp.core.launcher.api", "mpddp.trainer.tasks"}
+                          if module == "mpddp" else set()), (module, deeper)
 
 
 def test_nothing_imports_the_cli():
@@ -248,7 +250,8 @@ def test_a_store_found_gone_pickles_with_its_line() -> None:
     client = C10dClient(mpddp.LaunchConfig(nnodes=2, node_rank=1, master_addr="127.0.0.1", master_port=port), port)
     with pytest.raises(StoreGone) as info:
         client.call(lambda s: s.add("k", 1), connect_timeout=0.5)
-    assert info.value.line.startswith(f"node 0's rendezvous store at 127.0.0.1:{port} did not answer within"), info.value
+    assert info.value.line.startswith(
+        f"node 0's rendezvous store at 127.0.0.1:{port} did not answer within"), info.value
     back = _round_trip(info.value)
     assert back.line == info.value.line != str(info.value)
 
@@ -356,7 +359,8 @@ def test_the_wire_imports_nothing_else_of_the_core():
             assert all(not t.startswith("mpddp.core.") or t.startswith("mpddp.core.wire") for t in targets), module
 
 
-CORE_STACK = {"launcher": 4, "nodes": 3, "stores": 2, "rank": 1, "wire": 0, "procs": 0}  # each folder imports only lower ones
+# each folder imports only lower ones
+CORE_STACK = {"launcher": 4, "nodes": 3, "stores": 2, "rank": 1, "wire": 0, "procs": 0}
 
 
 def _upward(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
@@ -404,8 +408,8 @@ def test_an_upward_import_planted_in_core_is_found(module, is_package, source, u
 
 def test_above_the_nodes_no_module_names_a_rendezvous_backend():
     """The launcher asks core/nodes/api.py's interface; which backend runs (c10d today) is the nodes' business."""
-    backends = {"mpddp.core.nodes.c10d", "mpddp.core.nodes.c10d_watch", "mpddp.core.nodes.c10d_keys", "mpddp.core.nodes.etcd",
-                "mpddp.core.nodes.etcd_keys", "mpddp.core.nodes.etcd_identity",
+    backends = {"mpddp.core.nodes.c10d", "mpddp.core.nodes.c10d_watch", "mpddp.core.nodes.c10d_keys",
+                "mpddp.core.nodes.etcd", "mpddp.core.nodes.etcd_keys", "mpddp.core.nodes.etcd_identity",
                 "mpddp.core.stores.etcd_client", "mpddp.core.stores.etcd_kv", "mpddp.core.stores.etcd_probe",
                 "mpddp.core.stores.c10d_client", "mpddp.core.stores.last_word"}
     for module, targets in GRAPH.items():
@@ -427,7 +431,8 @@ def test_above_the_seam_no_module_compares_the_backends_name():
     """A ``rdzv_backend == "etcd"`` above core/nodes/ is a backend named where it must not be (issue 59)."""
     for path in sorted(PACKAGE.rglob("*.py")):
         relative = path.relative_to(PACKAGE.parent).as_posix()
-        if relative.startswith(("mpddp/core/nodes/", "mpddp/core/stores/")) or relative == "mpddp/rendezvous_options.py":
+        if (relative.startswith(("mpddp/core/nodes/", "mpddp/core/stores/"))
+                or relative == "mpddp/rendezvous_options.py"):
             continue
         found = [line for line in path.read_text().splitlines()
                  if "rdzv_backend" in line and re.search(r"""[!=]=\s*["'](c10d|etcd)["']""", line)]
@@ -481,7 +486,8 @@ def _unmet(interface: type, backend: type) -> dict[str, str]:
         if name.startswith("_"):
             continue
         owner = next((k for k in backend.__mro__ if name in vars(k)), None)
-        if owner is None or getattr(owner, "_is_protocol", False) or name in getattr(backend, "__abstractmethods__", ()):
+        if (owner is None or getattr(owner, "_is_protocol", False)
+                or name in getattr(backend, "__abstractmethods__", ())):
             unmet[name] = "not implemented"
             continue
         wanted = list(inspect.signature(want).parameters)
@@ -586,7 +592,8 @@ MAX_LINES = 400  # a module read in one sitting (../STYLE.md: about 300); a long
 
 
 def _too_long(paths: list[Path]) -> dict[str, int]:
-    return {str(p.relative_to(p.parents[1])): n for p in paths if (n := len(p.read_text("utf-8").splitlines())) > MAX_LINES}
+    return {str(p.relative_to(p.parents[1])): n
+            for p in paths if (n := len(p.read_text("utf-8").splitlines())) > MAX_LINES}
 
 
 def test_no_module_is_over_400_lines():
@@ -661,7 +668,8 @@ def test_a_reach_into_another_modules_private_member_would_be_found():
     sources = {
         "pkg.backend": "class Link:\n    def _key(self):\n        return self._prefix\n    _prefix = 'x'\n",
         "pkg.keys": "from .backend import _helper\n\ndef put(link):\n    return link._key(), link.__class__\n",
-        "pkg.own": "class Watch:\n    def _run(self):\n        self._key = 1\n\ndef go(w):\n    return w._run(), w._key\n",
+        "pkg.own":
+            "class Watch:\n    def _run(self):\n        self._key = 1\n\ndef go(w):\n    return w._run(), w._key\n",
     }
     sources["pkg.backend"] += "def _helper():\n    pass\n"
     assert _reaches(sources) == {("pkg.keys", "from .backend", "_helper"), ("pkg.keys", "link", "_key")}

@@ -237,7 +237,8 @@ def test_the_most_ranks_the_open_file_check_allows_do_start(tmp_path):
     assert started.returncode == 0, started.stderr  # the estimate is not too low: these all had their pipes
     assert started.stdout.count("] ran") == most
     refused = under_the_limit(most + 1)
-    assert refused.returncode == 2 and f"limit here is {limit} (ulimit -n): pass --nprocs {most} or fewer" in refused.stderr
+    assert refused.returncode == 2 and (
+        f"limit here is {limit} (ulimit -n): pass --nprocs {most} or fewer" in refused.stderr)
 
 
 @pytest.mark.usefixtures("no_leftovers")

@@ -58,7 +58,8 @@ def test_a_rank_that_returned_before_the_collective_broke_is_the_cause() -> None
     returned(states[0], 1.0)
     raised(states[1], 2.0, Out.COLLECTIVE)
     verdict = classify(states)
-    assert (verdict.case, verdict.culprits, verdict.outcomes) == ("returned", (0,), {0: Out.EARLY_EXIT, 1: Out.COLLECTIVE})
+    assert (verdict.case, verdict.culprits, verdict.outcomes) == (
+        "returned", (0,), {0: Out.EARLY_EXIT, 1: Out.COLLECTIVE})
     returned(states[0], 3.0)  # it returned after: not the cause
     assert classify(states).outcomes == {0: Out.OK, 1: Out.COLLECTIVE}
 

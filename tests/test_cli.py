@@ -110,7 +110,8 @@ def test_ranks_of_an_elastic_size_shows_max_and_says_a_smaller_round_renumbers(c
     code, out, err = cli("ranks", "--nnodes", "2:3", "--nprocs", "2")
     assert (code, err) == (0, "")
     rows = [line.split() for line in out.splitlines() if re.match(r"^ +\d+ +\d+ +\d+×", line)]
-    assert [(int(r[0]), int(r[1]), int(r[4])) for r in rows] == [(n, lr, n * 2 + lr) for n in range(3) for lr in range(2)]
+    assert [(int(r[0]), int(r[1]), int(r[4])) for r in rows] == [
+        (n, lr, n * 2 + lr) for n in range(3) for lr in range(2)]
     assert out.startswith(cli("ranks", "--nnodes", "3", "--nprocs", "2")[1])  # the table is MAX's
     notes = [line for line in out.splitlines() if line.startswith("note:")]
     assert notes == ["note: nnodes=2:3 is elastic: the table is for 3 nodes. A round with fewer (down to 2) numbers "

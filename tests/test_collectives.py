@@ -280,8 +280,8 @@ def test_with_the_recorder_off_a_hang_is_still_found_by_the_stacks(no_leftovers)
     with pytest.raises(mpddp.HangError) as info:
         mpddp.launch(skips_one, nprocs=2, timeout=3, env=(("TORCH_FR_BUFFER_SIZE", "0"),))
     report = str(info.value)
-    assert told_hung(report, "mpddp: rank 1 made no progress for {s} s while rank 0 waited for it in all_reduce at ", 3), \
-        report
+    assert told_hung(
+        report, "mpddp: rank 1 made no progress for {s} s while rank 0 waited for it in all_reduce at ", 3), report
     assert "flight recorder" not in report
 
 
@@ -303,7 +303,8 @@ def test_without_matplotlib_the_timeline_says_what_to_install(monkeypatch):
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else real(name, *a))
-    with pytest.raises(mpddp.ConfigError, match=r"needs matplotlib, which is not installed: pip install 'mpddp\[plot\]'"):
+    with pytest.raises(mpddp.ConfigError,
+                       match=r"needs matplotlib, which is not installed: pip install 'mpddp\[plot\]'"):
         mpddp.LaunchConfig(nprocs=1, timeline="t.png")
 
 
@@ -532,7 +533,8 @@ def test_a_gpu_rank_in_cuda_synchronize_with_no_open_collective_computes():
             f'  File "{os.path.dirname(torch.__file__)}/cuda/__init__.py", line 1083 in synchronize\n'
             '  File "/home/u/train.py", line 40 in evaluate\n')
     place = stacks.locate(dump, 0x7F0000000001)
-    assert place.spinning and place.at_sync and place.text == "evaluate at train.py:40, waiting in torch.cuda.synchronize"
+    assert place.spinning and place.at_sync and (
+        place.text == "evaluate at train.py:40, waiting in torch.cuda.synchronize")
     proc = _spinners(1)[0]
     try:
         state = _State(0, proc, "cuda:0")

@@ -31,7 +31,8 @@ BAD = [
     ({"gpus": (0, 1), "nprocs": 3, "backend": "nccl"}, r"nprocs=3 with gpus=0,1: NCCL needs one GPU per rank"),
     ({"output_ranks": (-1,)}, r"output_ranks=\(-1,\): use 'all' or ranks >= 0"),
     ({"output_ranks": "7", "nprocs": 2},
-     r"output_ranks=7 names rank 7, but the world has 2 ranks \(nnodes=1 × nprocs=2\): pass ranks from 0 to 1, or all"),
+     r"output_ranks=7 names rank 7, but the world has 2 ranks \(nnodes=1 × nprocs=2\): "
+     r"pass ranks from 0 to 1, or all"),
     ({"output_ranks": (0, 4), "nprocs": 2, "nnodes": 2, "master_port": 29500},
      r"output_ranks=0,4 names rank 4, but the world has 4 ranks \(nnodes=2 × nprocs=2\)"),
     ({"nprocs": 10**20}, r"nprocs=100000000000000000000 needs about 800000000000000000064 open files in the launcher "
@@ -89,8 +90,9 @@ def test_local_ranks_must_fit_the_open_file_and_process_limits(monkeypatch):
     with pytest.raises(ConfigError, match=r"limit here is 256 \(ulimit -n\): pass --nprocs 24 or fewer$"):
         LaunchConfig(nprocs=25)
     limits[resource.RLIMIT_NOFILE] = (resource.RLIM_INFINITY, resource.RLIM_INFINITY)
-    with pytest.raises(ConfigError, match=r"^nprocs=30 is more processes than this user may run here \(30, ulimit -u\): "
-                                          r"pass --nprocs 29 or fewer, or raise `ulimit -u`$"):
+    with pytest.raises(ConfigError,
+                       match=r"^nprocs=30 is more processes than this user may run here \(30, ulimit -u\): "
+                             r"pass --nprocs 29 or fewer, or raise `ulimit -u`$"):
         LaunchConfig(nprocs=30)
     limits[resource.RLIMIT_NPROC] = (resource.RLIM_INFINITY, resource.RLIM_INFINITY)
     assert LaunchConfig(nprocs=5000).nprocs == 5000
@@ -101,7 +103,8 @@ def test_a_log_dir_is_checked_without_creating_it(tmp_path, monkeypatch):
     (tmp_path / "afile").write_text("x")
     assert LaunchConfig(log_dir="new/deeper/logs").log_dir == "new/deeper/logs"
     assert LaunchConfig(log_dir=str(tmp_path)).log_dir == str(tmp_path) and LaunchConfig(log_dir="").log_dir == ""
-    with pytest.raises(ConfigError, match=r"^log_dir='afile/logs' cannot be created: 'afile' is a file: pass a directory"):
+    with pytest.raises(ConfigError,
+                       match=r"^log_dir='afile/logs' cannot be created: 'afile' is a file: pass a directory"):
         LaunchConfig(log_dir="afile/logs")
     monkeypatch.setattr(os, "access", lambda path, mode: path != "new")
     (tmp_path / "new").mkdir()
@@ -116,5 +119,6 @@ def test_an_elastic_size_reads_as_min_and_max_from_the_api_as_from_the_cli():
 
     config = LaunchConfig(nnodes="2:4", master_port=29500)  # type: ignore[arg-type]  # launch(nnodes="2:4")
     assert (config.min_nnodes, config.nnodes) == (2, 4)
-    assert (LaunchConfig(nnodes="3:3", master_port=29500).min_nnodes, LaunchConfig(nnodes=3, master_port=1).min_nnodes) == (3, 3)  # type: ignore[arg-type]
+    assert (LaunchConfig(nnodes="3:3", master_port=29500).min_nnodes,  # type: ignore[arg-type]
+            LaunchConfig(nnodes=3, master_port=1).min_nnodes) == (3, 3)
     assert make_config({"nnodes": "2:4", "master_port": 29500}).min_nnodes == 2

@@ -181,7 +181,8 @@ def test_a_local_page_answers_its_reads_and_only_reads(caplog):
 
 def test_a_page_other_machines_reach_needs_its_token():
     view = _View()
-    with dashboard.serving(LaunchConfig(dashboard="0.0.0.0:0", dashboard_remote=True), view) as url:  # type: ignore[arg-type]
+    with dashboard.serving(LaunchConfig(dashboard="0.0.0.0:0", dashboard_remote=True),  # type: ignore[arg-type]
+                           view) as url:
         assert url is not None
         token = url.split("?token=")[1]
         assert len(token) >= 32 and url.startswith(f"http://{socket.gethostname()}:")

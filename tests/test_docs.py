@@ -99,7 +99,8 @@ def test_the_manual_shows_the_same_build_command():
 
 def test_readme_stays_a_front_page():
     lines = README.read_text(encoding="utf-8").splitlines()
-    assert len(lines) <= README_LIMIT, f"README.rst has {len(lines)} lines; move detail into docs/ (at most {README_LIMIT})"
+    assert len(lines) <= README_LIMIT, (
+        f"README.rst has {len(lines)} lines; move detail into docs/ (at most {README_LIMIT})")
 
 
 def test_every_picture_shown_exists_and_is_made_by_the_script():

@@ -217,7 +217,8 @@ def _one_story(runs: list[Run], cause: str) -> None:
     codes = [run.finish(120) for run in runs]
     assert codes == [0, 0, 0], [run.stderr for run in runs]
     told = [_said(run)[0] for run in runs[:2]]
-    assert told[0] == told[1] and told[0].startswith(f"mpddp: rank 1 (node 1, local rank 0) failed first: {cause}"), told
+    assert told[0] == told[1] and told[0].startswith(
+        f"mpddp: rank 1 (node 1, local rank 0) failed first: {cause}"), told
     for run in runs[:2]:
         assert "mpddp: restarting the group (1 of 1)" in run.stderr, run.stderr
     assert re.findall(r"ROUND world=\d restart=(\d)", runs[2].stdout)[0] == "1", runs[2].stdout

@@ -82,7 +82,8 @@ def _fail_and_end(tmp_path, runs: list[Run]) -> float:
 
 
 def _assert_tidy(cluster) -> None:
-    """The job's keys are gone, and etcd's history before its end compacted: a job leaves etcd as flat as it found it."""
+    """The job's keys are gone, and etcd's history before its end compacted:
+    a job leaves etcd as flat as it found it."""
     from etcd3gw.exceptions import Etcd3Exception
 
     client = cluster.client(0, 5)

@@ -11,8 +11,10 @@ import psutil
 import pytest
 
 pytestmark = [
-    pytest.mark.skipif(shutil.which("etcd") is None, reason="Debian's etcd-server is not installed: apt-get install etcd-server"),
-    pytest.mark.skipif(importlib.util.find_spec("etcd3gw") is None, reason="etcd3gw is not installed: pip install -e '.[etcd]'"),
+    pytest.mark.skipif(shutil.which("etcd") is None,
+                       reason="Debian's etcd-server is not installed: apt-get install etcd-server"),
+    pytest.mark.skipif(importlib.util.find_spec("etcd3gw") is None,
+                       reason="etcd3gw is not installed: pip install -e '.[etcd]'"),
 ]  # fmt: skip
 
 

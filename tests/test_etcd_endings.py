@@ -45,7 +45,8 @@ def test_etcd_quorum_lost_after_the_ranks_finished_ends_every_node_within_timeou
         (tmp_path / f"node{node}").mkdir()
         runs.append(Run(["-m", "mpddp", "run", "--nnodes", "3", "--node-rank", str(node), "--nprocs", "1",
                          "--rdzv-backend", "etcd", "--rdzv-endpoint", etcd.endpoints, "--rdzv-id", "quorum",
-                         "--local-addr", "127.0.0.1", "--timeout", str(TIMEOUT), str(tmp_path / "job.py")], tmp_path / f"node{node}", env={"GO": str(go)}))
+                         "--local-addr", "127.0.0.1", "--timeout", str(TIMEOUT), str(tmp_path / "job.py")],
+                        tmp_path / f"node{node}", env={"GO": str(go)}))
     try:
         for run in runs:
             run.wait_for("DONE", timeout=90)

@@ -209,7 +209,7 @@ def test_two_launches_of_one_id_without_node_ranks_tell_the_spares_the_truth(tmp
         _end(runs)
 
 
-# ---- the readings behind it: one launcher's answer, an incarnation's standing, in-process on a real etcd --------------
+# ---- the readings behind it: one launcher's answer, an incarnation's standing, in-process on a real etcd ------
 
 
 @pytest.mark.parametrize(("answers", "expected"), [

@@ -33,7 +33,8 @@ NODE = recorded("8xh100")  # free: 0, 3; used, not busy: 4; busy: 1, 2, 5, 6, 7
 def test_parse_8_gpu_node() -> None:
     assert [g.index for g in NODE.gpus] == list(range(8))
     one = NODE.gpus[1]
-    assert (one.name, one.memory_total_mib, one.memory_used_mib, one.utilization) == ("NVIDIA H100 80GB HBM3", 81559, 71234, 97)
+    assert (one.name, one.memory_total_mib, one.memory_used_mib, one.utilization) == (
+        "NVIDIA H100 80GB HBM3", 81559, 71234, 97)
     assert one.processes == (gpus.GpuProcess(4242, 71222, "python3"),)
     assert NODE.gpus[7].utilization is None  # "[N/A]"
     assert NODE.gpus[5].processes[0].name == "vllm, serve"  # a comma inside the name
@@ -129,7 +130,8 @@ class FakeNvml:
         return SimpleNamespace(gpu=7)
 
     def nvmlDeviceGetComputeRunningProcesses(self, h: int) -> list[SimpleNamespace]:
-        return [SimpleNamespace(pid=31, usedGpuMemory=81900 * 2**20), SimpleNamespace(pid=32, usedGpuMemory=None)] if h else []
+        return [SimpleNamespace(pid=31, usedGpuMemory=81900 * 2**20),
+                SimpleNamespace(pid=32, usedGpuMemory=None)] if h else []
 
     def nvmlSystemGetProcessName(self, pid: int) -> bytes:
         if pid == 32:
@@ -229,7 +231,8 @@ def test_resolve_free_not_enough() -> None:
                               "used, pid 4242 (python3, 71222 MiB); GPU 2: ")
     assert "GPU 7: 45012 MiB used, no process listed" in message
     assert message.endswith("wait for them, pass --gpus free:2, or name GPUs such as --gpus 0,1 to share them")
-    with pytest.raises(ConfigError, match=r"^gpus=free asks for 1 free GPU but none of the 2 is free \(not free: GPU 1: "):
+    with pytest.raises(ConfigError,
+                       match=r"^gpus=free asks for 1 free GPU but none of the 2 is free \(not free: GPU 1: "):
         resolve_gpus("free", None, recorded("8xh100", "1,5"))
 
 
@@ -302,5 +305,6 @@ def test_an_unreadable_torch_build_lets_torch_answer(monkeypatch):
     import sys
 
     monkeypatch.delitem(sys.modules, "torch")
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name: SimpleNamespace(submodule_search_locations=["/nowhere"]))
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name: SimpleNamespace(submodule_search_locations=["/nowhere"]))
     assert gpus.torch_builds_for_gpus() is True

@@ -78,7 +78,8 @@ def writes_a_file(ctx, path):
 
 
 def test_a_rank_writing_a_file_silently_is_a_hang_told_as_it_is(no_leftovers, tmp_path):
-    """By design (docs/failures.rst, "When it is wrong"): output to a file is not progress. The report must name rank 0."""
+    """By design (docs/failures.rst, "When it is wrong"): output to a file is not progress.
+    The report must name rank 0."""
     with pytest.raises(mpddp.HangError) as info:
         mpddp.launch(writes_a_file, nprocs=2, args=(str(tmp_path / "ckpt.txt"),), timeout=2)
     report = str(info.value)
@@ -117,7 +118,8 @@ def test_a_subgroup_collective_that_completed_is_not_told_as_open(no_leftovers):
     with pytest.raises(mpddp.HangError) as info:
         mpddp.launch(subgroup_then_hang, nprocs=2, timeout=2)
     report = str(info.value)
-    assert told_hung(report, "mpddp: rank 0 made no progress for {s} s while rank 1 waited for it in barrier #2", 2), report
+    assert told_hung(
+        report, "mpddp: rank 0 made no progress for {s} s while rank 1 waited for it in barrier #2", 2), report
     assert "has not completed" not in report, report
 
 

@@ -92,7 +92,8 @@ def test_info_free_gpus(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_info_with_unusable_gpus_ends_with_the_error() -> None:
     query = gpus.GpuQuery(problem="nvidia-smi not found")
-    with pytest.raises(ConfigError, match=r"gpus=0,3 but this machine has no visible NVIDIA GPU \(nvidia-smi not found\)"):
+    with pytest.raises(ConfigError,
+                       match=r"gpus=0,3 but this machine has no visible NVIDIA GPU \(nvidia-smi not found\)"):
         info.choice_lines(info.LaunchConfig(gpus=(0, 3)), query)
     done = subprocess.run([sys.executable, "-m", "mpddp", "info", "--gpus", "0,99"], capture_output=True,
                           text=True, timeout=60, check=False)

@@ -43,7 +43,8 @@ def test_a_killed_run_leaves_no_etcd_member_launcher_or_rank(tmp_path: Path) -> 
         assert out.exists(), f"the run did not start its cluster (exit code {run.poll()})"
         held = json.loads(out.read_text())
         assert len(held["pids"]) >= 6 and all(map(_running, held["pids"]))  # 3 members, a launcher, 2 ranks (+ its own)
-        run.send_signal(signal.SIGKILL)  # the run's process alone: its cluster and launcher are in sessions of their own
+        # the run's process alone: its cluster and launcher are in sessions of their own
+        run.send_signal(signal.SIGKILL)
         run.wait()
         deadline = time.monotonic() + 30  # the watcher looks twice a second; measured: gone 0.6 to 1.5 s after
         while (left := [pid for pid in held["pids"] if _running(pid)] + [p.pid for p in marked(held["token"])]) \

@@ -105,7 +105,8 @@ def test_snapshot_round_trips_through_json():
 def test_table_says_every_column():
     text = live_table.table(_snapshot())
     lines = text.splitlines()
-    assert lines[0] == ("mpddp top  job j  round 1  4 rank(s) on 2 node(s)  restarts 1  up 0:01:15  seen from node 0 (h)")
+    assert lines[0] == (
+        "mpddp top  job j  round 1  4 rank(s) on 2 node(s)  restarts 1  up 0:01:15  seen from node 0 (h)")
     assert lines[1] == "first failure: rank 3 failed"
     assert lines[2].split() == ["RANK", "NODE", "LOCAL", "STATE", "COLL/S", "LAST", "COLLECTIVE", "LAG", "CPU", "RSS",
                                 "LAST", "LINE"]  # no GPU column on a CPU job

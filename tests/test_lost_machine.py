@@ -144,7 +144,8 @@ def _lost_and_back(hosts: Hosts, runs: list[Run], order: list[Run], fault: str, 
 @pytest.mark.parametrize("backend, faults", [
     ("etcd", [("cut", 1), ("cut", 0), ("freeze", 0), ("freeze", 2)]),  # node 0: the round's store with it
     ("c10d", [("cut", 2), ("freeze", 1)]),  # node 0 hosts the job's store: the test below
-], ids=["etcd", "c10d"])  # a machine killed: tests/test_elastic.py and tests/test_node0_lost.py (their sockets close at once)
+    # a machine killed: tests/test_elastic.py and tests/test_node0_lost.py (their sockets close at once)
+], ids=["etcd", "c10d"])
 def test_lost_machines_cost_seconds_and_the_ones_that_come_back_rejoin(tmp_path, backend, faults):
     """``faults``: (how, the round's node) in turn, each once the job steps at world 3 again."""
     with Hosts(tmp_path / "hosts", 3, etcd=backend == "etcd") as hosts:

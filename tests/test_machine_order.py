@@ -50,7 +50,8 @@ def test_the_endpoints_machine_coming_second_is_node_0_and_both_run(tmp_path, la
         other = hosts[1].launch(line, tmp_path / "n2")
         codes = [run.finish(120) for run in (endpoint, other)]
         assert codes == [0, 0], [run.stderr for run in (endpoint, other)]
-        done = [re.search(r"DONE rank=(\d) world=(\d) host=(\w+) master=(\S+)", run.stdout) for run in (endpoint, other)]
+        done = [re.search(r"DONE rank=(\d) world=(\d) host=(\w+) master=(\S+)", run.stdout)
+                for run in (endpoint, other)]
         assert all(done), [run.stdout + run.stderr for run in (endpoint, other)]
         found = {(m.group(3), int(m.group(1)), int(m.group(2)), m.group(4)) for m in done if m}
         assert found == {("n1", 0, 2, hosts[0].address), ("n2", 1, 2, hosts[0].address)}, found

@@ -47,8 +47,9 @@ def test_resolve(host: str, ip: str) -> None:
 
 def test_unresolvable_name_fails_fast_with_the_fix() -> None:
     start = time.monotonic()
-    with pytest.raises(ConfigError, match=r"master address 'no-such-host\.invalid' does not resolve .*check /etc/hosts.*"
-                                          r"pass node 0's IP address as --master-addr"):
+    with pytest.raises(ConfigError,
+                       match=r"master address 'no-such-host\.invalid' does not resolve .*check /etc/hosts.*"
+                             r"pass node 0's IP address as --master-addr"):
         netif.resolve("no-such-host.invalid")
     assert time.monotonic() - start < netif.RESOLVE_TIMEOUT + 1
 

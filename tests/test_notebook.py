@@ -479,7 +479,8 @@ def test_live_leaves_the_last_look_after_a_failure_and_after_the_stop_button(ker
     assert failed.error == "WorkerFailed"
     (shown,) = failed.displays
     rows = _table_rows(shown["text/plain"])
-    assert "rank 1 (node 0, local rank 1) failed first: it raised ValueError: late" in shown["text/plain"].splitlines()[1]
+    assert "rank 1 (node 0, local rank 1) failed first: it raised ValueError: late" in (
+        shown["text/plain"].splitlines()[1])
     assert sorted(rows) == [0, 1] and rows[1][3] == "failed", shown["text/plain"]
     cell, _ = kernel.run_and_interrupt(BLOCKED.replace("timeout=300)", "timeout=300, live=True)"),
                                        ready=lambda c: c.stdout.count("[rank") >= 2)

@@ -42,7 +42,8 @@ def test_c_printf_and_fd_writes_reach_the_relay_without_pythonunbuffered(tmp_pat
         assert f"[rank {rank}] fd write from rank {rank}" in lines
         assert f"[rank {rank}] printf no newline from rank {rank}" in lines
         # line-buffered, not flushed at exit: the printf line comes before the later fd write
-        assert lines.index(f"[rank {rank}] printf from rank {rank}") < lines.index(f"[rank {rank}] fd write from rank {rank}")
+        assert (lines.index(f"[rank {rank}] printf from rank {rank}")
+                < lines.index(f"[rank {rank}] fd write from rank {rank}"))
     assert lines[-1] == "result [0, 1]"
 
 

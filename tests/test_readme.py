@@ -165,9 +165,11 @@ def test_the_pages_include_readme_blocks_that_exist():
 
 def test_the_comparison_is_not_blind():
     # numbers and spacing are free, words are not
-    assert _pattern("epoch   1/10  loss 0.25  2,923 samples/s").fullmatch(_normal("epoch  10/10 loss 1.5 923 samples/s"))
+    assert _pattern("epoch   1/10  loss 0.25  2,923 samples/s").fullmatch(
+        _normal("epoch  10/10 loss 1.5 923 samples/s"))
     assert not _pattern("epoch 1/10 loss 0.25").fullmatch(_normal("epoch 1/10 accuracy 0.25"))
-    assert _pattern("(RuntimeError: ...by peer...) — x").fullmatch(_normal("(RuntimeError: [a.cc:5] Read error: reset by peer.) — x"))
+    assert _pattern("(RuntimeError: ...by peer...) — x").fullmatch(
+        _normal("(RuntimeError: [a.cc:5] Read error: reset by peer.) — x"))
     assert _commands(["$ a", "one", "$ echo $?", "3", "$ b"]) == [("a", ["one"], 3), ("b", [], 0)]
 
 

@@ -105,7 +105,8 @@ def test_a_node_that_never_arrives_is_named_by_every_node_that_did(tmp_path, how
     port = free_port()
     runs = [Run(["-m", "mpddp", "run", "--nnodes", "3", "--node-rank", str(node), "--nprocs", "1", "--master-addr",
                  "127.0.0.1", "--master-port", str(port), "--timeout", "8", str(tmp_path / "job.py")],
-                _where(tmp_path, f"node{node}"), env={"STEPS": "50"}) for node in range(2 if how == "never started" else 3)]
+                _where(tmp_path, f"node{node}"), env={"STEPS": "50"})
+            for node in range(2 if how == "never started" else 3)]
     try:
         if how == "killed at its start":  # while its forkserver imports torch: long before its rank could arrive
             _forkserver_of(runs[2].proc.pid, timeout=60)

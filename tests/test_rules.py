@@ -125,7 +125,8 @@ def test_a_launcher_outside_a_decided_round_is_admitted_below_max_else_a_spare(m
 
 @pytest.mark.parametrize("record, waiting, returned, verdict", [
     (False, False, False, Door.OPEN),  # the round runs: the admission restarts it
-    (False, False, True, Door.CLOSED),  # a node's ranks returned (the exit barrier): a restart would rerun a finished job
+    (False, False, True, Door.CLOSED),  # a node's ranks returned (the exit barrier): a restart would rerun a
+                                        # finished job
     (True, False, False, Door.RECORD),  # a failure's record came first: the round restarts anyway, the newcomer with it
     (True, False, True, Door.RECORD),  # a rank failed after another node returned: the record stands, not the door
     (False, True, False, Door.FAILING),  # a node waits for a failure's record: it must not be the admission's

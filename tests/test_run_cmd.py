@@ -39,7 +39,8 @@ def test_same_ranks_and_result_as_torchrun(tmp_path):
     assert len(a) == len(b) == 2
     for x, y in zip(a, b):
         assert x == y  # rank, world size, all_reduce sum, env, argv and __name__ all agree
-    assert a[1]["env"] == {"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "0"}
+    assert a[1]["env"] == {"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
+                           "GROUP_RANK": "0"}
     assert a[0]["argv"] == ["--lr", "0.1"] and a[0]["name"] == "__main__" and a[0]["sum"] == 3.0
     assert "[rank 0] RESULT" in ours.stdout and "[rank 1] RESULT" in ours.stdout
     assert "failed to bind" not in ours.stdout + ours.stderr  # rank 0 joined our store, bound nothing

@@ -100,7 +100,8 @@ def test_a_dead_holders_lock_is_taken_over_with_a_note(tmp_path, caplog):
         assert json.loads((tmp_path / ".lock").read_text())["pid"] == os.getpid()
     assert path == str(tmp_path) and not (tmp_path / ".lock").exists()
     assert [r.getMessage() for r in caplog.records] == [
-        f"mpddp: run_dir {str(tmp_path)!r}: pid {gone} on host n7 (since {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(0))}) "
+        f"mpddp: run_dir {str(tmp_path)!r}: pid {gone} on host n7 "
+        f"(since {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(0))}) "
         "held it and is gone; lock taken over"]
     (tmp_path / ".lock").write_text("not a record")  # unreadable, and nobody holds it: taken over too
     lock = rundir.take(tmp_path)

@@ -55,8 +55,8 @@ def no_scontrol(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_every_recording_says_where_it_comes_from() -> None:
     for path in DATA.glob("*.env"):
         lines = path.read_text().splitlines()
-        assert lines[0].startswith("# ") and ("Captured" in path.read_text() or "Written by hand" in path.read_text()), \
-            path.name
+        assert lines[0].startswith("# ") and (
+            "Captured" in path.read_text() or "Written by hand" in path.read_text()), path.name
 
 
 # ---- which environment -----------------------------------------------------------------------------
@@ -160,7 +160,8 @@ def test_layout(name: str, changes: dict[str, str | None], hostname: str,
 @pytest.mark.parametrize(
     ("name", "flags", "expected"),
     [
-        ("openmpi_two_hosts_rank1", {}, {"nnodes": 2, "node_rank": 1, "master_addr": "10.99.0.1", "master_port": 20177}),
+        ("openmpi_two_hosts_rank1", {},
+         {"nnodes": 2, "node_rank": 1, "master_addr": "10.99.0.1", "master_port": 20177}),
         # explicit flags win, one by one
         ("openmpi_two_hosts_rank1", {"master_port": 29500},
          {"nnodes": 2, "node_rank": 1, "master_addr": "10.99.0.1", "master_port": 29500}),
@@ -169,7 +170,8 @@ def test_layout(name: str, changes: dict[str, str | None], hostname: str,
         ("openmpi_two_hosts_rank1", {"nnodes": 2, "node_rank": 1},
          {"nnodes": 2, "node_rank": 1, "master_addr": "10.99.0.1", "master_port": 20177}),
         # --nnodes 1 under a two-node mpirun: every node runs a one-node job of its own
-        ("openmpi_two_hosts_rank1", {"nnodes": 1}, {"nnodes": 1, "node_rank": 0, "master_addr": None, "master_port": None}),
+        ("openmpi_two_hosts_rank1", {"nnodes": 1},
+         {"nnodes": 1, "node_rank": 0, "master_addr": None, "master_port": None}),
         # mpirun -np 1: one node keeps the loopback default and an OS-chosen port
         ("openmpi_two_hosts_rank0", {"OMPI_COMM_WORLD_SIZE": "1"},
          {"nnodes": 1, "node_rank": 0, "master_addr": None, "master_port": None}),
@@ -310,7 +312,8 @@ def test_problems_wait_for_the_node_count_to_be_the_jobs() -> None:
     ("uri", "addresses"),
     [
         ("622198784.0;tcp://192.0.2.2:54553;tcp6://[fd00::2]:53359", ["192.0.2.2", "fd00::2"]),
-        ("957808640.0;tcp://192.0.2.2,10.99.0.254:47603;tcp6://[fd00::2]:45323", ["192.0.2.2", "10.99.0.254", "fd00::2"]),
+        ("957808640.0;tcp://192.0.2.2,10.99.0.254:47603;tcp6://[fd00::2]:45323",
+         ["192.0.2.2", "10.99.0.254", "fd00::2"]),
         ("81330176.0;tcp://10.99.0.1:49127", ["10.99.0.1"]),
         ("81330176.0;tcp6://[fd00::2],[fd00::3]:1;tcp://10.0.0.1:2", ["10.0.0.1", "fd00::2", "fd00::3"]),
         ("81330176.0", []),

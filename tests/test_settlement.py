@@ -203,7 +203,8 @@ def test_a_victim_waits_for_the_record_of_a_node_still_at_work_even_past_a_short
     victim = mpddp.WorkerFailed("mpddp: rank 0 failed in all_reduce: Connection closed by peer", rank=0)
     said = settle.settle(link, 0, victim, mpddp.Outcome.COLLECTIVE, None, lambda record: record, lambda: None)
     assert 3.0 <= steps.now <= 3.0 + 2 * link.interval + c10d.HEARD_WAIT  # read at 3 s, then told once heard
-    assert said == replace(cause, writer=1)  # before: after --timeout (1 s) node 0 wrote its own rank 0 as the round's failure
+    # before: after --timeout (1 s) node 0 wrote its own rank 0 as the round's failure
+    assert said == replace(cause, writer=1)
 
 
 @pytest.mark.parametrize("elsewhere", [True, False])

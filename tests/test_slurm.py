@@ -170,7 +170,8 @@ UNSET = {"nnodes": None, "node_rank": None, "master_addr": None, "master_port": 
         (STEP_N2, {"master_port": 29500}, {"nnodes": 2, "node_rank": 1, "master_addr": "n1", "master_port": 29500}),
         (STEP_N2, {"master_addr": "10.0.0.1"},
          {"nnodes": 2, "node_rank": 1, "master_addr": "10.0.0.1", "master_port": 21234}),
-        (STEP_N2, {"nnodes": 2, "node_rank": 1}, {"nnodes": 2, "node_rank": 1, "master_addr": "n1", "master_port": 21234}),
+        (STEP_N2, {"nnodes": 2, "node_rank": 1},
+         {"nnodes": 2, "node_rank": 1, "master_addr": "n1", "master_port": 21234}),
         # --nnodes 1 inside a two-node step: the user runs a one-node job on each node
         (STEP_N2, {"nnodes": 1}, {"nnodes": 1, "node_rank": 0, "master_addr": None, "master_port": None}),
         # a one-node step keeps the loopback default and an OS-chosen port

@@ -1,4 +1,5 @@
-"""The store server (core/stores/store_server.py): node 0's store in a process of its own, the launcher without torch."""
+"""The store server (core/stores/store_server.py): node 0's store in a process of its own,
+the launcher without torch."""
 
 import json
 import os

@@ -80,7 +80,8 @@ def freeze_then_use_the_store(ctx, tmp):
         os.kill(pid, signal.SIGSTOP)
         # what the ranks' parent holds now, for the report should the store still answer (seen once, beside a
         # second suite: the launch returned; not reproduced since)
-        family = [(p.pid, p.status(), [c.laddr.port for c in p.net_connections("tcp") if c.status == psutil.CONN_LISTEN])
+        family = [(p.pid, p.status(),
+                   [c.laddr.port for c in p.net_connections("tcp") if c.status == psutil.CONN_LISTEN])
                   for p in psutil.Process(os.getppid()).children()]
         Path(tmp, "family.txt").write_text(f"rank 0 {os.getpid()}, port {os.environ['MASTER_PORT']}: {family}")
     dist.barrier()  # gloo: needs no store, so both ranks are past the SIGSTOP
@@ -159,8 +160,8 @@ else:
     assert rc == 1, run.stderr
     assert "NEVER" not in run.stdout
     last = run.stderr.strip().splitlines()[-1]
-    assert last.startswith(f"mpddp: error: the store server (pid {store_server})") and "was killed by SIGKILL" in last, \
-        run.stderr
+    assert last.startswith(f"mpddp: error: the store server (pid {store_server})") and (
+        "was killed by SIGKILL" in last), run.stderr
 
 
 # --------------------------------------------------------------------------- a SIGKILLed launcher, every method
@@ -263,7 +264,8 @@ def test_every_restart_finds_the_one_store_server_of_the_job_and_it_is_gone_afte
     text = "\n".join(said.lines)
     assert [g["restart"] for g in got] == [2, 2] and [g["sum"] for g in got] == [2.0, 2.0]
     store_servers = [int((tmp_path / f"store_server{k}.pid").read_text()) for k in range(3)]
-    assert len(set(store_servers)) == 1, store_servers  # one store for the whole job, from the first attempt to the last
+    # one store for the whole job, from the first attempt to the last
+    assert len(set(store_servers)) == 1, store_servers
     assert got[0]["store server"] == store_servers[2] and got[0]["earlier"] == store_servers[:2]
     assert got[0]["still_running"] == store_servers[:2]  # the same process, still serving in the last attempt
     assert gone(store_servers)  # and gone with the job
@@ -434,7 +436,8 @@ dist.destroy_process_group()
     assert rc == 0, run.stderr
     results = sorted((json.loads(line.split("RESULT ", 1)[1]) for line in run.stdout.splitlines() if "RESULT " in line),
                      key=lambda r: r["rank"])
-    assert results == [{"rank": 0, "sum": 3.0, "launcher_torch": False}, {"rank": 1, "sum": 3.0, "launcher_torch": False}]
+    assert results == [{"rank": 0, "sum": 3.0, "launcher_torch": False},
+                       {"rank": 1, "sum": 3.0, "launcher_torch": False}]
 
 
 # ------------------------------------------------------------------------------------- two nodes on 127.0.0.1

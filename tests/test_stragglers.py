@@ -252,7 +252,8 @@ def test_node_0_of_1024_keeps_only_the_numbers_that_can_still_complete():
         newest = look * 50  # a collective every 40 ms, a look every 2 s
         mine = [(("0", "gloo", 0), n, int((1.8e9 + n * 0.04) * 1e9), 0) for n in range(newest - 31, newest + 1)]
         samples[:] = [json.dumps({ARRIVALS_KEY: [["0", "gloo", 0, n, int((1.8e9 + n * 0.04) * 1e9), node]
-                                                 for n in range(newest - behind[node] - 31, newest - behind[node] + 1)]})
+                                                 for n in range(newest - behind[node] - 31,
+                                                                newest - behind[node] + 1)]})
                       .encode() for node in range(1, nodes)]
         across.watch(mine, lambda: samples, look * stragglers.LOOK)
         most = max(most, sum(map(len, across._waiting.values())))
@@ -275,4 +276,5 @@ def test_a_summary_says_whose_ranks_it_covers():
     lined = replace(own, scope="", nodes=2)
     assert summary_lines(lined, False)[0].startswith(
         "mpddp: collectives: 100 lined up across 2 nodes (the last rank of each to arrive); rank 3 was the straggler")
-    assert summary_lines(replace(own, scope=""), False)[0].startswith("mpddp: collectives: 100 lined up across 2 ranks;")
+    assert summary_lines(replace(own, scope=""), False)[0].startswith(
+        "mpddp: collectives: 100 lined up across 2 ranks;")

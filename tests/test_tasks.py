@@ -142,9 +142,10 @@ def test_a_module_that_raises_on_import_is_one_line(tmp_path, monkeypatch):
 def test_a_callable_that_is_not_a_task_factory_is_one_line():
     with pytest.raises(ConfigError) as e:
         build_task("os:getcwd", seed=0)
-    assert str(e.value) == ("task='os:getcwd': getcwd is not a task factory: getcwd(seed=0) fails (posix.getcwd() takes "
-                            "no keyword arguments); point --task at a function `def make_task(seed: int) -> "
-                            "mpddp.Task`")
+    assert str(e.value) == (
+        "task='os:getcwd': getcwd is not a task factory: getcwd(seed=0) fails (posix.getcwd() takes "
+        "no keyword arguments); point --task at a function `def make_task(seed: int) -> "
+        "mpddp.Task`")
 
     def no_seed() -> Task:
         raise AssertionError("never called")

@@ -87,7 +87,8 @@ def test_lightning_trainer_fit(tmp_path):
 def test_lightning_devices_auto_is_lightnings_own_error(tmp_path):
     pytest.importorskip("pytorch_lightning", reason="the compat extra is not installed")
     theirs, ours = both([str(COMPAT / "lightning_fit.py"), "auto"], tmp_path, ok=False)
-    error = "You set `devices=1` and `num_nodes=1` in Lightning, but the product (1 * 1) does not match the world size (2)"
+    error = ("You set `devices=1` and `num_nodes=1` in Lightning, but the product (1 * 1) does not match the world "
+             "size (2)")
     for out in (theirs, ours):
         assert out.returncode == 1 and error in out.stderr, out.stderr[-3000:]
     # every rank raises it: whichever did first is named

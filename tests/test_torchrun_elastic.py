@@ -191,7 +191,8 @@ def test_the_api_reads_torchruns_elastic_line_as_the_cli_does(monkeypatch):
     config = make_config({"nnodes": "2:3", "rdzv_backend": "c10d", "rdzv_endpoint": ENDPOINT, "rdzv_id": "job1",
                           "nprocs": 1})
     assert config == LaunchConfig(nprocs=1, **expected("2:3", "c10d", None))  # type: ignore[arg-type]
-    assert LaunchConfig(nnodes="2:3", rdzv_endpoint=ENDPOINT, rdzv_id="job1", nprocs=1) == config  # type: ignore[arg-type]
+    assert LaunchConfig(nnodes="2:3", rdzv_endpoint=ENDPOINT, rdzv_id="job1",  # type: ignore[arg-type]
+                        nprocs=1) == config
     assert LaunchConfig(nprocs=1).node_rank == 0  # one node: node 0, as ever
 
 

@@ -37,7 +37,8 @@ def _interrupt(signum: int, frame: FrameType | None) -> None:
     signals.raise_stop(KeyboardInterrupt(), signum, frame)
 
 
-_STOPPED: dict[int, str] = {signal.SIGTERM: "terminated (SIGTERM)", signal.SIGHUP: "hung up (SIGHUP: the terminal or SSH session closed)"}
+_STOPPED: dict[int, str] = {signal.SIGTERM: "terminated (SIGTERM)",
+                            signal.SIGHUP: "hung up (SIGHUP: the terminal or SSH session closed)"}
 
 
 EXAMPLES = """Examples:

@@ -48,7 +48,8 @@ def read_layout(environ: Mapping[str, str], argv: Sequence[str], hostname: str |
         return None
     pod = pick(environ, "HOSTNAME")
     nnodes_text = pick(environ, "PET_NNODES")
-    elastic = (nnodes_text is not None and not nnodes_text[1].isdigit()) or pick(environ, "PET_RDZV_ENDPOINT") is not None
+    elastic = ((nnodes_text is not None and not nnodes_text[1].isdigit())
+               or pick(environ, "PET_RDZV_ENDPOINT") is not None)
     nnodes = None if elastic else int_var(environ, KUBEFLOW, "PET_NNODES", "WORLD_SIZE")
     rank = int_var(environ, KUBEFLOW, "PET_NODE_RANK", "RANK")
     addr = pick(environ, "PET_MASTER_ADDR", "MASTER_ADDR")

@@ -99,10 +99,12 @@ def _read(path: Path) -> Any:
 def _validate(state: Any, path: Path, expected: dict[str, Any] | None) -> dict[str, Any]:
     missing = [k for k in _REQUIRED if not isinstance(state, dict) or k not in state]
     if missing or state["format"] != FORMAT:
-        raise ConfigError(f"resume={str(path)!r} is not an mpddp checkpoint (missing {', '.join(missing) or 'format'}); "
+        raise ConfigError(f"resume={str(path)!r} is not an mpddp checkpoint "
+                          f"(missing {', '.join(missing) or 'format'}); "
                           "pass a ckpt-*.pt written by `mpddp train`")
     if expected is not None and state["signature"] != expected:
-        raise ConfigError(f"resume={str(path)!r} holds a different model ({_difference(state['signature'], expected)}); "
+        raise ConfigError(f"resume={str(path)!r} holds a different model "
+                          f"({_difference(state['signature'], expected)}); "
                           "pass a checkpoint of this task's model, or a new --checkpoint-dir to start fresh")
     return state
 

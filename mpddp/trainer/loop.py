@@ -125,7 +125,8 @@ class Trainer:
                                        num_workers=cfg.num_workers, pin_memory=on_gpu, generator=self.loader_rng,
                                        multiprocessing_context=context, persistent_workers=persistent)
         # Evaluation shards without padding (rank, rank+world, ...): no sample is counted twice.
-        shard = Subset(self.task.test_set, range(self.rank, len(self.task.test_set), self.world))  # type: ignore[arg-type]
+        shard = Subset(self.task.test_set,
+                       range(self.rank, len(self.task.test_set), self.world))  # type: ignore[arg-type]
         self.test_loader = DataLoader(shard, batch_size=cfg.batch_size * 4, num_workers=cfg.num_workers,
                                       pin_memory=on_gpu, multiprocessing_context=context,
                                       persistent_workers=persistent)
@@ -328,7 +329,8 @@ class Trainer:
 
 def train_worker(ctx: WorkerContext, config: TrainConfig, owner: str = "", draw: bool = True, *, lock: bool = True,
                  new: bool = False) -> TrainResult:
-    """The function :func:`mpddp.launch` runs on every rank; ``owner``: the run's token (see :func:`~mpddp.trainer.train`).
+    """The function :func:`mpddp.launch` runs on every rank; ``owner``: the run's token (see
+    :func:`~mpddp.trainer.train`).
 
     ``draw``: rank 0 draws ``curves.png`` before it returns (False: the
     caller draws it and logs TensorBoard's last point, see :meth:`Trainer.fit`).

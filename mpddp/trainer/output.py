@@ -105,7 +105,8 @@ class Reporter:
 
         # stdout is the launcher's pipe: size the bar for the user's terminal less the "[rank N] " prefix.
         width = min(100, shutil.get_terminal_size((80, 24)).columns - len(f"[rank {self.rank}] "))
-        self.bar = tqdm(total=total, initial=done, file=sys.stdout, ncols=width, desc=f"epoch {epoch + 1}/{self.epochs}",
+        self.bar = tqdm(total=total, initial=done, file=sys.stdout, ncols=width,
+                        desc=f"epoch {epoch + 1}/{self.epochs}",
                         unit="step", leave=False, mininterval=PROGRESS_INTERVAL)
 
     def step(self, loss: torch.Tensor, rate: float) -> None:

@@ -79,7 +79,8 @@ class Holder:
     token: str = ""  # the run's token (trainer/run.py): a restart of the same run takes its own lock back quietly
 
     def __str__(self) -> str:
-        return f"pid {self.pid} on host {self.host} (since {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(self.since))})"
+        return (f"pid {self.pid} on host {self.host} "
+                f"(since {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(self.since))})")
 
 
 def busy(run_dir: Path, holder: Holder | None) -> str:

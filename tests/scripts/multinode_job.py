@@ -1,8 +1,8 @@
 """One node of a multi-node job, for the multi-node tests.
 
-``python multinode_job.py NODE_RANK PORT [ADDR] [TIMEOUT] [SECONDS]``: each rank all-reduces its rank and prints one ``RESULT`` line with what it
-saw. With SECONDS > 0 the ranks keep all-reducing that long (a job to kill).
-Under SLURM, pass NODE_RANK ``slurm`` to let mpddp read the layout.
+``python multinode_job.py NODE_RANK PORT [ADDR] [TIMEOUT] [SECONDS]``: each rank all-reduces its rank and prints one
+``RESULT`` line with what it saw. With SECONDS > 0 the ranks keep all-reducing that long (a job to kill). Under SLURM,
+pass NODE_RANK ``slurm`` to let mpddp read the layout.
 """
 
 from __future__ import annotations

@@ -203,7 +203,8 @@ def spawn(fn: Callable[..., Any], args: tuple = (), nprocs: int = 1, join: bool 
     if not callable(fn):
         raise ConfigError(f"fn={fn!r} is not callable: pass a function such as `def main(rank, world_size): ...`")
     if not isinstance(join, bool) or not isinstance(daemon, bool):
-        raise ConfigError(f"join={join!r}, daemon={daemon!r}: both are True or False, as in torch.multiprocessing.spawn")
+        raise ConfigError(f"join={join!r}, daemon={daemon!r}: both are True or False, "
+                          "as in torch.multiprocessing.spawn")
     if not isinstance(args, (tuple, list)):
         raise ConfigError(f"args={args!r} is not a tuple: pass fn's extra arguments as a tuple, e.g. args=({args!r},)")
     if start_method is not None:

@@ -248,7 +248,8 @@ def _settle(job: Job, attempt: int, states: list[RankState], verdict: Verdict, l
         round_watch.share_now()  # our ranks' collectives as they ended, before this node waits or tells
     stop = verdict.case in ("hang", "mismatch")
     blame = settle.Blame.of({*verdict.culprits, *doubt} if stop else (), here=[s.slot.rank for s in states],
-                            early_exit=lambda rank: early_exit_line(states, verdict, rank), again=again if stop else None)
+                            early_exit=lambda rank: early_exit_line(states, verdict, rank),
+                            again=again if stop else None)
     return settle.settle(link, attempt, local, cause, remote,
                          remote_error=lambda record: remote_error(record, states, verdict, node),
                          missing=lambda: link.view(attempt).never_arrived if job.store else None,

@@ -185,7 +185,8 @@ class Board:
                 return None
             self._shared = self._version
             ranks: dict[str, Any] = {
-                str(r): {"last": [[*c.lane, c.seq, c.op, c.sizes, c.dtypes, c.entered, c.op_id] for c in s.last.values()],
+                str(r): {"last": [[*c.lane, c.seq, c.op, c.sizes, c.dtypes, c.entered, c.op_id]
+                                  for c in s.last.values()],
                          "completed": [[*lane, n] for lane, n in s.completed.items()]}
                 for r, s in self.seen.items()}
             ranks[ARRIVALS_KEY] = [[*lane, seq, entered, rank] for lane, seq, entered, rank in self.arrivals]

@@ -66,7 +66,8 @@ def start_ranks(job: Job, attempt: int, relay: Relay, states: list[RankState], e
                                verbose=config.verbose)
         spec = protocol.WorkerSpec(
             ctx=ctx, store_addr=config.master_addr, store_port=port, store_prefix=protocol.attempt_prefix(attempt),
-            timeout=config.timeout, env=rank_env(shared_env, slot, error_dir, config.virtual_local_rank), threads=plan.threads,
+            timeout=config.timeout, env=rank_env(shared_env, slot, error_dir, config.virtual_local_rank),
+            threads=plan.threads,
             payload=job.payload, banner=banner(ctx) if config.verbose else None, init_group=job.init_group,
             roll=protocol.RollCall(job.link.me, config.node, config.nnodes, plan.nprocs, job.runs)
             if job.link is not None and config.nnodes > 1 else None,
@@ -76,7 +77,8 @@ def start_ranks(job: Job, attempt: int, relay: Relay, states: list[RankState], e
             parent=job.forkserver if job.forkserver is not None else os.getpid(),
             numa_binding=config.numa_binding if plan.gpus else None,
         )
-        process = mp_context.Process(target=boot.rank_process, args=(spec, *ch.worker_ends), name=f"mpddp-rank-{slot.rank}")
+        process = mp_context.Process(target=boot.rank_process, args=(spec, *ch.worker_ends),
+                                     name=f"mpddp-rank-{slot.rank}")
         with LIVE_LOCK, boot.main_hidden(always=False):
             start_process(process, job.forkserver)
             LIVE.add(process.pid)

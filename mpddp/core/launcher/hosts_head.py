@@ -181,7 +181,8 @@ def launch_hosts(config: LaunchConfig, payload: bytes, init_process_group: bool,
     raise AssertionError("unreachable")
 
 
-def _wait_for_port(node: _Node, messages: queue.Queue[tuple[int, NodeMessage | NodeEnded]], config: LaunchConfig) -> int:
+def _wait_for_port(node: _Node, messages: queue.Queue[tuple[int, NodeMessage | NodeEnded]],
+                   config: LaunchConfig) -> int:
     deadline = time.monotonic() + max(config.timeout, CHECK_TIMEOUT)
     while time.monotonic() < deadline:
         try:
@@ -198,7 +199,8 @@ def _wait_for_port(node: _Node, messages: queue.Queue[tuple[int, NodeMessage | N
     raise RendezvousError(f"node 0's launcher on host {node.host} did not start within {config.timeout:g} s")
 
 
-def _collect(nodes: list[_Node], messages: queue.Queue[tuple[int, NodeMessage | NodeEnded]], config: LaunchConfig) -> list:
+def _collect(nodes: list[_Node], messages: queue.Queue[tuple[int, NodeMessage | NodeEnded]],
+             config: LaunchConfig) -> list:
     """Wait for every node's values; on the first failure, give the others a moment to report, then stop."""
     results: dict[int, list[Any]] = {}
     failures: dict[int, MpddpError] = {}

@@ -66,7 +66,8 @@ class Text:
         if last:
             due = bool(snapshot.ranks)
         elif self.first:  # once every rank runs, with its rates
-            due = due or (snapshot.whole and bool(snapshot.ranks) and all(r.state != "starting" for r in snapshot.ranks))
+            due = due or (snapshot.whole and bool(snapshot.ranks)
+                          and all(r.state != "starting" for r in snapshot.ranks))
         if not due:
             return
         width = shutil.get_terminal_size().columns if self.tty else 1 << 16

@@ -157,4 +157,5 @@ def _lags(data: Any) -> dict[str, Any]:
                and number(data["named"].get("ago"))))
     if not ok:
         raise typed.Malformed("a node's lags are not a timeline")
-    return {"span": data["span"], "ranks": data["ranks"], "named": data.get("named"), "nodes": data.get("nodes") is True}
+    return {"span": data["span"], "ranks": data["ranks"], "named": data.get("named"),
+            "nodes": data.get("nodes") is True}

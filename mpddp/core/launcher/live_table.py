@@ -67,7 +67,8 @@ def _fitted(parts: list[str], width: int) -> list[str]:
 def _cells(r: RankRow) -> tuple[str, ...]:
     lag = "" if r.lag_ms is None else f"{r.lag_ms:+.1f} ms" + (" *" if r.straggler else "")
     gpu = "" if r.gpu is None else f"{r.gpu}: " + " ".join(
-        x for x in ("" if r.gpu_util is None else f"{r.gpu_util}%", "" if r.gpu_mib is None else f"{r.gpu_mib} MiB") if x)
+        x for x in ("" if r.gpu_util is None else f"{r.gpu_util}%",
+                    "" if r.gpu_mib is None else f"{r.gpu_mib} MiB") if x)
     return (str(r.rank), str(r.node), str(r.local_rank), r.state,
             "" if r.per_second is None else f"{r.per_second:.1f}", r.last or "", lag,
             "" if r.cpu is None else f"{r.cpu:.0f}%", "" if r.rss is None else _size(r.rss), gpu, r.line.strip())

@@ -236,8 +236,8 @@ def hang_error(states: list[RankState], verdict: Verdict, hang: Hang) -> HangErr
     if judged.case == "behind" and judged.standing is not None:
         lagging = judged.standing
         line = next((p.line for r in lagging.ahead if (p := locations.get(r)) is not None and p.waiting), "")
-        first = (f"mpddp: {ranks_named(culprits)} made no progress for {seconds} while {ranks_named(lagging.ahead)} waited "
-                 f"for it in {board.render(lagging.top)}{f' at {line}' if line else ''}; every rank was stopped")
+        first = (f"mpddp: {ranks_named(culprits)} made no progress for {seconds} while {ranks_named(lagging.ahead)} "
+                 f"waited for it in {board.render(lagging.top)}{f' at {line}' if line else ''}; every rank was stopped")
     elif judged.case == "returned":
         first = (f"mpddp: {ranks_named(culprits)} exited (code 0) while {ranks_named(list(waiting))} still waited in "
                  f"{wait_text}; every rank was stopped after {seconds} with no progress")

@@ -1,12 +1,13 @@
 """Where the launchers of this user on this machine say they run, and how a watcher asks one of them.
 
 Owns: the per-user runtime folder (``$XDG_RUNTIME_DIR/mpddp``, else ``/tmp/mpddp-<uid>``: mode 0700, refused
-unless this user owns it alone), a launcher's entry in it (``<pid>-<n>.json``, what it runs, and ``<pid>-<n>.sock``, where it
-answers), :func:`serving`, which keeps both while the job runs and removes them when it ends (Ctrl-C and failures
-too), and the watcher's side: :func:`entries` (the launchers alive; a dead one's entry is removed), :func:`pick` (which
-one to ask) and :func:`look` (ask until every node's rows are in). What the folder holds and what a socket answers is
-read as untrusted (core/wire/typed.py): an entry that does not validate is skipped with one line, a reply is capped at
-:data:`MAX_REPLY` with a deadline on the whole read, and only files inside the folder are ever removed.
+unless this user owns it alone), a launcher's entry in it (``<pid>-<n>.json``, what it runs, and ``<pid>-<n>.sock``,
+where it answers), :func:`serving`, which keeps both while the job runs and removes them when it ends (Ctrl-C and
+failures too), and the watcher's side: :func:`entries` (the launchers alive; a dead one's entry is removed),
+:func:`pick` (which one to ask) and :func:`look` (ask until every node's rows are in). What the folder holds and what a
+socket answers is read as untrusted (core/wire/typed.py): an entry that does not validate is skipped with one line, a
+reply is capped at :data:`MAX_REPLY` with a deadline on the whole read, and only files inside the folder are ever
+removed.
 
 Why a unix socket, not a JSON file rewritten every second: a thread blocked in ``accept()`` costs nothing while
 nobody watches, and what a watcher reads is computed when it asks. The folder's mode keeps other users out; the

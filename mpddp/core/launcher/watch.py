@@ -1,14 +1,12 @@
 """The watch of one attempt: wait for the ranks while draining what they send, until something ends it.
 
-Owns: the loop that waits on every rank's channel and process (reading
-while waiting: reading only after join deadlocks past the 64 KiB pipe
-buffer), and what ends it: every rank succeeded, a failure window closed,
-node 0's store server is gone, another node wrote the round's first failure
-(or a node was found lost), the backend stopped answering, the watchdog
-found a hang, or two ranks called different collectives at one number. Also SIGUSR1's "where is every rank", the stacks of a straggler
-while the others wait, and where each rank is before it is stopped. Leaves
-hangs to core/launcher/watchdog.py, the collectives to core/launcher/board.py,
-stragglers to core/launcher/stragglers.py and stacks to core/wire/stacks.py.
+Owns: the loop that waits on every rank's channel and process (reading while waiting: reading only after join deadlocks
+past the 64 KiB pipe buffer), and what ends it: every rank succeeded, a failure window closed, node 0's store server is
+gone, another node wrote the round's first failure (or a node was found lost), the backend stopped answering, the
+watchdog found a hang, or two ranks called different collectives at one number. Also SIGUSR1's "where is every rank",
+the stacks of a straggler while the others wait, and where each rank is before it is stopped. Leaves hangs to
+core/launcher/watchdog.py, the collectives to core/launcher/board.py, stragglers to core/launcher/stragglers.py and
+stacks to core/wire/stacks.py.
 """
 
 from __future__ import annotations

@@ -102,7 +102,8 @@ class Watchdog:
         board, world = whole
         crossed = board.crossed()
         if crossed is not None:  # as the watch tells it: a mismatch is a bug, whatever else stopped
-            return None, replace(crossed, after=hang.seconds if hang is not None else mismatch.after)  # type: ignore[union-attr]
+            return None, replace(
+                crossed, after=hang.seconds if hang is not None else mismatch.after)  # type: ignore[union-attr]
         if hang is not None:
             return replace(hang, standings=tuple(board.standings(world))), None
         return None, mismatch

@@ -98,7 +98,8 @@ class Round:
         return self.number > 0 and self.old != tuple(range(self.nnodes))
 
     def table(self, nprocs: int) -> list[str]:
-        """The round's nodes and their ranks, old -> new: ``node 1 -> 0: ranks 2, 3 -> 0, 1``, ``a new node -> 1: ...``."""
+        """The round's nodes and their ranks, old -> new: ``node 1 -> 0: ranks 2, 3 -> 0, 1``,
+        ``a new node -> 1: ...``."""
         def ranks(node: int) -> str:
             return names([rank_math.global_rank(node, i, nprocs) for i in range(nprocs)])
 

@@ -127,11 +127,13 @@ class C10dRendezvous(Counters):
                 self._same_job(self.job)
             here, _ = membership.join_round(
                 keys, keys.latest() if attempt == 0 else attempt, self.me, low=launched.min_nnodes,
-                high=launched.nnodes, node_rank=launched.node_rank, last_call=launched.rdzv_settings().last_call_timeout,
+                high=launched.nnodes, node_rank=launched.node_rank,
+                last_call=launched.rdzv_settings().last_call_timeout,
                 timeout=launched.timeout, previous=self._round,
                 start_them=f"start the missing launchers with --nnodes {launched.min_nnodes}:{launched.nnodes} "
                            f"--master-addr {launched.master_addr} --master-port {self.port}",
-                decides=launched.node_rank == 0, clock=self.clock)  # the store's host, first in every round (its --node-rank 0)
+                decides=launched.node_rank == 0,  # the store's host, first in every round (its --node-rank 0)
+                clock=self.clock)
         except RendezvousGone:
             raise self._gone(attempt) from None
         self._round = here
@@ -169,9 +171,9 @@ class C10dRendezvous(Counters):
                                                                                          self.nprocs, lost)))
 
     def move(self, attempt: int, state: NodeState) -> None:
-        """This node's record in round ``attempt`` moved to ``state`` (view.Counters' ``move_node``). Its end is no loss: a store
-        gone meanwhile is none of its business, and node 0 stopped itself (Ctrl-C, a signal) keeps its store
-        until the others read why (called shielded from a second one)."""
+        """This node's record in round ``attempt`` moved to ``state`` (view.Counters' ``move_node``). Its end is no
+        loss: a store gone meanwhile is none of its business, and node 0 stopped itself (Ctrl-C, a signal) keeps its
+        store until the others read why (called shielded from a second one)."""
         if state in (NodeState.WAITING, NodeState.RETURNED) and self.elastic:  # first: no newcomer's admission
             self.client.call(lambda s: close_door(s, attempt, state))  # hides a failure, or restarts a job that ends
         if state is not NodeState.ENDED:
@@ -278,7 +280,8 @@ class C10dRendezvous(Counters):
         Measured with --nnodes 100000 and node 0 alone: a check of every beat key took 2.9 s of the store's time, 12.8 s
         beside 12 busy processes; the counter takes one operation."""
         nodes = list(range(self.config.nnodes)) if nodes is None else nodes
-        keys, beating = [full_key(attempt, protocol.heartbeat_key(n)) for n in nodes], full_key(attempt, protocol.BEATING)
+        keys, beating = ([full_key(attempt, protocol.heartbeat_key(n)) for n in nodes],
+                         full_key(attempt, protocol.BEATING))
 
         def read(s: Any) -> list[int] | None:  # a subset (of those that came) checked, where the count is not all
             if (beaten := s.add(beating, 0)) >= len(keys) and (beaten >= self.config.nnodes or s.check(keys)):
@@ -291,7 +294,8 @@ class C10dRendezvous(Counters):
     def found_lost(self, attempt: int, nodes: list[int]) -> list[int]:
         """Of ``nodes``, those that did not end the round: found lost from now on, their records moved to LOST
         (by the first node to find each: the others count it once)."""
-        lost = [n for n in nodes if self.move_node(attempt, n, NodeState.LOST) or self.state(attempt, n) is NodeState.LOST]
+        lost = [n for n in nodes
+                if self.move_node(attempt, n, NodeState.LOST) or self.state(attempt, n) is NodeState.LOST]
         self.gone.update(lost)
         return lost
 
@@ -306,7 +310,8 @@ class C10dRendezvous(Counters):
 
         def waited_for(s: Any) -> int:  # the last round's nodes and spares (its arrivals), but for the lost
             came = max(nnodes, arrived(s, self._last))  # a spare that found the store gone said node 0 was lost
-            return came - len(self.absent) - max(len(self.gone - self.absent), s.add(full_key(self._last, protocol.LOST), 0))
+            return came - len(self.absent) - max(len(self.gone - self.absent),
+                                                 s.add(full_key(self._last, protocol.LOST), 0))
 
         with contextlib.suppress(RendezvousGone):
             self.client.call(lambda s: s.add(protocol.LEFT, 1), connect_timeout=2.0)

@@ -4,8 +4,8 @@ Owns a node's life in a round (:class:`NodeState`, moved only by :func:`move`); 
 (:func:`join_step`, :func:`member_order`, :func:`holder`, :func:`outside`, :func:`door`); and the end's, over a
 :class:`RoundView`, one look at the round (:func:`wait_step`, :func:`finish_step`, :func:`unheard`); and who is lost
 (:func:`lost_nodes`, on both backends). Each takes plain values (counts, a view, seconds from the caller's clock) and
-returns a value: no store, no sleep, so tests/test_rules.py checks them in milliseconds with injected time. core/nodes/membership.py and core/nodes/settle.py
-carry them out over a backend.
+returns a value: no store, no sleep, so tests/test_rules.py checks them in milliseconds with injected time.
+core/nodes/membership.py and core/nodes/settle.py carry them out over a backend.
 """
 
 from __future__ import annotations
@@ -85,7 +85,8 @@ def member_order(arrival: dict[str, object]) -> tuple[float, float, float]:
     """A launcher's place in the member list: its old node rank first (the last round's nodes keep their order, so the
     ranks are compacted when a node is gone), then its --node-rank (none: after those given), then when it came."""
     old, rank, since = arrival.get("old"), arrival.get("rank"), arrival.get("since")
-    return (float(old) if isinstance(old, int) else float("inf"), float(rank) if isinstance(rank, int) else float("inf"),
+    return (float(old) if isinstance(old, int) else float("inf"),
+            float(rank) if isinstance(rank, int) else float("inf"),
             float(since) if isinstance(since, (int, float)) else 0.0)
 
 

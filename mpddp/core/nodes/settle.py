@@ -149,7 +149,8 @@ def gone_error(link: Rendezvous, went: str, local: WorkerFailed | RendezvousErro
     return error
 
 
-def _told(record: FailureRecord, remote_error: Callable[[FailureRecord], WorkerFailed]) -> WorkerFailed | RendezvousError:
+def _told(record: FailureRecord,
+          remote_error: Callable[[FailureRecord], WorkerFailed]) -> WorkerFailed | RendezvousError:
     """Another node's record as this node's report: ranks that never arrived, or a store lost, as its writer told."""
     kind = {Outcome.ABSENT: RendezvousError, Outcome.STORE_LOST: StoreLost}.get(record.outcome)
     return remote_error(record) if kind is None else kind(record.line.removeprefix(ERROR_LINE))

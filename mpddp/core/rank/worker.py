@@ -307,7 +307,8 @@ def run_rank(spec: WorkerSpec, messages: Connection, out: Connection, err: Conne
         code = 2  # bad input: the launcher says why (protocol.Refused)
     except SystemExit as e:
         code = outcome.exit_code(e)
-        _send(messages, outcome.failure(ctx, _user_traceback(e)) if code else protocol.Result(cloudpickle.dumps(None), time.monotonic()))
+        _send(messages, outcome.failure(ctx, _user_traceback(e)) if code
+              else protocol.Result(cloudpickle.dumps(None), time.monotonic()))
     except BaseException as e:  # noqa: BLE001 - every failure goes back to the launcher
         _send(messages, outcome.failure(ctx, _user_traceback(e), spec.init_group))
         code = 1

@@ -1,10 +1,10 @@
 """A client of an etcd cluster that uses any member that answers, and this launcher's lease in it.
 
 Owns: :class:`EtcdClient`, etcd's v3 API through ``etcd3gw`` (its HTTP gateway: no generated protobuf code
-to break), tried on each member of ``--rdzv-endpoint`` in turn from a member of its own (launchers spread), so that an etcd member lost mid-job
-restarts nothing; and :class:`KeptLease`, the lease every key of this launcher's liveness is put with,
-refreshed from a daemon thread: when the launcher's machine is lost, etcd deletes those keys by itself
-once the TTL ran out, which is how the other nodes learn of the loss without a beat to read.
+to break), tried on each member of ``--rdzv-endpoint`` in turn from a member of its own (launchers spread), so that an
+etcd member lost mid-job restarts nothing; and :class:`KeptLease`, the lease every key of this launcher's liveness is
+put with, refreshed from a daemon thread: when the launcher's machine is lost, etcd deletes those keys by itself once
+the TTL ran out, which is how the other nodes learn of the loss without a beat to read.
 """
 
 from __future__ import annotations

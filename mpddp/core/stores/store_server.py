@@ -67,7 +67,8 @@ class StoreServer:
     def loss(self, several: bool = False) -> str:
         """What the launcher says of a lost store server (``several``: node 0's, of a job of several nodes)."""
         code = self.process.exitcode
-        how = f"was killed by {teardown.signal_name(code)}" if code is not None and code < 0 else f"exited with code {code}"
+        how = (f"was killed by {teardown.signal_name(code)}" if code is not None and code < 0
+               else f"exited with code {code}")
         who = "node 0's store server" if several else "the store server"
         return (f"{who} (pid {self.pid}), the process that serves this job's rendezvous store, {how} "
                 "while the ranks ran: it was stopped from outside (a signal, or the out-of-memory killer); every rank "

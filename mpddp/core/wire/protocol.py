@@ -55,7 +55,8 @@ class WorkerSpec:
     store_addr: str
     store_port: int
     store_prefix: str
-    timeout: float  # for reaching node 0's store; collectives keep torch's default (core/launcher/watchdog.py finds hangs)
+    # for reaching node 0's store; collectives keep torch's default (core/launcher/watchdog.py finds hangs)
+    timeout: float
     env: dict[str, str]
     threads: int | None
     payload: bytes  # cloudpickle of (fn, args, kwargs, notebook cells' linecache entries)
@@ -178,7 +179,8 @@ def claim_key(node: int) -> str:
 
 
 RUNS = "runs"  # set once, by the ranks of the round's node 0: its job (RollCall.runs), which every node's must be
-SHAPE = "shape"  # set once, by the first rank to come: the --nnodes and --nprocs of its node, which every node's must be
+# set once, by the first rank to come: the --nnodes and --nprocs of its node, which every node's must be
+SHAPE = "shape"
 
 
 ARRIVED = "arrived"  # a counter: the ranks that reached the round's store, numbering their arrived_entry
@@ -196,7 +198,8 @@ ALL_INITIALIZED = "all_initialized"  # set by the last of them
 JOINED = "joined"  # a counter: the node launchers that joined this round (core/nodes/c10d.py)
 FAILURE = "failure"  # the round's first failure, a FailureRecord: the first node to write it wins
 PROGRESS = "progress"  # a counter every node's watchdog bumps while its ranks compute (core/launcher/watchdog.py)
-SCRIPT_PORT = "script_port"  # the round's own store for env:// scripts, from the second round on (core/nodes/c10d.py, round_store)
+# the round's own store for env:// scripts, from the second round on (core/nodes/c10d.py, round_store)
+SCRIPT_PORT = "script_port"
 STATE = "state"  # a node's record in the round, ``state/<node>``: its core/nodes/rules.py NodeState, by compare-and-set
 # The counters a node's moves enter it in (core/nodes/rules.py's COUNTERS), each once: ``<counter>/<node>`` flags
 # it, and ``<counter>#<n>`` is the n-th node counted, ``[node, wall time]``, so that a store lists them in two reads.
@@ -270,7 +273,8 @@ class FailureRecord:
         return cls(**{**fields, "outcome": Outcome(fields["outcome"])})
 
 
-# ---- between the head of a --hosts launch and each node's launcher (core/launcher/hosts_head.py, core/launcher/hosts_node.py) ----
+# ---- between the head of a --hosts launch and each node's launcher ----
+# (core/launcher/hosts_head.py, core/launcher/hosts_node.py)
 # The head writes one NodeRequest on the node's stdin (length, then a pickle); the node answers on stdout
 # with lines that start with NODE_MARK (a NodeMessage, pickled, base64), between its ranks' lines. Both
 # ends decode with a type check, as the rank wire does.

@@ -204,7 +204,8 @@ def grouped(locations: dict[int, Location | None], finished: Iterable[int] = ())
             rows.append(f"{who} {verb} {text}")
             continue
         odd = (not waiting) if waiting_somewhere else (largest is not None and ranks is not largest[1])
-        verb = ("wait together in" if many else "waits in") if waiting else ("are elsewhere:" if many else "is elsewhere:")
+        verb = (("wait together in" if many else "waits in") if waiting
+                else ("are elsewhere:" if many else "is elsewhere:"))
         rows.append(f"{who} {verb} {text}" + ("  <- look here" if odd else ""))
     rows += [f"{ranks_named([r])} did not answer (it may be stopped or out of the interpreter)" for r in unknown]
     rows += [f"{ranks_named([r])} has already exited" for r in finished]

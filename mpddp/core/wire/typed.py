@@ -1,10 +1,10 @@
 """What comes from outside (a file in the runtime folder, a launcher's reply, another node's rows), read at the door.
 
-Owns: :func:`loads` (JSON or one line), :func:`fill`, which turns a JSON object into a frozen dataclass of plain fields only once every field has the
-type it declares (a bool is no int, an int is a float, a float is finite, an int fits 64 bits), else
-:class:`Malformed` with one line that names the field; and :func:`receive`, a socket's whole answer with a cap on its
-size and a deadline on the whole read. Past these, code trusts its types: a malformed value is one line where it
-enters, never a traceback further in, nor another thread's death. Leaves what a value means to its owner
+Owns: :func:`loads` (JSON or one line), :func:`fill`, which turns a JSON object into a frozen dataclass of plain fields
+only once every field has the type it declares (a bool is no int, an int is a float, a float is finite, an int fits 64
+bits), else :class:`Malformed` with one line that names the field; and :func:`receive`, a socket's whole answer with a
+cap on its size and a deadline on the whole read. Past these, code trusts its types: a malformed value is one line where
+it enters, never a traceback further in, nor another thread's death. Leaves what a value means to its owner
 (core/launcher/runtime_dir.py's entry, core/launcher/live.py's snapshot).
 """
 
