@@ -32,7 +32,10 @@ ARRIVALS = 32  # the default group's newest collectives whose last arrival on th
 ARRIVALS_KEY = "~arrivals"  # their place in a snapshot, beside the ranks' numbers
 LIVE_KEY = "~live"  # the node's live part while someone watches the job (core/launcher/live_snapshot.py)
 _GRACE = 1.0  # seconds a differing row waits for its other members before the mismatch is told
-_GRACE_MAX = 5.0  # ... when those it has cannot name the odd one and a missing member said nothing since
+# ... when those it has cannot name the odd one and a missing member said nothing since. The ranks are stuck in calls
+# that differ meanwhile, so waiting costs nothing, and a tie told early goes to the highest rank: wrong when the odd
+# one is lower. Beside a second suite (load 20 to 25) a rank's report came more than 5 s late, and was told without it.
+_GRACE_MAX = 15.0
 
 
 
