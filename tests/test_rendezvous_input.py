@@ -26,22 +26,24 @@ pytestmark = pytest.mark.timeout(180)
 HI = "print('ran', flush=True)\n"
 
 
-def _refused_at_once(tmp_path, argv: list[str], started_within: float = 20.0) -> str:
-    """Run ``python -m mpddp *argv`` (``mpddp run``: with hi.py): exit 2 with one line on stderr, no rank ran,
-    nothing left; the line."""
+LONG = 600  # the launches' --timeout: refused within WITHIN, they did not wait for it (a structural check: no bound
+WITHIN = 120  # measured from the launch's start, whose torch import took 20 s and more beside a second suite)
+
+
+def _refused_at_once(tmp_path, argv: list[str]) -> str:
+    """Run ``python -m mpddp *argv`` (``mpddp run``: with hi.py; its --timeout :data:`LONG`): exit 2 with one line
+    on stderr, well before that timeout, no rank ran, nothing left; the line."""
+    assert argv[argv.index("--timeout") + 1] == str(LONG)
     (tmp_path / "hi.py").write_text(HI)
-    started = time.monotonic()
     run = Run(["-m", "mpddp", *argv, *(["hi.py"] if argv[0] == "run" else [])], tmp_path)
     try:
-        rc = run.finish(60)
+        rc = run.finish(WITHIN)  # it raises past WITHIN: the launcher waited for --timeout, or would have
     finally:
         run.kill()
-    took = time.monotonic() - started
     lines = run.stderr.strip().splitlines()
     assert rc == 2, run.stderr
     assert len(lines) == 1 and lines[0].startswith("mpddp: error: "), run.stderr
     assert "Traceback" not in run.stderr and "ran" not in run.stdout, run.stdout + run.stderr
-    assert took < started_within, f"refused after {took:.1f} s"
     run.assert_nothing_left()
     return lines[0]
 
@@ -86,7 +88,7 @@ def not_etcd(request) -> Iterator[str]:
 def _etcd_run(endpoint: str, command: str = "run") -> list[str]:
     procs = ["--nproc-per-node", "1"] if command == "run" else ["--nprocs", "1"]
     return [command, "--nnodes", "2", *procs, "--rdzv-backend", "etcd", "--rdzv-endpoint", endpoint,
-            "--rdzv-id", "probe", "--timeout", "30"]
+            "--rdzv-id", "probe", "--timeout", str(LONG)]
 
 
 # One real launch a command, each on one of the two answers: read_version's table below reads both statuses, and
@@ -201,8 +203,9 @@ def test_a_read_answer_is_read_by_status_and_grpc_code(status, body, answer):
 ])
 def test_an_impossible_size_or_node_rank_is_refused_at_once(tmp_path, command, size, words):
     procs = ["--nproc-per-node", "1"] if command == "run" else ["--nprocs", "1"]
-    argv = [command, *size, *procs, "--master-addr", "127.0.0.1", "--master-port", str(free_port()), "--timeout", "60"]
-    line = _refused_at_once(tmp_path, argv, started_within=15.0)  # not the minute of --timeout
+    argv = [command, *size, *procs, "--master-addr", "127.0.0.1", "--master-port", str(free_port()), "--timeout",
+            str(LONG)]
+    line = _refused_at_once(tmp_path, argv)  # not after --timeout
     assert words in line, line
 
 
