@@ -81,7 +81,7 @@ def kill_the_store(ctx, tmp):
     if ctx.rank == 0:
         pid = store_server_pid()
         with open(os.path.join(tmp, "store.pid"), "w") as f:
-            f.write(str(pid))
+            f.write(f"{pid} {time.time()}")  # when it was killed: the bound below is measured from it
         os.kill(pid, signal.SIGKILL)
     with open(os.path.join(tmp, f"rank{ctx.rank}.pid"), "w") as f:
         f.write(str(os.getpid()))
@@ -90,14 +90,14 @@ def kill_the_store(ctx, tmp):
 
 @pytest.mark.parametrize("method", ["forkserver", "spawn"])
 def test_a_killed_store_server_is_the_named_cause_and_every_rank_stops(tmp_path, method):
-    start = time.monotonic()
     with pytest.raises(mpddp.StoreLost) as caught:
         mpddp.launch(kill_the_store, nprocs=2, args=(str(tmp_path),), start_method=method)
-    elapsed = time.monotonic() - start
-    store = int((tmp_path / "store.pid").read_text())
+    pid, killed = (tmp_path / "store.pid").read_text().split()
+    took = time.time() - float(killed)
+    store = int(pid)
     message = str(caught.value)
     assert f"the store server (pid {store})" in message and "was killed by SIGKILL" in message, message
-    assert elapsed < 30  # the store server's exit is watched, not found by a timeout (the ranks sleep for 60 s)
+    assert took < 30, took  # from the kill: its exit is watched, not found by a timeout (the ranks sleep for 60 s)
     ranks = [int(p.read_text()) for p in tmp_path.glob("rank*.pid")]
     assert gone([store, *ranks])
     again = pickle.loads(pickle.dumps(caught.value))  # job systems and pools pickle what a launch raised
