@@ -58,20 +58,23 @@ class C10dClient:
         answer in time (silent: cut off or frozen; torch's client would wait for it for many minutes)."""
         address = f"{self.config.master_addr}:{self.port}"
         try:
-            with self._connecting:  # one connection at a time: it retries until node 0 is up, or the timeout
-                self._fail_fast(address)
-                if self._store is None:
-                    try:
-                        self._store = self._connect(connect_timeout if connect_timeout is not None
-                                                    else self.config.timeout)
-                    except Exception:
-                        self._unreachable = True
-                        raise
-                    self.reached = True
-                store = self._store
-            with self._lock:
-                self._fail_fast(address)  # another thread's call, which this one waited for, found node 0 silent
-                return answered(SILENT + wait, op, store)
+            while True:
+                with self._connecting:  # one connection at a time: it retries until node 0 is up, or the timeout
+                    self._fail_fast(address)
+                    if self._store is None:
+                        try:
+                            self._store = self._connect(connect_timeout if connect_timeout is not None
+                                                        else self.config.timeout)
+                        except Exception:
+                            self._unreachable = True
+                            raise
+                        self.reached = True
+                    store = self._store
+                with self._lock:
+                    self._fail_fast(address)  # another thread's call, which this one waited for, found node 0 silent
+                    if store is self._store:
+                        return answered(SILENT + wait, op, store)
+                # the client was dropped, or connected anew, while this call waited: again, on the one there is now
         except RendezvousGone:
             raise
         except Silent as e:
