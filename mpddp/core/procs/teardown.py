@@ -26,15 +26,23 @@ SHIELDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 def tree(pids: Iterable[int]) -> list[psutil.Process]:
     """The processes ``pids`` and all their descendants, listed before any kill."""
-    found: dict[int, psutil.Process] = {}
+    return _flat(_below(pids))
+
+
+def _flat(below: dict[int, list[psutil.Process]]) -> list[psutil.Process]:
+    return list({proc.pid: proc for each in below.values() for proc in each}.values())
+
+
+def _below(pids: Iterable[int]) -> dict[int, list[psutil.Process]]:
+    """Each of ``pids`` that runs -> [it, *its descendants]."""
+    found: dict[int, list[psutil.Process]] = {}
     for pid in pids:
         try:
             root = psutil.Process(pid)
-            for proc in [root, *root.children(recursive=True)]:
-                found[proc.pid] = proc
+            found[pid] = [root, *root.children(recursive=True)]
         except psutil.NoSuchProcess:
             continue
-    return list(found.values())
+    return found
 
 
 def children(pid: int) -> list[int]:
@@ -121,11 +129,12 @@ def kill_tree(pids: Iterable[int], grace: float = 0.5, groups: Iterable[int] = (
     (measured: a DataLoader worker's ConnectionResetError traceback, from multiprocessing's resource sharer,
     whose fd its rank was fetching).
     """
-    pids, groups = list(pids), list(groups)
-    procs = tree(pids)
-    roots = [p for p in procs if p.pid in pids] if passed is not None else procs
+    groups = list(groups)
+    below = _below(pids)
+    procs = _flat(below)  # listed once: the roots' children are known apart for the signal that ends a root
+    roots = [each[0] for each in below.values()] if passed is not None else procs
     if passed is not None:
-        _signal([p for root in roots if ends_at_once(root.pid, passed) for p in tree([root.pid])[1:]], (),
+        _signal([proc for pid, (_, *kids) in below.items() if ends_at_once(pid, passed) for proc in kids], (),
                 signal.SIGKILL)
     _signal(roots, () if passed is not None else groups, signal.SIGTERM if passed is None else passed)
     deadline = time.monotonic() + grace
