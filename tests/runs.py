@@ -62,6 +62,15 @@ class Run:
     def stderr(self) -> str:
         return self.err_path.read_text(errors="replace")
 
+    @property
+    def said(self) -> list[str]:
+        """mpddp's own lines on its terminal (:func:`said`)."""
+        return said(self.stderr)
+
+    def assert_no_launcher_frame(self) -> None:
+        """No frame of mpddp's own on the launcher's terminal (a rank's traceback in the report shows the script's)."""
+        assert not re.search(r'File "[^"]*/mpddp/', self.stderr), self.stderr
+
     def wait_for(self, pattern: str, count: int = 1, timeout: float = 60.0,
                  also: tuple[Run, ...] = ()) -> list[re.Match[str]]:
         """Wait until ``pattern`` matched ``count`` times in stdout; fail if the launcher exits first, telling its
@@ -129,6 +138,12 @@ class Run:
             time.sleep(0.05)
         assert not left, f"processes of the run left: {describe(left)}"
         assert not list(self.tmpdir.iterdir()), f"temporary files left: {list(self.tmpdir.iterdir())}"
+
+
+def said(stderr: str) -> list[str]:
+    """mpddp's own lines of ``stderr`` (on a loaded machine torch's store client may print its retries between
+    them)."""
+    return [line for line in stderr.splitlines() if line.startswith("mpddp:")]
 
 
 def marked(marker: str) -> list[psutil.Process]:

@@ -82,16 +82,6 @@ LINGER = textwrap.dedent("""
 """)
 
 
-def _said(run: Run) -> list[str]:
-    """mpddp's own lines (on a loaded machine torch's store client may print its retries before them)."""
-    return [line for line in run.stderr.splitlines() if line.startswith("mpddp:")]
-
-
-def _no_launcher_traceback(run: Run) -> None:
-    """No frame of mpddp's own on the launcher's terminal (a rank's traceback in the report shows the script's)."""
-    assert not re.search(r'File "[^"]*/mpddp/', run.stderr), run.stderr
-
-
 class Tap(Proxy):
     """A TCP proxy on 127.0.0.1 in front of a server (an etcd member, node 0's store), for one launcher: it forwards
     every byte both ways and reads the launcher's requests (:meth:`sought`), so that the test knows when the server
@@ -216,7 +206,7 @@ def _one_story(runs: list[Run], cause: str) -> None:
     traceback of a launcher's own, nothing left."""
     codes = [run.finish(120) for run in runs]
     assert codes == [0, 0, 0], [run.stderr for run in runs]
-    told = [_said(run)[0] for run in runs[:2]]
+    told = [run.said[0] for run in runs[:2]]
     assert told[0] == told[1] and told[0].startswith(
         f"mpddp: rank 1 (node 1, local rank 0) failed first: {cause}"), told
     for run in runs[:2]:
@@ -224,7 +214,7 @@ def _one_story(runs: list[Run], cause: str) -> None:
     assert re.findall(r"ROUND world=\d restart=(\d)", runs[2].stdout)[0] == "1", runs[2].stdout
     for run in runs:
         assert "DONE world=3 restart=1" in run.stdout, run.stdout + run.stderr
-        _no_launcher_traceback(run)
+        run.assert_no_launcher_frame()
         run.assert_nothing_left()
 
 
@@ -378,7 +368,7 @@ def newcomer_at_the_barrier(tmp_path: Path, where: list[str], returned, job: str
             time.sleep(0.1)
         (tmp_path / "go").write_text("go")
         code = newcomer.finish(60)
-        said = _said(newcomer)
+        said = newcomer.said
         assert code == 0 and len(said) == 1, newcomer.stderr
         assert said[0].startswith(f"mpddp: {job} was ending as this node came"), said
         assert "STEP" not in newcomer.stdout
@@ -387,7 +377,7 @@ def newcomer_at_the_barrier(tmp_path: Path, where: list[str], returned, job: str
             assert run.stdout.count("DONE") == 1 and f"DONE rank={node} world=2" in run.stdout, run.stdout
             assert "arrived" not in run.stderr, run.stderr
         for run in runs:
-            _no_launcher_traceback(run)
+            run.assert_no_launcher_frame()
             run.assert_nothing_left()
     finally:
         (tmp_path / "go").write_text("go")

@@ -242,7 +242,7 @@ def test_c10d_a_lost_node_other_than_0_is_survived_a_newcomer_admitted_and_a_spa
         assert said[-1].startswith("mpddp: the job ended while this node waited as a spare"), said
         assert time.monotonic() - ended < 20 + 15  # its --timeout, and a margin
         assert "STEP" not in spare.stdout
-        assert not re.search(r'File "[^"]*/mpddp/', spare.stderr), spare.stderr  # no frame of the launcher's own
+        spare.assert_no_launcher_frame()
         spare.assert_nothing_left()
     finally:
         _end(runs)

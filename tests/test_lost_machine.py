@@ -30,7 +30,7 @@ import pytest
 from machines import Hosts
 from test_elastic import JOB
 
-from runs import Run
+from runs import Run, said
 
 pytestmark = [pytest.mark.netns, pytest.mark.timeout(240)]
 
@@ -66,7 +66,7 @@ class Since:
     @property
     def said(self) -> list[str]:
         """mpddp's own lines (on a loaded machine torch's store client may print its retries between them)."""
-        return _mpddp_lines(self.run.stderr[self.err:])
+        return said(self.run.stderr[self.err:])
 
 
 def _first_step(run: Run, world: int, restart: int, timeout: float, others: tuple[Run, ...]) -> float:
@@ -91,10 +91,6 @@ def _old_steps_after(since: Since, after: float) -> list[str]:
     ``after``."""
     old = since.stdout.split("RESUMED", 1)[0]
     return [m.group(0) for m in re.finditer(r"STEP \d+ at ([0-9.]+)", old) if float(m.group(1)) > after]
-
-
-def _mpddp_lines(stderr: str) -> list[str]:
-    return [line for line in stderr.splitlines() if line.startswith("mpddp")]
 
 
 def _fault(hosts: Hosts, runs: list[Run], fault: str, host: int) -> float:
@@ -180,7 +176,7 @@ def test_c10d_node_0_lost_silently_is_told_on_every_survivor_within_seconds(tmp_
         assert took < SOON, "\n\n".join(run.stderr for run in runs)
         assert codes == [1, 1], [run.stderr for run in runs]
         for node, run in enumerate(runs[1:], start=1):
-            first = _mpddp_lines(run.stderr)[0]
+            first = said(run.stderr)[0]
             assert first.startswith(f"mpddp: error: node 0, which hosts the rendezvous at n1:{PORT}, did not answer "
                                     "for 5 s (its machine lost, frozen or cut off"), run.stderr
             assert f"node {node} stopped its rank(s) {node}" in first
@@ -231,7 +227,7 @@ def test_a_loaded_machine_loses_no_node(tmp_path):
             (tmp_path / f"stop-{backend}").write_text("stop")
         for backend, runs in jobs.items():
             codes = [run.finish(120) for run in runs]
-            told = [line for run in runs for line in _mpddp_lines(run.stderr)
+            told = [line for run in runs for line in said(run.stderr)
                     if "went away" in line or "restarting" in line or "did not answer" in line]
             assert codes == [0, 0, 0] and told == [], (backend, codes, [run.stderr for run in runs])
             assert all(re.search(r"DONE step=\d+ world=3", run.stdout) for run in runs), backend

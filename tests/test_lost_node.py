@@ -30,11 +30,6 @@ pytestmark = pytest.mark.timeout(240)
 TIMEOUT = 20.0  # the launchers' --timeout (test_elastic's)
 
 
-def _said(run: Run) -> list[str]:
-    """mpddp's own lines (on a loaded machine torch's store client may print its retries before them)."""
-    return [line for line in run.stderr.splitlines() if line.startswith("mpddp:")]
-
-
 def _said_matching(run, pattern: str, timeout: float) -> str:
     """The first line of ``run``'s stderr that matches ``pattern``, once it is there."""
     deadline = time.monotonic() + timeout
@@ -42,11 +37,6 @@ def _said_matching(run, pattern: str, timeout: float) -> str:
         assert time.monotonic() < deadline, run.stderr
         time.sleep(0.05)
     return found.group(0)
-
-
-def _no_launcher_traceback(run: Run) -> None:
-    """No frame of mpddp's own on the launcher's terminal (a rank's traceback in the report shows the script's)."""
-    assert not re.search(r'File "[^"]*/mpddp/', run.stderr), run.stderr
 
 
 def _port(run: Run) -> int:
@@ -120,7 +110,7 @@ def _one_story(runs: list[Run], gone: str | tuple[str, ...]) -> None:
         assert codes[0] == codes[1] == 1, stories
         assert took < TIMEOUT + 15, took
         for run in runs[1:]:
-            assert not re.search(r'File "[^"]*/mpddp/', run.stderr), run.stderr
+            run.assert_no_launcher_frame()
         runs[0].proc.wait(10)
         for run in runs:
             run.assert_nothing_left()
@@ -245,9 +235,9 @@ def test_a_node_rank_given_again_after_a_restart_is_refused_in_one_line(tmp_path
         started = time.monotonic()
         assert twin.finish(TIMEOUT + 60) == 2, twin.stderr
         assert time.monotonic() - started < TIMEOUT + 15
-        said = _said(twin)
+        said = twin.said
         assert len(said) == 1 and said[0].startswith("mpddp: error: --node-rank 1 is taken: the launcher "), said
-        _no_launcher_traceback(twin)
+        twin.assert_no_launcher_frame()
         assert "STEP" not in twin.stdout
         steps = [run.stdout.count("STEP ") for run in runs[:2]]
         time.sleep(1.0)
