@@ -97,7 +97,7 @@ def test_a_killed_store_server_is_the_named_cause_and_every_rank_stops(tmp_path,
     store = int(pid)
     message = str(caught.value)
     assert f"the store server (pid {store})" in message and "was killed by SIGKILL" in message, message
-    assert took < 30, took  # from the kill: its exit is watched, not found by a timeout (the ranks sleep for 60 s)
+    assert took < 30, took  # from the kill (0.02 to 0.05 s quiet): watched, not a timeout (the ranks sleep 60 s)
     ranks = [int(p.read_text()) for p in tmp_path.glob("rank*.pid")]
     assert gone([store, *ranks])
     again = pickle.loads(pickle.dumps(caught.value))  # job systems and pools pickle what a launch raised
