@@ -212,7 +212,9 @@ def test_the_serving_thread_is_gone_when_the_block_ends(monkeypatch, tmp_path):
     with runtime_dir.serving("a", 0, lambda: "A"):
         live = [t for t in threading.enumerate() if t not in before and t.name == "mpddp-live"]
         assert len(live) == 1
-        time.sleep(0.2)  # mid-sweep
+        deadline = time.monotonic() + 30
+        while not swept and time.monotonic() < deadline:  # mid-sweep: it began (a glob of 2,000 entries first)
+            time.sleep(0.01)
     assert not live[0].is_alive()  # it stopped at its next entry
     assert 0 < len(swept) < 2_000  # the rest is left to the next launcher's sweep
 
