@@ -115,11 +115,13 @@ def _differs(mine: tuple[str, str], standing: tuple[str, str]) -> str:
 
 
 @pytest.mark.skipif(shutil.which("etcd") is None, reason="Debian's etcd-server is not installed")
-@pytest.mark.parametrize("differ", JOBS)
-def test_two_jobs_on_one_etcd_id_never_share_a_world(tmp_path, etcd_cluster, differ):
+def test_two_jobs_of_two_scripts_on_one_etcd_id_never_share_a_world(tmp_path, etcd_cluster):
     """Before: job A's node 0 and job B's node 1 formed one world (4 of 4 runs), both ended 0; the two others were
     told that their --node-rank was taken. Now the job whose launcher came first holds the id: the other's two
-    launchers are told, whatever their node rank, that the id is another job's, and what differs."""
+    launchers are told, whatever their node rank, that the id is another job's, and what differs. Two scripts
+    here, two arguments of one script under c10d below: each difference is carried end to end once (what a
+    fingerprint holds, and how two differ, are the table rows at the end of this file)."""
+    differ = "scripts"
     backend = ["--rdzv-backend", "etcd", "--rdzv-endpoint", etcd_cluster.endpoints, "--rdzv-id", f"one-{differ}",
                "--local-addr", "127.0.0.1"]
     _one_job_runs(tmp_path, JOBS[differ], backend, lambda run, node, mine, standing: (
@@ -127,12 +129,12 @@ def test_two_jobs_on_one_etcd_id_never_share_a_world(tmp_path, etcd_cluster, dif
         "--rdzv-id of its own, or start this launcher with that job's script, arguments and --nprocs"))
 
 
-@pytest.mark.parametrize("differ", JOBS)
-def test_two_jobs_on_one_c10d_port_never_share_a_world(tmp_path, differ):
+def test_two_jobs_of_two_arguments_on_one_c10d_port_never_share_a_world(tmp_path):
     """Before: the second job's node 1 raced the first's for --node-rank 1 in node 0's store: the winner ran in the
     first job's world, whatever it ran. Now the job of node 0 (the launcher that bound the port) stands: the other
     job's node 0 cannot bind the port, and its node 1 is told that the store is another job's before it takes a
     node rank, so the first job's own node 1 takes it."""
+    differ = "arguments"
     port = free_port()
     backend = ["--master-addr", "127.0.0.1", "--master-port", str(port)]
     _one_job_runs(tmp_path, JOBS[differ], backend, lambda run, node, mine, standing: None if node == 0 else (
