@@ -17,25 +17,7 @@ from pathlib import Path
 import psutil
 import pytest
 from multinode import Cluster, free_port
-from test_rounds import KILLED_3, finish, first_report_line, start
-
-
-@pytest.mark.timeout(120)
-@pytest.mark.parametrize("how", ["sigkill", "raise"])
-def test_a_rank_killed_on_node_1_is_named_first_on_both_nodes(cluster: Cluster, how: str) -> None:
-    at = random.randint(1, 4)
-    nodes = start(cluster, 2, free_port(), "--fail", "3", "--at", str(at), "--how", how, "--timeout", "30")
-    codes = finish(nodes, 90)
-    lines = [first_report_line(n) for n in nodes]
-    assert lines[0] == lines[1], "\n\n".join(n.stderr for n in nodes)
-    if how == "sigkill":
-        assert lines[0].startswith(KILLED_3) and codes == [137, 137], (codes, nodes[0].stderr)
-    else:
-        assert lines[0] == "mpddp: rank 3 (node 1, local rank 1) failed first: it raised RuntimeError: rank 3 fails " \
-            "on purpose" and codes == [1, 1], (codes, nodes[0].stderr)
-    assert "mpddp: node 0 stopped its rank(s) 0, 1 because of it" in nodes[0].stderr
-    assert "went away" not in nodes[0].stderr and "Traceback" not in nodes[0].stderr.split("mpddp: node 0 stopped")[0]
-    assert cluster.leftovers(wait=5) == []
+from test_rounds import KILLED_3, REPORT, finish, first_report_line, start
 
 
 @pytest.mark.timeout(120)
@@ -56,29 +38,45 @@ def test_a_rank_hung_on_node_1_is_named_by_collective_on_both_nodes(cluster: Clu
         nodes[1].stderr
 
 
-@pytest.mark.timeout(120)
-def test_a_rank_that_fails_on_node_0_is_named_first_on_node_1_and_no_launcher_thread_runs_lower(
+RESTARTING = re.compile(r"^(mpddp: .*)\nmpddp: restarting the group \((\d+) of \d+\)$", re.MULTILINE)
+
+
+@pytest.mark.timeout(180)
+def test_a_rank_that_fails_on_either_node_is_named_first_on_both_and_no_launcher_thread_runs_lower(
         cluster: Cluster) -> None:
-    """Also: no thread of either launcher runs at a lower priority, from its start to its end (a story of its own
+    """One job, a failure a round (--max-restarts 2): rank 3 on node 1 SIGKILLed, then raising, then rank 0 on
+    node 0 exiting with code 7; each told with the same first line on both nodes, the last one the job's end with
+    the rank's exit code on every node. Was three jobs.
+
+    Also: no thread of either launcher runs at a lower priority, from its start to its end (a story of its own
     before, on a launch of its own). A launcher's thread at a lower priority stalls the whole launcher on a busy
     machine: starved, it keeps the GIL and torch's import lock, and the watch waits for it. Measured before: a link
     thread at nice 19 importing torch for its connection to node 0's store, beside four CPU-bound processes of the
     same session, had not finished after 150 s, and a rank that hung meanwhile was never reported."""
-    nodes = start(cluster, 2, free_port(), "--fail", "0", "--at", str(random.randint(1, 4)), "--how", "exit",
-                  "--timeout", "30")
+    nodes = start(cluster, 2, free_port(), "--rounds", "3:sigkill,3:raise,0:exit", "--at", str(random.randint(1, 4)),
+                  "--max-restarts", "2", "--timeout", "30")
     seen: dict[int, set[int]] = {n.proc.pid: set() for n in nodes}
-    deadline = time.monotonic() + 90
+    deadline = time.monotonic() + 150
     while any(n.proc.poll() is None for n in nodes) and time.monotonic() < deadline:  # start, READY, failure, end
         for pid, nices in seen.items():
             nices.update(_thread_nices(pid))
         time.sleep(0.01)
     codes = finish(nodes, 90)
     assert all(len(nices) == 1 for nices in seen.values()), seen  # every thread at its launcher's nice
+    told = "\n\n".join(n.stderr for n in nodes)
+    rounds = [[(line, int(n)) for line, n in RESTARTING.findall(node.stderr)] for node in nodes]
+    assert rounds[0] == rounds[1] and [n for _, n in rounds[0]] == [1, 2], told
+    assert rounds[0][0][0].startswith(KILLED_3), told
+    assert rounds[0][1][0] == "mpddp: rank 3 (node 1, local rank 1) failed first: it raised RuntimeError: rank 3 " \
+        "fails on purpose", told
     lines = [first_report_line(n) for n in nodes]
-    assert lines == ["mpddp: rank 0 (node 0, local rank 0) failed first: it exited with code 7 (sys.exit)"] * 2, \
-        "\n\n".join(n.stderr for n in nodes)
+    assert lines == ["mpddp: rank 0 (node 0, local rank 0) failed first: it exited with code 7 (sys.exit)"] * 2, told
     assert codes == [7, 7]  # every node exits with the failing rank's code
     assert "mpddp: node 1 stopped its rank(s) 2, 3 because of it" in nodes[1].stderr
+    assert "went away" not in told
+    for node in nodes:  # no traceback of the launcher's own before the report (the ranks' raise is theirs)
+        assert not any(line.startswith("Traceback") for line in node.stderr.split(REPORT)[0].splitlines()
+                       if not line.startswith("[rank")), node.stderr
     assert cluster.leftovers(wait=5) == []
 
 

@@ -1,12 +1,13 @@
 """One node of a multi-node DDP job whose rank may fail, for the tests of rounds (tests/test_rounds.py).
 
-``python rounds_job.py NODE_RANK NNODES PORT [options]``: every rank trains a small DDP model for
-``--steps`` steps on data fixed by the seed (so the final weights are known in advance: a run that
-never failed computes them), and prints one ``RESULT`` line with each local rank's final weights.
-``--fail RANK``: that global rank fails at step ``--at`` (by ``--how``: sigkill, raise, exit, hang) on the
-first attempt only (``--always``: on every attempt). Each rank prints ``READY rank N attempt A`` after
-its first step (with ``at`` and the wall time: scripts/bench_recovery.py reads it), ``FAILING rank N at T``
-just before it fails, and the pid of its process in ``PID rank N``.
+``python rounds_job.py NODE_RANK NNODES PORT [options]``: every rank trains a small DDP model for ``--steps`` steps
+on data fixed by the seed (so the final weights are known in advance: a run that never failed computes them), and
+prints one ``RESULT`` line with each local rank's final weights. ``--fail RANK``: that global rank fails at step
+``--at`` (by ``--how``: sigkill, raise, exit, hang) on the first attempt only (``--always``: on every attempt).
+``--rounds RANK:HOW,RANK:HOW,...``: in round R (the job's R-th restart) the rank and the way of entry R, at step
+``--at``; none after the list's end. Each rank prints ``READY rank N attempt A`` after its first step (with ``at``
+and the wall time: scripts/bench_recovery.py reads it), ``FAILING rank N at T`` just before it fails, and the pid of
+its process in ``PID rank N``.
 """
 
 from __future__ import annotations
@@ -41,14 +42,17 @@ def work(ctx: mpddp.WorkerContext, opts: dict) -> dict:
         optimizer.step()
         if step == 0:
             print(f"READY rank {ctx.rank} attempt {ctx.restart} at {time.time():.6f}", flush=True)
-        failing = ctx.rank == opts["fail"] and (opts["always"] or ctx.restart == 0)
+        fail, how = opts["fail"], opts["how"]
+        if opts["rounds"]:
+            fail, how = (opts["rounds"][ctx.restart] if ctx.restart < len(opts["rounds"]) else (-1, how))
+        failing = ctx.rank == fail and (opts["always"] or opts["rounds"] or ctx.restart == 0)
         if failing and step == opts["at"]:
             print(f"FAILING rank {ctx.rank} at {time.time():.6f}", flush=True)
-            if opts["how"] == "sigkill":
+            if how == "sigkill":
                 os.kill(os.getpid(), signal.SIGKILL)
-            if opts["how"] == "exit":
+            if how == "exit":
                 sys.exit(7)
-            if opts["how"] == "hang":
+            if how == "hang":
                 time.sleep(3600)  # never reaches the next step's all_reduce
             raise RuntimeError(f"rank {ctx.rank} fails on purpose")
         time.sleep(opts["pause"])
@@ -68,11 +72,14 @@ if __name__ == "__main__":
     parser.add_argument("--at", type=int, default=2)
     parser.add_argument("--how", choices=["sigkill", "raise", "exit", "hang"], default="sigkill")
     parser.add_argument("--always", action="store_true")
+    parser.add_argument("--rounds", default="")
     parser.add_argument("--pause", type=float, default=0.0)
     parser.add_argument("--max-restarts", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=30.0)
     a = parser.parse_args()
-    opts = {"steps": a.steps, "fail": a.fail, "at": a.at, "how": a.how, "always": a.always, "pause": a.pause}
+    rounds = [(int(rank), how) for rank, how in (entry.split(":") for entry in a.rounds.split(",") if entry)]
+    opts = {"steps": a.steps, "fail": a.fail, "at": a.at, "how": a.how, "always": a.always, "pause": a.pause,
+            "rounds": rounds}
     try:
         results = mpddp.launch(work, nprocs=a.nprocs, args=(opts,), backend="gloo", timeout=a.timeout,
                                nnodes=a.nnodes, node_rank=a.node_rank, master_addr="127.0.0.1", master_port=a.port,
