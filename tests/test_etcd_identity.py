@@ -93,81 +93,87 @@ def _end(runs: list[Run]) -> None:
         run.kill()
 
 
-def test_a_node_rank_given_twice_is_refused_in_one_line_in_any_round(tmp_path, etcd_cluster):
-    """A job that restarted once (round 1), then a second launcher with node 0's --node-rank: main claimed a node
-    rank in round 0 only, so the twin came in as a newcomer (a restart of the job)."""
+def test_a_taken_node_rank_is_refused_in_any_round_and_while_the_job_is_frozen_and_its_id_is_free_once_it_died(
+        tmp_path, etcd_cluster):
+    """One job of node ranks, three stories (each was a job of its own):
+
+    1. it restarted once (round 1), then a second launcher with node 0's --node-rank comes: refused in one line.
+       Before, main claimed a node rank in round 0 only, so the twin came in as a newcomer (a restart of the job);
+    2. every process of the job SIGSTOPped (its leases held): its launchers still answer a probe (the kernel
+       does), so a second launch with its id and node ranks is refused, naming them; the job goes on once it is
+       continued;
+    3. its launchers SIGKILLed with their leases alive (a TTL past the test's end), a second launch with the same
+       id runs at once. Before: refused ('--node-rank 0 is taken: the launcher ... came first'); it must run now:
+       the dead launchers refuse its probe, they are gone."""
     (tmp_path / "job.py").write_text(JOB)
-    job = "twin"
-    runs = [_launcher(tmp_path, f"node{n}", etcd_cluster, job, n, 10**6, ["--max-restarts", "1"],
+    job, ttl = "twin", ["--rdzv-conf", "ttl=600"]  # a wait for the dead leases: past the test's end
+    runs = [_launcher(tmp_path, f"node{n}", etcd_cluster, job, n, 10**6, ["--max-restarts", "1", *ttl],
                       {"FAIL_ONCE_AT": "5"}) for n in range(2)]
+    others: list[Run] = []
     try:
         _stepping(runs, r"STEP 5 restart=1")
-        twin = _launcher(tmp_path, "twin", etcd_cluster, job, 0, 10**6, ["--max-restarts", "1"])
-        runs.append(twin)
+        twin = _launcher(tmp_path, "twin", etcd_cluster, job, 0, 10**6, ["--max-restarts", "1", *ttl])
+        others.append(twin)
         assert twin.finish(60) == 2, twin.stderr
         said = _said(twin)
         assert len(said) == 1 and "Traceback" not in twin.stderr and "STEP" not in twin.stdout, twin.stderr
         assert said[0].startswith(f"mpddp: error: --node-rank 0 of --rdzv-id {job} is taken: the launcher "
                                   f"{HOST}-{runs[0].proc.pid}-"), said  # node 0's launcher, by its id
         assert "pass another --node-rank" in said[0] and "--rdzv-id of its own" in said[0], said
-        steps = [run.stdout.count("STEP ") for run in runs[:2]]
+        steps = [run.stdout.count("STEP ") for run in runs]
         time.sleep(1.0)
-        assert all(run.proc.poll() is None for run in runs[:2]), [run.stderr for run in runs[:2]]
-        assert all(run.stdout.count("STEP ") > n for run, n in zip(runs[:2], steps))  # the job goes on, unchanged
+        assert all(run.proc.poll() is None for run in runs), [run.stderr for run in runs]
+        assert all(run.stdout.count("STEP ") > n for run, n in zip(runs, steps))  # the job goes on, unchanged
         assert "arrived" not in runs[0].stderr and "restart=2" not in runs[0].stdout, runs[0].stderr
         twin.assert_nothing_left()
+
+        _signal(runs, signal.SIGSTOP)  # 2. frozen
+        second = [_launcher(tmp_path, f"second{n}", etcd_cluster, job, n, 20, ttl) for n in range(2)]
+        others += second
+        assert [run.finish(60) for run in second] == [2, 2], [run.stderr for run in second]
+        for n, run in enumerate(second):
+            said = _said(run)
+            assert len(said) == 1 and f"the launcher {HOST}-{runs[n].proc.pid}-" in said[0], said
+            assert "STEP" not in run.stdout
+            run.assert_nothing_left()
+        steps = [run.stdout.count("STEP ") for run in runs]
+        _signal(runs, signal.SIGCONT)
+        runs[0].wait_for(r"STEP ", count=steps[0] + 5, timeout=60)
+        assert all(run.proc.poll() is None for run in runs), [run.stderr for run in runs]
+
+        _signal(runs, signal.SIGKILL)  # 3. both machines' every process: the launch crashed
+        for run in runs:
+            run.proc.wait(10)
+        third = [_launcher(tmp_path, f"third{n}", etcd_cluster, job, n, 20, ttl) for n in range(2)]
+        others += third
+        assert [run.finish(120) for run in third] == [0, 0], [run.stderr for run in third]  # not the TTL's 600 s
+        for run in third:
+            assert "DONE world=2 restart=0" in run.stdout, run.stdout + run.stderr
+            assert "Traceback" not in run.stderr, run.stderr
+            run.assert_nothing_left()
     finally:
-        _end(runs)
+        _end(runs + others)
 
 
-@pytest.mark.parametrize("node_ranks", [True, False], ids=["node-ranks", "numbered-as-they-join"])
-def test_an_id_reused_after_every_launcher_was_killed_runs_at_once(tmp_path, etcd_cluster, node_ranks):
-    """Job 1's launchers SIGKILLed with their leases of 60 s alive, job 2 started at once with the same id: main
-    refused it ('--node-rank 0 is taken: the launcher ... came first'), or, without node ranks, had it wait out
-    the dead launchers' TTL as newcomers. It must run now: job 1's launchers refuse its probe, they are gone."""
+def test_an_id_reused_after_every_launcher_was_killed_runs_at_once_without_node_ranks(tmp_path, etcd_cluster):
+    """Job 1's launchers, numbered as they join, SIGKILLed with their leases of 600 s alive, job 2 started at once
+    with the same id: main had it wait out the dead launchers' TTL as newcomers. It must run now: job 1's
+    launchers refuse its probe, they are gone (with node ranks: the test above, story 3)."""
     (tmp_path / "job.py").write_text(JOB)
-    job, ttl = f"reused-{node_ranks}", ["--rdzv-conf", "ttl=600"]  # a wait for the dead leases: past the test's end
-    first = [_launcher(tmp_path, f"first{n}", etcd_cluster, job, n if node_ranks else None, 10**6, ttl)
-             for n in range(2)]
+    job, ttl = "reused", ["--rdzv-conf", "ttl=600"]  # a wait for the dead leases: past the test's end
+    first = [_launcher(tmp_path, f"first{n}", etcd_cluster, job, None, 10**6, ttl) for n in range(2)]
     second: list[Run] = []
     try:
         _stepping(first)
         _signal(first, signal.SIGKILL)  # both machines' every process: the launch crashed
         for run in first:
             run.proc.wait(10)
-        second = [_launcher(tmp_path, f"second{n}", etcd_cluster, job, n if node_ranks else None, 20, ttl)
-                  for n in range(2)]
+        second = [_launcher(tmp_path, f"second{n}", etcd_cluster, job, None, 20, ttl) for n in range(2)]
         assert [run.finish(120) for run in second] == [0, 0], [run.stderr for run in second]  # not the TTL's 600 s
         for run in second:
             assert "DONE world=2 restart=0" in run.stdout, run.stdout + run.stderr
             assert "Traceback" not in run.stderr, run.stderr
             run.assert_nothing_left()
-    finally:
-        _end(first + second)
-
-
-def test_a_frozen_job_is_never_taken_over(tmp_path, etcd_cluster):
-    """Every process of a running job SIGSTOPped (its leases of 60 s held): its launchers still answer a probe
-    (the kernel does), so a second launch with its id and node ranks is refused, naming them; the first job goes
-    on once it is continued."""
-    (tmp_path / "job.py").write_text(JOB)
-    job, ttl = "frozen", ["--rdzv-conf", "ttl=60"]
-    first = [_launcher(tmp_path, f"first{n}", etcd_cluster, job, n, 10**6, ttl) for n in range(2)]
-    second: list[Run] = []
-    try:
-        _stepping(first)
-        _signal(first, signal.SIGSTOP)
-        second = [_launcher(tmp_path, f"second{n}", etcd_cluster, job, n, 20, ttl) for n in range(2)]
-        assert [run.finish(60) for run in second] == [2, 2], [run.stderr for run in second]
-        for n, run in enumerate(second):
-            said = _said(run)
-            assert len(said) == 1 and f"the launcher {HOST}-{first[n].proc.pid}-" in said[0], said
-            assert "STEP" not in run.stdout
-            run.assert_nothing_left()
-        steps = first[0].stdout.count("STEP ")
-        _signal(first, signal.SIGCONT)
-        first[0].wait_for(r"STEP ", count=steps + 5, timeout=60)
-        assert all(run.proc.poll() is None for run in first), [run.stderr for run in first]
     finally:
         _end(first + second)
 

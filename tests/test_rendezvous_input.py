@@ -1,6 +1,6 @@
 """A rendezvous's bad input and its edges, each with real launchers (and a real 3-member etcd): an endpoint
 that is not etcd, an etcd with authentication on, an impossible ``--nnodes``/``--node-rank``, a newcomer's
-admission that is no restart, and a round below ``MIN``.
+admission that is no restart, and a round below ``MIN`` (the last two: one job).
 
 Bad input is one line, ``mpddp: error: ...`` naming the value and the fix, exit 2, before any rank starts,
 no traceback, and nothing of the launch left behind (no process, no temporary file, no lease in etcd).
@@ -19,7 +19,7 @@ import pytest
 import requests
 from multinode import free_port
 
-from runs import Run
+from runs import Run, alive_or_zombie, describe, marked
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -209,74 +209,17 @@ def test_an_impossible_size_or_node_rank_is_refused_at_once(tmp_path, command, s
     assert words in line, line
 
 
-# ---- 3. a newcomer's admission is no restart: TORCHELASTIC_RESTART_COUNT stays as torchrun's agent keeps it -----
-
-GROW = """
-import os, sys, time, torch, torch.distributed as dist
-dist.init_process_group("gloo")
-world, count = dist.get_world_size(), os.environ["TORCHELASTIC_RESTART_COUNT"]
-print(f"ROUND world={world} restart={count}", flush=True)
-step = 0
-while world < 3:  # until the newcomer is admitted: an all-reduce a step, so that the group notices it
-    t = torch.ones(1)
-    dist.all_reduce(t)
-    step += 1
-    print(f"STEP {step}", flush=True)
-    time.sleep(0.05)
-dist.all_reduce(torch.ones(1))  # every rank connected before any leaves
-print(f"DONE world={world} restart={count}", flush=True)
-dist.destroy_process_group()
-"""
-
-
-def _grow(tmp_path, where: list[str]) -> list[Run]:
-    """Two launchers of a 2:3 job, and a third once the job runs on them; the three, once each ended."""
-    (tmp_path / "grow.py").write_text(GROW)
-    runs: list[Run] = []
-
-    def node(name: str, rank: list[str]) -> Run:
-        (tmp_path / name).mkdir()
-        return Run(["-m", "mpddp", "run", "--nnodes", "2:3", *rank, "--nproc-per-node", "1", *where, "--timeout", "30",
-                    str(tmp_path / "grow.py")], tmp_path / name)
-
-    try:
-        runs += [node("node0", ["--node-rank", "0"]), node("node1", ["--node-rank", "1"])]
-        runs[0].wait_for(r"STEP 3\b", timeout=90)
-        runs.append(node("node2", []))  # numbered as it joins
-        codes = [run.finish(120) for run in runs]
-        assert codes == [0, 0, 0], "\n".join(f"--- node {n}:\n{run.stderr}" for n, run in enumerate(runs))
-        return runs
-    finally:
-        for run in runs:
-            run.kill()
-
-
-def _admitted_without_a_restart(runs: list[Run]) -> None:
-    for run in runs[:2]:
-        assert "ROUND world=2 restart=0" in run.stdout, run.stdout + run.stderr
-        assert "mpddp: a node arrived" in run.stderr and "restarting the group" not in run.stderr, run.stderr
-    for run in runs:
-        assert "DONE world=3 restart=0" in run.stdout, run.stdout + run.stderr
-        assert "a new node -> 2: ranks 2" in run.stderr, run.stderr  # the newcomer numbered as it joined
-        run.assert_nothing_left()
-
-
-@pytest.mark.parametrize("backend", ["c10d", "etcd"])
-def test_a_newcomers_admission_is_no_restart(tmp_path, backend: str, request: pytest.FixtureRequest):
-    where = ["--master-addr", "127.0.0.1", "--master-port", str(free_port())] if backend == "c10d" else [
-        "--rdzv-backend", "etcd", "--rdzv-endpoint", request.getfixturevalue("etcd_cluster").endpoints,
-        "--rdzv-id", "grow", "--local-addr", "127.0.0.1"]
-    _admitted_without_a_restart(_grow(tmp_path, where))
-
-
-# ---- 4. a round below MIN ends in the one line that names MIN, never in a configuration error from the join ------
+# ---- 3. a newcomer's admission is no restart (TORCHELASTIC_RESTART_COUNT stays as torchrun's agent keeps it), and a
+# ---- round below MIN ends in the one line that names MIN, never in a configuration error from the join ----------
 
 STEPS = """
 import os, time, torch, torch.distributed as dist
 dist.init_process_group("gloo")
+world, count = dist.get_world_size(), os.environ["TORCHELASTIC_RESTART_COUNT"]
+print(f"ROUND world={world} restart={count}", flush=True)
 for step in range(1, 10**6):
     dist.all_reduce(torch.ones(1))
-    print(f"STEP {step}", flush=True)
+    print(f"STEP {step} world={world}", flush=True)
     time.sleep(0.05)
 """
 
@@ -295,29 +238,43 @@ BELOW_MIN_TIMEOUT = 8.0
 
 
 @pytest.mark.parametrize("backend", ["etcd", "c10d"])
-def test_a_survivor_below_min_tells_the_min_story_within_timeout(tmp_path, backend, request):
-    """2:3 on two nodes, --max-restarts 1: node 1's machine lost; the survivor's next round cannot reach MIN."""
+def test_a_newcomers_admission_is_no_restart_and_a_survivor_below_min_tells_the_min_story(tmp_path, backend, request):
+    """2:3 on two nodes, --max-restarts 1; a third launcher, numbered as it joins, is admitted while the job runs:
+    no restart counted (every rank of the round of three sees TORCHELASTIC_RESTART_COUNT 0, and nobody says it
+    restarts). Then the machines of nodes 1 and 2 are lost: node 0's next round cannot reach MIN, and it says so
+    within its --timeout. Was two jobs: the admission's (which then ended) and the loss's."""
     import psutil
 
     (tmp_path / "steps.py").write_text(STEPS)
     if backend == "etcd":
         cluster = request.getfixturevalue("etcd_cluster")
-        where = ["--rdzv-backend", "etcd", "--rdzv-endpoint", cluster.endpoints, "--rdzv-id", "below-min",
+        where = ["--rdzv-backend", "etcd", "--rdzv-endpoint", cluster.endpoints, "--rdzv-id", "grow-below-min",
                  "--local-addr", "127.0.0.1"]
     else:
         where = ["--master-addr", "127.0.0.1", "--master-port", str(free_port())]
     runs: list[Run] = []
+
+    def node(name: str, rank: list[str]) -> Run:
+        (tmp_path / name).mkdir()
+        return Run(["-m", "mpddp", "run", "--nnodes", "2:3", *rank, "--nproc-per-node", "1", "--max-restarts", "1",
+                    *where, "--timeout", f"{BELOW_MIN_TIMEOUT:g}", str(tmp_path / "steps.py")], tmp_path / name)
+
     try:
-        for node in range(2):
-            (tmp_path / f"node{node}").mkdir()
-            runs.append(Run(["-m", "mpddp", "run", "--nnodes", "2:3", "--node-rank", str(node), "--nproc-per-node", "1",
-                             "--max-restarts", "1", *where, "--timeout", f"{BELOW_MIN_TIMEOUT:g}",
-                             str(tmp_path / "steps.py")],
-                            tmp_path / f"node{node}"))
-        runs[0].wait_for(r"STEP 5\b", timeout=90, also=(runs[1],))
+        runs += [node("node0", ["--node-rank", "0"]), node("node1", ["--node-rank", "1"])]
+        runs[0].wait_for(r"STEP 3 world=2\b", timeout=90, also=(runs[1],))
+        runs.append(node("node2", []))  # numbered as it joins
         for run in runs:
+            run.wait_for(r"STEP 3 world=3\b", timeout=90, also=tuple(runs))
+        stories = "\n".join(f"--- node {n}:\n{run.stderr}" for n, run in enumerate(runs))
+        for run in runs[:2]:
+            assert "ROUND world=2 restart=0" in run.stdout, run.stdout + stories
+            assert "mpddp: a node arrived" in run.stderr and "restarting the group" not in run.stderr, stories
+        for run in runs:
+            assert "ROUND world=3 restart=0" in run.stdout, run.stdout + stories
+            assert "a new node -> 2: ranks 2" in run.stderr, stories  # the newcomer numbered as it joined
             run.list_tree()
-        lost = [psutil.Process(runs[1].proc.pid), *psutil.Process(runs[1].proc.pid).children(recursive=True)]
+        lost = [psutil.Process(pid) for run in runs[1:] for pid in (run.proc.pid, *(
+            child.pid for child in psutil.Process(run.proc.pid).children(recursive=True)))]
         killed = time.monotonic()
         for proc in lost:
             with contextlib.suppress(psutil.NoSuchProcess):  # a short-lived child may end between the two
@@ -326,8 +283,12 @@ def test_a_survivor_below_min_tells_the_min_story_within_timeout(tmp_path, backe
         told = time.monotonic() - killed
         print(f"the survivor told the MIN story {told:.1f} s after the loss")
         assert told < BELOW_MIN_TIMEOUT + 15, f"told after {told:.1f} s"
-        assert "round 1: 1 node(s)" in _the_min_story(runs[0]), runs[0].stderr
+        # round 1 admitted the newcomer; round 2, after the loss, is node 0's alone
+        assert "round 2: 1 node(s)" in _the_min_story(runs[0]), runs[0].stderr
         runs[0].assert_nothing_left()
+        for run in runs[1:]:  # the lost machines' processes are gone too (their temporary files are a lost disk's)
+            run.proc.wait(10)  # reaped: a lost launcher is this test's child
+            assert not alive_or_zombie(run.pids) and not marked(run.marker), describe(alive_or_zombie(run.pids))
     finally:
         for run in runs:
             run.kill()

@@ -234,11 +234,14 @@ def test_two_runs_started_in_the_same_second_get_a_directory_each(tmp_path):
     assert said == {f"runs/synthetic/{name}/checkpoints/ckpt-000000004.pt" for name in os.listdir(base)}
 
 
-@pytest.mark.timeout(90)
+@pytest.mark.timeout(120)
 @pytest.mark.usefixtures("no_leftovers")
-def test_a_run_dir_in_use_is_refused_and_a_dead_runs_is_taken_over(tmp_path, holder):
+def test_a_run_dir_in_use_is_refused_a_dead_runs_is_taken_over_and_a_resumed_run_records_each_epoch_once(
+        tmp_path, holder):
+    """The run that takes the dead run's directory over is the one resumed after (they were two tests' runs):
+    resumed from the end of its epoch 1, it records epochs 2 and 3 once (was 1, 2, 3, 2, 3)."""
     proc, run_dir = holder
-    train = [sys.executable, "-m", "mpddp", "train", *QUICK, "--epochs", "1", "--run-dir", "held"]
+    train = [sys.executable, "-m", "mpddp", "train", *QUICK, "--epochs", "3", "--run-dir", "held"]
     marker, started = uuid.uuid4().hex, time.monotonic()
     refused = subprocess.run(train, cwd=tmp_path, env=dict(env(), MPDDP_TEST_RUN=marker), capture_output=True,
                              text=True, timeout=60)
@@ -259,22 +262,15 @@ def test_a_run_dir_in_use_is_refused_and_a_dead_runs_is_taken_over(tmp_path, hol
     assert taken.returncode == 0, taken.stderr
     assert f"mpddp: run_dir 'held': pid {proc.pid} on host {socket.gethostname()}" in taken.stderr
     assert "held it and is gone; lock taken over" in taken.stderr
-    assert epochs(run_dir) == [1] and not (run_dir / ".lock").exists()
+    assert epochs(run_dir) == [1, 2, 3] and not (run_dir / ".lock").exists()
 
-
-@pytest.mark.timeout(90)
-@pytest.mark.usefixtures("no_leftovers")
-def test_a_resumed_run_records_each_epoch_once(tmp_path):
-    train = [sys.executable, "-m", "mpddp", "train", *QUICK, "--epochs", "3", "--run-dir", "r"]
-    first = subprocess.run(train, cwd=tmp_path, env=env(), capture_output=True, text=True, timeout=60)
-    assert first.returncode == 0, first.stderr
-    ckpt = tmp_path / "r" / "checkpoints" / "ckpt-000000002.pt"  # the end of epoch 1
+    ckpt = run_dir / "checkpoints" / "ckpt-000000002.pt"  # the end of epoch 1
     again = subprocess.run([*train, "--resume", str(ckpt)], cwd=tmp_path, env=env(), capture_output=True,
                            text=True, timeout=60)
     assert again.returncode == 0, again.stderr
-    records = [json.loads(line) for line in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [(r["epoch"], r["step"]) for r in records] == [(1, 2), (2, 4), (3, 6)]  # was 1, 2, 3, 2, 3
-    assert "[rank 0] note: r/metrics.jsonl held 2 record(s) after step 2, where this run starts" in again.stdout
+    assert "[rank 0] note: held/metrics.jsonl held 2 record(s) after step 2, where this run starts" in again.stdout
 
 
 @pytest.mark.timeout(90)
