@@ -11,6 +11,7 @@ import threading
 import time
 
 import pytest
+from clock import Steps
 
 from mpddp.core.nodes import membership
 from mpddp.errors import TooFewNodes
@@ -143,3 +144,51 @@ def test_a_spare_whose_member_was_lost_comes_to_the_next_round() -> None:
     keys = MemoryKeys()
     keys.alive = lambda attempt, members: False  # type: ignore[method-assign]
     assert membership._wait_outside(keys, 0, ["a", "b"], 2, "2", "the job", "") is None
+
+
+class ClockedKeys(MemoryKeys):
+    """MemoryKeys whose looks sleep on injected time (tests/clock.py): a wait of --timeout runs in microseconds."""
+
+    def __init__(self, steps) -> None:
+        super().__init__()
+        self.steps = steps
+
+    def await_decided(self, attempt, timeout):
+        self.steps.sleep(timeout)
+        return self.decided(attempt)
+
+    def look(self, nodes):
+        return 0.1
+
+
+def _arrival() -> str:
+    return json.dumps({"old": None, "rank": None, "since": time.time() + 1.0, "host": "h"})
+
+
+@pytest.mark.parametrize("decides", [True, False])
+def test_a_round_whose_min_came_in_its_last_call_starts_at_the_deadline_with_those_that_came(decides) -> None:
+    """--nnodes 2:3, --timeout 8, a last call of 3 s: launcher b comes at 6 s, so the last call would end at 9 s,
+    past a's deadline. Before: a wrote that it gave up, and both told "round 0: 2 node(s) joined within --timeout
+    8 s, but --nnodes 2:3 needs at least 2" (seen under load, c10d). Now the one that decides starts the round at
+    its deadline with the two that came; one that does not decide (c10d's nodes other than 0) runs in the list
+    the other writes (here at 9.5 s), and tells no count of its own."""
+    steps = Steps()
+    keys = ClockedKeys(steps)
+    steps.at(6.0, lambda: keys.arrive(0, "b", _arrival()))
+    if not decides:
+        steps.at(9.5, lambda: keys.decide(0, json.dumps(["a", "b"])))
+    here, members = membership.join_round(keys, 0, "a", low=2, high=3, node_rank=None, last_call=3.0, timeout=8.0,
+                                          previous=None, start_them="start them", decides=decides, clock=steps.clock)
+    assert members == ["a", "b"] and here.node_rank == 0 and here.number == 0
+    assert 8.0 < steps.now <= (8.3 if decides else 9.7), steps.now  # the first look past the deadline, or the list
+
+
+def test_a_round_whose_min_never_came_is_given_up_at_the_deadline_with_its_count() -> None:
+    """The other side of the rule above: one launcher of 2:3 alone at its deadline tells the count it gave up on."""
+    steps = Steps()
+    keys = ClockedKeys(steps)
+    with pytest.raises(TooFewNodes) as told:
+        membership.join_round(keys, 0, "a", low=2, high=3, node_rank=None, last_call=3.0, timeout=8.0, previous=None,
+                              start_them="start them", clock=steps.clock)
+    assert told.value.nodes == 1 and str(told.value).startswith("round 0: 1 node(s) joined within --timeout 8 s")
+    assert 8.0 < steps.now <= 8.3, steps.now

@@ -141,18 +141,28 @@ def _members(keys: Keys, attempt: int, number: int, low: int, high: int, last_ca
         latest = number == seen  # the last to come: it counts as often as it looks
         if decides and join_step(came=number, seen=seen, since=since, now=now, look=look, low=low, high=high,
                                  last_call=last_call, expected=expected) is Step.DECIDE:
-            arrivals = {m: json.loads(a) for m, a in keys.arrivals(attempt).items()}
-            keys.decide(attempt, json.dumps(sorted(arrivals, key=lambda m: member_order(arrivals[m]))[:high]))
+            _decide(keys, attempt, high)
         if (decided := keys.await_decided(attempt, look)) is not None:
             return _decided(decided, attempt, timeout, low, high, start_them)
         if clock.now() - counted >= (look if latest else 4 * look):  # the others count seldom
             counted = clock.now()
             if (count := keys.count(attempt)) != seen:
                 seen, since = count, counted
-        if clock.now() > deadline:  # counted once more (a count seldom read is stale), and written in the
-            # member list's place unless one is there: every node tells the first count, or runs the round decided
-            keys.decide(attempt, json.dumps({GAVE_UP: keys.count(attempt)}))
+        if clock.now() > deadline and (count := keys.count(attempt)) < low:  # counted once more (a count seldom
+            # read is stale), and written in the member list's place unless one is there: every node tells the first
+            # count, or runs the round decided
+            keys.decide(attempt, json.dumps({GAVE_UP: count}))
             return _decided(keys.decided(attempt) or "[]", attempt, timeout, low, high, start_them)
+        if clock.now() > deadline and decides:  # MIN came, its last call not over: the round starts with those that
+            # came (before, it gave up, telling "2 node(s) joined ... needs at least 2"); one that does not decide
+            # looks on, for the list that one writes by its own deadline at the latest
+            _decide(keys, attempt, high)
+
+
+def _decide(keys: Keys, attempt: int, high: int) -> None:
+    """Write the round's member list, unless one is there: the launchers that came, in their order, up to MAX."""
+    arrivals = {m: json.loads(a) for m, a in keys.arrivals(attempt).items()}
+    keys.decide(attempt, json.dumps(sorted(arrivals, key=lambda m: member_order(arrivals[m]))[:high]))
 
 
 def _decided(decided: str, attempt: int, timeout: float, low: int, high: int, start_them: str) -> list[str]:
