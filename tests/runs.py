@@ -146,6 +146,21 @@ def said(stderr: str) -> list[str]:
     return [line for line in stderr.splitlines() if line.startswith("mpddp:")]
 
 
+RESTARTING = re.compile(r"mpddp: restarting the group \((\d+) of \d+\)")
+
+
+def rounds_told(stderr: str) -> tuple[list[tuple[str, int]], list[str]]:
+    """What a launcher of a job that restarted said, from mpddp's own lines (a rank's C++ warning may come between
+    any two lines of the file): each round's cause, the line before its "restarting the group (k of n)", with k;
+    and its lines after the last restart (the job's end)."""
+    lines, rounds, last = said(stderr), [], 0
+    for i, line in enumerate(lines):
+        if (found := RESTARTING.fullmatch(line)) and i > 0:
+            rounds.append((lines[i - 1], int(found.group(1))))
+            last = i + 1
+    return rounds, lines[last:]
+
+
 def marked(marker: str) -> list[psutil.Process]:
     """Live processes whose environment carries ``MPDDP_TEST_RUN=marker``."""
     return carrying("MPDDP_TEST_RUN", marker)

@@ -19,6 +19,8 @@ from pathlib import Path
 import pytest
 from multinode import Cluster, Node, free_port
 
+from runs import rounds_told
+
 JOB = Path(__file__).parent / "scripts" / "culprit_job.py"
 TIMEOUT = 4  # --timeout: the hang cases are told after it
 
@@ -30,9 +32,6 @@ ROUNDS = [("stop", 1, r"mpddp: rank 1 made no progress for \d+ s while ranks 0, 
                            r"broadcast #\1 "),
           ("skip", 2, r"mpddp: rank 2 \(node 2, local rank 0\) exited \(code 0\) while "),
           ("short", 1, r"mpddp: rank 1 \(node 1, local rank 0\) exited \(code 0\) while ")]
-RESTARTING = re.compile(r"^(mpddp: .*)\nmpddp: restarting the group \((\d+) of \d+\)$", re.MULTILINE)
-
-
 def first_line(node: Node) -> str:
     return next((line for line in node.stderr.splitlines() if line.startswith("mpddp:")), "")
 
@@ -43,11 +42,9 @@ def told(nodes: list[Node]) -> str:
 
 def stories(node: Node) -> list[str]:
     """The line of each round that ended in a restart, in order, then the report's first line."""
-    restarts = RESTARTING.findall(node.stderr)
-    assert [int(n) for _, n in restarts] == list(range(1, len(restarts) + 1)), node.stderr
-    report = node.stderr[node.stderr.rfind("mpddp: restarting the group"):].split("\n", 1)[-1]
-    return [line for line, _ in restarts] + [next((line for line in report.splitlines()
-                                                   if line.startswith("mpddp:")), "")]
+    rounds, end = rounds_told(node.stderr)
+    assert [k for _, k in rounds] == list(range(1, len(rounds) + 1)), node.stderr
+    return [line for line, _ in rounds] + end[:1]
 
 
 @pytest.mark.timeout(240)

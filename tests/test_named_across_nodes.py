@@ -19,6 +19,8 @@ import pytest
 from multinode import Cluster, free_port
 from test_rounds import KILLED_3, REPORT, finish, first_report_line, start
 
+from runs import rounds_told
+
 
 @pytest.mark.timeout(120)
 def test_a_rank_hung_on_node_1_is_named_by_collective_on_both_nodes(cluster: Cluster) -> None:
@@ -36,9 +38,6 @@ def test_a_rank_hung_on_node_1_is_named_by_collective_on_both_nodes(cluster: Clu
     # where rank 3 was: its node shows it, whichever node told the hang first (else: rank 3's node only named it)
     assert re.search(r"rank 3 is (at|elsewhere:) work at rounds_job\.py:\d+ \(time\.sleep", nodes[1].stderr), \
         nodes[1].stderr
-
-
-RESTARTING = re.compile(r"^(mpddp: .*)\nmpddp: restarting the group \((\d+) of \d+\)$", re.MULTILINE)
 
 
 @pytest.mark.timeout(180)
@@ -64,7 +63,7 @@ def test_a_rank_that_fails_on_either_node_is_named_first_on_both_and_no_launcher
     codes = finish(nodes, 90)
     assert all(len(nices) == 1 for nices in seen.values()), seen  # every thread at its launcher's nice
     told = "\n\n".join(n.stderr for n in nodes)
-    rounds = [[(line, int(n)) for line, n in RESTARTING.findall(node.stderr)] for node in nodes]
+    rounds = [rounds_told(node.stderr)[0] for node in nodes]
     assert rounds[0] == rounds[1] and [n for _, n in rounds[0]] == [1, 2], told
     assert rounds[0][0][0].startswith(KILLED_3), told
     assert rounds[0][1][0] == "mpddp: rank 3 (node 1, local rank 1) failed first: it raised RuntimeError: rank 3 " \
