@@ -32,8 +32,6 @@ ROUNDS = [("stop", 1, r"mpddp: rank 1 made no progress for \d+ s while ranks 0, 
                            r"broadcast #\1 "),
           ("skip", 2, r"mpddp: rank 2 \(node 2, local rank 0\) exited \(code 0\) while "),
           ("short", 1, r"mpddp: rank 1 \(node 1, local rank 0\) exited \(code 0\) while ")]
-def first_line(node: Node) -> str:
-    return next((line for line in node.stderr.splitlines() if line.startswith("mpddp:")), "")
 
 
 def told(nodes: list[Node]) -> str:
