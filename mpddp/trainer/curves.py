@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -266,7 +267,7 @@ class _EventFile:
         self._writer.close()
 
 
-def prefetch() -> None:
+def prefetch() -> threading.Thread:
     """Import matplotlib's canvas and TensorBoard's writer in a thread of this process, for a :func:`draw` and
     a :func:`last_point` later on.
 
@@ -274,11 +275,14 @@ def prefetch() -> None:
     torch, so these imports (about 0.5 s, measured) are done on the core the
     forkserver's import of torch leaves free, before the ranks start, and the
     drawing costs only the drawing. Never in a process that forks while the
-    thread may run: the child could inherit an import lock held by it.
+    thread may run: the child could inherit an import lock held by it. The
+    caller joins the thread before it returns: one left importing after a
+    quick failure (bad input) created loggers while the caller's process went
+    on, and pytest's log capture, which iterates the loggers, failed on it.
     """
-    import threading
-
-    threading.Thread(target=_import_both, name="mpddp-curves-import", daemon=True).start()
+    thread = threading.Thread(target=_import_both, name="mpddp-curves-import", daemon=True)
+    thread.start()
+    return thread
 
 
 def _import_both() -> None:

@@ -38,6 +38,8 @@ from .prepare import resolve_run
 if TYPE_CHECKING:
     from ..context import WorkerContext
 
+IMPORTS_WAIT = 60.0  # seconds a call waits at most for the curves' imports (0.5 s quiet) before it returns
+
 
 def train(config: TrainConfig | None = None, *, launch_config: LaunchConfig | None = None,
           **launch_options: Any) -> TrainResult:
@@ -77,8 +79,7 @@ def _launch(work: tuple[TrainConfig, str, bool, bool, bool], early_curves: bool,
     # forkserver imports torch (off the path), unless this process forks the ranks (no import may run across a
     # fork): on one node as soon as rank 0 wrote the last epoch (EarlyCurves), else once the ranks exit.
     forks = _option("start_method", launch_config, launch_options, None) == "fork"
-    if not forks:
-        prefetch()
+    imports = None if forks else prefetch()
     early = EarlyCurves(config.metrics_path.parent, config.epochs) if not forks and early_curves else None
     try:
         result: TrainResult = mpddp.launch(_work, args=work, config=launch_config, **launch_options)[0]
@@ -86,6 +87,8 @@ def _launch(work: tuple[TrainConfig, str, bool, bool, bool], early_curves: bool,
         checkpoint.remove_temporaries(config.checkpoint_path, owner)
         if early is not None:
             early.stop()
+        if imports is not None:  # no thread of ours outlives the call, importing (a failed launch returns at once)
+            imports.join(IMPORTS_WAIT)
     if result.rank == 0:  # node 0's launcher: the metrics file is on this machine
         if (done := early.result(result.global_step) if early is not None else None) is None:
             done = finish_curves(Path(result.run_dir), result.global_step)
