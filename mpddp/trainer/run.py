@@ -83,12 +83,16 @@ def _launch(work: tuple[TrainConfig, str, bool, bool, bool], early_curves: bool,
     early = EarlyCurves(config.metrics_path.parent, config.epochs) if not forks and early_curves else None
     try:
         result: TrainResult = mpddp.launch(_work, args=work, config=launch_config, **launch_options)[0]
+    except Exception:  # a failed launch returns at once: no thread of ours outlives the call, importing (a Ctrl-C
+        if imports is not None:  # is answered at once: the process ends, and the daemon thread with it)
+            imports.join(IMPORTS_WAIT)
+        raise
     finally:
         checkpoint.remove_temporaries(config.checkpoint_path, owner)
         if early is not None:
             early.stop()
-        if imports is not None:  # no thread of ours outlives the call, importing (a failed launch returns at once)
-            imports.join(IMPORTS_WAIT)
+    if imports is not None:
+        imports.join(IMPORTS_WAIT)
     if result.rank == 0:  # node 0's launcher: the metrics file is on this machine
         if (done := early.result(result.global_step) if early is not None else None) is None:
             done = finish_curves(Path(result.run_dir), result.global_step)
