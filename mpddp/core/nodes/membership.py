@@ -148,15 +148,17 @@ def _members(keys: Keys, attempt: int, number: int, low: int, high: int, last_ca
             counted = clock.now()
             if (count := keys.count(attempt)) != seen:
                 seen, since = count, counted
-        if clock.now() > deadline and (count := keys.count(attempt)) < low:  # counted once more (a count seldom
-            # read is stale), and written in the member list's place unless one is there: every node tells the first
-            # count, or runs the round decided
-            keys.decide(attempt, json.dumps({GAVE_UP: count}))
-            return _decided(keys.decided(attempt) or "[]", attempt, timeout, low, high, start_them)
-        if clock.now() > deadline and decides:  # MIN came, its last call not over: the round starts with those that
-            # came (before, it gave up, telling "2 node(s) joined ... needs at least 2"); one that does not decide
-            # looks on, for the list that one writes by its own deadline at the latest
-            _decide(keys, attempt, high)
+        if clock.now() > deadline:  # counted once more (a count seldom read is stale)
+            if (count := keys.count(attempt)) < low:
+                # written in the member list's place unless one is there: every node tells the first count, or
+                # runs the round decided
+                keys.decide(attempt, json.dumps({GAVE_UP: count}))
+                return _decided(keys.decided(attempt) or "[]", attempt, timeout, low, high, start_them)
+            if decides:
+                # MIN came, its last call not over: the round starts with those that came (before, it gave up:
+                # "2 node(s) joined ... needs at least 2"); one that does not decide looks on, for the list that
+                # one writes by its own deadline at the latest
+                _decide(keys, attempt, high)
 
 
 def _decide(keys: Keys, attempt: int, high: int) -> None:
