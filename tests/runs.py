@@ -132,12 +132,17 @@ class Run:
 
     def assert_nothing_left(self) -> None:
         """No process of the run (not even a zombie), no temp file, no listening socket on its port."""
+        self.assert_no_process_left()
+        assert not list(self.tmpdir.iterdir()), f"temporary files left: {list(self.tmpdir.iterdir())}"
+
+    def assert_no_process_left(self) -> None:
+        """No process of the run, not even a zombie, within 3 s: all a lost machine's run is checked for (its
+        temporary files are its lost disk's)."""
         deadline = time.monotonic() + 3.0
         while ((left := alive_or_zombie(self.pids) + [p.pid for p in marked(self.marker)])
                and time.monotonic() < deadline):
             time.sleep(0.05)
         assert not left, f"processes of the run left: {describe(left)}"
-        assert not list(self.tmpdir.iterdir()), f"temporary files left: {list(self.tmpdir.iterdir())}"
 
 
 def said(stderr: str) -> list[str]:

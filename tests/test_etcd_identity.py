@@ -83,9 +83,6 @@ def _stepping(runs: list[Run], pattern: str = r"STEP 5 ") -> None:
         raise AssertionError(f"{e}\n" + "\n".join(f"--- {i}: {run.stderr}" for i, run in enumerate(runs))) from None
 
 
-def _said(run: Run) -> list[str]:
-    return [line for line in run.stderr.splitlines() if line.startswith("mpddp:")]
-
 
 def _end(runs: list[Run]) -> None:
     _signal(runs, signal.SIGCONT)
@@ -115,7 +112,7 @@ def test_a_taken_node_rank_is_refused_in_any_round_and_while_the_job_is_frozen_a
         twin = _launcher(tmp_path, "twin", etcd_cluster, job, 0, 10**6, ["--max-restarts", "1", *ttl])
         others.append(twin)
         assert twin.finish(60) == 2, twin.stderr
-        said = _said(twin)
+        said = twin.said
         assert len(said) == 1 and "Traceback" not in twin.stderr and "STEP" not in twin.stdout, twin.stderr
         assert said[0].startswith(f"mpddp: error: --node-rank 0 of --rdzv-id {job} is taken: the launcher "
                                   f"{HOST}-{runs[0].proc.pid}-"), said  # node 0's launcher, by its id
@@ -132,7 +129,7 @@ def test_a_taken_node_rank_is_refused_in_any_round_and_while_the_job_is_frozen_a
         others += second
         assert [run.finish(60) for run in second] == [2, 2], [run.stderr for run in second]
         for n, run in enumerate(second):
-            said = _said(run)
+            said = run.said
             assert len(said) == 1 and f"the launcher {HOST}-{runs[n].proc.pid}-" in said[0], said
             assert "STEP" not in run.stdout
             run.assert_nothing_left()
@@ -202,13 +199,13 @@ def test_two_launches_of_one_id_without_node_ranks_tell_the_spares_the_truth(tmp
         assert len(ran) == 2 and len(spares) == 2, [run.stderr for run in runs]
         for run in spares:
             assert "STEP" not in run.stdout, run.stdout
-            waits = next(line for line in _said(run) if "waits as a spare" in line)
+            waits = next(line for line in run.said if "waits as a spare" in line)
             assert f"--rdzv-id {job} runs on 2 node(s)" in waits, waits
             for other in ran:
                 assert f"{HOST}-{other.proc.pid}-" in waits, waits
             assert "a second job needs a --rdzv-id of its own" in waits, waits
             assert any(f"--rdzv-id {job} ended while this node waited as a spare" in line and "ran nothing" in line
-                       for line in _said(run)), run.stderr
+                       for line in run.said), run.stderr
         for run in runs:
             run.assert_nothing_left()
     finally:

@@ -65,10 +65,6 @@ def _launcher(tmp_path, name: str, job: tuple[str, str], node_rank: int, backend
                env={"STOP": str(tmp_path / "stop")})
 
 
-def _said(run: Run) -> list[str]:
-    """mpddp's own lines (on a loaded machine torch's store client may print its retries before them)."""
-    return [line for line in run.stderr.splitlines() if line.startswith("mpddp:")]
-
 
 def _one_job_runs(tmp_path, jobs: tuple[tuple[str, str], ...], backend: list[str], refused_line) -> None:
     """Both jobs' four launchers at once: one job runs alone, unmixed, and ends 0; each launcher of the other job
@@ -95,10 +91,10 @@ def _one_job_runs(tmp_path, jobs: tuple[tuple[str, str], ...], backend: list[str
             run = runs[(winner, node)]
             assert run.finish(60) == 0, everything
             assert "DONE world=2 mixed=False" in run.stdout and "mixed=True" not in run.stdout, run.stdout
-            assert not _said(run), run.stderr
+            assert not run.said, run.stderr
         for node in (0, 1):
             run = runs[(loser, node)]
-            said = _said(run)
+            said = run.said
             assert run.proc.returncode == 2 and len(said) == 1, everything
             assert "Traceback" not in run.stderr and "STEP" not in run.stdout, run.stderr
             expected = refused_line(run, node, jobs[loser], jobs[winner])
@@ -166,7 +162,7 @@ def test_a_twin_node_rank_at_a_c10d_jobs_start_is_told_within_15_s(tmp_path):
             time.sleep(0.05)
         twin = next((run for run in runs[1:] if run.proc.poll() is not None), None)
         assert twin is not None and up is not None and told is not None, [run.stderr for run in runs]
-        said = _said(twin)
+        said = twin.said
         assert twin.proc.returncode == 2 and len(said) == 1, twin.stderr
         assert said[0].startswith("mpddp: error: --node-rank 1 is taken: the launcher "), said
         assert told - up <= 15.0, f"told {told - up:.1f} s after the job's first step"
@@ -176,7 +172,7 @@ def test_a_twin_node_rank_at_a_c10d_jobs_start_is_told_within_15_s(tmp_path):
         (tmp_path / "stop").write_text("stop")
         for run in (runs[0], node1):
             assert run.finish(60) == 0, run.stderr
-            assert "DONE world=2 mixed=False" in run.stdout and not _said(run), run.stderr
+            assert "DONE world=2 mixed=False" in run.stdout and not run.said, run.stderr
         for run in runs:
             run.assert_nothing_left()
     finally:
@@ -210,7 +206,7 @@ def test_a_newcomer_of_another_job_is_refused_and_the_running_job_goes_on(tmp_pa
         newcomer = _launcher(tmp_path, "newcomer", ("ejob.py", "1"), 1, where, "1:2")
         runs.append(newcomer)
         assert newcomer.finish(90) == 2, newcomer.stderr
-        assert _said(newcomer) == [
+        assert newcomer.said == [
             f"mpddp: error: {job} is another job's: it runs `job.py 1`, this launcher `ejob.py 1`; {fix}, or start "
             "this launcher with that job's script, arguments and --nprocs"], newcomer.stderr
         assert "Traceback" not in newcomer.stderr and "STEP" not in newcomer.stdout, newcomer.stderr
@@ -220,7 +216,7 @@ def test_a_newcomer_of_another_job_is_refused_and_the_running_job_goes_on(tmp_pa
         (tmp_path / "stop").write_text("stop")
         assert node0.finish(60) == 0, node0.stderr
         assert "world=2" not in node0.stdout and "DONE world=1 mixed=False" in node0.stdout, node0.stdout
-        assert not _said(node0), node0.stderr
+        assert not node0.said, node0.stderr
         for run in runs:
             run.assert_nothing_left()
     finally:

@@ -9,7 +9,6 @@ no traceback, and nothing of the launch left behind (no process, no temporary fi
 from __future__ import annotations
 
 import base64
-import contextlib
 import http.server
 import threading
 import time
@@ -18,8 +17,9 @@ from collections.abc import Iterator
 import pytest
 import requests
 from multinode import free_port
+from test_elastic import _lose
 
-from runs import Run, alive_or_zombie, describe, marked
+from runs import Run
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -243,8 +243,6 @@ def test_a_newcomers_admission_is_no_restart_and_a_survivor_below_min_tells_the_
     no restart counted (every rank of the round of three sees TORCHELASTIC_RESTART_COUNT 0, and nobody says it
     restarts). Then the machines of nodes 1 and 2 are lost: node 0's next round cannot reach MIN, and it says so
     within its --timeout. Was two jobs: the admission's (which then ended) and the loss's."""
-    import psutil
-
     (tmp_path / "steps.py").write_text(STEPS)
     if backend == "etcd":
         cluster = request.getfixturevalue("etcd_cluster")
@@ -273,12 +271,9 @@ def test_a_newcomers_admission_is_no_restart_and_a_survivor_below_min_tells_the_
             assert "ROUND world=3 restart=0" in run.stdout, run.stdout + stories
             assert "a new node -> 2: ranks 2" in run.stderr, stories  # the newcomer numbered as it joined
             run.list_tree()
-        lost = [psutil.Process(pid) for run in runs[1:] for pid in (run.proc.pid, *(
-            child.pid for child in psutil.Process(run.proc.pid).children(recursive=True)))]
         killed = time.monotonic()
-        for proc in lost:
-            with contextlib.suppress(psutil.NoSuchProcess):  # a short-lived child may end between the two
-                proc.kill()
+        for run in runs[1:]:
+            _lose(run)
         assert runs[0].finish(60) == 1, runs[0].stderr
         told = time.monotonic() - killed
         print(f"the survivor told the MIN story {told:.1f} s after the loss")
@@ -286,9 +281,8 @@ def test_a_newcomers_admission_is_no_restart_and_a_survivor_below_min_tells_the_
         # round 1 admitted the newcomer; round 2, after the loss, is node 0's alone
         assert "round 2: 1 node(s)" in _the_min_story(runs[0]), runs[0].stderr
         runs[0].assert_nothing_left()
-        for run in runs[1:]:  # the lost machines' processes are gone too (their temporary files are a lost disk's)
-            run.proc.wait(10)  # reaped: a lost launcher is this test's child
-            assert not alive_or_zombie(run.pids) and not marked(run.marker), describe(alive_or_zombie(run.pids))
+        for run in runs[1:]:
+            run.assert_no_process_left()
     finally:
         for run in runs:
             run.kill()

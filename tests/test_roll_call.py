@@ -39,10 +39,6 @@ def _node(tmp_path, node: int, port: int, nprocs: int = 1, steps: int = 10**6, n
                where, env={"STEPS": str(steps)})
 
 
-def _said(run: Run) -> list[str]:
-    """mpddp's own lines (on a loaded machine torch's store client may print its retries before them)."""
-    return [line for line in run.stderr.splitlines() if line.startswith("mpddp:")]
-
 
 def test_a_second_launcher_with_a_taken_node_rank_is_refused_and_the_job_goes_on(tmp_path) -> None:
     """Before: not detected; the duplicate exited 29 s later saying node 0 was gone, with about 65 lines of
@@ -55,14 +51,14 @@ def test_a_second_launcher_with_a_taken_node_rank_is_refused_and_the_job_goes_on
         twin = _node(tmp_path, 1, port, name="twin")
         runs.append(twin)
         assert twin.finish(60) == 2, twin.stderr
-        said = _said(twin)
+        said = twin.said
         assert len(said) == 1 and said[0].startswith("mpddp: error: --node-rank 1 is taken: the launcher "), said
         assert "Traceback" not in twin.stderr and "STEP" not in twin.stdout, twin.stderr
         steps = [run.stdout.count("STEP ") for run in runs[:2]]
         time.sleep(1.5)  # the job goes on, unchanged: nobody restarted or ended
         assert all(run.proc.poll() is None for run in runs[:2]), [run.stderr for run in runs[:2]]
         assert all(run.stdout.count("STEP ") > n for run, n in zip(runs[:2], steps))
-        assert not any(_said(run) for run in runs[:2]), [run.stderr for run in runs[:2]]
+        assert not any(run.said for run in runs[:2]), [run.stderr for run in runs[:2]]
         for run in runs[:2]:
             run.list_tree()
     finally:
@@ -81,11 +77,11 @@ def test_nodes_started_with_different_nprocs_are_refused_on_both_in_one_line(tmp
     runs = [_node(tmp_path, 0, port, nprocs=1, steps=50), _node(tmp_path, 1, port, nprocs=2, steps=50)]
     try:
         codes = [run.finish(90) for run in runs]
-        lines = [_said(run)[:1] for run in runs]
+        lines = [run.said[:1] for run in runs]
         assert codes == [2, 2], [run.stderr for run in runs]
         assert lines[0] == lines[1] and lines[0][0].startswith("mpddp: error: node "), [run.stderr for run in runs]
         assert "--nprocs 1" in lines[0][0] and "--nprocs 2" in lines[0][0], lines
-        assert all(len(_said(run)) == 1 and "Traceback" not in run.stderr for run in runs), [r.stderr for r in runs]
+        assert all(len(run.said) == 1 and "Traceback" not in run.stderr for run in runs), [r.stderr for r in runs]
         # told when the nodes met, by the roll call (this line), not by the watchdog after --timeout (a hang's line)
         for run in runs:
             run.assert_nothing_left()
@@ -116,18 +112,18 @@ def test_a_node_that_never_arrives_is_named_by_every_node_that_did_and_told_why_
         runs[2].proc.kill()  # the launcher alone: its forkserver and rank die with it (parent-death signal)
         runs[2].proc.wait(10)
         codes = [run.finish(90) for run in runs[:2]]
-        lines = [_said(run)[:1] for run in runs[:2]]
+        lines = [run.said[:1] for run in runs[:2]]
         assert codes == [1, 1] and lines[0] == lines[1], [run.stderr for run in runs]
         assert lines[0][0].startswith("mpddp: error: node(s) 2 never arrived (rank(s) 2 missing from the "
                                       "rendezvous"), lines
-        assert all(len(_said(run)) == 1 for run in runs[:2]), [run.stderr for run in runs]
+        assert all(len(run.said) == 1 for run in runs[:2]), [run.stderr for run in runs]
         # told by the roll call after --timeout (this line: node 2 named, not a generic hang of the ranks that came)
         for run in runs:
             run.assert_nothing_left()
         late = node(2, "late")
         runs.append(late)
         assert late.finish(90) == 1, late.stderr
-        said = _said(late)
+        said = late.said
         assert said[0].startswith(f"mpddp: error: node 0's rendezvous store at 127.0.0.1:{port} "), late.stderr
         assert "not started yet or the job already ended" in said[0], late.stderr
         late.assert_no_launcher_frame()
@@ -170,7 +166,7 @@ def test_nnodes_100000_names_the_nodes_that_never_arrived_as_one_range_within_th
         for run in runs.values():
             assert run.finish(5) == 1, run.stderr
         for nnodes, run in runs.items():
-            said, absent = _said(run), "1-99999" if nnodes == 100000 else "1"
+            said, absent = run.said, "1-99999" if nnodes == 100000 else "1"
             assert said == [next((line for line in said if line.startswith(
                 f"mpddp: error: node(s) {absent} never arrived (rank(s) {absent} missing ")), None)], run.stderr
         assert cpu[100000] < cpu[2] + 4.0, cpu  # 0.9 s more; 8.2 s more when until_heard read 100,000 beats
